@@ -1,0 +1,347 @@
+"""Blockwise online-softmax attention in pure XLA (the ``"xla"`` backend).
+
+Memory stays linear in sequence length in both passes: the forward holds one
+block of logits ``[N, H, block_q, block_k]`` at a time and keeps only the output
+and the log-sum-exp; the backward (a ``jax.custom_vjp``) recomputes the
+probabilities block by block from the saved log-sum-exp instead of storing them.
+
+Layout inside: ``[N, H_kv, G, L, D]`` with ``G = H / H_kv`` query heads per kv
+head, so grouped-query attention never repeats keys or values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated import softmax
+from jax_dilated.backends.base import KernelArgs
+
+__all__ = ["forward", "backward", "attention", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
+
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+_PAD_Q_POS = -1  # padded query rows: causally see nothing
+_PAD_K_POS = np.iinfo(np.int32).max  # padded keys: never the earliest key of a block
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocking:
+    """Static block geometry of one call."""
+
+    len_q: int
+    len_k: int
+    block_q: int
+    block_k: int
+
+    @property
+    def num_q(self) -> int:
+        return -(-self.len_q // self.block_q)
+
+    @property
+    def num_k(self) -> int:
+        return -(-self.len_k // self.block_k)
+
+
+def _balanced_block(length: int, target: int) -> int:
+    """Block size near ``target`` that splits ``length`` into equal blocks (multiple of 8)."""
+    n = max(1, -(-length // target))
+    b = -(-length // n)
+    return min(-(-b // 8) * 8, max(length, 1)) if n > 1 else max(length, 1)
+
+
+def _blocking(len_q: int, len_k: int, args: KernelArgs) -> _Blocking:
+    return _Blocking(len_q, len_k, _balanced_block(len_q, args.block_q or DEFAULT_BLOCK_Q),
+                     _balanced_block(len_k, args.block_k or DEFAULT_BLOCK_K))
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _to_blocks(x, axis: int, block: int):
+    """Split ``axis`` (already a multiple of ``block``) into blocks, blocks first."""
+    shape = x.shape[:axis] + (x.shape[axis] // block, block) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _from_blocks(x, axis: int, length: int):
+    """Inverse of :func:`_to_blocks`, cropped to ``length``."""
+    x = jnp.moveaxis(x, 0, axis)
+    shape = x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:]
+    return jax.lax.slice_in_dim(x.reshape(shape), 0, length, axis=axis)
+
+
+class _Prepared:
+    """Inputs laid out in blocks: q [nq, N, Hkv, G, bq, D], k/v [nk, N, Hkv, bk, D]."""
+
+    def __init__(self, q, k, v, q_positions, k_positions, kv_valid, geo: _Blocking):
+        n, _, h, d = q.shape
+        hkv = k.shape[2]
+        self.geo = geo
+        self.group = h // hkv
+        lq, lk = geo.num_q * geo.block_q, geo.num_k * geo.block_k
+        # [N, L, H, D] -> [N, Hkv, G, L, D]
+        qh = q.reshape(n, q.shape[1], hkv, self.group, d).transpose(0, 2, 3, 1, 4)
+        self.q = _to_blocks(_pad_axis(qh, 3, lq), 3, geo.block_q)
+        self.k = _to_blocks(_pad_axis(k.transpose(0, 2, 1, 3), 2, lk), 2, geo.block_k)
+        self.v = _to_blocks(_pad_axis(v.transpose(0, 2, 1, 3), 2, lk), 2, geo.block_k)
+        qp = jnp.arange(geo.len_q, dtype=jnp.int32) if q_positions is None else q_positions
+        kp = jnp.arange(geo.len_k, dtype=jnp.int32) if k_positions is None else k_positions
+        self.q_pos = _pad_axis(qp.astype(jnp.int32), 0, lq, _PAD_Q_POS).reshape(geo.num_q, -1)
+        self.k_pos = _pad_axis(kp.astype(jnp.int32), 0, lk, _PAD_K_POS).reshape(geo.num_k, -1)
+        if kv_valid is None and lk == geo.len_k:
+            self.k_valid = None
+        else:
+            valid = jnp.ones((n, geo.len_k), bool) if kv_valid is None else kv_valid
+            # [N, Lk] or [N, Lk, Hkv] -> [N, Hkv or 1, Lk]
+            valid = valid[:, None, :] if valid.ndim == 2 else valid.transpose(0, 2, 1)
+            self.k_valid = _to_blocks(_pad_axis(valid, 2, lk, False), 2, geo.block_k)
+
+    def q_rows(self, x):
+        """[N, L, H, ...] -> blocks [nq, N, Hkv, G, bq, ...] (for do, o, lse)."""
+        n, length, h = x.shape[:3]
+        x = x.reshape(n, length, h // self.group, self.group, *x.shape[3:])
+        x = jnp.moveaxis(x, 1, 3)
+        return _to_blocks(_pad_axis(x, 3, self.geo.num_q * self.geo.block_q), 3,
+                          self.geo.block_q)
+
+    def from_q_rows(self, x):
+        """Inverse of :meth:`q_rows`."""
+        x = _from_blocks(x, 3, self.geo.len_q)
+        x = jnp.moveaxis(x, 3, 1)
+        return x.reshape(x.shape[0], x.shape[1], -1, *x.shape[4:])
+
+    def from_k_rows(self, x):
+        """k/v blocks [nk, N, Hkv, bk, D] -> [N, Lk, Hkv, D]."""
+        return _from_blocks(x, 2, self.geo.len_k).transpose(0, 2, 1, 3)
+
+
+def _block_mask(args: KernelArgs, q_pos, k_pos, k_valid):
+    """Allowed (query, key) pairs of one block, broadcastable to [N, Hkv, G, bq, bk].
+
+    Returns None when every pair is allowed.
+    """
+    mask = None
+    if args.is_causal:
+        mask = (k_pos[None, :] <= q_pos[:, None])[None, None, None]
+    if k_valid is not None:
+        valid = k_valid[:, :, None, None, :]
+        mask = valid if mask is None else mask & valid
+    return mask
+
+
+def _block_needed(args: KernelArgs, q_pos, k_pos, k_valid):
+    """Whether any pair of a (query block, key block) is allowed, or None if always."""
+    need = None
+    if args.is_causal:
+        need = jnp.min(k_pos) <= jnp.max(q_pos)
+    if k_valid is not None:
+        any_valid = jnp.any(k_valid)
+        need = any_valid if need is None else need & any_valid
+    return need
+
+
+def _maybe_cond(pred, compute, skip, operand):
+    """``lax.cond`` that is skipped entirely when the predicate is statically True."""
+    if pred is None:
+        return compute(operand)
+    return jax.lax.cond(pred, compute, skip, operand)
+
+
+def _dropout_keep(args: KernelArgs, rng, i, j, shape):
+    """Scaled keep mask ``z / (1 - rate)`` of block (i, j), or None without dropout.
+
+    Derived from (rng, i, j) alone, so the backward regenerates the same mask.
+    """
+    if args.dropout_rate == 0.0:
+        return None
+    key = jax.random.fold_in(jax.random.fold_in(rng, i), j)
+    keep = jax.random.bernoulli(key, 1.0 - args.dropout_rate, shape)
+    return keep.astype(jnp.float32) / (1.0 - args.dropout_rate)
+
+
+def _logits(args: KernelArgs, q_blk, k_blk, mask, stats):
+    s = jnp.einsum("nhgqd,nhkd->nhgqk", q_blk, k_blk,
+                   preferred_element_type=stats) * jnp.asarray(args.scale, stats)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    return s
+
+
+def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
+            kv_valid=None, dropout_rng=None):
+    """Blockwise attention forward.
+
+    Args:
+      q: [N, Lq, H, D]; k, v: [N, Lk, Hkv, D] with ``H % Hkv == 0``.
+      args: static kernel arguments (scale, causality, dropout, block sizes).
+      q_positions: [Lq] int positions of the queries (for causality; default arange).
+      k_positions: [Lk] int positions of the keys (default arange).
+      kv_valid: [N, Lk] or [N, Lk, Hkv] bool, False = key may not be attended to.
+      dropout_rng: PRNG key, needed when ``args.dropout_rate > 0``.
+
+    Returns:
+      ``o`` [N, Lq, H, D] in q's dtype and ``lse`` [N, Lq, H] in the stats dtype
+      (float32, or float64 for float64 inputs); ``o = 0``, ``lse = -inf`` for rows
+      with no allowed key.
+    """
+    geo = _blocking(q.shape[1], k.shape[1], args)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo)
+    stats = softmax.stats_dtype(q.dtype)
+    rows_shape = prep.q.shape[1:-1]  # [N, Hkv, G, bq]
+    d = q.shape[-1]
+
+    def q_block(_, xs):
+        i, q_blk, q_pos = xs
+
+        def k_block(state, ys):
+            j, k_blk, v_blk, k_pos, k_valid = ys
+
+            def compute(state):
+                mask = _block_mask(args, q_pos, k_pos, k_valid)
+                s = _logits(args, q_blk, k_blk, mask, stats)
+                keep = _dropout_keep(args, dropout_rng, i, j, s.shape)
+
+                def pv(p):
+                    if keep is not None:
+                        p = p * keep
+                    return jnp.einsum("nhgqk,nhkd->nhgqd", p.astype(v_blk.dtype), v_blk,
+                                      preferred_element_type=stats)
+
+                return softmax.update_state(state, s, pv)[0]
+
+            need = _block_needed(args, q_pos, k_pos, k_valid)
+            return _maybe_cond(need, compute, lambda st: st, state), None
+
+        state = softmax.init_state(rows_shape, d, stats)
+        ys = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
+        state, _ = jax.lax.scan(k_block, state, ys)
+        o, lse = softmax.finalize_state(state)
+        return None, (o.astype(q.dtype), lse)
+
+    xs = (jnp.arange(geo.num_q), prep.q, prep.q_pos)
+    _, (o, lse) = jax.lax.scan(q_block, None, xs)
+    return prep.from_q_rows(o), prep.from_q_rows(lse)
+
+
+def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
+             k_positions=None, kv_valid=None, dropout_rng=None):
+    """Blockwise attention backward from saved statistics.
+
+    With ``p = exp(scale q.k - lse)`` (dropout mask ``z`` applied to ``p`` in
+    the output only) the gradients are ``dv = (p z)^T do``, ``dp = z (do v^T)``,
+    ``ds = p (dp - delta)``, ``dq = scale ds k``, ``dk = scale ds^T q``.
+
+    ``lse`` and ``delta`` may be *global* statistics (over more keys than this call
+    sees), which is how a ring or a branch merge differentiates through a
+    partial: ``delta = rowsum(do * o) - dlse`` with the global ``o``.
+
+    Args:
+      q, k, v, q_positions, k_positions, kv_valid, dropout_rng: as in :func:`forward`.
+      do: [N, Lq, H, D] output cotangent.
+      lse: [N, Lq, H] log-sum-exp (stats dtype, ``-inf`` for rows without keys).
+      delta: [N, Lq, H] as above (stats dtype).
+
+    Returns:
+      ``dq`` [N, Lq, H, D], ``dk``/``dv`` [N, Lk, Hkv, D], in the input dtypes.
+    """
+    geo = _blocking(q.shape[1], k.shape[1], args)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo)
+    stats = softmax.stats_dtype(q.dtype)
+    do_b = prep.q_rows(do)
+    # rows without keys have lse = -inf and all logits -inf: exp(-inf - 0) = 0.
+    lse_b = prep.q_rows(jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats))
+    delta_b = prep.q_rows(delta.astype(stats))
+    scale = jnp.asarray(args.scale, stats)
+
+    def k_block(_, xs):
+        j, k_blk, v_blk, k_pos, k_valid = xs
+
+        def q_block(carry, ys):
+            i, q_blk, do_blk, lse_blk, delta_blk, q_pos = ys
+
+            def compute(carry):
+                dk_acc, dv_acc = carry
+                mask = _block_mask(args, q_pos, k_pos, k_valid)
+                s = _logits(args, q_blk, k_blk, mask, stats)
+                p = jnp.exp(s - lse_blk[..., None])
+                keep = _dropout_keep(args, dropout_rng, i, j, s.shape)
+                pz = p if keep is None else p * keep
+                dv_acc = dv_acc + jnp.einsum("nhgqk,nhgqd->nhkd", pz.astype(do_blk.dtype),
+                                             do_blk, preferred_element_type=stats)
+                dp = jnp.einsum("nhgqd,nhkd->nhgqk", do_blk, v_blk,
+                                preferred_element_type=stats)
+                if keep is not None:
+                    dp = dp * keep
+                ds = (p * (dp - delta_blk[..., None])).astype(q_blk.dtype)
+                dq_blk = jnp.einsum("nhgqk,nhkd->nhgqd", ds, k_blk,
+                                    preferred_element_type=stats) * scale
+                dk_acc = dk_acc + jnp.einsum("nhgqk,nhgqd->nhkd", ds, q_blk,
+                                             preferred_element_type=stats) * scale
+                return (dk_acc, dv_acc), dq_blk
+
+            def skip(carry):
+                return carry, jnp.zeros(q_blk.shape, stats)
+
+            need = _block_needed(args, q_pos, k_pos, k_valid)
+            return _maybe_cond(need, compute, skip, carry)
+
+        zeros_kv = jnp.zeros(k_blk.shape, stats)
+        ys = (jnp.arange(geo.num_q), prep.q, do_b, lse_b, delta_b, prep.q_pos)
+        (dk_blk, dv_blk), dq_parts = jax.lax.scan(q_block, (zeros_kv, zeros_kv), ys)
+        return None, (dk_blk, dv_blk, dq_parts)
+
+    def k_block_acc(dq_acc, xs):
+        _, (dk_blk, dv_blk, dq_parts) = k_block(None, xs)
+        return dq_acc + dq_parts, (dk_blk, dv_blk)
+
+    dq0 = jnp.zeros(prep.q.shape, stats)
+    xs = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
+    dq, (dk, dv) = jax.lax.scan(k_block_acc, dq0, xs)
+    return (prep.from_q_rows(dq).astype(q.dtype), prep.from_k_rows(dk).astype(k.dtype),
+            prep.from_k_rows(dv).astype(v.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng):
+    return forward(q, k, v, args, q_positions=q_positions, k_positions=k_positions,
+                   kv_valid=kv_valid, dropout_rng=dropout_rng)
+
+
+def _attention_fwd(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng):
+    o, lse = _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng)
+    return (o, lse), (q, k, v, o, lse, q_positions, k_positions, kv_valid, dropout_rng)
+
+
+def _attention_bwd(args, res, cotangents):
+    q, k, v, o, lse, q_positions, k_positions, kv_valid, dropout_rng = res
+    do, dlse = cotangents
+    stats = softmax.stats_dtype(q.dtype)
+    # d lse / d s = p, so an lse cotangent enters exactly like -delta.
+    delta = jnp.sum(do.astype(stats) * o.astype(stats), axis=-1) - dlse.astype(stats)
+    dq, dk, dv = backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
+                          k_positions=k_positions, kv_valid=kv_valid,
+                          dropout_rng=dropout_rng)
+    return dq, dk, dv, None, None, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
+              kv_valid=None, dropout_rng=None):
+    """Differentiable blockwise attention: :func:`forward` with a recomputing VJP.
+
+    Gradients flow to q, k, v from both outputs, ``o`` and ``lse``.
+    """
+    return _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng)

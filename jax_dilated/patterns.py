@@ -1,0 +1,218 @@
+"""Segment / dilation index arithmetic for dilated attention (DESIGN.md section 3).
+
+Everything here is static (Python ints and NumPy), computed once at trace time.
+
+A *branch* is one (segment length ``w``, dilation rate ``r``) pair. With offset
+``o``, position ``p`` is selected when ``(p mod w) mod r == o``; selected
+positions of the same segment attend to each other. Cutting the sequence into
+segments of ``w`` and every segment into ``w / r`` rows of ``r`` columns, the
+selected positions of offset ``o`` are column ``o``: a dense *dilated segment*
+of ``w / r`` tokens, in increasing position order (so causality inside it is
+plain lower-triangular).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+__all__ = [
+    "Branch",
+    "validate_branches",
+    "head_offsets",
+    "head_groups",
+    "BranchPlan",
+    "plan_branches",
+    "kv_head_plan",
+]
+
+MODES = ("longnet", "head_groups")
+HEAD_OFFSETS = ("modulo", "blocked")
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+    """One (segment length, dilation rate) pair, resolved for a sequence length.
+
+    segment_length: ``w`` as the user gave it.
+    rate: ``r``.
+    effective_length: the segment length used for cutting a sequence of ``seq_len``
+      tokens: ``w`` when ``w < seq_len``; otherwise the whole sequence is one
+      segment, and the smallest multiple of ``r`` that holds it selects the same
+      positions (``p mod w = p`` for ``p < seq_len``) without padding up to ``w``.
+    """
+
+    segment_length: int
+    rate: int
+    effective_length: int
+
+    @property
+    def dilated_length(self) -> int:
+        """Tokens in one dilated segment: ``effective_length / rate``."""
+        return self.effective_length // self.rate
+
+    def num_segments(self, seq_len: int) -> int:
+        return -(-seq_len // self.effective_length)
+
+
+def _check_int_list(name: str, values) -> tuple[int, ...]:
+    if isinstance(values, (int, np.integer)) or not isinstance(values, Sequence):
+        raise TypeError(
+            f"{name} must be a list or tuple of positive ints, got {values!r} "
+            f"of type {type(values).__name__}."
+        )
+    if len(values) == 0:
+        raise ValueError(f"{name} must not be empty, got {values!r}.")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name} must hold ints, got {values!r} (element {v!r}).")
+        if v <= 0:
+            raise ValueError(f"{name} must hold positive ints, got {values!r}.")
+        out.append(int(v))
+    return tuple(out)
+
+
+def validate_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, int], ...]:
+    """Check a branch configuration and return it as ``((w_0, r_0), ...)``.
+
+    Raises:
+      TypeError / ValueError naming the argument when the lists are not lists of
+      positive ints, differ in length, or a segment is not a multiple of its rate.
+    """
+    ws = _check_int_list("segment_lengths", segment_lengths)
+    rs = _check_int_list("dilation_rates", dilation_rates)
+    if len(ws) != len(rs):
+        raise ValueError(
+            "segment_lengths and dilation_rates must have the same length, got "
+            f"segment_lengths={list(ws)} (len {len(ws)}) and dilation_rates={list(rs)} "
+            f"(len {len(rs)})."
+        )
+    for w, r in zip(ws, rs):
+        if w % r:
+            raise ValueError(
+                f"every segment length must be a multiple of its dilation rate, got "
+                f"segment length {w} with dilation rate {r} (segment_lengths={list(ws)}, "
+                f"dilation_rates={list(rs)})."
+            )
+    return tuple(zip(ws, rs))
+
+
+def resolve_branch(segment_length: int, rate: int, seq_len: int) -> Branch:
+    """The :class:`Branch` for ``(w, r)`` on a sequence of ``seq_len`` tokens."""
+    if segment_length < seq_len:
+        eff = segment_length
+    else:
+        eff = min(segment_length, -(-seq_len // rate) * rate)
+    return Branch(segment_length, rate, eff)
+
+
+def head_offsets(num_heads: int, rate: int, rule: str) -> np.ndarray:
+    """Offset of every head for a branch of dilation ``rate`` (longnet mode).
+
+    ``"modulo"``:  ``o(j) = j mod r`` (LongNet Eq. 13).
+    ``"blocked"``: ``o(j) = floor(j / ceil(H / r))`` (contiguous head blocks).
+
+    Returns int array [num_heads].
+    """
+    j = np.arange(num_heads)
+    if rule == "modulo":
+        return j % rate
+    if rule == "blocked":
+        return j // -(-num_heads // rate)
+    raise ValueError(f"head_offsets must be one of {HEAD_OFFSETS}, got {rule!r}.")
+
+
+def head_groups(num_heads: int, num_groups: int) -> list[tuple[int, int]]:
+    """Contiguous head groups ``[(start, stop), ...]`` for mode ``"head_groups"``.
+
+    Group sizes are ``H // G``, the first ``H % G`` groups one larger.
+    """
+    if num_heads < num_groups:
+        raise ValueError(
+            f'mode="head_groups" needs at least as many heads as branches, got '
+            f"num_heads={num_heads} with {num_groups} branches (segment_lengths)."
+        )
+    base, extra = divmod(num_heads, num_groups)
+    bounds, start = [], 0
+    for g in range(num_groups):
+        size = base + (1 if g < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def kv_head_plan(query_heads: np.ndarray, offsets: np.ndarray, num_heads: int,
+                 num_kv_heads: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """How to gather dilated keys/values for a set of query heads.
+
+    Query head ``j`` reads kv head ``j // (H / H_kv)`` at its own offset. Heads
+    that read the same (offset, kv head) pair in contiguous runs of equal length
+    share one gathered kv head, so the kernel runs grouped-query attention on the
+    compact heads instead of repeating them.
+
+    Args:
+      query_heads: [Hq] indices of the query heads (in output order).
+      offsets: [Hq] offset of each of those heads.
+      num_heads, num_kv_heads: H and H_kv.
+
+    Returns:
+      ``(kv_offsets, kv_heads, group)``: the offset and kv-head index of each of
+      the ``Hq / group`` gathered kv heads; query head ``query_heads[i]`` reads
+      gathered kv head ``i // group``.
+    """
+    rep = num_heads // num_kv_heads
+    pairs = [(int(o), int(j) // rep) for j, o in zip(query_heads, offsets)]
+    hq = len(pairs)
+    for group in sorted((g for g in range(1, hq + 1) if hq % g == 0), reverse=True):
+        blocks = [pairs[i:i + group] for i in range(0, hq, group)]
+        if all(len(set(b)) == 1 for b in blocks):
+            chosen = [b[0] for b in blocks]
+            return (np.array([c[0] for c in chosen]), np.array([c[1] for c in chosen]),
+                    group)
+    raise AssertionError("unreachable: group 1 always works")  # pragma: no cover
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchPlan:
+    """Static plan for one branch of one call.
+
+    branch: the resolved (w, r).
+    query_heads: [Hq] query heads that run this branch (all heads in longnet mode,
+      one contiguous group in head_groups mode).
+    offsets: [Hq] the offset of each of those heads.
+    kv_offsets, kv_heads, kv_group: see :func:`kv_head_plan`.
+    """
+
+    branch: Branch
+    query_heads: np.ndarray
+    offsets: np.ndarray
+    kv_offsets: np.ndarray
+    kv_heads: np.ndarray
+    kv_group: int
+
+
+def plan_branches(branches, *, seq_len: int, num_heads: int, num_kv_heads: int,
+                  mode: str, offsets_rule: str) -> list[BranchPlan]:
+    """Static plan of every branch for ``mode`` (see DESIGN.md section 3)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    if offsets_rule not in HEAD_OFFSETS:
+        raise ValueError(f"head_offsets must be one of {HEAD_OFFSETS}, got {offsets_rule!r}.")
+    plans = []
+    if mode == "longnet":
+        heads_of = [np.arange(num_heads)] * len(branches)
+        offsets_of = [head_offsets(num_heads, r, offsets_rule) for _, r in branches]
+    else:
+        bounds = head_groups(num_heads, len(branches))
+        heads_of = [np.arange(a, b) for a, b in bounds]
+        offsets_of = [np.full(b - a, i % r) for i, ((a, b), (_, r)) in
+                      enumerate(zip(bounds, branches))]
+    for (w, r), heads, offs in zip(branches, heads_of, offsets_of):
+        kv_offs, kv_heads, group = kv_head_plan(heads, offs, num_heads, num_kv_heads)
+        plans.append(BranchPlan(resolve_branch(w, r, seq_len), heads, offs, kv_offs,
+                                kv_heads, group))
+    return plans
+

@@ -1,0 +1,135 @@
+"""Online softmax: the one place where partial attention results are combined.
+
+Two representations of a partial softmax over a subset of keys are used:
+
+* the *running state* ``(m, l, acc)`` inside a kernel's loop over key blocks:
+  ``m`` the running row maximum of the logits, ``l = sum exp(s - m)`` and
+  ``acc = sum exp(s - m) v``;
+* the *normalised partial* ``(o, lse)`` that kernels return:
+  ``o = acc / l`` and ``lse = m + log l`` (``-inf`` where the row saw no key).
+
+Two normalised partials over disjoint key sets merge exactly:
+``lse = logaddexp(lse_1, lse_2)``, ``o = exp(lse_1 - lse) o_1 + exp(lse_2 - lse) o_2``.
+The same formula mixes LongNet branches (Eq. 10), folds ring steps together and
+joins block-sparse partials; every caller in the library goes through
+:func:`merge_partials`.
+
+Rows that have seen no key carry ``lse = -inf`` and ``o = 0``; every function
+here keeps them at exactly that, with finite gradients, instead of producing
+``nan`` from ``-inf - -inf``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "stats_dtype",
+    "RunningState",
+    "init_state",
+    "update_state",
+    "finalize_state",
+    "merge_partials",
+]
+
+
+def stats_dtype(dtype) -> jnp.dtype:
+    """Dtype of softmax statistics for inputs of ``dtype``.
+
+    float32 for every floating input narrower than or equal to float32 (bf16, fp16,
+    fp32); float64 for float64 inputs so that float64 parity stays at ~1e-10.
+    """
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _safe_max(m):
+    """``m`` with ``-inf`` replaced by 0, so that ``x - m`` is ``-inf`` (not nan)."""
+    return jnp.where(jnp.isneginf(m), jnp.zeros_like(m), m)
+
+
+class RunningState(NamedTuple):
+    """Running softmax state for ``[..., rows]`` query rows and ``head_dim`` values.
+
+    m:   [..., rows]       running maximum of the (masked) logits, ``-inf`` if none yet
+    l:   [..., rows]       running denominator ``sum exp(s - m)``
+    acc: [..., rows, dim]  running numerator ``sum exp(s - m) v``
+    """
+
+    m: jax.Array
+    l: jax.Array
+    acc: jax.Array
+
+
+def init_state(rows_shape, dim: int, dtype) -> RunningState:
+    """Empty state: no key seen yet."""
+    return RunningState(
+        m=jnp.full(rows_shape, -jnp.inf, dtype),
+        l=jnp.zeros(rows_shape, dtype),
+        acc=jnp.zeros((*rows_shape, dim), dtype),
+    )
+
+
+def update_state(state: RunningState, s, pv_fn) -> tuple[RunningState, jax.Array]:
+    """Fold one block of logits into the running state.
+
+    Args:
+      state: the running state.
+      s: [..., rows, keys] logits of this block, ``-inf`` where masked.
+      pv_fn: ``p -> p @ v`` for this block's values, given the unnormalised
+        probabilities ``p = exp(s - m_new)`` ([..., rows, keys], stats dtype); it
+        may apply dropout to ``p`` (the denominator must not see dropout).
+
+    Returns:
+      The new state and ``p`` (returned so callers can reuse it, e.g. for tests).
+    """
+    m_new = jnp.maximum(state.m, jnp.max(s, axis=-1))
+    m_safe = _safe_max(m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    # exp(-inf - finite) = 0: a state that saw nothing contributes nothing.
+    alpha = jnp.exp(state.m - m_safe)
+    l_new = alpha * state.l + jnp.sum(p, axis=-1)
+    acc_new = alpha[..., None] * state.acc + pv_fn(p)
+    return RunningState(m_new, l_new, acc_new), p
+
+
+def finalize_state(state: RunningState) -> tuple[jax.Array, jax.Array]:
+    """Normalised partial ``(o, lse)`` from a running state.
+
+    Returns ``o`` [..., rows, dim] and ``lse`` [..., rows]; rows that saw no key
+    give ``o = 0`` and ``lse = -inf``.
+    """
+    seen = state.l > 0
+    l_safe = jnp.where(seen, state.l, jnp.ones_like(state.l))
+    o = state.acc / l_safe[..., None]
+    lse = jnp.where(seen, _safe_max(state.m) + jnp.log(l_safe), -jnp.inf)
+    return o, lse
+
+
+def merge_partials(o1, lse1, o2, lse2):
+    """Exact merge of two normalised partials over disjoint key sets.
+
+    Args:
+      o1, o2: [..., dim] partial outputs (any float dtype; the result is in the
+        dtype of ``lse``'s promotion with them).
+      lse1, lse2: [...] their log-sum-exps, ``-inf`` for rows without keys.
+
+    Returns:
+      ``(o, lse)`` of the union. Differentiable in all four inputs, including
+      through the mixing weights ``exp(lse_i - lse)`` (LongNet's Eq. 10 weights
+      are not detached). Rows where both are ``-inf`` stay ``(0, -inf)`` with
+      zero gradients.
+    """
+    # The result does not depend on the shift m, so its gradient is zero and
+    # stopping it is exact; it only keeps exp() in range.
+    m = jax.lax.stop_gradient(_safe_max(jnp.maximum(lse1, lse2)))
+    w1 = jnp.exp(lse1 - m)
+    w2 = jnp.exp(lse2 - m)
+    total = w1 + w2
+    seen = total > 0
+    total_safe = jnp.where(seen, total, jnp.ones_like(total))
+    lse = jnp.where(seen, m + jnp.log(total_safe), -jnp.inf)
+    o = (w1 / total_safe)[..., None] * o1 + (w2 / total_safe)[..., None] * o2
+    return o, lse

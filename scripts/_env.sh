@@ -1,0 +1,25 @@
+# Shared set-up for scripts/test.sh and scripts/demo.sh: a virtual environment at
+# .venv (or $JD_VENV) with the package, its test extras and the CPU build of PyTorch.
+# Sourced, not run. Idempotent: a second run installs nothing new.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${JD_VENV:-$ROOT/.venv}"
+# Python 3.11: jax 0.10.x from PyPI, and the CPU wheel of torch 2.13.0 the parity
+# suite uses (any other torch spec pulls CUDA packages). JD_PYTHON overrides it.
+PY="${JD_PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[jax-dilated] creating virtual environment $VENV with $($PY --version)"
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.jd-installed"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_env.sh" | cksum)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[jax-dilated] installing jax-dilated[test,bench] and torch==2.13.0 (CPU)"
+  "$VENV/bin/python" -m pip install -q --upgrade pip 2>/dev/null || true
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,bench]"
+  echo "$want" > "$stamp"
+fi
+export PATH="$VENV/bin:$PATH"
+cd "$ROOT"
