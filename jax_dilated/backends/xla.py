@@ -84,8 +84,17 @@ def _from_blocks(x, axis: int, length: int):
 class _Prepared:
     """Inputs laid out in blocks: q [nq, N, Hkv, G, bq, D], k/v [nk, N, Hkv, bk, D]."""
 
-    def __init__(self, q, k, v, q_positions, k_positions, kv_valid, geo: _Blocking):
+    def __init__(self, q, k, v, q_positions, k_positions, kv_valid, geo: _Blocking,
+                 scale: float):
         n, _, h, d = q.shape
+        # Fold the scale into q once (saves a pass over every logits block) when q
+        # is at least float32; half-precision q would be rounded again, so there the
+        # scale multiplies the float32 logits instead. logits = (q * pre) . k * post.
+        stats = softmax.stats_dtype(q.dtype)
+        pre = scale if jnp.dtype(q.dtype) == stats else 1.0
+        self.post_scale = scale / pre
+        if pre != 1.0:
+            q = (q * jnp.asarray(pre, q.dtype)).astype(q.dtype)
         hkv = k.shape[2]
         self.geo = geo
         self.group = h // hkv
@@ -140,6 +149,17 @@ def _block_mask(args: KernelArgs, q_pos, k_pos, k_valid):
     return mask
 
 
+def _block_mask_t(args: KernelArgs, q_pos, k_pos, k_valid):
+    """:func:`_block_mask` in the transposed layout, broadcastable to [N, Hkv, bk, G, bq]."""
+    mask = None
+    if args.is_causal:
+        mask = (k_pos[:, None] <= q_pos[None, :])[None, None, :, None, :]
+    if k_valid is not None:
+        valid = k_valid[:, :, :, None, None]
+        mask = valid if mask is None else mask & valid
+    return mask
+
+
 def _block_needed(args: KernelArgs, q_pos, k_pos, k_valid):
     """Whether any pair of a (query block, key block) is allowed, or None if always."""
     need = None
@@ -170,9 +190,11 @@ def _dropout_keep(args: KernelArgs, rng, i, j, shape):
     return keep.astype(jnp.float32) / (1.0 - args.dropout_rate)
 
 
-def _logits(args: KernelArgs, q_blk, k_blk, mask, stats):
-    s = jnp.einsum("nhgqd,nhkd->nhgqk", q_blk, k_blk,
-                   preferred_element_type=stats) * jnp.asarray(args.scale, stats)
+def _logits(q_blk, k_blk, post_scale: float, mask, stats):
+    """Masked logits [N, Hkv, G, bq, bk] of one block (q already carries the pre-scale)."""
+    s = jnp.einsum("nhgqd,nhkd->nhgqk", q_blk, k_blk, preferred_element_type=stats)
+    if post_scale != 1.0:
+        s = s * jnp.asarray(post_scale, stats)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     return s
@@ -196,7 +218,7 @@ def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
       with no allowed key.
     """
     geo = _blocking(q.shape[1], k.shape[1], args)
-    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
     stats = softmax.stats_dtype(q.dtype)
     rows_shape = prep.q.shape[1:-1]  # [N, Hkv, G, bq]
     d = q.shape[-1]
@@ -209,7 +231,7 @@ def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
 
             def compute(state):
                 mask = _block_mask(args, q_pos, k_pos, k_valid)
-                s = _logits(args, q_blk, k_blk, mask, stats)
+                s = _logits(q_blk, k_blk, prep.post_scale, mask, stats)
                 keep = _dropout_keep(args, dropout_rng, i, j, s.shape)
 
                 def pv(p):
@@ -256,12 +278,13 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
       ``dq`` [N, Lq, H, D], ``dk``/``dv`` [N, Lk, Hkv, D], in the input dtypes.
     """
     geo = _blocking(q.shape[1], k.shape[1], args)
-    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
     stats = softmax.stats_dtype(q.dtype)
     do_b = prep.q_rows(do)
     # rows without keys have lse = -inf and all logits -inf: exp(-inf - 0) = 0.
     lse_b = prep.q_rows(jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats))
     delta_b = prep.q_rows(delta.astype(stats))
+    post_scale = jnp.asarray(prep.post_scale, stats)
     scale = jnp.asarray(args.scale, stats)
 
     def k_block(_, xs):
@@ -271,31 +294,48 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
             i, q_blk, do_blk, lse_blk, delta_blk, q_pos = ys
 
             def compute(carry):
+                # Transposed block [N, Hkv, bk, G, bq]: four of the five products are
+                # then plain (non-transposed) matmuls, which XLA:CPU runs fastest.
                 dk_acc, dv_acc = carry
-                mask = _block_mask(args, q_pos, k_pos, k_valid)
-                s = _logits(args, q_blk, k_blk, mask, stats)
-                p = jnp.exp(s - lse_blk[..., None])
-                keep = _dropout_keep(args, dropout_rng, i, j, s.shape)
-                pz = p if keep is None else p * keep
-                dv_acc = dv_acc + jnp.einsum("nhgqk,nhgqd->nhkd", pz.astype(do_blk.dtype),
-                                             do_blk, preferred_element_type=stats)
-                dp = jnp.einsum("nhgqd,nhkd->nhgqk", do_blk, v_blk,
+                mask = _block_mask_t(args, q_pos, k_pos, k_valid)
+                st = jnp.einsum("nhkd,nhgqd->nhkgq", k_blk, q_blk,
                                 preferred_element_type=stats)
+                if prep.post_scale != 1.0:
+                    st = st * post_scale
+                if mask is not None:
+                    st = jnp.where(mask, st, -jnp.inf)
+                pt = jnp.exp(st - lse_blk[:, :, None])
+                keep = _dropout_keep(args, dropout_rng, i, j, q_blk.shape[:-1] + (k_blk.shape[-2],))
                 if keep is not None:
-                    dp = dp * keep
-                ds = (p * (dp - delta_blk[..., None])).astype(q_blk.dtype)
-                dq_blk = jnp.einsum("nhgqk,nhkd->nhgqd", ds, k_blk,
-                                    preferred_element_type=stats) * scale
-                dk_acc = dk_acc + jnp.einsum("nhgqk,nhgqd->nhkd", ds, q_blk,
-                                             preferred_element_type=stats) * scale
-                return (dk_acc, dv_acc), dq_blk
+                    keep = jnp.moveaxis(keep, -1, 2)
+                pz = pt if keep is None else pt * keep
+                dv_acc = dv_acc + jnp.einsum("nhkgq,nhgqd->nhkd", pz.astype(do_blk.dtype),
+                                             do_blk, preferred_element_type=stats)
+                dpt = jnp.einsum("nhkd,nhgqd->nhkgq", v_blk, do_blk,
+                                 preferred_element_type=stats)
+                if keep is not None:
+                    dpt = dpt * keep
+                dst = (pt * (dpt - delta_blk[:, :, None])).astype(q_blk.dtype)
+                # q_blk carries the pre-scale, so only the post-scale is left for dk.
+                dk_blk = jnp.einsum("nhkgq,nhgqd->nhkd", dst, q_blk,
+                                    preferred_element_type=stats)
+                if prep.post_scale != 1.0:
+                    dk_blk = dk_blk * post_scale
+                dk_acc = dk_acc + dk_blk
+                # dq^T = k^T ds^T keeps ds^T as a plain right operand; asking for dq
+                # directly makes XLA:CPU transpose the whole block (the slowest step).
+                dqt_blk = jnp.einsum("nhkd,nhkgq->nhdgq", k_blk, dst,
+                                     preferred_element_type=stats) * scale
+                return (dk_acc, dv_acc), dqt_blk
 
             def skip(carry):
-                return carry, jnp.zeros(q_blk.shape, stats)
+                return carry, jnp.zeros(dq_t_shape, stats)
 
             need = _block_needed(args, q_pos, k_pos, k_valid)
             return _maybe_cond(need, compute, skip, carry)
 
+        n_, h_, g_, bq_, d_ = prep.q.shape[1:]
+        dq_t_shape = (n_, h_, d_, g_, bq_)
         zeros_kv = jnp.zeros(k_blk.shape, stats)
         ys = (jnp.arange(geo.num_q), prep.q, do_b, lse_b, delta_b, prep.q_pos)
         (dk_blk, dv_blk), dq_parts = jax.lax.scan(q_block, (zeros_kv, zeros_kv), ys)
@@ -305,9 +345,11 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
         _, (dk_blk, dv_blk, dq_parts) = k_block(None, xs)
         return dq_acc + dq_parts, (dk_blk, dv_blk)
 
-    dq0 = jnp.zeros(prep.q.shape, stats)
+    nq, n_, h_, g_, bq_, d_ = prep.q.shape
+    dq0 = jnp.zeros((nq, n_, h_, d_, g_, bq_), stats)
     xs = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
-    dq, (dk, dv) = jax.lax.scan(k_block_acc, dq0, xs)
+    dq_t, (dk, dv) = jax.lax.scan(k_block_acc, dq0, xs)
+    dq = jnp.moveaxis(dq_t, 3, -1)
     return (prep.from_q_rows(dq).astype(q.dtype), prep.from_k_rows(dk).astype(k.dtype),
             prep.from_k_rows(dv).astype(v.dtype))
 
