@@ -7,7 +7,7 @@ VENV="${JD_VENV:-$ROOT/.venv}"
 # Python 3.11: jax 0.10.x from PyPI, and the CPU wheel of torch 2.13.0 the parity
 # suite uses (any other torch spec pulls CUDA packages). JD_PYTHON overrides it.
 PY="${JD_PYTHON:-python3.11}"
-command -v "$PY" >/dev/null 2>&1 || PY=python3
+"$PY" --version >/dev/null 2>&1 || PY=python3
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[jax-dilated] creating virtual environment $VENV with $($PY --version)"
   "$PY" -m venv "$VENV"
@@ -15,10 +15,16 @@ fi
 stamp="$VENV/.jd-installed"
 want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_env.sh" | cksum)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "[jax-dilated] installing jax-dilated[test,bench] and torch==2.13.0 (CPU)"
+  echo "[jax-dilated] installing jax-dilated[test,bench] (and torch==2.13.0 CPU on Python 3.11)"
   "$VENV/bin/python" -m pip install -q --upgrade pip 2>/dev/null || true
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,bench]"
+  if "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  else
+    # Elsewhere torch==2.13.0 has no local CPU wheel and would pull CUDA packages;
+    # the PyTorch parity tests skip themselves without torch.
+    echo "[jax-dilated] not Python 3.11: skipping torch (parity tests will be skipped)"
+  fi
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench]" pytest
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
