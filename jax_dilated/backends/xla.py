@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated import softmax
+from jax_dilated._vma import varying_like
 from jax_dilated.backends.base import KernelArgs
 
 __all__ = ["forward", "backward", "attention", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
@@ -245,7 +246,7 @@ def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
             need = _block_needed(args, q_pos, k_pos, k_valid)
             return _maybe_cond(need, compute, lambda st: st, state), None
 
-        state = softmax.init_state(rows_shape, d, stats)
+        state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v))
         ys = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
         state, _ = jax.lax.scan(k_block, state, ys)
         o, lse = softmax.finalize_state(state)
@@ -329,14 +330,14 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
                 return (dk_acc, dv_acc), dqt_blk
 
             def skip(carry):
-                return carry, jnp.zeros(dq_t_shape, stats)
+                return carry, varying_like(jnp.zeros(dq_t_shape, stats), (q, k, v, do))
 
             need = _block_needed(args, q_pos, k_pos, k_valid)
             return _maybe_cond(need, compute, skip, carry)
 
         n_, h_, g_, bq_, d_ = prep.q.shape[1:]
         dq_t_shape = (n_, h_, d_, g_, bq_)
-        zeros_kv = jnp.zeros(k_blk.shape, stats)
+        zeros_kv = varying_like(jnp.zeros(k_blk.shape, stats), (q, k, v, do))
         ys = (jnp.arange(geo.num_q), prep.q, do_b, lse_b, delta_b, prep.q_pos)
         (dk_blk, dv_blk), dq_parts = jax.lax.scan(q_block, (zeros_kv, zeros_kv), ys)
         return None, (dk_blk, dv_blk, dq_parts)
@@ -346,7 +347,7 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
         return dq_acc + dq_parts, (dk_blk, dv_blk)
 
     nq, n_, h_, g_, bq_, d_ = prep.q.shape
-    dq0 = jnp.zeros((nq, n_, h_, d_, g_, bq_), stats)
+    dq0 = varying_like(jnp.zeros((nq, n_, h_, d_, g_, bq_), stats), (q, k, v, do))
     xs = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
     dq_t, (dk, dv) = jax.lax.scan(k_block_acc, dq0, xs)
     dq = jnp.moveaxis(dq_t, 3, -1)
