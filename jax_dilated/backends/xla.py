@@ -371,7 +371,7 @@ def _attention_bwd(args, res, cotangents):
     do, dlse = cotangents
     stats = softmax.stats_dtype(q.dtype)
     # d lse / d s = p, so an lse cotangent enters exactly like -delta.
-    delta = jnp.sum(do.astype(stats) * o.astype(stats), axis=-1) - dlse.astype(stats)
+    delta = softmax.row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
     dq, dk, dv = backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
                           k_positions=k_positions, kv_valid=kv_valid,
                           dropout_rng=dropout_rng)
