@@ -50,6 +50,8 @@ class _Blocking:
 
 def _balanced_block(length: int, target: int) -> int:
     """Block size near ``target`` that splits ``length`` into equal blocks (multiple of 8)."""
+    if length % target == 0:
+        return target  # callers that align blocks to chunk boundaries get them exactly
     n = max(1, -(-length // target))
     b = -(-length // n)
     return min(-(-b // 8) * 8, max(length, 1)) if n > 1 else max(length, 1)
@@ -201,6 +203,19 @@ def _logits(q_blk, k_blk, post_scale: float, mask, stats):
     return s
 
 
+def _matmul_inputs(*arrays):
+    """Operands in a dtype the platform's matmuls accept.
+
+    XLA:CPU has no half-precision dot with float32 accumulation, so on CPU bf16 and
+    fp16 inputs are widened to float32 once, up front (exact; the math is then the
+    float32 math on the rounded inputs). Other platforms keep the input dtype and
+    accumulate in float32 through ``preferred_element_type``.
+    """
+    if jax.default_backend() != "cpu":
+        return arrays
+    return tuple(x.astype(softmax.stats_dtype(x.dtype)) for x in arrays)
+
+
 def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
             kv_valid=None, dropout_rng=None):
     """Blockwise attention forward.
@@ -218,6 +233,8 @@ def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
       (float32, or float64 for float64 inputs); ``o = 0``, ``lse = -inf`` for rows
       with no allowed key.
     """
+    out_dtype = q.dtype
+    q, k, v = _matmul_inputs(q, k, v)
     geo = _blocking(q.shape[1], k.shape[1], args)
     prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
     stats = softmax.stats_dtype(q.dtype)
@@ -250,7 +267,7 @@ def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
         ys = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
         state, _ = jax.lax.scan(k_block, state, ys)
         o, lse = softmax.finalize_state(state)
-        return None, (o.astype(q.dtype), lse)
+        return None, (o.astype(out_dtype), lse)
 
     xs = (jnp.arange(geo.num_q), prep.q, prep.q_pos)
     _, (o, lse) = jax.lax.scan(q_block, None, xs)
@@ -278,6 +295,8 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
     Returns:
       ``dq`` [N, Lq, H, D], ``dk``/``dv`` [N, Lk, Hkv, D], in the input dtypes.
     """
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, do = _matmul_inputs(q, k, v, do)
     geo = _blocking(q.shape[1], k.shape[1], args)
     prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
     stats = softmax.stats_dtype(q.dtype)
@@ -351,8 +370,8 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
     xs = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
     dq_t, (dk, dv) = jax.lax.scan(k_block_acc, dq0, xs)
     dq = jnp.moveaxis(dq_t, 3, -1)
-    return (prep.from_q_rows(dq).astype(q.dtype), prep.from_k_rows(dk).astype(k.dtype),
-            prep.from_k_rows(dv).astype(v.dtype))
+    return (prep.from_q_rows(dq).astype(dtypes[0]), prep.from_k_rows(dk).astype(dtypes[1]),
+            prep.from_k_rows(dv).astype(dtypes[2]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

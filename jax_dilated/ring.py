@@ -1,0 +1,228 @@
+"""Ring attention: exact attention with the sequence sharded over a mesh axis.
+
+Inside ``jax.shard_map`` every device holds ``n = T / P`` queries, keys and values
+(in one of the layouts of :mod:`jax_dilated.layouts`). Key/value blocks (compact kv
+heads, with their padding mask) travel around the ring with ``jax.lax.ppermute``;
+at every step the local queries attend to the visiting block through the kernel
+interface, and the partial results are folded together with
+:func:`jax_dilated.softmax.merge_partials`. The next block is sent before the
+current one is computed on, so transfer and compute can overlap.
+
+The backward is a ring too (``jax.custom_vjp``): with the global output and
+log-sum-exp saved, key, value and their gradient accumulators travel together; after
+``P`` hops the accumulators are back with their owners. Nothing of global length is
+ever materialised: memory per device is O(T / P).
+
+Steps whose visiting block is entirely masked (causal, or padding) are skipped with
+``lax.cond``; inside a step the kernel skips masked blocks, and its blocks are
+aligned to the zigzag chunks so that every device does the same work at every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_dilated import layouts, softmax, validation
+from jax_dilated._vma import varying_like
+from jax_dilated.backends import KernelArgs, get_kernel
+
+__all__ = ["ring_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingConfig:
+    axis_name: str
+    num_devices: int
+    layout: str
+    args: KernelArgs
+    implementation: str | None
+
+
+def _axis_size(axis_name) -> int:
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not bound: call ring_attention inside "
+            f"jax.shard_map over a mesh with that axis, or use jd.sharded(...) on "
+            f"global arrays ({err})."
+        ) from None
+
+
+def _aligned_block(chunk: int, target: int = 512) -> int:
+    """Largest divisor of ``chunk`` not above ``target`` (whole chunk if that is tiny)."""
+    best = max(d for d in range(1, min(chunk, target) + 1) if chunk % d == 0)
+    return best if best >= min(64, chunk) else chunk
+
+
+def _step_needed(cfg: _RingConfig, q_pos, k_pos, kv_valid):
+    need = None
+    if cfg.args.is_causal:
+        need = jnp.min(k_pos) <= jnp.max(q_pos)
+    if kv_valid is not None:
+        any_valid = jnp.any(kv_valid)
+        need = any_valid if need is None else need & any_valid
+    return need
+
+
+def _cond(pred, compute, skip):
+    return compute() if pred is None else jax.lax.cond(pred, compute, skip)
+
+
+def _perm(num_devices: int):
+    return [(j, (j + 1) % num_devices) for j in range(num_devices)]
+
+
+def _forward(q, k, v, kv_valid, cfg: _RingConfig):
+    """Global (o, lse) of the local queries: o [B, n, H, D] (stats dtype), lse [B, n, H]."""
+    kernel = get_kernel(cfg.implementation)
+    p, n = cfg.num_devices, q.shape[1]
+    stats = softmax.stats_dtype(q.dtype)
+    me = jax.lax.axis_index(cfg.axis_name)
+    q_pos = layouts.local_positions(cfg.layout, me, p, n)
+
+    def partial(block, src):
+        k_blk, v_blk, valid_blk = block
+        k_pos = layouts.local_positions(cfg.layout, src, p, n)
+
+        def compute():
+            o, lse = kernel.forward(q, k_blk, v_blk, cfg.args, q_positions=q_pos,
+                                    k_positions=k_pos, kv_valid=valid_blk)
+            return o.astype(stats), lse
+
+        def skip():
+            return varying_like((jnp.zeros(q.shape, stats),
+                                 jnp.full(q.shape[:3], -jnp.inf, stats)), (q, k_blk))
+
+        return _cond(_step_needed(cfg, q_pos, k_pos, valid_blk), compute, skip)
+
+    block = (k, v, kv_valid)
+    if p == 1:
+        return partial(block, me)
+
+    def step(carry, s):
+        o, lse, block = carry
+        src = (me - s) % p
+        nxt = jax.lax.ppermute(block, cfg.axis_name, _perm(p))  # send first, then compute
+        o, lse = softmax.merge_partials(o, lse, *partial(block, src))
+        return (o, lse, nxt), None
+
+    o, lse = partial(block, me)
+    nxt = jax.lax.ppermute(block, cfg.axis_name, _perm(p))
+    (o, lse, block), _ = jax.lax.scan(step, (o, lse, nxt), jnp.arange(1, p - 1))
+    return softmax.merge_partials(o, lse, *partial(block, (me - (p - 1)) % p))
+
+
+def _backward(q, k, v, kv_valid, o, lse, do, dlse, cfg: _RingConfig):
+    kernel = get_kernel(cfg.implementation)
+    p, n = cfg.num_devices, q.shape[1]
+    stats = softmax.stats_dtype(q.dtype)
+    me = jax.lax.axis_index(cfg.axis_name)
+    q_pos = layouts.local_positions(cfg.layout, me, p, n)
+    delta = softmax.row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
+
+    def grads(block, src):
+        k_blk, v_blk, valid_blk = block
+        k_pos = layouts.local_positions(cfg.layout, src, p, n)
+
+        def compute():
+            dq, dk, dv = kernel.backward(q, k_blk, v_blk, do, lse, delta, cfg.args,
+                                         q_positions=q_pos, k_positions=k_pos,
+                                         kv_valid=valid_blk)
+            return dq.astype(stats), dk.astype(stats), dv.astype(stats)
+
+        def skip():
+            return varying_like((jnp.zeros(q.shape, stats), jnp.zeros(k_blk.shape, stats),
+                                 jnp.zeros(v_blk.shape, stats)), (q, k_blk, do))
+
+        return _cond(_step_needed(cfg, q_pos, k_pos, valid_blk), compute, skip)
+
+    block = (k, v, kv_valid)
+    dq, dk, dv = grads(block, me)
+    if p > 1:
+        def step(carry, s):
+            dq, block, dkv = carry
+            # the block and its gradient accumulators travel together
+            block, dkv = jax.lax.ppermute((block, dkv), cfg.axis_name, _perm(p))
+            dq_s, dk_s, dv_s = grads(block, (me - s) % p)
+            return (dq + dq_s, block, (dkv[0] + dk_s, dkv[1] + dv_s)), None
+
+        (dq, _, (dk, dv)), _ = jax.lax.scan(step, (dq, block, (dk, dv)), jnp.arange(1, p))
+        # after P - 1 hops each accumulator sits one device short of its owner
+        dk, dv = jax.lax.ppermute((dk, dv), cfg.axis_name, _perm(p))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q, k, v, kv_valid, cfg):
+    return _forward(q, k, v, kv_valid, cfg)
+
+
+def _ring_fwd(q, k, v, kv_valid, cfg):
+    o, lse = _forward(q, k, v, kv_valid, cfg)
+    return (o, lse), (q, k, v, kv_valid, o, lse)
+
+
+def _ring_bwd(cfg, res, cotangents):
+    q, k, v, kv_valid, o, lse = res
+    do, dlse = cotangents
+    dq, dk, dv = _backward(q, k, v, kv_valid, o, lse, do, dlse, cfg)
+    return dq, dk, dv, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
+                   scale: float | None = None, layout: str = "contiguous", kv_mask=None,
+                   implementation: str | None = None, return_lse: bool = False):
+    """Exact attention over a sequence sharded on ``axis_name`` (inside ``shard_map``).
+
+    Args:
+      query: [batch, n, num_heads, head_dim], this device's shard of the sequence.
+      key, value: [batch, n, num_kv_heads, head_dim], the matching shards
+        (``num_heads % num_kv_heads == 0``; the compact kv heads travel).
+      axis_name: the mesh axis the sequence is sharded over (``P`` devices).
+      is_causal: global causal mask (by global position, whatever the layout).
+      scale: logit scale, default ``1 / sqrt(head_dim)``.
+      layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"``: which global tokens
+        this shard holds (see :mod:`jax_dilated.layouts`; ``jd.sharded`` permutes
+        for you).
+      kv_mask: bool [batch, n], this shard's key padding mask (True = may be attended
+        to); it travels with its keys.
+      implementation: kernel; None chooses by device kind.
+      return_lse: also return the global log-sum-exp [batch, n, num_heads] (float32).
+
+    Returns:
+      [batch, n, num_heads, head_dim] in the input dtype: softmax attention of the
+      local queries over all keys of the global sequence. Rows with no key to
+      attend to are zero.
+    """
+    b, n, h, hkv, nk = validation.check_qkv(query, key, value)
+    if nk != n:
+        raise ValueError(
+            f"ring attention needs query and key/value shards of the same length, got "
+            f"query {tuple(query.shape)} and key {tuple(key.shape)}."
+        )
+    num_devices = _axis_size(axis_name)
+    layouts.check_layout(layout)
+    if layout == "zigzag" and n % 2:
+        raise ValueError(
+            f'layout="zigzag" needs an even shard length (two chunks per device), got '
+            f"{n} (query {tuple(query.shape)}): the global length must be divisible by "
+            f"2 x {num_devices}."
+        )
+    is_causal = validation.check_flag("is_causal", is_causal)
+    kv_mask = validation.check_kv_mask(kv_mask, b, n)
+    block = _aligned_block(n // 2) if layout == "zigzag" else None
+    args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
+                      is_causal=is_causal, block_q=block, block_k=block)
+    get_kernel(implementation)  # validate the name now, at trace time
+    cfg = _RingConfig(axis_name, num_devices, layout, args, implementation)
+    o, lse = _ring(query, key, value, kv_mask, cfg)
+    o = o.astype(query.dtype)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,115 @@
+"""``jd.sharded``: run a sequence-parallel operation on global arrays over a mesh.
+
+The user passes global ``[batch, seq, heads, head_dim]`` arrays; ``sharded``
+permutes the sequence into the ring layout, shards batch / sequence / heads over
+the named mesh axes, runs the operation inside ``jax.shard_map`` (with
+``check_vma=True``) and returns the global result in the user's token order. It
+works eagerly, under ``jax.jit`` and under ``jax.grad``, on meshes with Auto or
+Explicit axes (``jax.make_mesh`` makes Explicit ones).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_dilated import layouts
+
+__all__ = ["sharded"]
+
+
+def _check_axis(mesh, name, what):
+    if name is not None and name not in mesh.axis_names:
+        raise ValueError(
+            f"{what}={name!r} is not an axis of the mesh; its axes are "
+            f"{tuple(mesh.axis_names)}."
+        )
+
+
+def _place(x, mesh, spec):
+    """Put ``x`` on ``mesh`` as ``spec`` says (reshard for Explicit axes)."""
+    sharding = NamedSharding(mesh, spec)
+    explicit = any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()))
+    if explicit:
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
+            head_axis: str | None = None, layout: str = "contiguous"):
+    """Wrap ``fn`` (e.g. ``jd.ring_attention``) to run on global arrays over ``mesh``.
+
+    Args:
+      fn: an operation with the signature of :func:`jax_dilated.ring_attention`
+        (``fn(query, key, value, *, axis_name, layout, kv_mask)``); bind its other
+        options with ``functools.partial``.
+      mesh: a ``jax.sharding.Mesh``.
+      seq_axis: mesh axis to shard the sequence over (the ring).
+      batch_axis, head_axis: optional mesh axes to shard batch and heads over (heads
+        and kv heads must both divide by the head axis size).
+      layout: ring layout; the permutation into it and back is done here.
+
+    Returns:
+      ``g(query, key, value, *, kv_mask=None)`` on global arrays, returning the global
+      ``[batch, seq, heads, head_dim]`` output in token order.
+
+    Example:
+      >>> import functools, jax, jax_dilated as jd
+      >>> mesh = jax.make_mesh((1,), ("seq",))
+      >>> attn = jd.sharded(functools.partial(jd.ring_attention, is_causal=True),
+      ...                   mesh, seq_axis="seq", layout="zigzag")
+      >>> x = jax.random.normal(jax.random.key(0), (1, 64, 2, 8))
+      >>> attn(x, x, x).shape
+      (1, 64, 2, 8)
+    """
+    _check_axis(mesh, seq_axis, "seq_axis")
+    _check_axis(mesh, batch_axis, "batch_axis")
+    _check_axis(mesh, head_axis, "head_axis")
+    layouts.check_layout(layout)
+    num = mesh.shape[seq_axis]
+    qkv_spec = P(batch_axis, seq_axis, head_axis, None)
+    mask_spec = P(batch_axis, seq_axis)
+
+    def run(query, key, value, *, kv_mask=None):
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if getattr(x, "ndim", None) != 4:
+                raise ValueError(
+                    f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape "
+                    f"{getattr(x, 'shape', None)}."
+                )
+        layouts.check_divisible(query.shape[1], num, layout)
+        if head_axis is not None:
+            hsize = mesh.shape[head_axis]
+            if query.shape[2] % hsize or key.shape[2] % hsize:
+                raise ValueError(
+                    f"head_axis={head_axis!r} has {hsize} devices: num_heads "
+                    f"({query.shape[2]}) and num_kv_heads ({key.shape[2]}) must both be "
+                    f"divisible by it."
+                )
+        def to(x, spec):
+            if layout == "contiguous":
+                return _place(x, mesh, spec)
+            # Permute with the sequence unsharded (a gather along a sharded axis is
+            # ambiguous on Explicit meshes), then shard it.
+            whole = P(*(None if a == seq_axis else a for a in spec))
+            x = layouts.to_layout(_place(x, mesh, whole), num, layout)
+            return _place(x, mesh, spec)
+
+        args = [to(x, qkv_spec) for x in (query, key, value)]
+        specs = [qkv_spec] * 3
+        if kv_mask is not None:
+            args.append(to(kv_mask, mask_spec))
+            specs.append(mask_spec)
+
+        def local(q, k, v, mask=None):
+            return fn(q, k, v, axis_name=seq_axis, layout=layout, kv_mask=mask)
+
+        out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,
+                            check_vma=True)(*args)
+        if layout == "contiguous":
+            return out
+        out = _place(out, mesh, P(batch_axis, None, head_axis, None))
+        return layouts.from_layout(out, num, layout)
+
+    return run
