@@ -1,0 +1,65 @@
+"""Small helpers shared by the parity tests: random inputs, conversion, comparison."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+# tolerance relative to the reference's largest magnitude, per JAX dtype
+TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-2}
+
+
+def np_dtype(name: str):
+    return {"float64": np.float64, "float32": np.float32,
+            "bfloat16": jnp.bfloat16}[name]
+
+
+def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` rounded to ``dtype`` and back to float64 (what the reference sees)."""
+    return np.asarray(x.astype(np_dtype(dtype)), dtype=np.float64)
+
+
+def to_jax(x: np.ndarray, dtype: str):
+    """A JAX array of exactly ``dtype`` (x64 is on, so never rely on defaults)."""
+    out = jnp.asarray(x.astype(np_dtype(dtype)))
+    assert out.dtype == jnp.dtype(np_dtype(dtype)), (out.dtype, dtype)
+    return out
+
+
+def to_torch(x: np.ndarray, requires_grad: bool = False) -> torch.Tensor:
+    t = torch.tensor(np.asarray(x, dtype=np.float64), dtype=torch.float64)
+    return t.requires_grad_(requires_grad)
+
+
+def as_np(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().numpy().astype(np.float64)
+    return np.asarray(x).astype(np.float64)
+
+
+# Errors are measured relative to max(max |reference|, ABS_FLOOR). The tests draw
+# standard-normal inputs, so order 1 is the natural scale of every quantity; the
+# floor only matters when a reference vanishes analytically (e.g. dq when every
+# query sees only itself), where both sides hold pure rounding noise (~1e-16 in
+# float64, ~1e-7 in float32) and a ratio to ~0 would be meaningless.
+ABS_FLOOR = 1.0
+
+
+def rel_err(actual, expected) -> float:
+    """max |actual - expected| / max(max |expected|, ABS_FLOOR).
+
+    Non-finite entries (``-inf`` log-sum-exps) must coincide exactly.
+    """
+    a, e = as_np(actual), as_np(expected)
+    assert a.shape == e.shape, (a.shape, e.shape)
+    finite = np.isfinite(e)
+    assert np.array_equal(np.isfinite(a), finite), "non-finite entries differ"
+    assert np.array_equal(a[~finite], e[~finite]), "infinite entries differ"
+    scale = max(np.max(np.abs(e[finite]), initial=0.0), ABS_FLOOR)
+    return float(np.max(np.abs(a[finite] - e[finite]), initial=0.0) / scale)
+
+
+def assert_close(actual, expected, tol: float, what: str = ""):
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
