@@ -181,7 +181,7 @@ def _maybe_cond(pred, compute, skip, operand):
     return jax.lax.cond(pred, compute, skip, operand)
 
 
-def _dropout_keep(args: KernelArgs, rng, i, j, shape):
+def _dropout_keep(args: KernelArgs, rng, i, j, shape, dtype):
     """Scaled keep mask ``z / (1 - rate)`` of block (i, j), or None without dropout.
 
     Derived from (rng, i, j) alone, so the backward regenerates the same mask.
@@ -190,7 +190,7 @@ def _dropout_keep(args: KernelArgs, rng, i, j, shape):
         return None
     key = jax.random.fold_in(jax.random.fold_in(rng, i), j)
     keep = jax.random.bernoulli(key, 1.0 - args.dropout_rate, shape)
-    return keep.astype(jnp.float32) / (1.0 - args.dropout_rate)
+    return keep.astype(dtype) / jnp.asarray(1.0 - args.dropout_rate, dtype)
 
 
 def _logits(q_blk, k_blk, post_scale: float, mask, stats):
@@ -236,7 +236,7 @@ def _forward_core(q, k, v, kv_valid, args: KernelArgs, *, q_positions=None,
             def compute(state):
                 mask = _block_mask(args, q_pos, k_pos, k_valid)
                 s = _logits(q_blk, k_blk, prep.post_scale, mask, stats)
-                keep = _dropout_keep(args, dropout_rng, i, j, s.shape)
+                keep = _dropout_keep(args, dropout_rng, i, j, s.shape, stats)
 
                 def pv(p):
                     if keep is not None:
@@ -293,7 +293,8 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
                 if mask is not None:
                     st = jnp.where(mask, st, -jnp.inf)
                 pt = jnp.exp(st - lse_blk[:, :, None])
-                keep = _dropout_keep(args, dropout_rng, i, j, q_blk.shape[:-1] + (k_blk.shape[-2],))
+                keep = _dropout_keep(args, dropout_rng, i, j,
+                                     q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                 if keep is not None:
                     keep = jnp.moveaxis(keep, -1, 2)
                 pz = pt if keep is None else pt * keep
