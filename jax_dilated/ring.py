@@ -195,7 +195,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
       kv_mask: bool [batch, n], this shard's key padding mask (True = may be attended
         to); it travels with its keys.
       implementation: kernel; None chooses by device kind.
-      return_lse: also return the global log-sum-exp [batch, n, num_heads] (float32).
+      return_lse: also return the global log-sum-exp [batch, n, num_heads] (float32;
+        float64 for float64 inputs).
 
     Returns:
       [batch, n, num_heads, head_dim] in the input dtype: softmax attention of the
