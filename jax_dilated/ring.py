@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax_dilated import layouts, softmax, validation
 from jax_dilated._vma import varying_like
 from jax_dilated.backends import KernelArgs, get_kernel
+from jax_dilated.backends.base import any_pair_allowed
 
 __all__ = ["ring_attention"]
 
@@ -57,16 +58,6 @@ def _aligned_block(chunk: int, target: int = 512) -> int:
     """Largest divisor of ``chunk`` not above ``target`` (whole chunk if that is tiny)."""
     best = max(d for d in range(1, min(chunk, target) + 1) if chunk % d == 0)
     return best if best >= min(64, chunk) else chunk
-
-
-def _step_needed(cfg: _RingConfig, q_pos, k_pos, kv_valid):
-    need = None
-    if cfg.args.is_causal:
-        need = jnp.min(k_pos) <= jnp.max(q_pos)
-    if kv_valid is not None:
-        any_valid = jnp.any(kv_valid)
-        need = any_valid if need is None else need & any_valid
-    return need
 
 
 def _cond(pred, compute, skip):
@@ -98,7 +89,7 @@ def _forward(q, k, v, kv_valid, cfg: _RingConfig):
             return varying_like((jnp.zeros(q.shape, stats),
                                  jnp.full(q.shape[:3], -jnp.inf, stats)), (q, k_blk))
 
-        return _cond(_step_needed(cfg, q_pos, k_pos, valid_blk), compute, skip)
+        return _cond(any_pair_allowed(cfg.args.is_causal, q_pos, k_pos, valid_blk), compute, skip)
 
     block = (k, v, kv_valid)
     if p == 1:
@@ -139,7 +130,7 @@ def _backward(q, k, v, kv_valid, o, lse, do, dlse, cfg: _RingConfig):
             return varying_like((jnp.zeros(q.shape, stats), jnp.zeros(k_blk.shape, stats),
                                  jnp.zeros(v_blk.shape, stats)), (q, k_blk, do))
 
-        return _cond(_step_needed(cfg, q_pos, k_pos, valid_blk), compute, skip)
+        return _cond(any_pair_allowed(cfg.args.is_causal, q_pos, k_pos, valid_blk), compute, skip)
 
     block = (k, v, kv_valid)
     dq, dk, dv = grads(block, me)

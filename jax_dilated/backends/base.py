@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["KernelArgs"]
+import jax.numpy as jnp
+
+__all__ = ["KernelArgs", "any_pair_allowed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,3 +41,18 @@ class KernelArgs:
     dropout_rate: float = 0.0
     block_q: int | None = None
     block_k: int | None = None
+
+
+def any_pair_allowed(is_causal: bool, q_pos, k_pos, kv_valid):
+    """Whether any (query, key) pair of a block is allowed; None when statically always.
+
+    Used to skip whole blocks (kernel) and whole ring steps: causal blocks whose
+    earliest key is after the latest query, and blocks with no valid key.
+    """
+    need = None
+    if is_causal:
+        need = jnp.min(k_pos) <= jnp.max(q_pos)
+    if kv_valid is not None:
+        any_valid = jnp.any(kv_valid)
+        need = any_valid if need is None else need & any_valid
+    return need

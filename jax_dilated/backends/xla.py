@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_dilated import softmax
 from jax_dilated._vma import varying_like
-from jax_dilated.backends.base import KernelArgs
+from jax_dilated.backends.base import KernelArgs, any_pair_allowed
 
 __all__ = ["forward", "backward", "attention", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
 
@@ -163,17 +163,6 @@ def _block_mask_t(args: KernelArgs, q_pos, k_pos, k_valid):
     return mask
 
 
-def _block_needed(args: KernelArgs, q_pos, k_pos, k_valid):
-    """Whether any pair of a (query block, key block) is allowed, or None if always."""
-    need = None
-    if args.is_causal:
-        need = jnp.min(k_pos) <= jnp.max(q_pos)
-    if k_valid is not None:
-        any_valid = jnp.any(k_valid)
-        need = any_valid if need is None else need & any_valid
-    return need
-
-
 def _maybe_cond(pred, compute, skip, operand):
     """``lax.cond`` that is skipped entirely when the predicate is statically True."""
     if pred is None:
@@ -246,7 +235,7 @@ def _forward_core(q, k, v, kv_valid, args: KernelArgs, *, q_positions=None,
 
                 return softmax.update_state(state, s, pv)[0]
 
-            need = _block_needed(args, q_pos, k_pos, k_valid)
+            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
             return _maybe_cond(need, compute, lambda st: st, state), None
 
         state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v))
@@ -320,7 +309,7 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
             def skip(carry):
                 return carry, varying_like(jnp.zeros(dq_t_shape, stats), (q, k, v, do))
 
-            need = _block_needed(args, q_pos, k_pos, k_valid)
+            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
             return _maybe_cond(need, compute, skip, carry)
 
         n_, h_, g_, bq_, d_ = prep.q.shape[1:]
