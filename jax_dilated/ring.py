@@ -35,12 +35,38 @@ __all__ = ["ring_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
-class _RingConfig:
+class RingConfig:
+    """Static configuration of one ring.
+
+    The ``axis_size`` devices of ``axis_name`` form ``axis_size / ring_size``
+    independent rings of ``ring_size`` consecutive devices (one ring of all of them
+    for ring attention; the devices sharing a segment for distributed dilated
+    attention). ``layout`` is the layout of the sequence inside a ring.
+    """
+
     axis_name: str
-    num_devices: int
+    axis_size: int
+    ring_size: int
     layout: str
     args: KernelArgs
     implementation: str | None
+
+    def perm(self):
+        """ppermute pairs: every device sends to the next device of its ring."""
+        g = self.ring_size
+        return [(j, j - j % g + (j % g + 1) % g) for j in range(self.axis_size)]
+
+    def ring_index(self):
+        """This device's index inside its ring (traced)."""
+        me = jax.lax.axis_index(self.axis_name)
+        return me if self.ring_size == self.axis_size else me % self.ring_size
+
+    def step_rng(self, rng, src):
+        """Dropout key of (this device, visiting block ``src``); None without dropout."""
+        if rng is None:
+            return None
+        me = jax.lax.axis_index(self.axis_name)
+        return jax.random.fold_in(jax.random.fold_in(rng, me), src)
 
 
 def _axis_size(axis_name) -> int:
@@ -64,16 +90,12 @@ def _cond(pred, compute, skip):
     return compute() if pred is None else jax.lax.cond(pred, compute, skip)
 
 
-def _perm(num_devices: int):
-    return [(j, (j + 1) % num_devices) for j in range(num_devices)]
-
-
-def _forward(q, k, v, kv_valid, cfg: _RingConfig):
+def _forward(q, k, v, kv_valid, rng, cfg: RingConfig):
     """Global (o, lse) of the local queries: o [B, n, H, D] (stats dtype), lse [B, n, H]."""
     kernel = get_kernel(cfg.implementation)
-    p, n = cfg.num_devices, q.shape[1]
+    p, n = cfg.ring_size, q.shape[1]
     stats = softmax.stats_dtype(q.dtype)
-    me = jax.lax.axis_index(cfg.axis_name)
+    me = cfg.ring_index()
     q_pos = layouts.local_positions(cfg.layout, me, p, n)
 
     def partial(block, src):
@@ -82,7 +104,8 @@ def _forward(q, k, v, kv_valid, cfg: _RingConfig):
 
         def compute():
             o, lse = kernel.forward(q, k_blk, v_blk, cfg.args, q_positions=q_pos,
-                                    k_positions=k_pos, kv_valid=valid_blk)
+                                    k_positions=k_pos, kv_valid=valid_blk,
+                                    dropout_rng=cfg.step_rng(rng, src))
             return o.astype(stats), lse
 
         def skip():
@@ -98,21 +121,21 @@ def _forward(q, k, v, kv_valid, cfg: _RingConfig):
     def step(carry, s):
         o, lse, block = carry
         src = (me - s) % p
-        nxt = jax.lax.ppermute(block, cfg.axis_name, _perm(p))  # send first, then compute
+        nxt = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())  # send first, then compute
         o, lse = softmax.merge_partials(o, lse, *partial(block, src))
         return (o, lse, nxt), None
 
     o, lse = partial(block, me)
-    nxt = jax.lax.ppermute(block, cfg.axis_name, _perm(p))
+    nxt = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())
     (o, lse, block), _ = jax.lax.scan(step, (o, lse, nxt), jnp.arange(1, p - 1))
     return softmax.merge_partials(o, lse, *partial(block, (me - (p - 1)) % p))
 
 
-def _backward(q, k, v, kv_valid, o, lse, do, dlse, cfg: _RingConfig):
+def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig):
     kernel = get_kernel(cfg.implementation)
-    p, n = cfg.num_devices, q.shape[1]
+    p, n = cfg.ring_size, q.shape[1]
     stats = softmax.stats_dtype(q.dtype)
-    me = jax.lax.axis_index(cfg.axis_name)
+    me = cfg.ring_index()
     q_pos = layouts.local_positions(cfg.layout, me, p, n)
     delta = softmax.row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
 
@@ -123,7 +146,8 @@ def _backward(q, k, v, kv_valid, o, lse, do, dlse, cfg: _RingConfig):
         def compute():
             dq, dk, dv = kernel.backward(q, k_blk, v_blk, do, lse, delta, cfg.args,
                                          q_positions=q_pos, k_positions=k_pos,
-                                         kv_valid=valid_blk)
+                                         kv_valid=valid_blk,
+                                         dropout_rng=cfg.step_rng(rng, src))
             return dq.astype(stats), dk.astype(stats), dv.astype(stats)
 
         def skip():
@@ -138,31 +162,40 @@ def _backward(q, k, v, kv_valid, o, lse, do, dlse, cfg: _RingConfig):
         def step(carry, s):
             dq, block, dkv = carry
             # the block and its gradient accumulators travel together
-            block, dkv = jax.lax.ppermute((block, dkv), cfg.axis_name, _perm(p))
+            block, dkv = jax.lax.ppermute((block, dkv), cfg.axis_name, cfg.perm())
             dq_s, dk_s, dv_s = grads(block, (me - s) % p)
             return (dq + dq_s, block, (dkv[0] + dk_s, dkv[1] + dv_s)), None
 
         (dq, _, (dk, dv)), _ = jax.lax.scan(step, (dq, block, (dk, dv)), jnp.arange(1, p))
         # after P - 1 hops each accumulator sits one device short of its owner
-        dk, dv = jax.lax.ppermute((dk, dv), cfg.axis_name, _perm(p))
+        dk, dv = jax.lax.ppermute((dk, dv), cfg.axis_name, cfg.perm())
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ring(q, k, v, kv_valid, cfg):
-    return _forward(q, k, v, kv_valid, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, k, v, kv_valid, rng, cfg):
+    return _forward(q, k, v, kv_valid, rng, cfg)
 
 
-def _ring_fwd(q, k, v, kv_valid, cfg):
-    o, lse = _forward(q, k, v, kv_valid, cfg)
-    return (o, lse), (q, k, v, kv_valid, o, lse)
+def _ring_fwd(q, k, v, kv_valid, rng, cfg):
+    o, lse = _forward(q, k, v, kv_valid, rng, cfg)
+    return (o, lse), (q, k, v, kv_valid, rng, o, lse)
 
 
 def _ring_bwd(cfg, res, cotangents):
-    q, k, v, kv_valid, o, lse = res
+    q, k, v, kv_valid, rng, o, lse = res
     do, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, kv_valid, o, lse, do, dlse, cfg)
-    return dq, dk, dv, None
+    dq, dk, dv = _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg)
+    return dq, dk, dv, None, None
+
+
+def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig):
+    """Global ``(o, lse)`` of the local queries (o in the stats dtype), differentiable.
+
+    The ring core shared by :func:`ring_attention` and distributed dilated
+    attention; ``rng`` is the dropout key (None without dropout).
+    """
+    return _ring(q, k, v, kv_valid, rng, cfg)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -214,7 +247,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
     args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
                       is_causal=is_causal, block_q=block, block_k=block)
     get_kernel(implementation)  # validate the name now, at trace time
-    cfg = _RingConfig(axis_name, num_devices, layout, args, implementation)
-    o, lse = _ring(query, key, value, kv_mask, cfg)
+    cfg = RingConfig(axis_name, num_devices, num_devices, layout, args, implementation)
+    o, lse = _ring(query, key, value, kv_mask, None, cfg)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o
