@@ -20,96 +20,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated import patterns, softmax, validation
+from jax_dilated import distributed, gather, patterns, softmax, validation
 from jax_dilated.backends import KernelArgs, get_kernel
 
 __all__ = ["dilated_attention"]
 
 
-def _pad_seq(x, padded_len: int, value=0):
-    pad = padded_len - x.shape[1]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _gather_dilated(x, branch: patterns.Branch, offsets: np.ndarray, heads: np.ndarray):
-    """Dilated segments of ``x`` for heads ``heads`` at offsets ``offsets``.
-
-    Args:
-      x: [B, T, Hx, ...] (per-head data, e.g. queries, or a [B, T, Hx] mask).
-      branch: the resolved branch (``w`` effective, ``r``).
-      offsets, heads: [Hs] static offset and head index of each output head.
-
-    Returns:
-      [B * S, w / r, Hs, ...] with ``S`` segments; token ``a`` of segment ``s``
-      for output head ``i`` is position ``s*w + a*r + offsets[i]`` of head
-      ``heads[i]`` (positions past ``T`` read padding).
-    """
-    b, t, hx = x.shape[:3]
-    w, r = branch.effective_length, branch.rate
-    s = branch.num_segments(t)
-    x = _pad_seq(x, s * w).reshape(b, s, w // r, r * hx, *x.shape[3:])
-    flat = np.asarray(offsets) * hx + np.asarray(heads)
-    if not np.array_equal(flat, np.arange(r * hx)):
-        x = jnp.take(x, flat, axis=3)
-    return x.reshape(b * s, w // r, len(flat), *x.shape[4:])
-
-
-def _scatter_dilated(y, branch: patterns.Branch, offsets: np.ndarray, batch: int,
-                     seq_len: int, fill):
-    """Inverse of :func:`_gather_dilated` for one set of heads: [B*S, w/r, Hs, ...] -> [B, T, Hs, ...].
-
-    Positions a head does not select get ``fill`` (0 for outputs, -inf for lse).
-    """
-    w, r = branch.effective_length, branch.rate
-    s = y.shape[0] // batch
-    head_and_rest = y.shape[2:]  # (Hs, ...)
-    y = y.reshape(batch, s, w // r, *head_and_rest)
-    if r > 1:
-        selected = np.arange(r)[:, None] == np.asarray(offsets)[None, :]  # [r, Hs]
-        selected = selected.reshape((1, 1, 1) + selected.shape + (1,) * (len(head_and_rest) - 1))
-        y = jnp.where(selected, jnp.expand_dims(y, 3), jnp.asarray(fill, y.dtype))
-    y = y.reshape(batch, s * w, *head_and_rest)
-    return y[:, :seq_len]
-
-
-def _key_validity(kv_mask, branch: patterns.Branch, batch: int, seq_len: int):
-    """[B, T] validity of keys, or None when every key of every segment exists."""
-    if kv_mask is None and seq_len % branch.effective_length == 0:
-        return None
-    return jnp.ones((batch, seq_len), bool) if kv_mask is None else kv_mask
-
-
-def _run_branch(kernel, plan: patterns.BranchPlan, query, key, value, kv_mask, args,
-                dropout_rng):
-    """(o, lse) of one branch for the heads ``plan.query_heads``: [B, T, Hq, D], [B, T, Hq]."""
-    b, t = query.shape[:2]
-    br = plan.branch
-    q = _gather_dilated(query, br, plan.offsets, plan.query_heads)
-    k = _gather_dilated(key, br, plan.kv_offsets, plan.kv_heads)
-    v = _gather_dilated(value, br, plan.kv_offsets, plan.kv_heads)
-    valid = _key_validity(kv_mask, br, b, t)
-    if valid is not None:
-        # broadcast the [B, T] mask to the gathered kv heads: [B, T, Hkv_g]
-        per_head = jnp.broadcast_to(valid[:, :, None], (b, t, key.shape[2]))
-        valid = _gather_dilated(per_head, br, plan.kv_offsets, plan.kv_heads)
-        # positions past T are padding: they read False through _pad_seq.
-    o, lse = kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=dropout_rng)
-    o = _scatter_dilated(o, br, plan.offsets, b, t, 0)
-    lse = _scatter_dilated(lse, br, plan.offsets, b, t, -jnp.inf)
-    return o, lse
+def _kernel_attend(kernel, args, rng, q, k, v, valid):
+    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng)
 
 
 def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
                       mode: str = "longnet", head_offsets: str = "modulo",
                       is_causal: bool = False, scale: float | None = None, kv_mask=None,
-                      dropout_rate: float = 0.0, dropout_rng=None,
+                      dropout_rate: float = 0.0, dropout_rng=None, axis_name=None,
                       implementation: str | None = None, block_q: int | None = None,
                       block_k: int | None = None):
-    """LongNet dilated attention on one device.
+    """LongNet dilated attention, on one device or with the sequence sharded over a mesh axis.
 
     Args:
       query: [batch, seq, num_heads, head_dim].
@@ -128,6 +55,13 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
       dropout_rate: attention-probability dropout rate (the denominators see no
         dropout); needs ``dropout_rng``. Deterministic for a given key.
       dropout_rng: a ``jax.random`` key.
+      axis_name: None on one device. Inside ``jax.shard_map``: the mesh axis the
+        sequence is sharded over, contiguously (device ``d`` of ``P`` holds tokens
+        ``[d n, (d+1) n)``; query/key/value/kv_mask are the local shards). The result
+        equals single-device attention on the global sequence. Segments that fit in
+        a shard run locally with no communication; a segment spanning ``g`` devices
+        (``w = g n``, ``g | P``, or ``w >= T``; needs ``n % r == 0``) dilates locally
+        and runs a ring over its ``g`` devices (:mod:`jax_dilated.distributed`).
       implementation: kernel; None chooses by device kind (``"xla"`` on CPU).
       block_q, block_k: kernel block sizes (None: the kernel's defaults).
 
@@ -162,15 +96,28 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
     args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
                       is_causal=is_causal, dropout_rate=dropout_rate,
                       block_q=block_q, block_k=block_k)
-    plans = patterns.plan_branches(branches, seq_len=t, num_heads=h, num_kv_heads=hkv,
-                                   mode=mode, offsets_rule=head_offsets)
-    kernel = get_kernel(implementation)
-
-    def rng_for(i):
-        return None if dropout_rate == 0.0 else jax.random.fold_in(dropout_rng, i)
-
-    results = [_run_branch(kernel, plan, query, key, value, kv_mask, args, rng_for(i))
-               for i, plan in enumerate(plans)]
+    num_devices = 1 if axis_name is None else validation.axis_size(
+        axis_name, "dilated_attention(axis_name=...)")
+    plans = patterns.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
+                                   num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
+    rng = dropout_rng if dropout_rate > 0.0 else None
+    if axis_name is None:
+        kernel = get_kernel(implementation)
+        results = []
+        for i, plan in enumerate(plans):
+            attend = functools.partial(
+                _kernel_attend, kernel, args,
+                None if rng is None else jax.random.fold_in(rng, i))
+            results.append(gather.attend_dilated(attend, plan.branch, plan, query, key,
+                                                 value, kv_mask))
+    else:
+        get_kernel(implementation)  # validate the name now, at trace time
+        sharded_branches = distributed.shard_branches(branches, local_len=t,
+                                                      num_devices=num_devices)
+        results = distributed.branch_partials(
+            plans, sharded_branches, query, key, value, kv_mask, args,
+            axis_name=axis_name, num_devices=num_devices, implementation=implementation,
+            dropout_rng=rng)
     if mode == "longnet":
         stats = softmax.stats_dtype(query.dtype)
         o, lse = results[0][0].astype(stats), results[0][1]

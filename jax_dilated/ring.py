@@ -69,17 +69,6 @@ class RingConfig:
         return jax.random.fold_in(jax.random.fold_in(rng, me), src)
 
 
-def _axis_size(axis_name) -> int:
-    try:
-        return jax.lax.axis_size(axis_name)
-    except NameError as err:
-        raise ValueError(
-            f"axis_name={axis_name!r} is not bound: call ring_attention inside "
-            f"jax.shard_map over a mesh with that axis, or use jd.sharded(...) on "
-            f"global arrays ({err})."
-        ) from None
-
-
 def _aligned_block(chunk: int, target: int = 512) -> int:
     """Largest divisor of ``chunk`` not above ``target`` (whole chunk if that is tiny)."""
     best = max(d for d in range(1, min(chunk, target) + 1) if chunk % d == 0)
@@ -233,7 +222,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
             f"ring attention needs query and key/value shards of the same length, got "
             f"query {tuple(query.shape)} and key {tuple(key.shape)}."
         )
-    num_devices = _axis_size(axis_name)
+    num_devices = validation.axis_size(axis_name, "ring_attention")
     layouts.check_layout(layout)
     if layout == "zigzag" and n % 2:
         raise ValueError(

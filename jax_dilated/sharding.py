@@ -10,6 +10,8 @@ Explicit axes (``jax.make_mesh`` makes Explicit ones).
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -27,6 +29,19 @@ def _check_axis(mesh, name, what):
         )
 
 
+def _name(fn) -> str:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    return getattr(inner, "__name__", repr(inner))
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True  # cannot tell: let the call decide
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def _place(x, mesh, spec):
     """Put ``x`` on ``mesh`` as ``spec`` says (reshard for Explicit axes)."""
     sharding = NamedSharding(mesh, spec)
@@ -38,17 +53,19 @@ def _place(x, mesh, spec):
 
 def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
             head_axis: str | None = None, layout: str = "contiguous"):
-    """Wrap ``fn`` (e.g. ``jd.ring_attention``) to run on global arrays over ``mesh``.
+    """Wrap ``fn`` (``jd.ring_attention``, ``jd.dilated_attention``) to run on global arrays over ``mesh``.
 
     Args:
-      fn: an operation with the signature of :func:`jax_dilated.ring_attention`
-        (``fn(query, key, value, *, axis_name, layout, kv_mask)``); bind its other
-        options with ``functools.partial``.
+      fn: a sequence-parallel operation called as ``fn(query, key, value, *,
+        axis_name, kv_mask)`` on the local shards (plus ``layout=`` when ``layout``
+        is not ``"contiguous"``); bind its other options with ``functools.partial``.
       mesh: a ``jax.sharding.Mesh``.
-      seq_axis: mesh axis to shard the sequence over (the ring).
+      seq_axis: mesh axis to shard the sequence over.
       batch_axis, head_axis: optional mesh axes to shard batch and heads over (heads
         and kv heads must both divide by the head axis size).
-      layout: ring layout; the permutation into it and back is done here.
+      layout: how the sequence is laid out over ``seq_axis`` (ring attention only;
+        dilated attention is contiguous); the permutation into it and back is done
+        here.
 
     Returns:
       ``g(query, key, value, *, kv_mask=None)`` on global arrays, returning the global
@@ -67,6 +84,13 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
     _check_axis(mesh, batch_axis, "batch_axis")
     _check_axis(mesh, head_axis, "head_axis")
     layouts.check_layout(layout)
+    # Only the ring takes a layout; dilated attention shards contiguously.
+    layout_kw = {} if layout == "contiguous" else {"layout": layout}
+    if layout_kw and not _accepts(fn, "layout"):
+        raise ValueError(
+            f"layout={layout!r} needs an operation that takes a layout (ring_attention); "
+            f"{_name(fn)} shards the sequence contiguously: use layout='contiguous'."
+        )
     num = mesh.shape[seq_axis]
     qkv_spec = P(batch_axis, seq_axis, head_axis, None)
     mask_spec = P(batch_axis, seq_axis)
@@ -103,7 +127,7 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
             specs.append(mask_spec)
 
         def local(q, k, v, mask=None):
-            return fn(q, k, v, axis_name=seq_axis, layout=layout, kv_mask=mask)
+            return fn(q, k, v, axis_name=seq_axis, kv_mask=mask, **layout_kw)
 
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,
                             check_vma=True)(*args)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-__all__ = ["check_qkv", "check_kv_mask", "check_dropout", "check_scale", "default_scale"]
+__all__ = ["axis_size", "check_qkv", "check_kv_mask", "check_dropout", "check_scale", "default_scale"]
 
 
 def check_qkv(query, key, value) -> tuple[int, int, int, int, int]:
@@ -101,3 +102,14 @@ def check_flag(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a Python bool, got {value!r}.")
     return value
+
+
+def axis_size(axis_name, caller: str) -> int:
+    """Size of the bound mesh axis ``axis_name``; a clear error when it is not bound."""
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not bound: call {caller} inside jax.shard_map "
+            f"over a mesh with that axis, or use jd.sharded(...) on global arrays ({err})."
+        ) from None

@@ -1,0 +1,105 @@
+"""Dilating and undilating arrays: the gather/scatter between positions and dilated segments.
+
+For a branch ``(w, r)`` the sequence is cut into segments of ``w`` tokens and every
+segment into ``w / r`` rows of ``r`` columns; a head with offset ``o`` selects column
+``o``, a dense *dilated segment* of ``w / r`` tokens in increasing position order.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated import patterns
+
+__all__ = ["gather_dilated", "scatter_dilated", "key_validity", "attend_dilated"]
+
+
+def _pad_seq(x, padded_len: int, value=0):
+    pad = padded_len - x.shape[1]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def gather_dilated(x, branch: patterns.Branch, offsets: np.ndarray, heads: np.ndarray):
+    """Dilated segments of ``x`` for heads ``heads`` at offsets ``offsets``.
+
+    Args:
+      x: [B, T, Hx, ...] (per-head data, e.g. queries, or a [B, T, Hx] mask).
+      branch: the resolved branch (``w`` effective, ``r``).
+      offsets, heads: [Hs] static offset and head index of each output head.
+
+    Returns:
+      [B * S, w / r, Hs, ...] with ``S`` segments; token ``a`` of segment ``s``
+      for output head ``i`` is position ``s*w + a*r + offsets[i]`` of head
+      ``heads[i]`` (positions past ``T`` read padding).
+    """
+    b, t, hx = x.shape[:3]
+    w, r = branch.effective_length, branch.rate
+    s = branch.num_segments(t)
+    x = _pad_seq(x, s * w).reshape(b, s, w // r, r * hx, *x.shape[3:])
+    flat = np.asarray(offsets) * hx + np.asarray(heads)
+    if not np.array_equal(flat, np.arange(r * hx)):
+        x = jnp.take(x, flat, axis=3)
+    return x.reshape(b * s, w // r, len(flat), *x.shape[4:])
+
+
+def scatter_dilated(y, branch: patterns.Branch, offsets: np.ndarray, batch: int,
+                     seq_len: int, fill):
+    """Inverse of :func:`gather_dilated` for one set of heads: [B*S, w/r, Hs, ...] -> [B, T, Hs, ...].
+
+    Positions a head does not select get ``fill`` (0 for outputs, -inf for lse).
+    """
+    w, r = branch.effective_length, branch.rate
+    s = y.shape[0] // batch
+    head_and_rest = y.shape[2:]  # (Hs, ...)
+    y = y.reshape(batch, s, w // r, *head_and_rest)
+    if r > 1:
+        selected = np.arange(r)[:, None] == np.asarray(offsets)[None, :]  # [r, Hs]
+        selected = selected.reshape((1, 1, 1) + selected.shape + (1,) * (len(head_and_rest) - 1))
+        y = jnp.where(selected, jnp.expand_dims(y, 3), jnp.asarray(fill, y.dtype))
+    y = y.reshape(batch, s * w, *head_and_rest)
+    return y[:, :seq_len]
+
+
+def key_validity(kv_mask, branch: patterns.Branch, batch: int, seq_len: int):
+    """[B, T] validity of keys, or None when every key of every segment exists."""
+    if kv_mask is None and seq_len % branch.effective_length == 0:
+        return None
+    return jnp.ones((batch, seq_len), bool) if kv_mask is None else kv_mask
+
+
+def attend_dilated(attend, branch: patterns.Branch, plan: patterns.BranchPlan, query, key,
+                   value, kv_mask):
+    """Dilate, attend inside every dilated segment, undilate: one branch's ``(o, lse)``.
+
+    Args:
+      attend: ``attend(q, k, v, kv_valid) -> (o, lse)`` on dilated segments
+        ``q`` [N, w/r, Hq, D], ``k``/``v`` [N, w/r, Hkv_g, D], ``kv_valid`` None or
+        [N, w/r, Hkv_g] (a kernel call on one device; a ring across devices).
+      branch: how to cut ``query``'s sequence axis (``plan.branch`` on one device;
+        the local shard as one piece when a segment spans devices).
+      plan: the heads, offsets and compact kv heads of the branch.
+      query: [B, T, H, D]; key, value: [B, T, Hkv, D]; kv_mask: None or [B, T] bool.
+
+    Returns:
+      o [B, T, Hq, D] (zero where a head does not select a position) and
+      lse [B, T, Hq] (-inf there), for the heads ``plan.query_heads``.
+    """
+    b, t = query.shape[:2]
+    q = gather_dilated(query, branch, plan.offsets, plan.query_heads)
+    k = gather_dilated(key, branch, plan.kv_offsets, plan.kv_heads)
+    v = gather_dilated(value, branch, plan.kv_offsets, plan.kv_heads)
+    valid = key_validity(kv_mask, branch, b, t)
+    if valid is not None:
+        # broadcast the [B, T] mask to the gathered kv heads: [B, T, Hkv_g]; positions
+        # past T are padding and read False through _pad_seq.
+        per_head = jnp.broadcast_to(valid[:, :, None], (b, t, key.shape[2]))
+        valid = gather_dilated(per_head, branch, plan.kv_offsets, plan.kv_heads)
+    o, lse = attend(q, k, v, valid)
+    o = scatter_dilated(o, branch, plan.offsets, b, t, 0)
+    lse = scatter_dilated(lse, branch, plan.offsets, b, t, -jnp.inf)
+    return o, lse
