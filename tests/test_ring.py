@@ -32,11 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_dilated as jd
 from jax_dilated import layouts
+from _mesh import build_mesh
 
 torch = pytest.importorskip("torch")  # the reference; without it the module skips
 
@@ -128,17 +129,6 @@ def jnp_reference(q, k, v, g, mask, *, causal, scale):
 
 
 # ----------------------------------------------------------------------------- meshes
-
-
-def build_mesh(shape, names, kind):
-    """``jax.make_mesh`` (Explicit axes) or a hand-built ``Mesh`` with Auto axes."""
-    if kind == "explicit":
-        mesh = jax.make_mesh(shape, names)
-        assert all(t == AxisType.Explicit for t in mesh.axis_types), mesh.axis_types
-        return mesh
-    assert kind == "auto", kind
-    devices = np.array(jax.devices()[:math.prod(shape)]).reshape(shape)
-    return jax.sharding.Mesh(devices, names, axis_types=(AxisType.Auto,) * len(shape))
 
 
 # --------------------------------------------------------------------- parity matrix
