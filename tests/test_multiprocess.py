@@ -1,4 +1,4 @@
-"""Ring attention across real processes: ``scripts/ring_multiprocess.py``, 2 processes x 2 CPU devices.
+"""Ring and dilated attention across real processes: ``scripts/multiprocess.py``, 2 processes x 2 CPU devices.
 
 The script starts its own processes (``jax.distributed`` over gloo on 127.0.0.1),
 so it runs in a subprocess here, unaffected by this process's simulated devices
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "ring_multiprocess.py")
+SCRIPT = os.path.join(ROOT, "scripts", "multiprocess.py")
 
 _PROBE = """
 import jax
@@ -49,12 +49,25 @@ def _run(*args, timeout=240):
 
 
 def test_ring_two_processes_two_devices(gloo_available):
-    proc = _run("--num-processes", "2", "--devices-per-process", "2", "--timeout", "150")
+    proc = _run("--num-processes", "2", "--devices-per-process", "2",
+                "--tokens-per-device", "6", "--timeout", "150")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "mesh {'data': 1, 'seq': 4}" in out, out
     for layout in ("contiguous", "zigzag", "striped"):
         assert f"PASS layout={layout} " in out, out
+    assert "FAIL" not in out, out
+    assert "ALL PASS (2 processes)" in out, out
+
+
+def test_dilated_two_processes_two_devices(gloo_available):
+    """Segments 16 and 32 span 2 and 4 devices: their dilated rings cross processes."""
+    proc = _run("--op", "dilated", "--segments", "4,8,16,32", "--rates", "1,2,4,8",
+                "--tokens-per-device", "8", "--timeout", "150")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "mesh {'data': 1, 'seq': 4}" in out, out
+    assert "PASS dilated segments=[4, 8, 16, 32] rates=[1, 2, 4, 8]" in out, out
     assert "FAIL" not in out, out
     assert "ALL PASS (2 processes)" in out, out
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Ring attention across several *processes* (multi-controller JAX), checked for exactness.
+"""Ring or dilated attention across several *processes* (multi-controller JAX), checked for exactness.
 
 The launcher starts ``--num-processes`` Python processes on this machine (default 2),
 each owning ``--devices-per-process`` CPU devices (default 2), wired together by
@@ -12,28 +12,31 @@ process then
 2. builds the global q, k, v, key padding mask and output cotangent from the same
    seed with ``jax.make_array_from_callback`` (each process materialises only its
    own shards),
-3. runs ``jax.jit(jax.grad(sum(g * ring(q, k, v))))`` with the ring built by
-   ``jd.sharded(jd.ring_attention, ...)`` -- forward and backward rings -- for every
-   requested layout,
+3. runs ``jax.jit(jax.grad(sum(g * attn(q, k, v))))`` with ``attn`` built by
+   ``jd.sharded(jd.ring_attention, ...)`` for every requested layout (``--op ring``),
+   or by ``jd.sharded(jd.dilated_attention, ...)`` (``--op dilated``: segments that
+   span devices run dilated rings across the processes) -- forward and backward,
 4. gathers output and gradients with ``multihost_utils.process_allgather``.
 
-Process 0 compares them with exact attention computed by itself alone (plain
-``jnp``, float64, ``jax.grad``, on one of its local devices) and prints ``PASS`` or
+Process 0 compares them with the single-device result computed by itself alone in
+float64 on one of its local devices (exact attention in plain ``jnp`` for the ring,
+``jd.dilated_attention`` without ``axis_name`` for dilated) and prints ``PASS`` or
 ``FAIL`` with the largest relative error. The exit status is non-zero if any
 process fails, crashes or runs past ``--timeout`` seconds (the launcher then kills
 every child it started).
 
 Usage (this machine, CPU)::
 
-    python scripts/ring_multiprocess.py                        # 2 processes x 2 devices
-    python scripts/ring_multiprocess.py -n 4 -k 2 --data 2     # mesh (data 2, seq 4)
-    python scripts/ring_multiprocess.py --layouts zigzag --no-causal --dtype float64
+    python scripts/multiprocess.py                        # ring, 2 processes x 2 devices
+    python scripts/multiprocess.py -n 4 -k 2 --data 2     # mesh (data 2, seq 4)
+    python scripts/multiprocess.py --layouts zigzag --no-causal --dtype float64
+    python scripts/multiprocess.py --op dilated --segments 4,16,32 --rates 1,2,4
 
 Several hosts: run the worker yourself on every host, one process per host (or per
 GPU), all pointing at the same coordinator (host 0, any free port)::
 
     # on host i of N  (i = 0 .. N-1)
-    python scripts/ring_multiprocess.py --worker --coordinator host0:12345 \\
+    python scripts/multiprocess.py --worker --coordinator host0:12345 \\
         --num-processes N --process-id i --platform cpu --devices-per-process 8
 
 GPUs: pass ``--platform gpu`` (``cuda``). Then neither gloo nor a simulated device
@@ -63,6 +66,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", choices=("ring", "dilated"), default="ring")
+    p.add_argument("--segments", default="4,8,16,32",
+                   help="dilated: segment lengths (comma-separated)")
+    p.add_argument("--rates", default="1,2,4,8", help="dilated: dilation rates")
+    p.add_argument("--mode", choices=("longnet", "head_groups"), default="longnet",
+                   help="dilated: mode")
     p.add_argument("-n", "--num-processes", type=int, default=2)
     p.add_argument("-k", "--devices-per-process", type=int, default=2,
                    help="CPU devices simulated per process (GPUs per process with "
@@ -75,7 +84,7 @@ def _parse(argv=None):
     p.add_argument("--mask", action=argparse.BooleanOptionalAction, default=True,
                    help="random key padding mask, with batch row 1 fully padded")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--tokens-per-device", type=int, default=6,
+    p.add_argument("--tokens-per-device", type=int, default=8,
                    help="local sequence length n (global T = n x seq devices; even "
                         "for zigzag)")
     p.add_argument("--heads", type=int, default=4)
@@ -131,7 +140,7 @@ def _worker(args) -> int:
     seq = total // args.data
     mesh = jax.make_mesh((args.data, seq), ("data", "seq"))
     if me == 0:
-        print(f"[ring_multiprocess] {nproc} processes x {jax.local_device_count()} "
+        print(f"[multiprocess] {nproc} processes x {jax.local_device_count()} "
               f"{jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}, "
               f"dtype {args.dtype}, causal={args.causal}, mask={args.mask}", flush=True)
 
@@ -180,20 +189,35 @@ def _worker(args) -> int:
             return jnp.sum((g * out).astype(jnp.float64)), out
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
 
+    segments = tuple(int(x) for x in args.segments.split(","))
+    rates = tuple(int(x) for x in args.rates.split(","))
+    dilated = functools.partial(jd.dilated_attention, segment_lengths=segments,
+                                dilation_rates=rates, mode=args.mode,
+                                is_causal=args.causal)
+    if args.op == "ring":
+        runs = [(f"layout={layout}", layout,
+                 functools.partial(jd.ring_attention, is_causal=args.causal))
+                for layout in args.layouts.split(",")]
+        reference = dense
+    else:
+        runs = [(f"dilated segments={list(segments)} rates={list(rates)} "
+                 f"mode={args.mode}", "contiguous", dilated)]
+        reference = lambda q, k, v, mask: dilated(q, k, v, kv_mask=mask)  # noqa: E731
+
     want = None
     if me == 0:
         local = jax.local_devices()[0]
         with jax.default_device(local):
             f64 = [jnp.asarray(x, jnp.float64) for x in (q, k, v, g)]
-            (dq, dk, dv), out = loss_of(dense)(*f64, None if mask is None else jnp.asarray(mask))
+            (dq, dk, dv), out = loss_of(reference)(
+                *f64, None if mask is None else jnp.asarray(mask))
         want = [np.asarray(x) for x in (out, dq, dk, dv)]
 
     tol = args.tol if args.tol is not None else (1e-10 if args.dtype == "float64" else 2e-5)
     failed = False
-    for layout in args.layouts.split(","):
-        ring = jd.sharded(functools.partial(jd.ring_attention, is_causal=args.causal),
-                          mesh, seq_axis="seq", batch_axis="data", layout=layout)
-        step = loss_of(lambda q, k, v, m: ring(q, k, v, kv_mask=m))
+    for label, layout, fn in runs:
+        attn = jd.sharded(fn, mesh, seq_axis="seq", batch_axis="data", layout=layout)
+        step = loss_of(lambda q, k, v, m: attn(q, k, v, kv_mask=m))
         start = time.perf_counter()
         (dq, dk, dv), out = step(gq, gk, gv, gg, gmask)
         jax.block_until_ready((out, dq, dk, dv))
@@ -214,7 +238,7 @@ def _worker(args) -> int:
         ok = worst <= tol
         failed |= not ok
         detail = " ".join(f"{k}={e:.2e}" for k, e in errs.items())
-        print(f"{'PASS' if ok else 'FAIL'} layout={layout} max_rel_err={worst:.2e} "
+        print(f"{'PASS' if ok else 'FAIL'} {label} max_rel_err={worst:.2e} "
               f"(tol {tol:.0e}; {detail}) [{seconds:.1f}s incl. compile]", flush=True)
 
     # Everyone waits for process 0's verdict before shutting down.
@@ -255,7 +279,7 @@ def _stop(procs):
 def _launch(args, argv) -> int:
     port = _free_port()
     coordinator = f"127.0.0.1:{port}"
-    print(f"[ring_multiprocess] launching {args.num_processes} processes, coordinator "
+    print(f"[multiprocess] launching {args.num_processes} processes, coordinator "
           f"{coordinator}, timeout {args.timeout:.0f}s", flush=True)
     logs, procs = [], []
     passthrough = [a for a in argv if a != "--worker"]
@@ -297,7 +321,7 @@ def _launch(args, argv) -> int:
         log.seek(0)
         lines = log.read().splitlines()
         if not failed:  # on success show only the report lines, not gloo's chatter
-            lines = [ln for ln in lines if ln.startswith(("PASS", "FAIL", "[ring_"))]
+            lines = [ln for ln in lines if ln.startswith(("PASS", "FAIL", "[multiprocess"))]
         for line in lines:
             print(f"[process {i}] {line}")
         log.close()
