@@ -16,7 +16,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dilated import layouts
+from jax_dilated import layouts, validation
 
 __all__ = ["sharded"]
 
@@ -83,6 +83,12 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
     _check_axis(mesh, seq_axis, "seq_axis")
     _check_axis(mesh, batch_axis, "batch_axis")
     _check_axis(mesh, head_axis, "head_axis")
+    named = [a for a in (seq_axis, batch_axis, head_axis) if a is not None]
+    if len(set(named)) != len(named):
+        raise ValueError(
+            f"seq_axis, batch_axis and head_axis must be different mesh axes, got "
+            f"seq_axis={seq_axis!r}, batch_axis={batch_axis!r}, head_axis={head_axis!r}."
+        )
     layouts.check_layout(layout)
     # Only the ring takes a layout; dilated attention shards contiguously.
     layout_kw = {} if layout == "contiguous" else {"layout": layout}
@@ -103,6 +109,9 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                     f"{getattr(x, 'shape', None)}."
                 )
         layouts.check_divisible(query.shape[1], num, layout)
+        # check the mask against the global shapes here: inside shard_map a mistake
+        # would be reported with shard shapes
+        validation.check_kv_mask(kv_mask, query.shape[0], key.shape[1])
         if head_axis is not None:
             hsize = mesh.shape[head_axis]
             if query.shape[2] % hsize or key.shape[2] % hsize:
@@ -134,6 +143,7 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         if layout == "contiguous":
             return out
         out = _place(out, mesh, P(batch_axis, None, head_axis, None))
-        return layouts.from_layout(out, num, layout)
+        # back in token order, sharded like a contiguous result
+        return _place(layouts.from_layout(out, num, layout), mesh, qkv_spec)
 
     return run

@@ -576,3 +576,25 @@ def test_error_bad_kv_mask():
     q, k, v = _qkv(8)
     with pytest.raises(TypeError, match="kv_mask"):
         attn(q, k, v, kv_mask=jnp.ones((1, 8), jnp.float32))
+    with pytest.raises(ValueError, match=r"kv_mask must have shape \[batch, seq\] = \(1, 8\), got \(1, 6\)"):
+        attn(q, k, v, kv_mask=jnp.ones((1, 6), bool))  # global shapes in the message
+
+
+def test_error_same_axis_twice():
+    mesh = build_mesh((2, 4), ("data", "seq"), "explicit")
+    with pytest.raises(ValueError, match="must be different mesh axes"):
+        jd.sharded(jd.ring_attention, mesh, seq_axis="seq", batch_axis="seq")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_permuted_layout_output_is_sequence_sharded(layout):
+    """Outputs come back in token order and sharded like the contiguous ones."""
+    mesh = build_mesh((4,), ("seq",), "explicit")
+    attn = jd.sharded(functools.partial(jd.ring_attention, is_causal=True), mesh,
+                      seq_axis="seq", layout=layout)
+    q, k, v = (jnp.asarray(x) for x in make_inputs(1, 16, 2, 2, 8, "none", seed=3)[:3])
+    out = jax.jit(attn)(q, k, v)
+    assert out.sharding.spec[1] == "seq", out.sharding
+    want = jax.jit(jd.sharded(functools.partial(jd.ring_attention, is_causal=True), mesh,
+                              seq_axis="seq"))(q, k, v)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-12, atol=1e-12)
