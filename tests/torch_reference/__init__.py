@@ -34,3 +34,6 @@ __all__ = [
     "merge_branches",
     "segments",
 ]
+from torch_reference.multihead import MultiheadDilatedAttention  # noqa: E402
+
+__all__ += ["MultiheadDilatedAttention"]

@@ -1,0 +1,169 @@
+"""KV-cache decoding of causal dilated attention, one token at a time.
+
+Causal dilated attention is *prefix-consistent*: the output at position ``p`` depends
+only on the tokens ``0..p`` (a segment of branch ``i`` is ``[floor(p/w) w, ...)`` and
+``p`` is selected when ``(p mod w) mod r == o``, whatever the sequence length; a
+segment longer than the sequence is the same single segment starting at 0). So
+decoding token ``p`` against a cache of the keys and values ``0..p`` gives exactly
+the output of the full causal forward pass at ``p``.
+
+Work per token is bounded by the segment structure, not by the context: in branch
+``i`` the token at ``p`` reads only the keys of its own segment that its head
+selects, positions ``s + o + a r`` (``s = floor(p/w) w``, ``a < w / r``, and ``<= p``)
+- at most ``w / r`` keys per head (``ceil(max_len / r)`` when the segment is longer
+than the cache). The cache holds ``O(max_len)`` keys and values.
+
+* :class:`KVCache`, :func:`init_kv_cache` - the cache ``(key, value, index)``.
+* :func:`dilated_attention_decode` - attention of one token over a filled cache.
+* :func:`decode_step` - write a token's key/value into the cache, then attend.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated import patterns, softmax, validation
+from jax_dilated.backends import KernelArgs, get_kernel
+
+__all__ = ["KVCache", "init_kv_cache", "dilated_attention_decode", "decode_step"]
+
+
+class KVCache(NamedTuple):
+    """Keys and values of the tokens decoded so far.
+
+    key, value: [batch, max_len, num_kv_heads, head_dim]; slot ``t`` holds token ``t``.
+    index: int32 scalar, the number of tokens written (the position of the next one).
+    """
+
+    key: jax.Array
+    value: jax.Array
+    index: jax.Array
+
+
+def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                  dtype=jnp.float32) -> KVCache:
+    """An empty cache for ``max_len`` tokens."""
+    for name, n in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
+                    ("head_dim", head_dim)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
+            raise ValueError(f"{name} must be a positive int, got {n!r}.")
+    shape = (batch, max_len, num_kv_heads, head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.zeros((), jnp.int32))
+
+
+def _branch_decode(kernel, plan: patterns.BranchPlan, query, key_cache, value_cache, p,
+                   args: KernelArgs, num_heads: int):
+    """(o [B, 1, Hq, D], lse [B, 1, Hq]) of one branch for the heads ``plan.query_heads``."""
+    b, cache_len, hkv = key_cache.shape[:3]
+    w, r = plan.branch.segment_length, plan.branch.rate
+    n = min(w // r, -(-cache_len // r))  # selected keys per head in p's segment
+    start = (p // w) * w
+    offsets = jnp.asarray(plan.offsets, jnp.int32)  # [Hq]
+    positions = start + offsets[None, :] + r * jnp.arange(n, dtype=jnp.int32)[:, None]  # [n, Hq]
+    selected = (p - start) % r == offsets  # is the query selected, per head: [Hq]
+    valid = (positions <= p) & selected[None, :]
+    kv_heads = np.asarray(plan.query_heads) // (num_heads // hkv)
+    index = (jnp.minimum(positions, cache_len - 1), kv_heads[None, :])
+    k = key_cache[:, index[0], index[1]].astype(query.dtype)  # [B, n, Hq, D]
+    v = value_cache[:, index[0], index[1]].astype(query.dtype)
+    q = query if len(plan.query_heads) == num_heads else query[:, :, plan.query_heads]
+    kv_valid = jnp.broadcast_to(valid[None], (b, n, len(plan.query_heads)))
+    return kernel.forward(q, k, v, args, kv_valid=kv_valid)
+
+
+def dilated_attention_decode(query, key_cache, value_cache, position, *, segment_lengths,
+                             dilation_rates, mode: str = "longnet",
+                             head_offsets: str = "modulo", scale: float | None = None,
+                             implementation: str | None = None):
+    """Causal dilated attention of the token at ``position`` over a key/value cache.
+
+    Args:
+      query: [batch, 1, num_heads, head_dim], the query of token ``position``.
+      key_cache, value_cache: [batch, max_len, num_kv_heads, head_dim]; slots
+        ``0..position`` hold the keys/values of tokens ``0..position`` (the current
+        token's included); later slots are never read.
+      position: int scalar (may be traced), ``0 <= position < max_len``.
+      segment_lengths, dilation_rates, mode, head_offsets, scale, implementation: as
+        in :func:`jax_dilated.dilated_attention`.
+
+    Returns:
+      [batch, 1, num_heads, head_dim] in the dtype of ``query``: equal to
+      ``dilated_attention(..., is_causal=True)`` at ``position`` on the sequence
+      ``0..position`` (and on any longer one).
+    """
+    # the cache may be stored in another dtype than the query: check shapes only
+    as_query = [jax.ShapeDtypeStruct(x.shape, query.dtype) for x in (key_cache, value_cache)]
+    b, one, h, hkv, _ = validation.check_qkv(query, *as_query)
+    if one != 1:
+        raise ValueError(
+            f"decoding attends one token at a time: query must be [batch, 1, heads, "
+            f"head_dim], got {tuple(query.shape)}.")
+    branches = patterns.validate_branches(segment_lengths, dilation_rates)
+    plans = patterns.plan_branches(branches, seq_len=key_cache.shape[1], num_heads=h,
+                                   num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
+    kernel = get_kernel(implementation)
+    args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]))
+    p = jnp.asarray(position, jnp.int32)
+    results = [_branch_decode(kernel, plan, query, key_cache, value_cache, p, args, h)
+               for plan in plans]
+    if mode == "longnet":
+        stats = softmax.stats_dtype(query.dtype)
+        o, lse = results[0][0].astype(stats), results[0][1]
+        for o_i, lse_i in results[1:]:
+            o, lse = softmax.merge_partials(o, lse, o_i.astype(stats), lse_i)
+        return o.astype(query.dtype)
+    o = jnp.concatenate([o_i for o_i, _ in results], axis=2)
+    return (o / len(plans)).astype(query.dtype)
+
+
+def _write(cache_array, x, slot, keep_old):
+    """``cache_array`` with ``x`` [B, 1, ...] written at ``slot`` (or left as is)."""
+    zero = jnp.zeros((), slot.dtype)
+    start = (zero, slot) + (zero,) * (cache_array.ndim - 2)
+    old = jax.lax.dynamic_slice(cache_array, start, x.shape)
+    x = jnp.where(keep_old, old, x.astype(cache_array.dtype))
+    return jax.lax.dynamic_update_slice(cache_array, x, start)
+
+
+def decode_step(cache: KVCache, query, key, value, **config):
+    """Append one token's key/value to ``cache`` and attend with its query.
+
+    Args:
+      cache: a :class:`KVCache` holding ``cache.index`` tokens.
+      query: [batch, 1, num_heads, head_dim]; key, value: [batch, 1, num_kv_heads,
+        head_dim], the new token's projections.
+      **config: keyword arguments of :func:`dilated_attention_decode`.
+
+    Returns:
+      ``(out [batch, 1, num_heads, head_dim], new_cache)``.
+
+    Raises:
+      ValueError: on a shape mismatch with the cache, and - when ``cache.index`` is
+        concrete (eager code) - when the cache is full. Under ``jax.jit`` the index is
+        traced and cannot raise: a step past the end leaves the cache unchanged and
+        returns NaN, so an overflow is never a silently wrong number.
+    """
+    b, max_len, hkv, d = cache.key.shape
+    want = (b, 1, hkv, d)
+    if tuple(key.shape) != want or tuple(value.shape) != want:
+        raise ValueError(
+            f"the new key/value must be [batch, 1, num_kv_heads, head_dim] = {want} to "
+            f"match the cache {tuple(cache.key.shape)}, got key {tuple(key.shape)} and "
+            f"value {tuple(value.shape)}.")
+    index = cache.index
+    if not isinstance(index, jax.core.Tracer) and int(index) >= max_len:
+        raise ValueError(
+            f"KV cache overflow: the cache holds max_len={max_len} tokens and all are "
+            f"used (index {int(index)}); initialise a longer cache.")
+    overflow = index >= max_len
+    slot = jnp.minimum(index, max_len - 1)
+    new = KVCache(_write(cache.key, key, slot, overflow),
+                  _write(cache.value, value, slot, overflow),
+                  index + jnp.where(overflow, 0, 1).astype(index.dtype))
+    out = dilated_attention_decode(query, new.key, new.value, slot, **config)
+    return jnp.where(overflow, jnp.asarray(jnp.nan, out.dtype), out), new
