@@ -15,7 +15,7 @@ fi
 stamp="$VENV/.jd-installed"
 want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_env.sh" | cksum)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "[jax-dilated] installing jax-dilated[test,bench] (and torch==2.13.0 CPU on Python 3.11)"
+  echo "[jax-dilated] installing jax-dilated[bench,train] (and torch==2.13.0 CPU on Python 3.11)"
   "$VENV/bin/python" -m pip install -q --upgrade pip 2>/dev/null || true
   if "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
@@ -24,7 +24,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # the PyTorch parity tests skip themselves without torch.
     echo "[jax-dilated] not Python 3.11: skipping torch (parity tests will be skipped)"
   fi
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench]" pytest
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench,train]" pytest
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
