@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,17 @@ class RingConfig:
     independent rings of ``ring_size`` consecutive devices (one ring of all of them
     for ring attention; the devices sharing a segment for distributed dilated
     attention). ``layout`` is the layout of the sequence inside a ring.
+
+    ``step`` (None: the kernel's dense step) replaces what one ring step computes
+    (block-sparse attention uses it), with ``me``/``src`` the ring indices of this
+    device and of the visiting block and ``aux`` the extra operand of
+    :func:`ring_partials`; it does its own skipping::
+
+        step.forward(q, k, v, kv_valid, q_pos, k_pos, me, src, aux) -> (o, lse)
+        step.backward(q, k, v, kv_valid, do, lse, delta, q_pos, k_pos, me, src, aux)
+            -> (dq, dk, dv)
+
+    all in the stats dtype.
     """
 
     axis_name: str
@@ -50,6 +62,7 @@ class RingConfig:
     layout: str
     args: KernelArgs
     implementation: str | None
+    step: Any = None
 
     def perm(self):
         """ppermute pairs: every device sends to the next device of its ring."""
@@ -79,7 +92,7 @@ def _cond(pred, compute, skip):
     return compute() if pred is None else jax.lax.cond(pred, compute, skip)
 
 
-def _forward(q, k, v, kv_valid, rng, cfg: RingConfig):
+def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None):
     """Global (o, lse) of the local queries: o [B, n, H, D] (stats dtype), lse [B, n, H]."""
     kernel = get_kernel(cfg.implementation)
     p, n = cfg.ring_size, q.shape[1]
@@ -90,6 +103,8 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig):
     def partial(block, src):
         k_blk, v_blk, valid_blk = block
         k_pos = layouts.local_positions(cfg.layout, src, p, n)
+        if cfg.step is not None:
+            return cfg.step.forward(q, k_blk, v_blk, valid_blk, q_pos, k_pos, me, src, aux)
 
         def compute():
             o, lse = kernel.forward(q, k_blk, v_blk, cfg.args, q_positions=q_pos,
@@ -120,7 +135,7 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig):
     return softmax.merge_partials(o, lse, *partial(block, (me - (p - 1)) % p))
 
 
-def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig):
+def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig, aux=None):
     kernel = get_kernel(cfg.implementation)
     p, n = cfg.ring_size, q.shape[1]
     stats = softmax.stats_dtype(q.dtype)
@@ -131,6 +146,9 @@ def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig):
     def grads(block, src):
         k_blk, v_blk, valid_blk = block
         k_pos = layouts.local_positions(cfg.layout, src, p, n)
+        if cfg.step is not None:
+            return cfg.step.backward(q, k_blk, v_blk, valid_blk, do, lse, delta, q_pos, k_pos,
+                                     me, src, aux)
 
         def compute():
             dq, dk, dv = kernel.backward(q, k_blk, v_blk, do, lse, delta, cfg.args,
@@ -162,29 +180,30 @@ def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring(q, k, v, kv_valid, rng, cfg):
-    return _forward(q, k, v, kv_valid, rng, cfg)
+def _ring(q, k, v, kv_valid, rng, cfg, aux=None):
+    return _forward(q, k, v, kv_valid, rng, cfg, aux)
 
 
-def _ring_fwd(q, k, v, kv_valid, rng, cfg):
-    o, lse = _forward(q, k, v, kv_valid, rng, cfg)
-    return (o, lse), (q, k, v, kv_valid, rng, o, lse)
+def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None):
+    o, lse = _forward(q, k, v, kv_valid, rng, cfg, aux)
+    return (o, lse), (q, k, v, kv_valid, rng, o, lse, aux)
 
 
 def _ring_bwd(cfg, res, cotangents):
-    q, k, v, kv_valid, rng, o, lse = res
+    q, k, v, kv_valid, rng, o, lse, aux = res
     do, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg, aux)
+    return dq, dk, dv, None, None, None
 
 
-def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig):
+def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None):
     """Global ``(o, lse)`` of the local queries (o in the stats dtype), differentiable.
 
-    The ring core shared by :func:`ring_attention` and distributed dilated
-    attention; ``rng`` is the dropout key (None without dropout).
+    The ring core shared by :func:`ring_attention`, distributed dilated attention
+    and block-sparse attention; ``rng`` is the dropout key (None without dropout),
+    ``aux`` an extra (non-differentiable) operand handed to ``cfg.step``.
     """
-    return _ring(q, k, v, kv_valid, rng, cfg)
+    return _ring(q, k, v, kv_valid, rng, cfg, aux)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

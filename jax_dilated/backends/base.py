@@ -15,15 +15,27 @@ with ``q`` [N, Lq, H, D], ``k``/``v`` [N, Lk, H_kv, D], ``H % H_kv == 0``;
 ``q_positions`` [Lq] / ``k_positions`` [Lk] int positions used by the causal
 rule ``k_pos <= q_pos`` (default ``arange``); ``kv_valid`` [N, Lk] or
 [N, Lk, H_kv] bool (per kv head when heads see different keys).
+
+Block-sparse kernels visit only listed blocks (``args.block_q`` x ``args.block_k``
+exactly; ``Lq``/``Lk`` are padded up to whole blocks, padded keys never attended):
+
+    block_sparse_forward(q, k, v, args, *, blocks, q_positions, k_positions, kv_valid)
+        -> o, lse                          as forward, over the listed blocks only
+    block_sparse_backward(q, k, v, do, lse, delta, args, *, blocks, ...same keywords)
+        -> dq, dk, dv
+
+with ``blocks`` a :class:`BlockLists`. Within a listed block the causal rule and
+``kv_valid`` still apply; all listed blocks of a query block share one softmax.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-__all__ = ["KernelArgs", "any_pair_allowed"]
+__all__ = ["KernelArgs", "BlockLists", "any_pair_allowed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +53,26 @@ class KernelArgs:
     dropout_rate: float = 0.0
     block_q: int | None = None
     block_k: int | None = None
+
+
+class BlockLists(NamedTuple):
+    """The blocks a block-sparse kernel call visits, as padded index lists.
+
+    rows: int [num_q_blocks, L], key-block indices each query block visits.
+    rows_ok: bool [num_q_blocks, L] marking real entries (False = padding, skipped),
+      or None when every entry is real.
+    cols: int [num_k_blocks, Lt], the transpose: query-block indices per key block
+      (the backward's dk/dv loop).
+    cols_ok: bool [num_k_blocks, Lt] or None, as ``rows_ok``.
+
+    Arrays may be NumPy constants or traced (e.g. picked by device index inside a
+    ring); only their shapes are static. Padding entries must still be valid indices.
+    """
+
+    rows: Any
+    rows_ok: Any
+    cols: Any
+    cols_ok: Any
 
 
 def any_pair_allowed(is_causal: bool, q_pos, k_pos, kv_valid):

@@ -20,9 +20,10 @@ import numpy as np
 
 from jax_dilated import softmax
 from jax_dilated._vma import varying_like
-from jax_dilated.backends.base import KernelArgs, any_pair_allowed
+from jax_dilated.backends.base import BlockLists, KernelArgs, any_pair_allowed
 
-__all__ = ["forward", "backward", "attention", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
+__all__ = ["forward", "backward", "attention", "block_sparse_forward",
+           "block_sparse_backward", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
@@ -192,6 +193,62 @@ def _logits(q_blk, k_blk, post_scale: float, mask, stats):
     return s
 
 
+def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, stats):
+    """Fold one (query block, key block) pair into the running softmax state.
+
+    q_blk [N, Hkv, G, bq, D] (carrying the pre-scale), k_blk/v_blk [N, Hkv, bk, D];
+    ``mask`` as :func:`_block_mask` gives it, ``keep`` the scaled dropout mask or None.
+    """
+    s = _logits(q_blk, k_blk, post_scale, mask, stats)
+
+    def pv(p):
+        if keep is not None:
+            p = p * keep
+        return jnp.einsum("nhgqk,nhkd->nhgqd", p.astype(v_blk.dtype), v_blk,
+                          preferred_element_type=stats)
+
+    return softmax.update_state(state, s, pv)[0]
+
+
+def _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, mask_t, keep,
+                    post_scale: float, scale: float, stats):
+    """Gradient contributions of one (query block, key block) pair.
+
+    ``carry`` = (dk_acc, dv_acc) [N, Hkv, bk, D] gets this block's dk, dv added;
+    also returns this block's dq, transposed: [N, Hkv, D, G, bq]. ``mask_t`` as
+    :func:`_block_mask_t` gives it; ``keep`` the dropout mask [N, Hkv, G, bq, bk] or None.
+    """
+    # Transposed block [N, Hkv, bk, G, bq]: four of the five products are
+    # then plain (non-transposed) matmuls, which XLA:CPU runs fastest.
+    dk_acc, dv_acc = carry
+    post = jnp.asarray(post_scale, stats)
+    st = jnp.einsum("nhkd,nhgqd->nhkgq", k_blk, q_blk, preferred_element_type=stats)
+    if post_scale != 1.0:
+        st = st * post
+    if mask_t is not None:
+        st = jnp.where(mask_t, st, -jnp.inf)
+    pt = jnp.exp(st - lse_blk[:, :, None])
+    if keep is not None:
+        keep = jnp.moveaxis(keep, -1, 2)
+    pz = pt if keep is None else pt * keep
+    dv_acc = dv_acc + jnp.einsum("nhkgq,nhgqd->nhkd", pz.astype(do_blk.dtype), do_blk,
+                                 preferred_element_type=stats)
+    dpt = jnp.einsum("nhkd,nhgqd->nhkgq", v_blk, do_blk, preferred_element_type=stats)
+    if keep is not None:
+        dpt = dpt * keep
+    dst = (pt * (dpt - delta_blk[:, :, None])).astype(q_blk.dtype)
+    # q_blk carries the pre-scale, so only the post-scale is left for dk.
+    dk_blk = jnp.einsum("nhkgq,nhgqd->nhkd", dst, q_blk, preferred_element_type=stats)
+    if post_scale != 1.0:
+        dk_blk = dk_blk * post
+    dk_acc = dk_acc + dk_blk
+    # dq^T = k^T ds^T keeps ds^T as a plain right operand; asking for dq
+    # directly makes XLA:CPU transpose the whole block (the slowest step).
+    dqt_blk = jnp.einsum("nhkd,nhkgq->nhdgq", k_blk, dst,
+                         preferred_element_type=stats) * jnp.asarray(scale, stats)
+    return (dk_acc, dv_acc), dqt_blk
+
+
 def _matmul_inputs(*arrays):
     """Operands in a dtype the platform's matmuls accept.
 
@@ -224,16 +281,10 @@ def _forward_core(q, k, v, kv_valid, args: KernelArgs, *, q_positions=None,
 
             def compute(state):
                 mask = _block_mask(args, q_pos, k_pos, k_valid)
-                s = _logits(q_blk, k_blk, prep.post_scale, mask, stats)
-                keep = _dropout_keep(args, dropout_rng, i, j, s.shape, stats)
-
-                def pv(p):
-                    if keep is not None:
-                        p = p * keep
-                    return jnp.einsum("nhgqk,nhkd->nhgqd", p.astype(v_blk.dtype), v_blk,
-                                      preferred_element_type=stats)
-
-                return softmax.update_state(state, s, pv)[0]
+                keep = _dropout_keep(args, dropout_rng, i, j,
+                                     q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
+                return _forward_block(state, q_blk, k_blk, v_blk, mask, keep,
+                                      prep.post_scale, stats)
 
             need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
             return _maybe_cond(need, compute, lambda st: st, state), None
@@ -261,8 +312,6 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
     # rows without keys have lse = -inf and all logits -inf: exp(-inf - 0) = 0.
     lse_b = prep.q_rows(jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats))
     delta_b = prep.q_rows(delta.astype(stats))
-    post_scale = jnp.asarray(prep.post_scale, stats)
-    scale = jnp.asarray(args.scale, stats)
 
     def k_block(_, xs):
         j, k_blk, v_blk, k_pos, k_valid = xs
@@ -271,40 +320,12 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
             i, q_blk, do_blk, lse_blk, delta_blk, q_pos = ys
 
             def compute(carry):
-                # Transposed block [N, Hkv, bk, G, bq]: four of the five products are
-                # then plain (non-transposed) matmuls, which XLA:CPU runs fastest.
-                dk_acc, dv_acc = carry
                 mask = _block_mask_t(args, q_pos, k_pos, k_valid)
-                st = jnp.einsum("nhkd,nhgqd->nhkgq", k_blk, q_blk,
-                                preferred_element_type=stats)
-                if prep.post_scale != 1.0:
-                    st = st * post_scale
-                if mask is not None:
-                    st = jnp.where(mask, st, -jnp.inf)
-                pt = jnp.exp(st - lse_blk[:, :, None])
                 keep = _dropout_keep(args, dropout_rng, i, j,
                                      q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
-                if keep is not None:
-                    keep = jnp.moveaxis(keep, -1, 2)
-                pz = pt if keep is None else pt * keep
-                dv_acc = dv_acc + jnp.einsum("nhkgq,nhgqd->nhkd", pz.astype(do_blk.dtype),
-                                             do_blk, preferred_element_type=stats)
-                dpt = jnp.einsum("nhkd,nhgqd->nhkgq", v_blk, do_blk,
-                                 preferred_element_type=stats)
-                if keep is not None:
-                    dpt = dpt * keep
-                dst = (pt * (dpt - delta_blk[:, :, None])).astype(q_blk.dtype)
-                # q_blk carries the pre-scale, so only the post-scale is left for dk.
-                dk_blk = jnp.einsum("nhkgq,nhgqd->nhkd", dst, q_blk,
-                                    preferred_element_type=stats)
-                if prep.post_scale != 1.0:
-                    dk_blk = dk_blk * post_scale
-                dk_acc = dk_acc + dk_blk
-                # dq^T = k^T ds^T keeps ds^T as a plain right operand; asking for dq
-                # directly makes XLA:CPU transpose the whole block (the slowest step).
-                dqt_blk = jnp.einsum("nhkd,nhkgq->nhdgq", k_blk, dst,
-                                     preferred_element_type=stats) * scale
-                return (dk_acc, dv_acc), dqt_blk
+                return _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk,
+                                       delta_blk, mask, keep, prep.post_scale, args.scale,
+                                       stats)
 
             def skip(carry):
                 return carry, varying_like(jnp.zeros(dq_t_shape, stats), (q, k, v, do))
@@ -455,3 +476,148 @@ def attention(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
     Gradients flow to q, k, v from both outputs, ``o`` and ``lse``.
     """
     return _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng)
+
+
+# ----------------------------------------------------------------- block-sparse
+
+
+def _sparse_blocking(len_q: int, len_k: int, args: KernelArgs, blocks: BlockLists) -> _Blocking:
+    """Exact block geometry of a block-sparse call, checked against the lists."""
+    if not args.block_q or not args.block_k:
+        raise ValueError(f"block-sparse kernels need block_q and block_k, got {args}.")
+    if args.dropout_rate:
+        raise ValueError("block-sparse kernels do not implement dropout.")
+    geo = _Blocking(len_q, len_k, args.block_q, args.block_k)
+    if blocks.rows.shape[0] != geo.num_q or blocks.cols.shape[0] != geo.num_k:
+        raise ValueError(
+            f"block lists for {blocks.rows.shape[0]} query blocks and "
+            f"{blocks.cols.shape[0]} key blocks do not fit lengths ({len_q}, {len_k}) in "
+            f"blocks of ({args.block_q}, {args.block_k}): expected ({geo.num_q}, "
+            f"{geo.num_k})."
+        )
+    return geo
+
+
+def _listed(ok, need):
+    """Skip predicate of one list entry: real (``ok``) and not masked out (``need``)."""
+    if ok is None:
+        return need
+    return ok if need is None else ok & need
+
+
+def _take(x, i):
+    return None if x is None else jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _sparse_forward_core(q, k, v, kv_valid, args: KernelArgs, *, blocks: BlockLists,
+                         q_positions=None, k_positions=None, dropout_rng=None):
+    del dropout_rng
+    out_dtype = q.dtype
+    q, k, v = _matmul_inputs(q, k, v)
+    geo = _sparse_blocking(q.shape[1], k.shape[1], args, blocks)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
+    stats = softmax.stats_dtype(q.dtype)
+    rows_shape = prep.q.shape[1:-1]  # [N, Hkv, G, bq]
+    d = q.shape[-1]
+    rows = jnp.asarray(blocks.rows, jnp.int32)
+    rows_ok = None if blocks.rows_ok is None else jnp.asarray(blocks.rows_ok, bool)
+
+    def q_block(_, xs):
+        q_blk, q_pos, row, row_ok = xs
+
+        def k_step(state, ys):
+            j, ok = ys
+
+            def compute(state):
+                # gathered inside the branch: a skipped entry reads nothing
+                k_valid = _take(prep.k_valid, j)
+                mask = _block_mask(args, q_pos, _take(prep.k_pos, j), k_valid)
+                return _forward_block(state, q_blk, _take(prep.k, j), _take(prep.v, j),
+                                      mask, None, prep.post_scale, stats)
+
+            need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, _take(prep.k_pos, j),
+                                                _take(prep.k_valid, j)))
+            return _maybe_cond(need, compute, lambda st: st, state), None
+
+        state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v, row))
+        state, _ = jax.lax.scan(k_step, state, (row, row_ok))
+        o, lse = softmax.finalize_state(state)
+        return None, (o.astype(out_dtype), lse)
+
+    _, (o, lse) = jax.lax.scan(q_block, None, (prep.q, prep.q_pos, rows, rows_ok))
+    return prep.from_q_rows(o), prep.from_q_rows(lse)
+
+
+def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
+                          blocks: BlockLists, q_positions=None, k_positions=None,
+                          dropout_rng=None):
+    del dropout_rng
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, do = _matmul_inputs(q, k, v, do)
+    geo = _sparse_blocking(q.shape[1], k.shape[1], args, blocks)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
+    stats = softmax.stats_dtype(q.dtype)
+    do_b = prep.q_rows(do)
+    lse_b = prep.q_rows(jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats))
+    delta_b = prep.q_rows(delta.astype(stats))
+    cols = jnp.asarray(blocks.cols, jnp.int32)
+    cols_ok = None if blocks.cols_ok is None else jnp.asarray(blocks.cols_ok, bool)
+    nq, n_, h_, g_, bq_, d_ = prep.q.shape
+    dq_t_shape = (n_, h_, d_, g_, bq_)
+    like = (q, k, v, do, cols)
+
+    def k_block(dq_acc, xs):
+        k_blk, v_blk, k_pos, k_valid, col, col_ok = xs
+
+        def q_step(carry, ys):
+            i, ok = ys
+            q_pos = _take(prep.q_pos, i)
+
+            def compute(carry):
+                mask = _block_mask_t(args, q_pos, k_pos, k_valid)
+                return _backward_block(carry, _take(prep.q, i), k_blk, v_blk,
+                                       _take(do_b, i), _take(lse_b, i), _take(delta_b, i),
+                                       mask, None, prep.post_scale, args.scale, stats)
+
+            def skip(carry):
+                return carry, varying_like(jnp.zeros(dq_t_shape, stats), like)
+
+            need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid))
+            return _maybe_cond(need, compute, skip, carry)
+
+        zeros_kv = varying_like(jnp.zeros(k_blk.shape, stats), like)
+        (dk_blk, dv_blk), dq_parts = jax.lax.scan(q_step, (zeros_kv, zeros_kv), (col, col_ok))
+        # padding entries added zeros; real entries of one column are distinct blocks
+        return dq_acc.at[col].add(dq_parts), (dk_blk, dv_blk)
+
+    dq0 = varying_like(jnp.zeros((nq, n_, h_, d_, g_, bq_), stats), like)
+    xs = (prep.k, prep.v, prep.k_pos, prep.k_valid, cols, cols_ok)
+    dq_t, (dk, dv) = jax.lax.scan(k_block, dq0, xs)
+    dq = jnp.moveaxis(dq_t, 3, -1)
+    return (prep.from_q_rows(dq).astype(dtypes[0]), prep.from_k_rows(dk).astype(dtypes[1]),
+            prep.from_k_rows(dv).astype(dtypes[2]))
+
+
+def block_sparse_forward(q, k, v, args: KernelArgs, *, blocks: BlockLists, q_positions=None,
+                         k_positions=None, kv_valid=None):
+    """Attention over the listed blocks only (see :class:`~.base.BlockLists`).
+
+    Arguments and results as in :func:`forward`; ``args.block_q``/``block_k`` are the
+    exact block sizes the lists refer to. Query block ``i`` attends, with one softmax,
+    to the keys of blocks ``blocks.rows[i]`` (entries with ``rows_ok`` False
+    skipped); the cost is proportional to the number of listed blocks.
+    """
+    chunk = _batch_chunk(q.shape[0], q, k, args)
+    return _chunked(_sparse_forward_core, (q, k, v, kv_valid),
+                    dict(q_positions=q_positions, k_positions=k_positions, blocks=blocks),
+                    args, None, chunk)
+
+
+def block_sparse_backward(q, k, v, do, lse, delta, args: KernelArgs, *, blocks: BlockLists,
+                          q_positions=None, k_positions=None, kv_valid=None):
+    """Backward of :func:`block_sparse_forward` (as :func:`backward`; ``lse``/``delta``
+    may be global statistics). dk/dv loop over ``blocks.cols``, the transposed lists."""
+    chunk = _batch_chunk(q.shape[0], q, k, args)
+    return _chunked(_sparse_backward_core, (q, k, v, do, lse, delta, kv_valid),
+                    dict(q_positions=q_positions, k_positions=k_positions, blocks=blocks),
+                    args, None, chunk)

@@ -37,3 +37,6 @@ __all__ = [
 from torch_reference.multihead import MultiheadDilatedAttention  # noqa: E402
 
 __all__ += ["MultiheadDilatedAttention"]
+from torch_reference.block_sparse import block_sparse_attention, expand_block_mask  # noqa: E402
+
+__all__ += ["block_sparse_attention", "expand_block_mask"]

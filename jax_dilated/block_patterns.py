@@ -1,0 +1,514 @@
+"""Block-sparsity patterns as data: which key blocks each query block attends to.
+
+A pattern is a small, hashable description; :meth:`BlockPattern.to_mask` turns it
+into a NumPy bool mask over (query block, key block), shared by all heads
+(``[num_q_blocks, num_k_blocks]``) or per head (``[num_heads, num_q_blocks,
+num_k_blocks]``). Everything here is static (NumPy), evaluated at trace time.
+
+Parts (``i`` is the query block, ``j`` the key block):
+
+* :class:`LocalWindow` ``(before, after)``: ``i - before <= j <= i + after``.
+* :class:`Dilated` ``(rate, span, offset)``: ``(i - j) mod rate == offset`` and
+  ``|i - j| <= span``: every ``rate``-th block, relative to the query block.
+* :class:`GlobalBlocks` ``(indices)``: global blocks see every key block and every
+  query block sees them (row and column ``g`` for each index ``g``).
+* :class:`Strided` ``(stride, offset)``: absolute "summary" columns,
+  ``j mod stride == offset``, seen by every query block.
+* :class:`CausalBlocks`: ``j <= i``.
+* :class:`AllBlocks`: every block (dense attention).
+* :class:`RandomBlocks` ``(density | num_blocks, seed, per_head, within)``: every row
+  draws its blocks at random.
+* :class:`MaskPattern`: an explicit NumPy mask.
+
+They combine with ``|`` (union) and ``&`` (intersection), and
+:meth:`BlockPattern.with_density` tops a pattern up with random blocks to a target
+density.
+
+Density rule: a density target ``d`` (or ``sparsity_ratio = 1 - d``) is honoured row
+by row. Row ``i`` has ``c_i`` candidate blocks (all key blocks, or the blocks of the
+``within`` pattern, e.g. ``CausalBlocks()``); it ends with exactly
+``max(b_i, round(d * c_i))`` active candidates, ``b_i`` being what the base
+pattern already activates there (``b_i = 0`` for :class:`RandomBlocks`). Unless the
+base pattern alone exceeds the target, the realised density over the candidates
+is within half a block per row of ``d``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+__all__ = [
+    "BlockPattern",
+    "LocalWindow",
+    "Dilated",
+    "GlobalBlocks",
+    "Strided",
+    "CausalBlocks",
+    "AllBlocks",
+    "RandomBlocks",
+    "MaskPattern",
+    "TopUp",
+    "Union",
+    "Intersection",
+    "as_pattern",
+]
+
+
+def _nonneg_int(name: str, value, *, positive: bool = False, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}.")
+    if value < (1 if positive else 0):
+        raise ValueError(
+            f"{name} must be {'positive' if positive else 'non-negative'}, got {value!r}.")
+    return int(value)
+
+
+def _density(density, sparsity_ratio, what: str) -> float:
+    if (density is None) == (sparsity_ratio is None):
+        raise ValueError(
+            f"{what}: give exactly one of density and sparsity_ratio, got "
+            f"density={density!r}, sparsity_ratio={sparsity_ratio!r}.")
+    name, value = (("density", density) if density is not None
+                   else ("sparsity_ratio", sparsity_ratio))
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+        raise TypeError(f"{what}: {name} must be a float in [0, 1], got {value!r}.")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{what}: {name} must be in [0, 1], got {value!r}.")
+    return float(value) if density is not None else 1.0 - float(value)
+
+
+def _rng(seed: int, *salt) -> np.random.Generator:
+    """Generator determined by the seed and the mask geometry (and head)."""
+    return np.random.default_rng([seed, *(int(s) for s in salt)])
+
+
+class BlockPattern:
+    """Base class of block-sparsity patterns.
+
+    Subclasses implement ``_build(nq, nk, num_heads) -> bool [1 or num_heads, nq, nk]``
+    (``num_heads`` is None when no head count was given; per-head parts then raise).
+    """
+
+    per_head: bool = False
+    # ``mask_array | pattern``: make NumPy defer to __ror__ instead of broadcasting
+    __array_ufunc__ = None
+
+    def _build(self, nq: int, nk: int, num_heads: int | None) -> np.ndarray:
+        raise NotImplementedError
+
+    def to_mask(self, num_q_blocks: int, num_k_blocks: int | None = None,
+                num_heads: int | None = None) -> np.ndarray:
+        """The block mask: bool ``[num_q_blocks, num_k_blocks]`` or, when ``num_heads``
+        is given, ``[num_heads, num_q_blocks, num_k_blocks]`` (a shared pattern is
+        repeated). ``num_k_blocks`` defaults to ``num_q_blocks``.
+        """
+        nq = _nonneg_int("num_q_blocks", num_q_blocks, positive=True)
+        nk = nq if num_k_blocks is None else _nonneg_int("num_k_blocks", num_k_blocks,
+                                                        positive=True)
+        h = _nonneg_int("num_heads", num_heads, positive=True, allow_none=True)
+        if h is None and self.per_head:
+            raise ValueError(
+                f"{self!r} differs per head: to_mask needs num_heads to build it.")
+        mask = np.asarray(self._build(nq, nk, h), dtype=bool)
+        assert mask.ndim == 3 and mask.shape[1:] == (nq, nk), mask.shape
+        if h is None:
+            return mask[0].copy()
+        return np.broadcast_to(mask, (h, nq, nk)).copy()
+
+    def realised_density(self, num_q_blocks: int, num_k_blocks: int | None = None,
+                num_heads: int | None = None, *, within: "BlockPattern | None" = None
+                ) -> float:
+        """Fraction of blocks that are active (among the blocks of ``within``)."""
+        mask = self.to_mask(num_q_blocks, num_k_blocks, num_heads)
+        if within is None:
+            return float(mask.mean())
+        support = np.broadcast_to(as_pattern(within).to_mask(num_q_blocks, num_k_blocks,
+                                                             num_heads), mask.shape)
+        return float((mask & support).sum() / max(support.sum(), 1))
+
+    def with_density(self, density: float | None = None, *,
+                     sparsity_ratio: float | None = None, seed: int = 0,
+                     within: "BlockPattern | None" = None, per_head: bool = False
+                     ) -> "TopUp":
+        """This pattern topped up with random blocks to ``density`` (module docstring)."""
+        return TopUp(self, _density(density, sparsity_ratio, "with_density"), seed=seed,
+                     within=None if within is None else as_pattern(within),
+                     per_head=per_head)
+
+    def __or__(self, other):
+        return Union((self, as_pattern(other)))
+
+    def __ror__(self, other):
+        return Union((as_pattern(other), self))
+
+    def __and__(self, other):
+        return Intersection((self, as_pattern(other)))
+
+    def __rand__(self, other):
+        return Intersection((as_pattern(other), self))
+
+    def draw(self, num_q_blocks: int = 16, num_k_blocks: int | None = None, *,
+             num_heads: int | None = None, head: int = 0, ax=None, title: str | None = None):
+        """Plot the mask (query blocks down, key blocks across) with matplotlib.
+
+        Per-head patterns draw head ``head`` of ``num_heads`` (default ``head + 1``).
+        Returns the matplotlib ``Axes``.
+        """
+        import matplotlib.pyplot as plt  # lazily: matplotlib is optional
+
+        if self.per_head:
+            num_heads = head + 1 if num_heads is None else num_heads
+        mask = self.to_mask(num_q_blocks, num_k_blocks, num_heads)
+        if mask.ndim == 3:
+            mask = mask[head]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(4, 4 * mask.shape[0] / mask.shape[1]))
+        ax.imshow(mask, cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_xticks(np.arange(-0.5, mask.shape[1], 1), minor=True)
+        ax.set_yticks(np.arange(-0.5, mask.shape[0], 1), minor=True)
+        ax.grid(which="minor", color="0.8", linewidth=0.5)
+        ax.tick_params(which="minor", length=0)
+        ax.set_xlabel("key block")
+        ax.set_ylabel("query block")
+        ax.set_title(title if title is not None else
+                     f"{self!r}\ndensity {mask.mean():.3f}", fontsize=8)
+        return ax
+
+
+def as_pattern(pattern) -> BlockPattern:
+    """A :class:`BlockPattern` from a pattern or a (NumPy) bool mask."""
+    if isinstance(pattern, BlockPattern):
+        return pattern
+    if isinstance(pattern, np.ndarray):
+        return MaskPattern(pattern)
+    raise TypeError(
+        f"pattern must be a BlockPattern or a bool NumPy array [q_blocks, k_blocks] or "
+        f"[heads, q_blocks, k_blocks], got {type(pattern).__name__}.")
+
+
+def _grid(nq: int, nk: int):
+    return np.arange(nq)[:, None], np.arange(nk)[None, :]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalWindow(BlockPattern):
+    """Key blocks ``i - before <= j <= i + after`` (``after`` defaults to ``before``)."""
+
+    before: int
+    after: int | None = None
+
+    def __post_init__(self):
+        _nonneg_int("LocalWindow.before", self.before)
+        _nonneg_int("LocalWindow.after", self.after, allow_none=True)
+
+    def _build(self, nq, nk, num_heads):
+        i, j = _grid(nq, nk)
+        after = self.before if self.after is None else self.after
+        return ((j >= i - self.before) & (j <= i + after))[None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dilated(BlockPattern):
+    """Every ``rate``-th block relative to the query block: ``(i - j) mod rate ==
+    offset`` and ``|i - j| <= span`` (``span`` None: unlimited)."""
+
+    rate: int
+    span: int | None = None
+    offset: int = 0
+
+    def __post_init__(self):
+        _nonneg_int("Dilated.rate", self.rate, positive=True)
+        _nonneg_int("Dilated.span", self.span, allow_none=True)
+        _nonneg_int("Dilated.offset", self.offset)
+        if self.offset >= self.rate:
+            raise ValueError(
+                f"Dilated.offset must be smaller than rate={self.rate}, got {self.offset}.")
+
+    def _build(self, nq, nk, num_heads):
+        i, j = _grid(nq, nk)
+        mask = (i - j) % self.rate == self.offset
+        if self.span is not None:
+            mask &= np.abs(i - j) <= self.span
+        return mask[None]
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalBlocks(BlockPattern):
+    """Global blocks: query block ``g`` sees every key block and every query block
+    sees key block ``g``, for each ``g`` in ``indices`` (negative counts from the end)."""
+
+    indices: tuple[int, ...] = (0,)
+
+    def __init__(self, indices: int | Sequence[int] = (0,)):
+        if isinstance(indices, (int, np.integer)) and not isinstance(indices, bool):
+            indices = (indices,)
+        try:
+            idx = tuple(indices)
+        except TypeError:
+            raise TypeError(
+                f"GlobalBlocks.indices must be an int or a sequence of ints, got "
+                f"{indices!r}.") from None
+        for g in idx:
+            if isinstance(g, bool) or not isinstance(g, (int, np.integer)):
+                raise TypeError(f"GlobalBlocks.indices must hold ints, got {g!r}.")
+        object.__setattr__(self, "indices", tuple(int(g) for g in idx))
+
+    def _build(self, nq, nk, num_heads):
+        mask = np.zeros((nq, nk), bool)
+        for g in self.indices:
+            if not -min(nq, nk) <= g < min(nq, nk):
+                raise ValueError(
+                    f"GlobalBlocks index {g} is out of range for {nq} query blocks and "
+                    f"{nk} key blocks.")
+            mask[g, :] = True
+            mask[:, g] = True
+        return mask[None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Strided(BlockPattern):
+    """Fixed columns ``j mod stride == offset`` that every query block sees."""
+
+    stride: int
+    offset: int = 0
+
+    def __post_init__(self):
+        _nonneg_int("Strided.stride", self.stride, positive=True)
+        _nonneg_int("Strided.offset", self.offset)
+        if self.offset >= self.stride:
+            raise ValueError(
+                f"Strided.offset must be smaller than stride={self.stride}, got "
+                f"{self.offset}.")
+
+    def _build(self, nq, nk, num_heads):
+        _, j = _grid(nq, nk)
+        return np.broadcast_to(j % self.stride == self.offset, (nq, nk))[None]
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalBlocks(BlockPattern):
+    """Key blocks at or before the query block: ``j <= i``."""
+
+    def _build(self, nq, nk, num_heads):
+        i, j = _grid(nq, nk)
+        return (j <= i)[None]
+
+
+@dataclasses.dataclass(frozen=True)
+class AllBlocks(BlockPattern):
+    """Every block (dense attention)."""
+
+    def _build(self, nq, nk, num_heads):
+        return np.ones((1, nq, nk), bool)
+
+
+def _random_rows(rng, candidates: np.ndarray, base: np.ndarray, targets: np.ndarray):
+    """Per row, ``base`` plus random candidates until ``targets`` blocks are active."""
+    out = base.copy()
+    for i in range(candidates.shape[0]):
+        free = np.flatnonzero(candidates[i] & ~base[i])
+        need = int(targets[i]) - int((base[i] & candidates[i]).sum())
+        if need > 0 and free.size:
+            out[i, rng.choice(free, size=min(need, free.size), replace=False)] = True
+    return out
+
+
+def _row_targets(candidates: np.ndarray, density: float | None, num_blocks: int | None):
+    counts = candidates.sum(axis=-1)
+    if num_blocks is not None:
+        return np.minimum(counts, num_blocks)
+    # round half up, so that density 0.5 of 3 candidates gives 2, not banker's 2/1
+    return np.minimum(counts, np.floor(density * counts + 0.5).astype(int))
+
+
+def _seed(name: str, seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise TypeError(f"{name} must be a non-negative int, got {seed!r}.")
+    return int(seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomBlocks(BlockPattern):
+    """Random key blocks per query block.
+
+    Give ``density`` (or ``sparsity_ratio = 1 - density``): row ``i`` gets exactly
+    ``round(density * c_i)`` blocks out of its ``c_i`` candidates (all key blocks, or
+    those of ``within``); or ``num_blocks``: that many per row (fewer if a row has
+    fewer candidates). ``per_head``: an independent draw for every head. The draw is
+    a function of ``seed``, the mask shape and the head.
+    """
+
+    density: float | None = None
+    num_blocks: int | None = None
+    seed: int = 0
+    per_head: bool = False
+    within: BlockPattern | None = None
+
+    def __init__(self, density: float | None = None, *, num_blocks: int | None = None,
+                 sparsity_ratio: float | None = None, seed: int = 0, per_head: bool = False,
+                 within: BlockPattern | None = None):
+        if num_blocks is not None:
+            if density is not None or sparsity_ratio is not None:
+                raise ValueError(
+                    f"RandomBlocks: give one of density, sparsity_ratio and num_blocks, got "
+                    f"density={density!r}, sparsity_ratio={sparsity_ratio!r}, "
+                    f"num_blocks={num_blocks!r}.")
+            _nonneg_int("RandomBlocks.num_blocks", num_blocks)
+            dens = None
+        else:
+            dens = _density(density, sparsity_ratio, "RandomBlocks")
+        if not isinstance(per_head, bool):
+            raise TypeError(f"RandomBlocks.per_head must be a bool, got {per_head!r}.")
+        object.__setattr__(self, "density", dens)
+        object.__setattr__(self, "num_blocks", None if num_blocks is None else int(num_blocks))
+        object.__setattr__(self, "seed", _seed("RandomBlocks.seed", seed))
+        object.__setattr__(self, "per_head", per_head)
+        object.__setattr__(self, "within", None if within is None else as_pattern(within))
+        if self.within is not None and self.within.per_head and not per_head:
+            object.__setattr__(self, "per_head", True)
+
+    def _build(self, nq, nk, num_heads):
+        heads = num_heads if self.per_head else 1
+        cands = (np.ones((1, nq, nk), bool) if self.within is None
+                 else self.within._build(nq, nk, num_heads))
+        out = np.zeros((heads, nq, nk), bool)
+        for h in range(heads):
+            cand = cands[min(h, cands.shape[0] - 1)]
+            targets = _row_targets(cand, self.density, self.num_blocks)
+            out[h] = _random_rows(_rng(self.seed, nq, nk, h), cand, np.zeros_like(cand),
+                                  targets)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TopUp(BlockPattern):
+    """``base`` plus random blocks until every row holds ``round(density * c_i)`` of its
+    ``c_i`` candidates (all key blocks, or those of ``within``); see the module
+    docstring. Made by :meth:`BlockPattern.with_density`."""
+
+    base: BlockPattern
+    density: float
+    seed: int = 0
+    within: BlockPattern | None = None
+    per_head: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "per_head", bool(
+            self.per_head or self.base.per_head
+            or (self.within is not None and self.within.per_head)))
+
+    def _build(self, nq, nk, num_heads):
+        base = self.base._build(nq, nk, num_heads)
+        cands = (np.ones((1, nq, nk), bool) if self.within is None
+                 else self.within._build(nq, nk, num_heads))
+        heads = num_heads if self.per_head else 1
+        out = np.zeros((heads, nq, nk), bool)
+        for h in range(heads):
+            b = base[min(h, base.shape[0] - 1)]
+            cand = cands[min(h, cands.shape[0] - 1)]
+            out[h] = _random_rows(_rng(self.seed, nq, nk, h), cand, b,
+                                  _row_targets(cand, self.density, None))
+        return out
+
+
+def _combine(parts, nq, nk, num_heads, op):
+    masks = [p._build(nq, nk, num_heads) for p in parts]
+    heads = max(m.shape[0] for m in masks)
+    out = np.broadcast_to(masks[0], (heads, nq, nk)).copy()
+    for m in masks[1:]:
+        out = op(out, m)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Union(BlockPattern):
+    """Blocks active in any part (``a | b``)."""
+
+    parts: tuple[BlockPattern, ...]
+
+    def __post_init__(self):
+        flat = []
+        for p in self.parts:
+            flat.extend(p.parts if isinstance(p, Union) else (as_pattern(p),))
+        object.__setattr__(self, "parts", tuple(flat))
+
+    @property
+    def per_head(self):
+        return any(p.per_head for p in self.parts)
+
+    def _build(self, nq, nk, num_heads):
+        return _combine(self.parts, nq, nk, num_heads, np.logical_or)
+
+    def __repr__(self):
+        return " | ".join(repr(p) for p in self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Intersection(BlockPattern):
+    """Blocks active in every part (``a & b``)."""
+
+    parts: tuple[BlockPattern, ...]
+
+    def __post_init__(self):
+        flat = []
+        for p in self.parts:
+            flat.extend(p.parts if isinstance(p, Intersection) else (as_pattern(p),))
+        object.__setattr__(self, "parts", tuple(flat))
+
+    @property
+    def per_head(self):
+        return any(p.per_head for p in self.parts)
+
+    def _build(self, nq, nk, num_heads):
+        return _combine(self.parts, nq, nk, num_heads, np.logical_and)
+
+    def __repr__(self):
+        return " & ".join(f"({p!r})" if isinstance(p, Union) else repr(p)
+                          for p in self.parts)
+
+
+class MaskPattern(BlockPattern):
+    """An explicit bool mask ``[q_blocks, k_blocks]`` (shared) or
+    ``[heads, q_blocks, k_blocks]`` (per head); its shape must match the call's."""
+
+    def __init__(self, mask):
+        arr = np.asarray(mask)
+        if arr.dtype != np.bool_:
+            raise TypeError(f"a block mask must be a bool array, got dtype {arr.dtype}.")
+        if arr.ndim not in (2, 3):
+            raise ValueError(
+                f"a block mask must have shape [q_blocks, k_blocks] or [heads, q_blocks, "
+                f"k_blocks], got shape {arr.shape}.")
+        self.mask = arr.copy()
+        self.mask.flags.writeable = False
+        self._key = (arr.shape, zlib.crc32(np.packbits(arr).tobytes()))
+
+    @property
+    def per_head(self):
+        return self.mask.ndim == 3
+
+    def _build(self, nq, nk, num_heads):
+        m = self.mask if self.mask.ndim == 3 else self.mask[None]
+        if m.shape[1:] != (nq, nk) or (m.ndim == 3 and self.per_head and num_heads is not None
+                                       and m.shape[0] != num_heads):
+            want = (nq, nk) if not self.per_head else (num_heads, nq, nk)
+            raise ValueError(
+                f"block mask has shape {self.mask.shape} but the call has {nq} query blocks "
+                f"and {nk} key blocks (and {num_heads} heads): expected shape {want}.")
+        return m
+
+    def __eq__(self, other):
+        return (isinstance(other, MaskPattern) and self._key == other._key
+                and np.array_equal(self.mask, other.mask))
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __repr__(self):
+        return f"MaskPattern(shape={self.mask.shape}, density={self.mask.mean():.3f})"
