@@ -7,6 +7,8 @@ Usage::
     python scripts/benchmark.py dilated --quick         # well under a minute, n=4096
     python scripts/benchmark.py dilated --modes head_groups,longnet --causal
     python scripts/benchmark.py dilated --help
+    python scripts/benchmark.py ring                    # 8 simulated devices, n=16384
+    python scripts/benchmark.py ring --quick            # a minute or two, n=2048
 
 Subcommands:
 
@@ -19,6 +21,32 @@ Subcommands:
     plain attention-shaped batched matmul and reports the dilated forward's
     achieved GFLOP/s as a fraction of it, and the compiled temporary memory of
     forward+backward at several sequence lengths (it should grow linearly).
+
+``ring``
+    Causal ring attention (``jd.sharded(jd.ring_attention, ...)`` under
+    ``jax.jit``) on 8 simulated CPU devices (the subcommand sets the device
+    count itself) against the single-device blockwise kernel on the same global
+    problem: per-device compiled memory of forward and forward+backward for
+    P = 1, 2, 4, 8 (default global n = 32768); forward and forward+backward
+    times of the contiguous, zigzag and striped layouts (through ``jd.sharded``
+    and on inputs already in the layout) and of the ``ringattention`` package
+    from PyPI (optional: ``pip install ringattention einops``; run inside
+    ``jax.shard_map`` on the same mesh and inputs, its output and gradients
+    compared with ours), all interleaved (default n = 16384); every variant's
+    output and gradients are checked against the single-device kernel. The
+    simulated devices share this process's cores, so wall time follows the
+    total work, which a layout does not change; a projection times each
+    distinct ring step on one device and reports the critical path (sum over
+    steps of the slowest device) that real devices, one per shard, would see.
+    ``--quick``: n = 2048 (memory at 4096), a minute or two.
+
+``distributed``
+    ``jd.dilated_attention(axis_name=...)`` over P = 1, 2, 4, 8 simulated CPU
+    devices on one global problem (default n = 65536): per-device compiled
+    temp memory of forward+backward against the single-device program, the
+    collective-permutes in the compiled HLO, and the key/value bytes each device
+    sends per ring step for every branch, computed from the shapes the code
+    sends, next to the O(n/r) expectation (``--no-timing`` for memory only).
 
 Every subcommand shows progress on stderr, prints a summary table and writes
 its results as JSON (``--json``, default ``results/benchmark_<name>.json``).
@@ -169,6 +197,10 @@ def environment(threads: int) -> dict:
         "threads": threads,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    try:  # the machine may be shared: its load when the run started
+        info["loadavg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
     try:
         import torch
         info["torch"] = torch.__version__
@@ -653,6 +685,739 @@ def _print_dilated_summary(payload: dict) -> None:
     ratio_head = (f"{lens[-1]}/{lens[0]}" if len(lens) > 1 else "ratio")
     print("compiled temp memory (memory_analysis().temp_size_in_bytes)")
     print_table(["mode", "pass"] + [f"n={s}" for s in lens] + [ratio_head], rows)
+
+
+# ----------------------------------------------------------------------------
+# ring: ring attention over simulated CPU devices vs the single-device kernel
+# ----------------------------------------------------------------------------
+
+RING_DEFAULTS = dict(seq_len=16384, memory_seq_len=32768, repeats=5)
+RING_QUICK = dict(seq_len=2048, memory_seq_len=4096, repeats=2)
+RING_LAYOUTS = ("contiguous", "zigzag", "striped")
+RINGATTENTION_INSTALL = "pip install ringattention einops"
+SINGLE = "single device"
+RINGATTENTION = "ringattention (PyPI)"
+
+
+def _ring_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", choices=sorted(CHECK_RTOL))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--seq-len", "-n", type=int, default=None,
+                   help=f"global sequence length of the timing runs (default "
+                        f"{RING_DEFAULTS['seq_len']}; --quick {RING_QUICK['seq_len']})")
+    p.add_argument("--devices", type=int, default=8,
+                   help="devices of the ring in the timing runs (default 8; simulated CPU "
+                        "devices unless the default backend has that many)")
+    p.add_argument("--layouts", type=str_list, default=RING_LAYOUTS,
+                   help="comma-separated subset of contiguous,zigzag,striped (default all)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                   help="causal attention (default; --no-causal for full attention)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed rounds, median reported (default 5; --quick 2)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds after compiling")
+    p.add_argument("--no-forward", action="store_true",
+                   help="time forward+backward only (the forward pass is timed by default)")
+    p.add_argument("--no-prelaid", action="store_true",
+                   help="skip the zigzag/striped variants on inputs already in the ring "
+                        "layout (which isolate the attention from jd.sharded's permutation)")
+    p.add_argument("--memory-seq-len", type=int, default=None,
+                   help=f"global sequence length of the compiled-memory table (default "
+                        f"{RING_DEFAULTS['memory_seq_len']}; --quick "
+                        f"{RING_QUICK['memory_seq_len']})")
+    p.add_argument("--memory-devices", type=int_list, default=(1, 2, 4, 8),
+                   help="ring sizes P of the compiled-memory table (default 1,2,4,8)")
+    p.add_argument("--no-ringattention", action="store_true",
+                   help="skip the ringattention package from PyPI")
+    p.add_argument("--ra-chunk", type=int, default=512,
+                   help="ringattention query/key chunk size (default 512, the block size of "
+                        "jax-dilated's kernel)")
+    p.add_argument("--no-projection", action="store_true",
+                   help="skip the per-step critical-path projection")
+    p.add_argument("--implementation", default=None,
+                   help="kernel implementation (default: by device kind)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"small configuration (n={RING_QUICK['seq_len']}, memory at "
+                        f"n={RING_QUICK['memory_seq_len']}, 2 rounds): a minute or two")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _ring_devices(jax, count: int) -> list:
+    """``count`` devices of the default backend, else of the (simulated) CPU backend."""
+    devices = jax.devices()
+    if len(devices) < count:
+        devices = jax.devices("cpu")
+    if len(devices) < count:
+        raise SystemExit(f"ring: need {count} devices, have {len(devices)} (set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={count} "
+                         f"before JAX starts)")
+    return devices[:count]
+
+
+def _request_cpu_devices(count: int) -> None:
+    """Ask JAX for ``count`` CPU devices; must run before JAX creates its backends."""
+    import jax
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except AttributeError:  # JAX without the option: the XLA flag does the same
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+
+
+def _import_ringattention():
+    """The ``ringattention`` package (PyPI), or ``(None, reason)``.
+
+    ringattention 0.1.2 reads ``jax.lib.xla_bridge.get_backend()`` at import time,
+    an alias that current JAX has removed; the same function lives in
+    ``jax.extend.backend``. The alias is put back for the import only (this
+    shim lives here, in the benchmark, never in the library).
+    """
+    import jax
+    shimmed = False
+    if not hasattr(jax.lib, "xla_bridge"):
+        import jax.extend.backend
+        jax.lib.xla_bridge = SimpleNamespace(get_backend=jax.extend.backend.get_backend)
+        shimmed = True
+    try:
+        import ringattention
+    except ImportError as err:
+        return None, f"not installed ({err}); install it with: {RINGATTENTION_INSTALL}"
+    except Exception as err:  # noqa: BLE001 - another incompatibility with this JAX
+        return None, f"import failed on jax {jax.__version__}: {type(err).__name__}: {err}"
+    finally:
+        if shimmed:
+            del jax.lib.xla_bridge
+    return ringattention, ("imported with a jax.lib.xla_bridge shim" if shimmed else "imported")
+
+
+def _ringattention_fn(jax, jnp, ra, mesh, *, causal: bool, chunk: int, dtype):
+    """The PyPI ringattention (blockwise JAX version) inside ``jax.shard_map`` on ``mesh``.
+
+    Its signature: ``ring_attention(q, k, v, attn_bias, segment_ids, cache_idx,
+    axis_name, float32_logits, blockwise_kwargs)`` on the local shards
+    ``[batch, n, heads, head_dim]`` of a contiguous sequence; causality is the
+    ``causal_block_size`` kwarg (1 = per token); scale ``1/sqrt(head_dim)``.
+    """
+    from jax.sharding import PartitionSpec as P
+    kwargs = dict(causal_block_size=1 if causal else None, query_chunk_size=chunk,
+                  key_chunk_size=chunk, deterministic=True, dropout_rng=None, attn_pdrop=0.0,
+                  dtype=dtype, policy=jax.checkpoint_policies.nothing_saveable,
+                  precision=None, prevent_cse=False)
+
+    def local(q, k, v):
+        return ra.ringattention_jax(q, k, v, None, None, None, "seq", True, kwargs)
+
+    spec = P(None, "seq")
+    # its carries are not varying-typed, so shard_map's vma check is off for it
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                         check_vma=False)
+
+
+def _ring_block(local_len: int, layout: str, target: int = 512) -> int:
+    """Kernel block of a ring step: the largest divisor of the chunk not above ``target``.
+
+    Mirrors jax-dilated's choice (zigzag blocks are aligned to the two chunks of a
+    shard; the kernel's default 512 otherwise) for lengths it divides.
+    """
+    chunk = local_len // 2 if layout == "zigzag" else local_len
+    return max(d for d in range(1, min(chunk, target) + 1) if chunk % d == 0)
+
+
+def _step_patterns(seq_len: int, devices: int, layout: str, block: int,
+                   causal: bool) -> list[list[bytes | None]]:
+    """``[step][device]``: the kernel blocks a causal ring step computes, as a key.
+
+    Device ``d`` at step ``s`` holds the key block of device ``(d - s) mod P``; a
+    kernel block (i, j) is computed unless every key of block j comes after
+    every query of block i (the library's skip rule); a step with no block is
+    skipped whole (``None``).
+    """
+    from jax_dilated.layouts import global_order
+    pos = global_order(seq_len, devices, layout).reshape(devices, -1, block)
+    q_max, k_min = pos.max(-1), pos.min(-1)
+    steps = []
+    for s in range(devices):
+        row = []
+        for d in range(devices):
+            src = (d - s) % devices
+            active = (k_min[src][None, :] <= q_max[d][:, None]) if causal else \
+                np.ones((pos.shape[1],) * 2, bool)
+            row.append(active.tobytes() if active.any() else None)
+        steps.append(row)
+    return steps
+
+
+def _ring_projection(args, libs, progress) -> dict:
+    """Critical path of a ring with one real device per shard, from measured steps.
+
+    The simulated devices of this process share its CPU cores, so wall time
+    follows the *total* work of all devices, which a layout does not change. On
+    real devices every step ends at a collective (the ``ppermute``), so a ring
+    takes ``sum over steps of max over devices`` of the step times: that is
+    what load balancing (zigzag, striped) shortens. Each distinct step (its set
+    of computed kernel blocks) is timed on one device as a kernel forward and
+    backward with the positions the ring uses; communication is not counted
+    (it overlaps with compute in the ring).
+    """
+    jax, jnp, jd = libs.jax, libs.jnp, libs.jd
+    from jax_dilated.backends import KernelArgs, get_kernel
+    from jax_dilated.layouts import global_order
+    p, n = args.devices, args.seq_len // args.devices
+    kernel = get_kernel(args.implementation)
+    dtype = jnp.dtype(args.dtype)
+    rng = np.random.default_rng(args.seed + 1)
+    shape = (args.batch, n, args.heads, args.head_dim)
+    q, k, v, ct = (jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+                   for _ in range(4))
+    plans, calls, blocks = {}, {}, {}
+    for layout in args.layouts:
+        block = _ring_block(n, layout)
+        steps = _step_patterns(args.seq_len, p, layout, block, args.causal)
+        pos = global_order(args.seq_len, p, layout).reshape(p, n).astype(np.int32)
+        plans[layout] = steps
+        for s, row in enumerate(steps):
+            for d, key in enumerate(row):
+                if key is None or (block, key) in calls:
+                    continue
+                kargs = KernelArgs(scale=args.head_dim ** -0.5, is_causal=args.causal,
+                                   block_q=block, block_k=block)
+                qp, kp = jnp.asarray(pos[d]), jnp.asarray(pos[(d - s) % p])
+
+                def loss(q_, k_, v_, ct_, qp=qp, kp=kp, kargs=kargs):
+                    o = kernel.attention(q_, k_, v_, kargs, q_positions=qp,
+                                         k_positions=kp)[0]
+                    return jnp.sum(o.astype(jnp.float32) * ct_.astype(jnp.float32))
+
+                exe = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, ct).compile()
+                calls[(block, key)] = (functools.partial(exe, q, k, v, ct),
+                                       jax.block_until_ready)
+                blocks[(block, key)] = int(np.frombuffer(key, bool).sum())
+    progress.write(f"projection: {len(calls)} distinct ring steps, timing each")
+    timed = time_interleaved({str(i): c for i, c in enumerate(calls.values())},
+                             repeats=max(args.repeats, 3), warmup=args.warmup)
+    step_s = {key: timed[str(i)]["median_s"] for i, key in enumerate(calls)}
+    result = {}
+    for layout, steps in plans.items():
+        block = _ring_block(n, layout)
+        t = [[0.0 if key is None else step_s[(block, key)] for key in row] for row in steps]
+        b = [[0 if key is None else blocks[(block, key)] for key in row] for row in steps]
+        result[layout] = {
+            "block": block,
+            "critical_path_s": sum(max(row) for row in t),
+            "total_work_s": sum(sum(row) for row in t),
+            # computed (query, key) pairs, blocks x block^2: comparable across layouts
+            "critical_path_pairs": sum(max(row) for row in b) * block ** 2,
+            "total_pairs": sum(sum(row) for row in b) * block ** 2,
+            "blocks_per_step_device": b,
+        }
+    if "contiguous" in result:
+        base = result["contiguous"]
+        for r in result.values():
+            r["speedup_vs_contiguous"] = base["critical_path_s"] / r["critical_path_s"]
+            r["pairs_speedup_vs_contiguous"] = (base["critical_path_pairs"]
+                                                / r["critical_path_pairs"])
+    return result
+
+
+def _memory_of(jax, fn, specs) -> dict:
+    """Compiled ``memory_analysis()`` sizes (bytes) of ``jax.jit(fn)`` at ``specs``."""
+    m = jax.jit(fn).lower(*specs).compile().memory_analysis()
+    return {key: getattr(m, f"{key}_size_in_bytes", None)
+            for key in ("temp", "argument", "output")}
+
+
+def _ring_memory_jobs(args, libs, ra) -> list[tuple]:
+    """``(name, devices, layout, forward fn, input spec)`` of every compiled-memory row."""
+    jax, jnp, jd = libs.jax, libs.jnp, libs.jd
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax_dilated.backends import KernelArgs, get_kernel
+    n, dtype = args.memory_seq_len, jnp.dtype(args.dtype)
+    shape = (args.batch, n, args.heads, args.head_dim)
+    kernel = get_kernel(args.implementation)
+    kargs = KernelArgs(scale=args.head_dim ** -0.5, is_causal=args.causal)
+    attn = functools.partial(jd.ring_attention, is_causal=args.causal,
+                             implementation=args.implementation)
+    jobs = [(SINGLE, 1, None, lambda q, k, v: kernel.attention(q, k, v, kargs)[0],
+             jax.ShapeDtypeStruct(shape, dtype))]
+    biggest = max(args.memory_devices)
+    for p in args.memory_devices:
+        mesh = Mesh(np.array(_ring_devices(jax, p)), ("seq",))
+        spec = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(None, "seq")))
+        others = [lay for lay in args.layouts if lay != "contiguous"] if p == biggest else []
+        for layout in ["contiguous"] + others:
+            jobs.append((f"P={p} {layout}", p, layout,
+                         jd.sharded(attn, mesh, seq_axis="seq", layout=layout), spec))
+        if p != biggest or p == 1:
+            continue
+        if not args.no_prelaid:
+            for layout in others:
+                local = functools.partial(attn, axis_name="seq", layout=layout)
+                jobs.append((f"P={p} {layout} pre-laid-out", p, layout,
+                             jax.shard_map(local, mesh=mesh, in_specs=(P(None, "seq"),) * 3,
+                                           out_specs=P(None, "seq")), spec))
+        if ra is not None:
+            jobs.append((f"P={p} {RINGATTENTION}", p, "contiguous",
+                         _ringattention_fn(jax, jnp, ra, mesh, causal=args.causal,
+                                           chunk=min(args.ra_chunk, n // p), dtype=dtype),
+                         spec))
+    return jobs
+
+
+def _ring_memory(args, libs, jobs, progress) -> dict:
+    """Per-device compiled memory (forward, forward+backward) of every job."""
+    jax, jnp = libs.jax, libs.jnp
+    itemsize = jnp.dtype(args.dtype).itemsize
+    global_bytes = args.batch * args.memory_seq_len * args.heads * args.head_dim * itemsize
+
+    def grad_of(f):
+        return jax.grad(lambda q, k, v, c: jnp.sum(f(q, k, v).astype(jnp.float32)
+                                                   * c.astype(jnp.float32)),
+                        argnums=(0, 1, 2))
+
+    rows = {}
+    for name, devices, layout, fn, spec in jobs:
+        progress.start(f"memory: {name} n={args.memory_seq_len}")
+        rows[name] = {
+            "devices": devices, "layout": layout,
+            "forward": _memory_of(jax, fn, [spec] * 3),
+            "forward_backward": _memory_of(jax, grad_of(fn), [spec] * 4),
+            # the 4 inputs (q, k, v, cotangent) of a P-device program are 1/P of the
+            # global arrays each: argument bytes equal to this show per-device figures
+            "argument_bytes_expected_per_device": 4 * global_bytes // devices}
+        progress.done()
+    base = rows[SINGLE]["forward_backward"]["temp"]
+    for r in rows.values():
+        r["temp_vs_single"] = r["forward_backward"]["temp"] / base if base else None
+    return rows
+
+
+def _undo_order(inverse: np.ndarray, x) -> np.ndarray:
+    """A laid-out global array back in token order (NumPy, outside the timed code)."""
+    return np.asarray(x)[:, inverse]
+
+
+def _ring_variants(args, libs, ra, mesh, inputs) -> dict:
+    """name -> (forward fn, its q/k/v/ct inputs placed for it, output back to token order)."""
+    jax, jnp, jd = libs.jax, libs.jnp, libs.jd
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_dilated.backends import KernelArgs, get_kernel
+    from jax_dilated.layouts import global_order
+    dtype = jnp.dtype(args.dtype)
+    kernel = get_kernel(args.implementation)
+    kargs = KernelArgs(scale=args.head_dim ** -0.5, is_causal=args.causal)
+    one = mesh.devices.flat[0]
+    seq = NamedSharding(mesh, P(None, "seq"))
+    on_one = [jax.device_put(jnp.asarray(x, dtype), one) for x in inputs]
+    sharded = [jax.device_put(jnp.asarray(x, dtype), seq) for x in inputs]
+    attn = functools.partial(jd.ring_attention, is_causal=args.causal,
+                             implementation=args.implementation)
+    ident = np.asarray
+    variants = {SINGLE: (lambda q, k, v: kernel.attention(q, k, v, kargs)[0], on_one, ident)}
+    for layout in args.layouts:
+        variants[layout] = (jd.sharded(attn, mesh, seq_axis="seq", layout=layout),
+                            sharded, ident)
+    if not args.no_prelaid:
+        for layout in args.layouts:
+            if layout == "contiguous":
+                continue
+            order = global_order(args.seq_len, args.devices, layout)
+            laid = [jax.device_put(jnp.asarray(x[:, order], dtype), seq) for x in inputs]
+            local = functools.partial(attn, axis_name="seq", layout=layout)
+            f = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "seq"),) * 3,
+                              out_specs=P(None, "seq"))
+            back = functools.partial(_undo_order, np.argsort(order))
+            variants[f"{layout} pre-laid-out"] = (f, laid, back)
+    if ra is not None:
+        chunk = min(args.ra_chunk, args.seq_len // args.devices)
+        variants[RINGATTENTION] = (_ringattention_fn(jax, jnp, ra, mesh, causal=args.causal,
+                                                     chunk=chunk, dtype=dtype),
+                                   sharded, ident)
+    return variants
+
+
+@subcommand("ring", "ring attention on a (simulated) device mesh: memory per device, "
+                    "layouts, vs the ringattention package", _ring_arguments)
+def run_ring(args: argparse.Namespace) -> dict:
+    """The ``ring`` benchmark; returns the JSON-able results."""
+    table = RING_QUICK if args.quick else RING_DEFAULTS
+    for name, value in table.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for layout in args.layouts:
+        if layout not in RING_LAYOUTS:
+            raise SystemExit(f"--layouts: unknown layout {layout!r} ({', '.join(RING_LAYOUTS)})")
+    for what, length, p in (("--seq-len", args.seq_len, args.devices),
+                            *(("--memory-seq-len", args.memory_seq_len, m)
+                              for m in args.memory_devices)):
+        if length % (2 * p):
+            raise SystemExit(f"{what} {length} must be divisible by 2 x {p} devices")
+    _request_cpu_devices(max(args.devices, *args.memory_devices))
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import jax_dilated as jd
+    libs = SimpleNamespace(jax=jax, jnp=jnp, jd=jd)
+
+    ra, ra_status = None, "skipped (--no-ringattention)"
+    if not args.no_ringattention:
+        ra, ra_status = _import_ringattention()
+        if ra is None:
+            print(f"ringattention comparison skipped: {ra_status}", file=sys.stderr)
+    config = {k: getattr(args, k) for k in (
+        "dtype", "batch", "heads", "head_dim", "seq_len", "devices", "layouts", "causal",
+        "repeats", "warmup", "memory_seq_len", "memory_devices", "ra_chunk",
+        "implementation", "quick", "seed", "threads")}
+    env = environment(args.threads)
+    env["ring_devices"] = str(_ring_devices(jax, args.devices)[0].device_kind)
+    env["ringattention"] = ra_status
+    if ra is not None:
+        try:
+            from importlib.metadata import version
+            env["ringattention_version"] = version("ringattention")
+        except Exception:  # noqa: BLE001 - metadata is optional
+            pass
+
+    mesh = Mesh(np.array(_ring_devices(jax, args.devices)), ("seq",))
+    rng = np.random.default_rng(args.seed)
+    shape = (args.batch, args.seq_len, args.heads, args.head_dim)
+    inputs = [rng.standard_normal(shape, dtype=np.float32) for _ in range(4)]  # q, k, v, ct
+    variants = _ring_variants(args, libs, ra, mesh, inputs)
+    passes = ["forward_backward"] if args.no_forward else ["forward", "forward_backward"]
+    jobs = _ring_memory_jobs(args, libs, ra)
+    progress = Progress(len(jobs) + len(variants) + len(passes) + 1
+                        + (not args.no_projection and args.causal), "ring")
+    progress.write(f"ring: B={args.batch} n={args.seq_len} H={args.heads} D={args.head_dim} "
+                   f"{args.dtype} causal={args.causal} P={args.devices} "
+                   f"({env['ring_devices']} devices) layouts={','.join(args.layouts)} "
+                   f"threads={args.threads} repeats={args.repeats}; ringattention: {ra_status}")
+
+    memory = _ring_memory(args, libs, jobs, progress)
+
+    # --- compile every variant, forward and forward+backward ---
+    results: dict = {}
+    calls = {p: {} for p in passes}
+    for name, (fn, xs, _) in variants.items():
+        progress.start(f"compile {name}")
+        def loss(q, k, v, ct, fn=fn):
+            return jnp.sum(fn(q, k, v).astype(jnp.float32) * ct.astype(jnp.float32))
+        res = results[name] = {}
+        for label, f, a in (("forward", fn, xs[:3]),
+                            ("forward_backward", jax.grad(loss, argnums=(0, 1, 2)), xs)):
+            t0 = time.perf_counter()
+            exe = jax.jit(f).lower(*a).compile()
+            res[label] = {"compile_s": time.perf_counter() - t0}
+            if label in calls:
+                calls[label][name] = (functools.partial(exe, *a), jax.block_until_ready)
+            res[f"_{label}_exe"] = functools.partial(exe, *a)
+        progress.done()
+
+    # --- honesty check: every variant computes the single-device result ---
+    progress.start("check outputs and gradients against the single device")
+    computed = {}
+    for name, (_, _, back) in variants.items():
+        res = results[name]
+        computed[name] = [np.asarray(back(res.pop("_forward_exe")()), np.float32)] + [
+            np.asarray(back(g), np.float32) for g in res.pop("_forward_backward_exe")()]
+    for name, arrays in computed.items():
+        check = {key: _max_rel_diff(a, r)
+                 for key, a, r in zip(("output", "dq", "dk", "dv"), arrays, computed[SINGLE])}
+        worst = max(rel for _, rel in check.values())
+        results[name]["check_vs_single"] = {
+            **{key: {"max_abs_diff": a, "rel_to_max": r} for key, (a, r) in check.items()},
+            "rtol": CHECK_RTOL[args.dtype], "agree": worst <= CHECK_RTOL[args.dtype]}
+    if RINGATTENTION in computed and "contiguous" in computed:
+        # the same computation on the same mesh: ringattention against our ring
+        results[RINGATTENTION]["check_vs_contiguous"] = {
+            f"{key}_max_abs_diff": float(np.max(np.abs(a - b)))
+            for key, a, b in zip(("output", "dq", "dk", "dv"), computed[RINGATTENTION],
+                                 computed["contiguous"])}
+    del computed
+    progress.done()
+    for name, res in results.items():
+        c = res["check_vs_single"]
+        progress.write(f"  {name}: max |diff| vs single device: out "
+                       f"{c['output']['max_abs_diff']:.1e}, grads "
+                       f"{max(c[g]['max_abs_diff'] for g in ('dq', 'dk', 'dv')):.1e}"
+                       + ("" if c["agree"] else "  ** DISAGREE **"))
+
+    # --- time all variants, interleaved call by call ---
+    for label in passes:
+        progress.start(f"time {label.replace('_', '+')} ({len(calls[label])} variants "
+                       f"x {args.repeats})")
+        for name, timing in time_interleaved(calls[label], repeats=args.repeats,
+                                             warmup=args.warmup).items():
+            results[name][label].update(timing)
+        progress.done()
+    ref = "contiguous" if "contiguous" in results else SINGLE
+    for name, res in results.items():
+        res["speedup_vs_" + ref] = {
+            label: statistics.median(b / t for b, t in zip(results[ref][label]["times_s"],
+                                                           res[label]["times_s"]))
+            for label in passes}
+
+    try:
+        env["loadavg_after_timing"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    projection = None
+    if not args.no_projection and args.causal:
+        progress.start("critical-path projection (distinct ring steps on one device)")
+        projection = _ring_projection(args, libs, progress)
+        progress.done()
+    progress.close()
+
+    payload = {"benchmark": "ring", "config": config, "environment": env,
+               "memory": memory, "timing": results, "timing_reference": ref,
+               "projection": projection}
+    _print_ring_summary(payload)
+    return payload
+
+
+def _print_ring_summary(payload: dict) -> None:
+    """Memory, timing and projection tables of a ``ring`` run."""
+    cfg, env = payload["config"], payload["environment"]
+    print()
+    print(f"ring attention: B={cfg['batch']} H={cfg['heads']} D={cfg['head_dim']} "
+          f"{cfg['dtype']} causal={cfg['causal']}; {env.get('cpu', '?')}, "
+          f"{cfg['threads']} threads, {env['ring_devices']} devices")
+    print()
+    print(f"compiled memory per device at global n={cfg['memory_seq_len']} "
+          f"(memory_analysis() of the jitted program; argument bytes = 4 inputs / P "
+          f"confirm it is per device)")
+    rows = []
+    for name, r in payload["memory"].items():
+        fb, fw = r["forward_backward"], r["forward"]
+        rows.append([name, fmt_bytes(fw["temp"]), fmt_bytes(fb["temp"]),
+                     "-" if r["temp_vs_single"] is None else f"{r['temp_vs_single']:.3f}",
+                     fmt_bytes(fb["argument"]),
+                     fmt_bytes(r["argument_bytes_expected_per_device"])])
+    print_table(["program", "fwd temp", "fwd+bwd temp", "vs single", "args",
+                 "4 inputs / P"], rows)
+    print()
+    ref = payload["timing_reference"]
+    print(f"timing at global n={cfg['seq_len']}, ring over P={cfg['devices']} "
+          f"(median of {cfg['repeats']}, all variants interleaved; speedup = paired median "
+          f"of {ref} time / variant time)")
+    rows = []
+    for name, r in payload["timing"].items():
+        fwd = r.get("forward", {}).get("median_s")
+        sp = r["speedup_vs_" + ref]
+        c = r["check_vs_single"]
+        rows.append([name, fmt_ms(fwd), fmt_ms(r["forward_backward"]["median_s"]),
+                     "-" if "forward" not in sp else f"{sp['forward']:.2f}x",
+                     f"{sp['forward_backward']:.2f}x",
+                     f"{c['output']['max_abs_diff']:.1e}",
+                     f"{max(c[g]['max_abs_diff'] for g in ('dq', 'dk', 'dv')):.1e}"])
+    print_table(["variant", "fwd ms", "fwd+bwd ms", "fwd speedup", "fwd+bwd speedup",
+                 "out |diff|", "grad |diff|"], rows)
+    print("(|diff| = max abs difference from the single-device kernel, output and dq/dk/dv)")
+    ra = payload["timing"].get(RINGATTENTION, {}).get("check_vs_contiguous")
+    if ra:
+        print("ringattention vs jax-dilated contiguous ring, max |diff|: " + ", ".join(
+            f"{key} {ra[f'{key}_max_abs_diff']:.1e}" for key in ("output", "dq", "dk", "dv")))
+    elif RINGATTENTION not in payload["timing"]:
+        print(f"ringattention: {env.get('ringattention')}")
+    proj = payload.get("projection")
+    if proj:
+        print()
+        print(f"critical path with one real device per shard (P={cfg['devices']}): sum over "
+              f"ring steps of the slowest device's step, each distinct step timed on one "
+              f"device (kernel fwd+bwd), communication not counted")
+        rows = [[layout, str(r["block"]), f"{r['critical_path_pairs'] / 2**20:.1f}M",
+                 f"{r['total_pairs'] / 2**20:.1f}M", fmt_ms(r["critical_path_s"]),
+                 fmt_ms(r["total_work_s"]),
+                 f"{r.get('speedup_vs_contiguous', float('nan')):.2f}x",
+                 f"{r.get('pairs_speedup_vs_contiguous', float('nan')):.2f}x"]
+                for layout, r in proj.items()]
+        print_table(["layout", "block", "path pairs", "total pairs", "path ms", "total ms",
+                     "path speedup", "pairs speedup"], rows)
+        print("(path = sum over steps of the slowest device: what one real device per shard "
+              "would take; total = the work all devices do, which the simulated devices of "
+              "this process share; pairs = (query, key) pairs in computed kernel blocks)")
+
+
+# ----------------------------------------------------------------------------
+# distributed: dilated attention with the sequence sharded over P devices
+# ----------------------------------------------------------------------------
+
+DISTRIBUTED_DEFAULTS = dict(seq_len=65536, segments=(2048, 4096, 16384, 65536),
+                            rates=(1, 2, 8, 16), devices=(1, 2, 4, 8), repeats=2)
+DISTRIBUTED_QUICK = dict(seq_len=8192, segments=(256, 512, 2048, 8192),
+                         rates=(1, 2, 8, 16), devices=(1, 2, 4, 8), repeats=1)
+
+
+def _distributed_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq-len", "-n", type=int, default=None,
+                   help=f"global sequence length (default {DISTRIBUTED_DEFAULTS['seq_len']}; "
+                        f"--quick {DISTRIBUTED_QUICK['seq_len']})")
+    p.add_argument("--segments", type=int_list, default=None,
+                   help="segment lengths (default 2048,4096,16384,65536)")
+    p.add_argument("--rates", type=int_list, default=None, help="dilation rates (default 1,2,8,16)")
+    p.add_argument("--devices", type=int_list, default=None,
+                   help="device counts P to compare (default 1,2,4,8)")
+    p.add_argument("--mode", default="longnet", choices=("longnet", "head_groups"))
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed forward+backward calls per P, median reported (default 2)")
+    p.add_argument("--no-timing", action="store_true", help="compile and report memory only")
+    p.add_argument("--quick", action="store_true",
+                   help=f"small configuration (n={DISTRIBUTED_QUICK['seq_len']}): about a minute")
+    p.add_argument("--seed", type=int, default=0)
+
+
+_PERMUTE = None  # compiled regex, built on first use
+
+
+def _permutes_in(hlo: str) -> list[int]:
+    """Bytes moved by every collective-permute of a compiled HLO module (per device)."""
+    import re
+    global _PERMUTE
+    if _PERMUTE is None:
+        _PERMUTE = re.compile(r"=\s*(\(?[^=]*?)\s+collective-permute(?:-start)?\(")
+    sizes = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "pred": 1, "s32": 4, "u32": 4}
+    out = []
+    for m in _PERMUTE.finditer(hlo):
+        total = 0
+        for dt, dims in re.findall(r"(f32|bf16|f16|f64|pred|s32|u32)\[([\d,]*)\]", m.group(1)):
+            total += sizes[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        out.append(total)
+    return out
+
+
+def run_distributed(args: argparse.Namespace) -> dict:
+    """The ``distributed`` benchmark; returns the JSON-able results."""
+    table = DISTRIBUTED_QUICK if args.quick else DISTRIBUTED_DEFAULTS
+    for name, value in table.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    _request_cpu_devices(max(args.devices))
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_dilated as jd
+    from jax_dilated import distributed, patterns
+
+    t, h, d = args.seq_len, args.heads, args.head_dim
+    dtype = jnp.dtype(args.dtype)
+    cfg = dict(segment_lengths=args.segments, dilation_rates=args.rates, mode=args.mode,
+               is_causal=args.causal)
+    config = {k: getattr(args, k) for k in (
+        "seq_len", "segments", "rates", "devices", "mode", "causal", "batch", "heads",
+        "head_dim", "dtype", "repeats", "quick", "seed", "threads")}
+    env = environment(args.threads)
+    devices = _ring_devices(jax, max(args.devices))
+    progress = Progress(len(args.devices) * (1 if args.no_timing else 2) + 1, "distributed")
+    progress.write(f"distributed: B={args.batch} n={t} H={h} D={d} {args.dtype} "
+                   f"segments={args.segments} rates={args.rates} mode={args.mode} "
+                   f"causal={args.causal} P={args.devices}")
+
+    def fwd_bwd(attn):
+        def run(q, k, v, ct):
+            out, vjp = jax.vjp(attn, q, k, v)
+            return out, vjp(ct)
+        return run
+
+    # the single-device program: plain jd.dilated_attention, no mesh
+    progress.start("compile single device")
+    spec = jax.ShapeDtypeStruct((args.batch, t, h, d), dtype)
+    single = fwd_bwd(functools.partial(jd.dilated_attention, **cfg))
+    single_mem = _memory_of(jax, single, [spec] * 4)
+    progress.done()
+
+    rng = np.random.default_rng(args.seed)
+    host = [rng.standard_normal((args.batch, t, h, d)).astype(dtype) for _ in range(4)]
+    rows = {}
+    for p in args.devices:
+        mesh = jax.sharding.Mesh(np.array(devices[:p]), ("seq",))
+        sharding = NamedSharding(mesh, P(None, "seq"))
+        local = functools.partial(jd.dilated_attention, axis_name="seq", **cfg)
+        attn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "seq"),) * 3,
+                             out_specs=P(None, "seq"), check_vma=True)
+        step = jax.jit(fwd_bwd(attn), in_shardings=sharding)
+        progress.start(f"compile P={p}")
+        specs = [jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sharding)] * 4
+        compiled = step.lower(*specs).compile()
+        m = compiled.memory_analysis()
+        permutes = _permutes_in(compiled.as_text())
+        progress.done()
+        plan = distributed.shard_branches(tuple(zip(args.segments, args.rates)),
+                                          local_len=t // p, num_devices=p)
+        heads_plans = patterns.plan_branches(tuple(zip(args.segments, args.rates)),
+                                             seq_len=t, num_heads=h, num_kv_heads=h,
+                                             mode=args.mode, offsets_rule="modulo")
+        branches = []
+        for sb, hp in zip(plan, heads_plans):
+            tokens = sb.tokens_sent_per_step()
+            # k and v blocks of n/r tokens of the gathered kv heads (no mask here)
+            step_bytes = 2 * args.batch * tokens * len(hp.kv_heads) * d * dtype.itemsize
+            branches.append({"segment": sb.segment_length, "rate": sb.rate,
+                             "ring_size": sb.ring_size, "local": sb.is_local,
+                             "tokens_per_step": tokens,
+                             "local_n_over_r": (t // p) // sb.rate,
+                             "bytes_per_step": step_bytes,
+                             "forward_steps": sb.ring_size - 1})
+        row = rows[p] = {"temp_bytes": m.temp_size_in_bytes,
+                         "argument_bytes": m.argument_size_in_bytes,
+                         "hlo_collective_permutes": len(permutes),
+                         "hlo_permute_bytes": permutes, "branches": branches}
+        if not args.no_timing:
+            progress.start(f"time P={p}")
+            q, k, v, ct = (jax.device_put(x, sharding) for x in host)
+            row["fwd_bwd"] = time_calls(lambda: step(q, k, v, ct), repeats=args.repeats,
+                                        sync=jax.block_until_ready)
+            progress.done()
+    progress.close()
+    payload = {"benchmark": "distributed", "config": config, "environment": env,
+               "single_device": {"temp_bytes": single_mem["temp"]}, "devices": rows}
+    _print_distributed_summary(payload)
+    return payload
+
+
+def _print_distributed_summary(payload: dict) -> None:
+    cfg, single = payload["config"], payload["single_device"]["temp_bytes"]
+    print()
+    print(f"distributed dilated attention, global n={cfg['seq_len']}, B={cfg['batch']}, "
+          f"H={cfg['heads']}, D={cfg['head_dim']}, {cfg['dtype']}, {cfg['mode']}, "
+          f"causal={cfg['causal']}, segments={list(cfg['segments'])}, "
+          f"rates={list(cfg['rates'])}")
+    print(f"single device (no mesh) forward+backward temp memory: {fmt_bytes(single)}")
+    rows = []
+    for p, r in payload["devices"].items():
+        t = r.get("fwd_bwd", {}).get("median_s")
+        rows.append([str(p), fmt_bytes(r["temp_bytes"]), f"{r['temp_bytes'] / single:.3f}x",
+                     str(r["hlo_collective_permutes"]),
+                     fmt_bytes(max(r["hlo_permute_bytes"], default=0)), fmt_ms(t)])
+    print_table(["P", "temp / device", "vs single", "permute ops", "largest permute",
+                 "fwd+bwd ms"], rows)
+    print("(temp: memory_analysis() of the compiled SPMD program, i.e. per device; permute "
+          "ops: collective-permutes in the compiled forward+backward HLO (an op inside the "
+          "ring's scan runs once per step); largest permute: the largest single array one "
+          "moves per device (XLA emits one op per array of the k, v, dk, dv tuple); fwd+bwd: the whole simulated mesh on "
+          "this machine's cores, so it is no speedup measure)")
+    print()
+    print("communication per device per ring step, from the shapes the code sends "
+          "(k and v blocks of the gathered kv heads):")
+    rows = []
+    for p, r in payload["devices"].items():
+        for b in r["branches"]:
+            rows.append([str(p), str(b["segment"]), str(b["rate"]),
+                         "local" if b["local"] else f"ring of {b['ring_size']}",
+                         str(b["tokens_per_step"]), str(b["local_n_over_r"]),
+                         fmt_bytes(b["bytes_per_step"]), str(b["forward_steps"])])
+    print_table(["P", "segment", "rate", "runs as", "tokens/step", "n/r", "bytes/step",
+                 "fwd steps"], rows)
+
+
+subcommand("distributed", "dilated attention over P simulated devices: memory, "
+           "communication, time", _distributed_arguments)(run_distributed)
 
 
 # ----------------------------------------------------------------------------

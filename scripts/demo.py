@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""jax-dilated demo: LongNet dilated attention over a 32k-token sequence on one device.
+"""jax-dilated demo: LongNet dilated attention over a 32k-token sequence on one device,
+and exact ring attention over the same sequence on an 8-device CPU mesh.
 
 For each mode (``longnet`` and ``head_groups``) it
 
@@ -12,16 +13,27 @@ For each mode (``longnet`` and ``head_groups``) it
    let ``p`` attend to ``t`` (longnet), or a single branch per head group with
    the output divided by the number of groups (head_groups),
 
-and prints a table. Exits with status 1 if any error exceeds ``--tol``.
+Then, for each ring layout (``contiguous``, ``zigzag``, ``striped``), it runs the
+same sequence through causal ``jd.ring_attention`` sharded over a mesh of
+``--ring-devices`` (default 8) simulated CPU devices with ``jd.sharded`` under
+``jax.jit`` (compiled temp memory *per device* reported), and checks it against
+exact causal softmax attention in float64 NumPy on ~64 query rows (shard and
+chunk boundaries among them). The demo asks JAX for the CPU devices itself,
+before JAX starts.
 
-    python scripts/demo.py                  # about half a minute on 2 CPU cores
+It prints a table and exits with status 1 if any error exceeds ``--tol``.
+
+    python scripts/demo.py                  # about a minute on 2 CPU cores
     python scripts/demo.py --seq-len 8192 --segments 1024,2048 --rates 1,2 --causal
+    python scripts/demo.py --ring-layouts zigzag --ring-devices 4
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import os
 import statistics
 import sys
 import time
@@ -114,6 +126,29 @@ def dense_reference(q, k, v, rows, attn: DilatedAttention, scale: float | None =
     return out / g if attn.mode == "head_groups" else out
 
 
+def exact_reference(q, k, v, rows, causal: bool, scale: float | None = None):
+    """Exact softmax attention at query positions ``rows``, all heads, float64 NumPy.
+
+    The definition of ring attention's result (DESIGN.md section 3): every query
+    attends to every key (to the keys at or before it when causal).
+
+    Returns:
+      float64 [batch, len(rows), heads, head_dim].
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, n, h, d = q.shape
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    keys = np.arange(n)
+    allowed = keys[None, :] <= rows[:, None] if causal else np.ones((len(rows), n), bool)
+    out = np.zeros((b, len(rows), h, d))
+    for bi in range(b):
+        for j in range(h):
+            logits = np.where(allowed, scale * q[bi, rows, j] @ k[bi, :, j].T, -np.inf)
+            p = np.exp(logits - logits.max(axis=1, keepdims=True))
+            out[bi, :, j] = (p @ v[bi, :, j]) / p.sum(axis=1, keepdims=True)
+    return out
+
+
 def check_rows(seq_len: int, count: int, segments, seed: int) -> np.ndarray:
     """~``count`` query positions: both ends, segment boundaries, and random ones."""
     special = {0, 1, seq_len - 1}
@@ -151,16 +186,81 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="max allowed |jax - dense reference| (default 1e-5 for float32, "
                         "2e-2 for bfloat16)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs after compiling")
+    p.add_argument("--ring-layouts", default="contiguous,zigzag,striped",
+                   help="comma-separated ring layouts to run (default all three; '' for none)")
+    p.add_argument("--ring-devices", type=int, default=8,
+                   help="devices of the ring mesh (simulated CPU devices; default 8)")
+    p.add_argument("--ring-non-causal", action="store_true",
+                   help="full (non-causal) ring attention instead of causal")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.ring_layouts = [m.strip() for m in args.ring_layouts.split(",") if m.strip()]
     if args.tol is None:
         args.tol = 1e-5 if args.dtype == "float32" else 2e-2
     return args
 
 
+def request_cpu_devices(count: int) -> None:
+    """Ask JAX for ``count`` CPU devices; only works before JAX creates its backends."""
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except AttributeError:  # JAX without the option: the XLA flag does the same
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={count}")
+
+
+def ring_mesh(count: int):
+    """A 1-D mesh ``("seq",)`` of ``count`` devices (CPU ones if the default backend has fewer)."""
+    devices = jax.devices()
+    if len(devices) < count:
+        devices = jax.devices("cpu")
+    if len(devices) < count:
+        raise SystemExit(f"need {count} devices for the ring, JAX has {len(devices)}: run the "
+                         f"demo in a fresh process (it sets the CPU device count itself)")
+    return jax.sharding.Mesh(np.array(devices[:count]), ("seq",))
+
+
+def run_ring(args, q, k, v) -> list[dict]:
+    """Causal ring attention per layout on a CPU mesh, checked against exact attention."""
+    n, h, p = q.shape[1], q.shape[2], args.ring_devices
+    causal = not args.ring_non_causal
+    mesh = ring_mesh(p)
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
+    q, k, v = (jax.device_put(x, spec) for x in (q, k, v))
+    # query rows at shard and zigzag-chunk boundaries, both ends, and random ones
+    rows = check_rows(n, args.num_checks, (n // (2 * p),), args.seed + 1)
+    ref = exact_reference(q, k, v, rows, causal)
+    print(f"ring attention over {p} {mesh.devices.flat[0].device_kind} devices "
+          f"({n // p} tokens each), causal={causal}:")
+    results = []
+    for layout in args.ring_layouts:
+        attn = jd.sharded(functools.partial(jd.ring_attention, is_causal=causal), mesh,
+                          seq_axis="seq", layout=layout)
+        t0 = time.perf_counter()
+        compiled = jax.jit(attn).lower(q, k, v).compile()
+        compile_s = time.perf_counter() - t0
+        times = []
+        for _ in range(max(args.repeats, 1)):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(compiled(q, k, v))
+            times.append(time.perf_counter() - t0)
+        # memory_analysis() of a program over the mesh is per device
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        err = float(np.max(np.abs(np.asarray(out[:, rows], np.float64) - ref)))
+        results.append(dict(mode=f"ring {layout} x{p}", causal=causal, compile_s=compile_s,
+                            run_s=statistics.median(times), temp=temp, err=err,
+                            ok=err <= args.tol, per_device=True))
+        print(f"  {layout}: compiled in {compile_s:.1f}s, ran in {results[-1]['run_s']:.2f}s, "
+              f"max |err| {err:.2e} over {len(rows)} rows x {h} heads "
+              f"(max |reference| {np.max(np.abs(ref)):.2e})", flush=True)
+    return results
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.ring_layouts:
+        request_cpu_devices(args.ring_devices)  # before JAX starts (first use below)
     b, n, h, d = args.batch, args.seq_len, args.heads, args.head_dim
     dtype = jnp.dtype(args.dtype)
     kq, kk, kv = jax.random.split(jax.random.key(args.seed), 3)
@@ -184,17 +284,22 @@ def main(argv=None) -> int:
         temp = compiled.memory_analysis().temp_size_in_bytes
         ref = dense_reference(q, k, v, rows, attn)
         err = float(np.max(np.abs(np.asarray(out[:, rows], np.float64) - ref)))
-        results.append(dict(mode=mode, compile_s=compile_s, run_s=statistics.median(times),
-                            temp=temp, err=err, ok=err <= args.tol))
+        results.append(dict(mode=mode, causal=args.causal, compile_s=compile_s,
+                            run_s=statistics.median(times), temp=temp, err=err,
+                            ok=err <= args.tol, per_device=False))
         print(f"  {mode}: compiled in {compile_s:.1f}s, ran in {results[-1]['run_s']:.2f}s, "
               f"max |err| {err:.2e} over {len(rows)} rows x {h} heads "
               f"(max |reference| {np.max(np.abs(ref)):.2e})", flush=True)
 
+    if args.ring_layouts:
+        results += run_ring(args, q, k, v)
+
     header = ["shape", "mode", "causal", "compile s", "run s", "temp memory",
               "max |err| vs dense", "ok"]
-    table = [[f"{b}x{n}x{h}x{d}", r["mode"], str(args.causal), f"{r['compile_s']:.1f}",
-              f"{r['run_s']:.2f}", f"{r['temp'] / 2**20:.0f} MiB", f"{r['err']:.2e}",
-              "yes" if r["ok"] else "NO"] for r in results]
+    table = [[f"{b}x{n}x{h}x{d}", r["mode"], str(r["causal"]), f"{r['compile_s']:.1f}",
+              f"{r['run_s']:.2f}",
+              f"{r['temp'] / 2**20:.0f} MiB" + (" /device" if r["per_device"] else ""),
+              f"{r['err']:.2e}", "yes" if r["ok"] else "NO"] for r in results]
     widths = [max(len(x), *(len(row[i]) for row in table)) for i, x in enumerate(header)]
     print()
     print("  ".join(x.rjust(w) for x, w in zip(header, widths)))
@@ -202,7 +307,8 @@ def main(argv=None) -> int:
     for row in table:
         print("  ".join(x.rjust(w) for x, w in zip(row, widths)))
     print(f"\ntolerance: max |jax - float64 dense reference| <= {args.tol:g} "
-          f"({len(rows)} query positions, all heads)")
+          f"({len(rows)} query positions, all heads; ring rows: exact attention, "
+          f"{args.ring_devices} CPU devices, temp memory per device)")
     if not all(r["ok"] for r in results):
         print("FAILED: error above tolerance", file=sys.stderr)
         return 1
