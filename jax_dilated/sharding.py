@@ -1,9 +1,11 @@
 """``jd.sharded``: run a sequence-parallel operation on global arrays over a mesh.
 
 The user passes global ``[batch, seq, heads, head_dim]`` arrays; ``sharded``
-permutes the sequence into the ring layout, shards batch / sequence / heads over
-the named mesh axes, runs the operation inside ``jax.shard_map`` (with
-``check_vma=True``) and returns the global result in the user's token order. It
+shards batch / sequence / heads over the named mesh axes, runs the operation inside
+``jax.shard_map`` (with ``check_vma=True``), where the contiguous sequence shards are
+re-laid out into the ring layout and the result back (O(T / P) moved per device;
+a striped layout whose shards do not split over the devices is permuted globally),
+and returns the global result in the user's token order. It
 works eagerly, under ``jax.jit`` and under ``jax.grad``, on meshes with Auto or
 Explicit axes (``jax.make_mesh`` makes Explicit ones).
 """
@@ -120,11 +122,17 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                     f"({query.shape[2]}) and num_kv_heads ({key.shape[2]}) must both be "
                     f"divisible by it."
                 )
+        # Re-layout inside shard_map (O(T / P) moved per device) when the shards allow
+        # it: striped needs the local length to split over the P devices.
+        in_shard = layout == "zigzag" or (layout == "striped"
+                                          and (query.shape[1] // num) % num == 0)
+
         def to(x, spec):
-            if layout == "contiguous":
+            if layout == "contiguous" or in_shard:
                 return _place(x, mesh, spec)
-            # Permute with the sequence unsharded (a gather along a sharded axis is
-            # ambiguous on Explicit meshes), then shard it.
+            # Permute the global sequence (a transient O(T) copy per device), with the
+            # sequence unsharded: a gather along a sharded axis is ambiguous on
+            # Explicit meshes.
             whole = P(*(None if a == seq_axis else a for a in spec))
             x = layouts.to_layout(_place(x, mesh, whole), num, layout)
             return _place(x, mesh, spec)
@@ -136,11 +144,16 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
             specs.append(mask_spec)
 
         def local(q, k, v, mask=None):
-            return fn(q, k, v, axis_name=seq_axis, kv_mask=mask, **layout_kw)
+            if in_shard:
+                q, k, v, mask = (None if x is None else
+                                 layouts.shard_to_layout(x, seq_axis, num, layout)
+                                 for x in (q, k, v, mask))
+            out = fn(q, k, v, axis_name=seq_axis, kv_mask=mask, **layout_kw)
+            return layouts.shard_from_layout(out, seq_axis, num, layout) if in_shard else out
 
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,
                             check_vma=True)(*args)
-        if layout == "contiguous":
+        if layout == "contiguous" or in_shard:
             return out
         out = _place(out, mesh, P(batch_axis, None, head_axis, None))
         # back in token order, sharded like a contiguous result
