@@ -118,12 +118,21 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
             plans, sharded_branches, query, key, value, kv_mask, args,
             axis_name=axis_name, num_devices=num_devices, implementation=implementation,
             dropout_rng=rng)
+    return combine_branches(results, mode, query.dtype)
+
+
+def combine_branches(results, mode: str, dtype):
+    """The output from every branch's ``(o_i, lse_i)`` (DESIGN.md section 3).
+
+    longnet: merged by the softmax denominators (``softmax.merge_partials``, exact
+    gradients through the mixing weights); head_groups: the groups' heads side by
+    side (contiguous and in order), divided by the number of branches.
+    """
     if mode == "longnet":
-        stats = softmax.stats_dtype(query.dtype)
+        stats = softmax.stats_dtype(dtype)
         o, lse = results[0][0].astype(stats), results[0][1]
         for o_i, lse_i in results[1:]:
             o, lse = softmax.merge_partials(o, lse, o_i.astype(stats), lse_i)
-        return o.astype(query.dtype)
-    # head_groups: groups are contiguous and in order, so concatenation restores heads.
+        return o.astype(dtype)
     o = jnp.concatenate([o_i for o_i, _ in results], axis=2)
-    return (o / len(plans)).astype(query.dtype)
+    return (o / len(results)).astype(dtype)

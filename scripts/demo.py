@@ -221,6 +221,20 @@ def ring_mesh(count: int):
     return jax.sharding.Mesh(np.array(devices[:count]), ("seq",))
 
 
+def compile_and_time(fn, inputs, repeats: int):
+    """``(output, compile seconds, median run seconds, compiled temp bytes)`` of ``jax.jit(fn)``."""
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*inputs).compile()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(compiled(*inputs))
+        times.append(time.perf_counter() - t0)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return out, compile_s, statistics.median(times), temp
+
+
 def run_ring(args, q, k, v) -> list[dict]:
     """Causal ring attention per layout on a CPU mesh, checked against exact attention."""
     n, h, p = q.shape[1], q.shape[2], args.ring_devices
@@ -237,19 +251,11 @@ def run_ring(args, q, k, v) -> list[dict]:
     for layout in args.ring_layouts:
         attn = jd.sharded(functools.partial(jd.ring_attention, is_causal=causal), mesh,
                           seq_axis="seq", layout=layout)
-        t0 = time.perf_counter()
-        compiled = jax.jit(attn).lower(q, k, v).compile()
-        compile_s = time.perf_counter() - t0
-        times = []
-        for _ in range(max(args.repeats, 1)):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(compiled(q, k, v))
-            times.append(time.perf_counter() - t0)
+        out, compile_s, run_s, temp = compile_and_time(attn, (q, k, v), args.repeats)
         # memory_analysis() of a program over the mesh is per device
-        temp = compiled.memory_analysis().temp_size_in_bytes
         err = float(np.max(np.abs(np.asarray(out[:, rows], np.float64) - ref)))
         results.append(dict(mode=f"ring {layout} x{p}", causal=causal, compile_s=compile_s,
-                            run_s=statistics.median(times), temp=temp, err=err,
+                            run_s=run_s, temp=temp, err=err,
                             ok=err <= args.tol, per_device=True))
         print(f"  {layout}: compiled in {compile_s:.1f}s, ran in {results[-1]['run_s']:.2f}s, "
               f"max |err| {err:.2e} over {len(rows)} rows x {h} heads "
@@ -273,19 +279,11 @@ def main(argv=None) -> int:
     results = []
     for mode in args.modes:
         attn = DilatedAttention(tuple(args.segments), tuple(args.rates), mode, args.causal)
-        t0 = time.perf_counter()
-        compiled = jax.jit(attn).lower(q, k, v).compile()
-        compile_s = time.perf_counter() - t0
-        times = []
-        for _ in range(max(args.repeats, 1)):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(compiled(q, k, v))
-            times.append(time.perf_counter() - t0)
-        temp = compiled.memory_analysis().temp_size_in_bytes
+        out, compile_s, run_s, temp = compile_and_time(attn, (q, k, v), args.repeats)
         ref = dense_reference(q, k, v, rows, attn)
         err = float(np.max(np.abs(np.asarray(out[:, rows], np.float64) - ref)))
         results.append(dict(mode=mode, causal=args.causal, compile_s=compile_s,
-                            run_s=statistics.median(times), temp=temp, err=err,
+                            run_s=run_s, temp=temp, err=err,
                             ok=err <= args.tol, per_device=False))
         print(f"  {mode}: compiled in {compile_s:.1f}s, ran in {results[-1]['run_s']:.2f}s, "
               f"max |err| {err:.2e} over {len(rows)} rows x {h} heads "
