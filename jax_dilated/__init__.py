@@ -3,7 +3,7 @@
 Public API only; see DESIGN.md for the semantics.
 """
 
-from jax_dilated import block_patterns, linen, nnx
+from jax_dilated import block_patterns, linen, models, nnx
 from jax_dilated.block_sparse import block_sparse_attention
 from jax_dilated.decode import dilated_attention_decode
 from jax_dilated.dilated import dilated_attention
@@ -22,5 +22,7 @@ __all__ = [
     "block_patterns",
     # Flax layers (jd.nnx.*, jd.linen.*), the drop-in attention_fn, the factory
     "nnx", "linen", "attention_fn", "create_multihead_dilated_attention",
+    # models (jd.models.LongNetLM)
+    "models",
 ]
 __version__ = "0.1.0"

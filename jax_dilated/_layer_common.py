@@ -51,6 +51,8 @@ __all__ = [
     "check_dropout_rate",
     "check_mesh_axes",
     "precision_context",
+    "check_qk_transform",
+    "apply_qk_transform",
     "layer_decode_step",
 ]
 
@@ -385,14 +387,46 @@ def project_out(params, cfg: HeadsConfig, attn, *, dtype=None, precision=None):
     return _dense(params["out"], attn, "bthd,hde->bte", dtype, precision)
 
 
+# ------------------------------------------------------------------ q/k transform
+
+
+def check_qk_transform(fn):
+    """``qk_transform`` is None or a callable ``(q, k, positions) -> (q, k)``."""
+    if fn is not None and not callable(fn):
+        raise TypeError(
+            f"qk_transform must be None or a callable (q, k, positions) -> (q, k), got "
+            f"{type(fn).__name__}.")
+    return fn
+
+
+def apply_qk_transform(fn, q, k, start=0):
+    """``fn(q, k, positions)`` for the projected ``q`` [B, T, H, D] and ``k``
+    [B, T, Hkv, D] of tokens at absolute positions ``start + arange(T)`` (int32
+    [T]; ``start`` is the cache index when decoding), e.g. rotary embeddings.
+    Returns ``(q, k)`` unchanged when ``fn`` is None."""
+    if fn is None:
+        return q, k
+    positions = jnp.asarray(start, jnp.int32) + jnp.arange(q.shape[1], dtype=jnp.int32)
+    out = fn(q, k, positions)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2
+            and tuple(out[0].shape) == tuple(q.shape)
+            and tuple(out[1].shape) == tuple(k.shape)):
+        got = ([tuple(getattr(x, "shape", ())) for x in out]
+               if isinstance(out, (tuple, list)) else type(out).__name__)
+        raise ValueError(
+            f"qk_transform must return (q, k) with the shapes it received, "
+            f"{tuple(q.shape)} and {tuple(k.shape)}, got {got}.")
+    return tuple(out)
+
+
 # ---------------------------------------------------------------------------- decoding
 
 
 def layer_decode_step(core: AttentionCore, cache: decoding.KVCache, q, k, v, *, kv_mask,
                       dropout_rng, precision):
-    """One decoding step of a layer: ``(attn [B, 1, H, D], new cache)``; see
-    :func:`jax_dilated.decode.decode_step`. Decoding is causal, on one device, without
-    dropout or padding mask."""
+    """A decoding step of a layer: ``(attn [B, n, H, D], new cache)`` for ``n`` new
+    tokens (one, or a prompt; see :func:`jax_dilated.decode.decode_tokens`). Decoding
+    is causal, on one device, without dropout or padding mask."""
     if core.kind != "dilated":
         raise ValueError(
             "decode=True is available for dilated attention layers; ring attention is "
@@ -405,9 +439,5 @@ def layer_decode_step(core: AttentionCore, cache: decoding.KVCache, q, k, v, *, 
         raise ValueError("decode=True takes no kv_mask: every cached token is attended to.")
     if dropout_rng is not None:
         raise ValueError("decoding runs without dropout: pass deterministic=True.")
-    if q.shape[1] != 1:
-        raise ValueError(
-            f"decode=True takes one token per call: query must be [batch, 1, embed_dim], "
-            f"got a sequence of {q.shape[1]} tokens.")
     with precision_context(precision):
-        return decoding.decode_step(cache, q, k, v, **dict(core.options))
+        return decoding.decode_tokens(cache, q, k, v, **dict(core.options))

@@ -16,6 +16,8 @@ than the cache). The cache holds ``O(max_len)`` keys and values.
 * :class:`KVCache`, :func:`init_kv_cache` - the cache ``(key, value, index)``.
 * :func:`dilated_attention_decode` - attention of one token over a filled cache.
 * :func:`decode_step` - write a token's key/value into the cache, then attend.
+* :func:`decode_tokens` - the same for several tokens at once (prefill): from an
+  empty cache one causal forward pass, otherwise token by token.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated import patterns, softmax, validation
+from jax_dilated import patterns, validation
 from jax_dilated.backends import KernelArgs, get_kernel
+from jax_dilated.dilated import combine_branches, dilated_attention
 
-__all__ = ["KVCache", "init_kv_cache", "dilated_attention_decode", "decode_step"]
+__all__ = ["KVCache", "init_kv_cache", "dilated_attention_decode", "decode_step",
+           "decode_tokens"]
 
 
 class KVCache(NamedTuple):
@@ -111,14 +115,7 @@ def dilated_attention_decode(query, key_cache, value_cache, position, *, segment
     p = jnp.asarray(position, jnp.int32)
     results = [_branch_decode(kernel, plan, query, key_cache, value_cache, p, args, h)
                for plan in plans]
-    if mode == "longnet":
-        stats = softmax.stats_dtype(query.dtype)
-        o, lse = results[0][0].astype(stats), results[0][1]
-        for o_i, lse_i in results[1:]:
-            o, lse = softmax.merge_partials(o, lse, o_i.astype(stats), lse_i)
-        return o.astype(query.dtype)
-    o = jnp.concatenate([o_i for o_i, _ in results], axis=2)
-    return (o / len(plans)).astype(query.dtype)
+    return combine_branches(results, mode, query.dtype)
 
 
 def _write(cache_array, x, slot, keep_old):
@@ -167,3 +164,76 @@ def decode_step(cache: KVCache, query, key, value, **config):
                   index + jnp.where(overflow, 0, 1).astype(index.dtype))
     out = dilated_attention_decode(query, new.key, new.value, slot, **config)
     return jnp.where(overflow, jnp.asarray(jnp.nan, out.dtype), out), new
+
+
+def decode_tokens(cache: KVCache, query, key, value, **config):
+    """Append ``n`` tokens' keys/values to ``cache`` and attend with their queries.
+
+    Equal to ``n`` calls of :func:`decode_step`, one token after another (every token
+    attends to the cache and the chunk's tokens up to itself). From an empty cache
+    (``cache.index == 0``: a prompt, *prefill*) it runs as one causal
+    :func:`jax_dilated.dilated_attention` pass over the chunk (prefix consistency
+    makes that the same numbers up to float rounding); otherwise the tokens are
+    decoded one by one in a ``lax.scan``. Under ``jax.jit`` both ways are compiled
+    and ``cache.index`` picks one at run time (``lax.cond``).
+
+    Args:
+      cache: a :class:`KVCache` holding ``cache.index`` tokens.
+      query: [batch, n, num_heads, head_dim]; key, value: [batch, n, num_kv_heads,
+        head_dim], the new tokens' projections.
+      **config: keyword arguments of :func:`dilated_attention_decode`.
+
+    Returns:
+      ``(out [batch, n, num_heads, head_dim], new_cache)``.
+
+    Raises:
+      ValueError: on a shape mismatch, when ``n`` exceeds the cache, and - when
+        ``cache.index`` is concrete - when the tokens do not fit. Under ``jax.jit`` the
+        tokens past the end of the cache are not written and output NaN.
+    """
+    b, max_len, hkv, d = cache.key.shape
+    n = query.shape[1] if getattr(query, "ndim", 0) == 4 else None
+    want = (b, n, hkv, d)
+    if n is None or tuple(key.shape) != want or tuple(value.shape) != want:
+        raise ValueError(
+            f"decode_tokens takes query [batch, n, heads, head_dim] and key/value [batch, "
+            f"n, num_kv_heads, head_dim] = {want} matching the cache "
+            f"{tuple(cache.key.shape)}, got query {tuple(getattr(query, 'shape', ()))}, "
+            f"key {tuple(key.shape)} and value {tuple(value.shape)}.")
+    if n == 1:
+        return decode_step(cache, query, key, value, **config)
+    if n > max_len:
+        raise ValueError(
+            f"KV cache overflow: {n} tokens do not fit a cache of max_len={max_len}.")
+    index = cache.index
+    concrete = not isinstance(index, jax.core.Tracer)
+    if concrete and int(index) + n > max_len:
+        raise ValueError(
+            f"KV cache overflow: the cache holds max_len={max_len} tokens, {int(index)} "
+            f"are used and {n} more were given; initialise a longer cache.")
+
+    def from_empty():
+        # keys/values go through the cache dtype, as decode_step reads them
+        k, v = (x.astype(cache.key.dtype).astype(query.dtype) for x in (key, value))
+        out = dilated_attention(query, k, v, is_causal=True, **config)
+        zero = (0, 0, 0, 0)
+        new = KVCache(jax.lax.dynamic_update_slice(cache.key, key.astype(cache.key.dtype),
+                                                   zero),
+                      jax.lax.dynamic_update_slice(cache.value,
+                                                   value.astype(cache.value.dtype), zero),
+                      index + jnp.asarray(n, index.dtype))
+        return out, new
+
+    def one_by_one():
+        def step(c, x):
+            q_t, k_t, v_t = (a[:, None] for a in x)
+            out, c = decode_step(c, q_t, k_t, v_t, **config)
+            return c, out[:, 0]
+
+        new, outs = jax.lax.scan(step, cache, tuple(a.swapaxes(0, 1)
+                                                    for a in (query, key, value)))
+        return outs.swapaxes(0, 1), new
+
+    if concrete:
+        return from_empty() if int(index) == 0 else one_by_one()
+    return jax.lax.cond(index == 0, from_empty, one_by_one)

@@ -13,8 +13,8 @@ field or call argument (the call wins), dropout keys from the ``"dropout"`` rng
 collection (or ``dropout_rng=``); decoding through the ``"cache"`` collection, as in
 ``flax.linen.MultiHeadDotProductAttention``: ``init`` with ``decode=True`` on a full
 ``[batch, max_len, embed_dim]`` input creates the cache, then
-``apply(variables, x_t, decode=True, mutable=["cache"])`` decodes one token
-``x_t`` [batch, 1, embed_dim] at a time.
+``apply(variables, x_t, decode=True, mutable=["cache"])`` decodes the next tokens
+``x_t`` [batch, n, embed_dim] (one at a time, or a whole prompt).
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ class _Multihead(nn.Module):
     head_axis: str | None = None
     deterministic: bool | None = None
     decode: bool = False
+    qk_transform: Callable | None = None
 
     def _core(self) -> common.AttentionCore:
         raise NotImplementedError  # defined by every public subclass
@@ -155,6 +156,8 @@ class _Multihead(nn.Module):
         cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
         cache_index = self.variable("cache", "cache_index",
                                     lambda: jnp.zeros((), jnp.int32))
+        q, k = common.apply_qk_transform(self.qk_transform, q, k,
+                                         cache_index.value if initialized else 0)
         if not initialized:  # the initialising call: an ordinary causal forward pass
             with common.precision_context(self.precision):
                 return core(q, k, v, is_causal=True, kv_mask=kv_mask,
@@ -181,6 +184,7 @@ class _Multihead(nn.Module):
             gamma_init=self.gamma_init)
         core = self._core()
         heads.check_core(core)
+        common.check_qk_transform(self.qk_transform)
         rate = common.check_dropout_rate("dropout", self.dropout)
         if rate and not core.has_dropout:
             raise ValueError(
@@ -195,6 +199,7 @@ class _Multihead(nn.Module):
         if self.decode if decode is None else decode:
             attn = self._decode(core, q, k, v, kv_mask, dropout_rng)
         else:
+            q, k = common.apply_qk_transform(self.qk_transform, q, k)
             with common.precision_context(self.precision):
                 attn = core(q, k, v, is_causal=is_causal, kv_mask=kv_mask,
                             dropout_rate=rate if dropout_rng is not None else 0.0,

@@ -159,7 +159,8 @@ class _Multihead(_DropoutMixin, nnx.Module):
 
     def __init__(self, embed_dim, num_heads, core: common.AttentionCore, *, num_kv_heads,
                  dropout, use_bias, layer_norm, layer_norm_eps, gamma_init, dtype,
-                 param_dtype, precision, deterministic, decode, rngs: nnx.Rngs):
+                 param_dtype, precision, deterministic, decode, rngs: nnx.Rngs,
+                 qk_transform=None):
         self.heads = common.HeadsConfig.create(
             embed_dim, num_heads, num_kv_heads, use_bias=use_bias, layer_norm=layer_norm,
             layer_norm_eps=layer_norm_eps, gamma_init=gamma_init)
@@ -172,6 +173,7 @@ class _Multihead(_DropoutMixin, nnx.Module):
                 f"dropout=0.0 (or dilated attention).")
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
         self.deterministic, self.decode = deterministic, decode
+        self.qk_transform = common.check_qk_transform(qk_transform)
         if not isinstance(rngs, nnx.Rngs):
             raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}.")
         groups = common.param_specs(self.heads)
@@ -219,8 +221,10 @@ class _Multihead(_DropoutMixin, nnx.Module):
           is_causal: causal attention.
           kv_mask: bool [batch, seq], True where a key may be attended to.
           deterministic: no dropout when True (default: the constructor's).
-          decode: one decoding step (``query`` [batch, 1, embed_dim]) against the KV
-            cache of :meth:`init_cache`; always causal.
+          decode: decode against the KV cache of :meth:`init_cache`: ``query``
+            [batch, n, embed_dim] are the next ``n`` tokens (one at a time, or a
+            whole prompt: from an empty cache one causal forward pass fills it);
+            always causal.
           rngs: overrides the constructor's dropout stream.
 
         Returns:
@@ -238,12 +242,14 @@ class _Multihead(_DropoutMixin, nnx.Module):
                     "max_len, embed_dim)) first.")
             cache = decoding.KVCache(self.cached_key[...], self.cached_value[...],
                                      self.cache_index[...])
+            q, k = common.apply_qk_transform(self.qk_transform, q, k, cache.index)
             attn, cache = common.layer_decode_step(self.core, cache, q, k, v,
                                                    kv_mask=kv_mask, dropout_rng=dropout_rng,
                                                    precision=self.precision)
             self.cached_key[...], self.cached_value[...] = cache.key, cache.value
             self.cache_index[...] = cache.index
         else:
+            q, k = common.apply_qk_transform(self.qk_transform, q, k)
             with common.precision_context(self.precision):
                 attn = self.core(q, k, v, is_causal=is_causal, kv_mask=kv_mask,
                                  dropout_rate=self.dropout if dropout_rng is not None else 0.0,
@@ -280,6 +286,11 @@ class MultiheadDilatedAttention(_Multihead):
       mesh, seq_axis, batch_axis, head_axis: run the attention sequence-parallel over
         ``mesh`` (distributed dilated attention, equal to the single-device result);
         projections follow their inputs' sharding.
+      qk_transform: ``(q, k, positions) -> (q, k)`` applied to the projected
+        queries [B, T, H, D] and keys [B, T, Hkv, D] before attention (and before
+        keys enter the KV cache), ``positions`` int32 [T] the tokens' absolute
+        positions (``cache index + arange(T)`` when decoding); e.g.
+        :class:`jax_dilated.models.Rotary` or :class:`jax_dilated.models.XPos`.
       deterministic, decode: defaults of the call's flags.
       rngs: ``nnx.Rngs`` (``params`` stream for initialisation, ``dropout`` stream).
 
@@ -300,7 +311,8 @@ class MultiheadDilatedAttention(_Multihead):
                  attention_fn: Callable | None = None, mesh=None,
                  seq_axis: str | None = None, batch_axis: str | None = None,
                  head_axis: str | None = None, deterministic: bool | None = None,
-                 decode: bool = False, rngs: nnx.Rngs):
+                 decode: bool = False, qk_transform: Callable | None = None,
+                 rngs: nnx.Rngs):
         core = common.dilated_core(
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
             head_offsets=head_offsets, scale=scale, implementation=implementation,
@@ -310,7 +322,8 @@ class MultiheadDilatedAttention(_Multihead):
                          dropout=dropout, use_bias=use_bias, layer_norm=layer_norm,
                          layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
                          param_dtype=param_dtype, precision=precision,
-                         deterministic=deterministic, decode=decode, rngs=rngs)
+                         deterministic=deterministic, decode=decode, rngs=rngs,
+                         qk_transform=qk_transform)
 
 
 class MultiheadRingAttention(_Multihead):
@@ -329,7 +342,7 @@ class MultiheadRingAttention(_Multihead):
                  param_dtype: Any = jnp.float32, precision: Any = None,
                  implementation: str | None = None, attention_fn: Callable | None = None,
                  batch_axis: str | None = None, head_axis: str | None = None,
-                 rngs: nnx.Rngs):
+                 qk_transform: Callable | None = None, rngs: nnx.Rngs):
         core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
                                 batch_axis=batch_axis, head_axis=head_axis, scale=scale,
                                 implementation=implementation, attention_fn=attention_fn)
@@ -337,4 +350,4 @@ class MultiheadRingAttention(_Multihead):
                          use_bias=use_bias, layer_norm=layer_norm,
                          layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
                          param_dtype=param_dtype, precision=precision, deterministic=None,
-                         decode=False, rngs=rngs)
+                         decode=False, rngs=rngs, qk_transform=qk_transform)

@@ -227,8 +227,8 @@ def test_decode_errors():
     with pytest.raises(ValueError, match="init_cache"):
         layer(x_t, decode=True, deterministic=True)
     layer.init_cache((1, 8, E))
-    with pytest.raises(ValueError, match="one token per call"):
-        layer(jnp.ones((1, 2, E)), decode=True, deterministic=True)
+    with pytest.raises(ValueError, match="KV cache overflow: 9 tokens"):
+        layer(jnp.ones((1, 9, E)), decode=True, deterministic=True)
     with pytest.raises(ValueError, match="takes no kv_mask"):
         layer(x_t, decode=True, deterministic=True, kv_mask=jnp.ones((1, 1), bool))
     with pytest.raises(ValueError, match="without dropout"):

@@ -1,0 +1,7 @@
+"""Models built on the library's layers: :class:`LongNetLM` (decoder-only LongNet) and
+the position encodings of queries and keys (:class:`Rotary`, :class:`XPos`)."""
+
+from jax_dilated.models.longnet import LongNetConfig, LongNetLM, cross_entropy
+from jax_dilated.models.positions import Rotary, XPos, rotate
+
+__all__ = ["LongNetConfig", "LongNetLM", "cross_entropy", "Rotary", "XPos", "rotate"]

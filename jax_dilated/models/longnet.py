@@ -1,0 +1,458 @@
+"""LongNet: a decoder-only language model on dilated attention (Flax NNX).
+
+``LongNetLM(config, rngs=...)`` maps tokens [batch, seq] to logits [batch, seq,
+vocab]. Each of ``num_layers`` blocks is
+
+    x = x + Dropout(Attention(LN(x)))       # jd.nnx.MultiheadDilatedAttention, causal
+    x = x + Dropout(FeedForward(LN(x)))     # GELU or SwiGLU
+
+with rotary or xPos positions applied to the projected queries and keys. Two
+normalisation schemes (``config.norm``):
+
+* ``"pre"``: pre-LayerNorm blocks (the attention layer without its sub-LN),
+  Xavier-normal initialisation with gain 1;
+* ``"sub"``: MAGNETO / Sub-LN, as in LongNet: also a LayerNorm before the output
+  projection of the attention (the layer's ``layer_norm=True``) and before the
+  second linear map of the feed-forward, and the value / output / feed-forward
+  weights initialised with gain ``gamma = sqrt(log(2 num_layers))``.
+
+Tokens are embedded by a table with entries of standard deviation ``embed_dim^-1/2``
+scaled by ``sqrt(embed_dim)`` (unit-scale inputs), and a final LayerNorm precedes the
+output head, which is the transposed embedding (``tie_embeddings=True``) or its own
+matrix.
+
+* Sequence parallelism: ``LongNetLM(config, mesh=..., seq_axis=...)`` runs every
+  attention layer as distributed dilated attention over the mesh (equal to the
+  single-device model); everything else is token-wise and follows the input's sharding.
+* Rematerialisation: ``config.remat=True`` recomputes each block in the backward pass
+  (``nnx.remat``): activations of only the block boundaries are kept.
+* Decoding: :meth:`LongNetLM.init_cache` + ``model(tokens, decode=True)`` run on the
+  layers' KV caches (a prompt at once, then one token at a time);
+  :meth:`LongNetLM.generate` does greedy or temperature sampling in one compiled loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_dilated import _layer_common as common
+from jax_dilated import nnx as jd_nnx
+from jax_dilated import patterns
+from jax_dilated.models.positions import Rotary, XPos
+
+__all__ = ["LongNetConfig", "LongNetLM", "cross_entropy"]
+
+POSITIONS = ("rotary", "xpos", "none")
+NORMS = ("pre", "sub")
+FFNS = ("gelu", "swiglu")
+
+
+def _positive_int(name, x):
+    if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
+        raise ValueError(f"LongNetConfig.{name} must be a positive int, got {x!r}.")
+
+
+def _choice(name, x, allowed):
+    if x not in allowed:
+        raise ValueError(f"LongNetConfig.{name} must be one of {allowed}, got {x!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LongNetConfig:
+    """Hyper-parameters of :class:`LongNetLM` (validated on creation).
+
+    Attributes:
+      vocab_size: number of tokens ``V``.
+      embed_dim: model width ``E`` (divisible by ``num_heads``).
+      num_layers: number of blocks.
+      num_heads, num_kv_heads: query heads and key/value heads (grouped-query
+        attention when fewer; default ``num_heads``).
+      ffn_dim: hidden width of the feed-forward; default ``4 E`` (GELU) or
+        ``8/3 E`` rounded up to a multiple of 8 (SwiGLU, same parameter count).
+      segment_lengths, dilation_rates, mode, head_offsets: the dilated attention
+        (:func:`jax_dilated.dilated_attention`).
+      positions: ``"xpos"`` (LongNet), ``"rotary"`` or ``"none"``.
+      rotary_base: rotary wavelength base.
+      xpos_scale_base: xPos decay length ``B``.
+      max_len: the longest sequence the model is meant for: the default cache
+        length of :meth:`LongNetLM.generate` and the xPos centre (``max_len // 2``).
+      norm: ``"sub"`` (MAGNETO Sub-LN, LongNet) or ``"pre"`` (pre-LayerNorm).
+      ffn: ``"gelu"`` or ``"swiglu"``.
+      tie_embeddings: output head = transposed token embedding.
+      use_bias: biases in the attention projections and the feed-forward.
+      dropout: dropout on the embeddings and the residual branches.
+      attention_dropout: dropout on the attention probabilities.
+      layer_norm_eps: epsilon of every LayerNorm.
+      remat: rematerialise every block in the backward pass.
+      dtype: computation dtype (None: float32 parameters compute in float32);
+        logits are float32 whatever it is.
+      param_dtype: parameter dtype.
+      implementation: attention kernel (None: chosen by device kind).
+    """
+
+    vocab_size: int
+    embed_dim: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    segment_lengths: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768)
+    dilation_rates: tuple[int, ...] = (1, 2, 4, 8, 16)
+    mode: str = "longnet"
+    head_offsets: str = "modulo"
+    positions: str = "xpos"
+    rotary_base: float = 10000.0
+    xpos_scale_base: float = 512.0
+    max_len: int = 32768
+    norm: str = "sub"
+    ffn: str = "gelu"
+    tie_embeddings: bool = True
+    use_bias: bool = True
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    remat: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    implementation: str | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "max_len"):
+            _positive_int(name, getattr(self, name))
+        for name in ("num_kv_heads", "ffn_dim"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        object.__setattr__(self, "segment_lengths", tuple(self.segment_lengths))
+        object.__setattr__(self, "dilation_rates", tuple(self.dilation_rates))
+        patterns.validate_branches(self.segment_lengths, self.dilation_rates)
+        _choice("positions", self.positions, POSITIONS)
+        _choice("norm", self.norm, NORMS)
+        _choice("ffn", self.ffn, FFNS)
+        _choice("mode", self.mode, patterns.MODES)
+        _choice("head_offsets", self.head_offsets, patterns.HEAD_OFFSETS)
+        common.HeadsConfig.create(self.embed_dim, self.num_heads, self.num_kv_heads,
+                                  layer_norm_eps=self.layer_norm_eps)
+        if self.positions != "none" and self.head_dim % 2:
+            raise ValueError(
+                f"positions={self.positions!r} rotates pairs of features: head_dim = "
+                f"embed_dim / num_heads must be even, got {self.head_dim}.")
+        for name in ("dropout", "attention_dropout"):
+            common.check_dropout_rate(f"LongNetConfig.{name}", getattr(self, name))
+        for name in ("tie_embeddings", "use_bias", "remat"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LongNetConfig.{name} must be a bool, got "
+                                f"{getattr(self, name)!r}.")
+        if self.positions == "xpos":
+            XPos(self.rotary_base, self.xpos_scale_base)
+        elif self.positions == "rotary":
+            Rotary(self.rotary_base)
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """The feed-forward width actually used."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        if self.ffn == "swiglu":
+            return -(-(8 * self.embed_dim // 3) // 8) * 8
+        return 4 * self.embed_dim
+
+    @property
+    def gamma(self) -> float:
+        """Initialisation gain of the value / output / feed-forward weights."""
+        return math.sqrt(math.log(2 * self.num_layers)) if self.norm == "sub" else 1.0
+
+    def qk_transform(self):
+        """The position encoding of queries and keys (None for ``"none"``)."""
+        if self.positions == "rotary":
+            return Rotary(self.rotary_base)
+        if self.positions == "xpos":
+            return XPos(self.rotary_base, self.xpos_scale_base, center=self.max_len // 2)
+        return None
+
+    def replace(self, **changes) -> "LongNetConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _meta(*axes):
+    """Logical sharding names of a parameter (annotated, not placed; see jd.nnx)."""
+    return {"out_sharding": axes, "eager_sharding": False}
+
+
+class _FeedForward(nnx.Module):
+    """``[B, T, E] -> [B, T, E]``: GELU (``fc2(gelu(fc1 x))``) or SwiGLU
+    (``fc2(silu(fc1 x) * gate x)``), with a LayerNorm before ``fc2`` under Sub-LN."""
+
+    def __init__(self, cfg: LongNetConfig, rngs: nnx.Rngs):
+        e, f = cfg.embed_dim, cfg.hidden_dim
+        init = common.xavier_normal(cfg.gamma, 0, 1)
+        dense = functools.partial(nnx.Linear, use_bias=cfg.use_bias, dtype=cfg.dtype,
+                                  param_dtype=cfg.param_dtype, kernel_init=init, rngs=rngs)
+        self.fc1 = dense(e, f, kernel_metadata=_meta("embed", "mlp"),
+                         bias_metadata=_meta("mlp"))
+        self.gate = (dense(e, f, kernel_metadata=_meta("embed", "mlp"),
+                           bias_metadata=_meta("mlp")) if cfg.ffn == "swiglu" else None)
+        self.ln = (nnx.LayerNorm(f, epsilon=cfg.layer_norm_eps, dtype=cfg.dtype,
+                                 param_dtype=cfg.param_dtype, scale_metadata=_meta("mlp"),
+                                 bias_metadata=_meta("mlp"), rngs=rngs)
+                   if cfg.norm == "sub" else None)
+        self.fc2 = dense(f, e, kernel_metadata=_meta("mlp", "embed"),
+                         bias_metadata=_meta("embed"))
+
+    def __call__(self, x):
+        h = self.fc1(x)
+        if self.gate is None:
+            h = jax.nn.gelu(h)
+        else:
+            h = jax.nn.silu(h) * self.gate(x)
+        if self.ln is not None:
+            h = self.ln(h)
+        return self.fc2(h)
+
+
+class _Block(nnx.Module):
+    """One decoder block ``[B, T, E] -> [B, T, E]`` (see the module docstring)."""
+
+    def __init__(self, cfg: LongNetConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs):
+        ln = functools.partial(nnx.LayerNorm, cfg.embed_dim, epsilon=cfg.layer_norm_eps,
+                               dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                               scale_metadata=_meta("embed"), bias_metadata=_meta("embed"),
+                               rngs=rngs)
+        self.ln_attn = ln()
+        self.attn = jd_nnx.MultiheadDilatedAttention(
+            cfg.embed_dim, cfg.num_heads, segment_lengths=cfg.segment_lengths,
+            dilation_rates=cfg.dilation_rates, num_kv_heads=cfg.num_kv_heads, mode=cfg.mode,
+            head_offsets=cfg.head_offsets, dropout=cfg.attention_dropout,
+            use_bias=cfg.use_bias, layer_norm=cfg.norm == "sub",
+            layer_norm_eps=cfg.layer_norm_eps, gamma_init=cfg.gamma, dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype, implementation=cfg.implementation, mesh=mesh,
+            seq_axis=seq_axis, batch_axis=batch_axis, qk_transform=cfg.qk_transform(),
+            deterministic=False, rngs=rngs)
+        self.ln_ffn = ln()
+        self.ffn = _FeedForward(cfg, rngs)
+        self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+
+    def __call__(self, x, *, kv_mask=None, decode=False, deterministic=None):
+        h = self.attn(self.ln_attn(x), is_causal=True, kv_mask=kv_mask, decode=decode,
+                      deterministic=deterministic)
+        x = x + self.dropout(h, deterministic=deterministic)
+        h = self.ffn(self.ln_ffn(x))
+        return x + self.dropout(h, deterministic=deterministic)
+
+
+def _run_block(block, x, kv_mask, deterministic):
+    return block(x, kv_mask=kv_mask, deterministic=deterministic)
+
+
+_run_block_remat = nnx.remat(_run_block, static_argnums=(3,))
+
+
+class LongNetLM(nnx.Module):
+    """Decoder-only LongNet language model (Flax NNX).
+
+    Args:
+      config: a :class:`LongNetConfig`.
+      mesh, seq_axis: run every attention layer sequence-parallel over ``mesh``
+        (distributed dilated attention with the sequence sharded on ``seq_axis``;
+        the sequence length must then divide by its size); ``batch_axis`` also
+        shards the batch. Inputs and outputs stay global arrays.
+      rngs: ``nnx.Rngs`` (``params`` for initialisation, ``dropout`` for dropout).
+
+    Call: ``model(tokens [B, T] int, *, kv_mask=None [B, T] bool, decode=False,
+    deterministic=None) -> logits [B, T, V] float32``. Logits at ``t`` depend on
+    tokens ``0..t`` only (causal). ``decode=True`` runs the next tokens against the
+    KV cache of :meth:`init_cache` (a prompt at once, then token by token; each
+    token at its absolute position). ``deterministic=True`` disables dropout (None:
+    the modules' defaults, i.e. dropout on; ``nnx.view(model, deterministic=True)``
+    or ``model.eval()`` change them).
+
+    Parameters: ``embed.embedding`` [V, E] (``("vocab", "embed")``); per block
+    ``blocks[i]``: ``ln_attn``, ``attn`` (see
+    :class:`jax_dilated.nnx.MultiheadDilatedAttention`), ``ln_ffn``, ``ffn.fc1``
+    [E, F], (``ffn.gate`` [E, F]), (``ffn.ln``), ``ffn.fc2`` [F, E]; ``final_ln``;
+    ``head.kernel`` [E, V] when embeddings are untied.
+    """
+
+    def __init__(self, config: LongNetConfig, *, mesh=None, seq_axis: str | None = None,
+                 batch_axis: str | None = None, rngs: nnx.Rngs):
+        if not isinstance(config, LongNetConfig):
+            raise TypeError(f"config must be a LongNetConfig, got {type(config).__name__}.")
+        common.check_mesh_axes(mesh, seq_axis, batch_axis)
+        self.config = config
+        e, v = config.embed_dim, config.vocab_size
+        init = jax.nn.initializers.normal(e ** -0.5)
+        self.embed = nnx.Embed(v, e, dtype=config.dtype, param_dtype=config.param_dtype,
+                               embedding_init=init, embedding_metadata=_meta("vocab", "embed"),
+                               rngs=rngs)
+        self.embed_dropout = nnx.Dropout(config.dropout, rngs=rngs)
+        self.blocks = nnx.List([_Block(config, mesh=mesh, seq_axis=seq_axis,
+                                       batch_axis=batch_axis, rngs=rngs)
+                                for _ in range(config.num_layers)])
+        self.final_ln = nnx.LayerNorm(e, epsilon=config.layer_norm_eps, dtype=config.dtype,
+                                      param_dtype=config.param_dtype,
+                                      scale_metadata=_meta("embed"),
+                                      bias_metadata=_meta("embed"), rngs=rngs)
+        self.head = None if config.tie_embeddings else nnx.Linear(
+            e, v, use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype,
+            kernel_init=init, kernel_metadata=_meta("embed", "vocab"), rngs=rngs)
+
+    # ------------------------------------------------------------------ forward
+
+    def __call__(self, tokens, *, kv_mask=None, decode: bool = False,
+                 deterministic: bool | None = None):
+        """``tokens`` [B, T] int -> logits [B, T, V] float32 (see the class docstring)."""
+        if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"tokens must be an int array [batch, seq], got "
+                f"{getattr(tokens, 'dtype', type(tokens).__name__)} "
+                f"{tuple(getattr(tokens, 'shape', ()))}.")
+        cfg = self.config
+        x = self.embed(tokens) * jnp.asarray(math.sqrt(cfg.embed_dim),
+                                             cfg.dtype or cfg.param_dtype)
+        x = self.embed_dropout(x, deterministic=deterministic)
+        for block in self.blocks:
+            if decode:
+                x = block(x, kv_mask=kv_mask, decode=True, deterministic=deterministic)
+            elif cfg.remat:
+                x = _run_block_remat(block, x, kv_mask, deterministic)
+            else:
+                x = _run_block(block, x, kv_mask, deterministic)
+        x = self.final_ln(x)
+        logits = self.embed.attend(x) if self.head is None else self.head(x)
+        return logits.astype(jnp.float32)
+
+    # ----------------------------------------------------------------- decoding
+
+    def init_cache(self, batch_size: int, max_len: int | None = None, dtype=None):
+        """Allocate every attention layer's KV cache for ``max_len`` tokens (default
+        ``config.max_len``); ``dtype`` defaults to the computation dtype."""
+        cfg = self.config
+        max_len = cfg.max_len if max_len is None else max_len
+        dtype = dtype or cfg.dtype or cfg.param_dtype
+        for block in self.blocks:
+            block.attn.init_cache((batch_size, max_len, cfg.embed_dim), dtype)
+
+    def generate(self, prompt, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, rng=None, max_len: int | None = None,
+                 cache_dtype=None, return_logits: bool = False):
+        """Continue ``prompt`` by ``max_new_tokens`` tokens using the KV cache.
+
+        The prompt fills a fresh cache in one causal pass; the new tokens are then
+        decoded one per step in a compiled ``lax.scan``. The model itself is not
+        modified (the cache lives inside the compiled function).
+
+        Args:
+          prompt: int [B, P], ``P >= 1``.
+          max_new_tokens: ``N >= 1``.
+          temperature: 0 for greedy decoding (argmax), > 0 to sample from
+            ``softmax(logits / temperature)``.
+          top_k: sample among the ``top_k`` most likely tokens only.
+          rng: a ``jax.random`` key (required when sampling).
+          max_len: cache length, default ``P + N``.
+          cache_dtype: dtype of the cache (default: the computation dtype).
+          return_logits: also return the logits each new token was chosen from.
+
+        Returns:
+          tokens int32 [B, P + N] (the prompt followed by the new tokens), and with
+          ``return_logits`` the logits [B, N, V] float32.
+        """
+        prompt = jnp.asarray(prompt)
+        if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype,
+                                                                          jnp.integer):
+            raise ValueError(f"prompt must be an int array [batch, prompt_len >= 1], got "
+                             f"{prompt.dtype} {tuple(prompt.shape)}.")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or temperature < 0:
+            raise ValueError(f"temperature must be a float >= 0, got {temperature!r}.")
+        sample = temperature > 0
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                                  or not 1 <= top_k <= self.config.vocab_size):
+            raise ValueError(f"top_k must be None or an int in [1, vocab_size="
+                             f"{self.config.vocab_size}], got {top_k!r}.")
+        if top_k is not None and not sample:
+            raise ValueError("top_k is for sampling: pass a temperature > 0.")
+        if sample and rng is None:
+            raise ValueError("sampling (temperature > 0) needs rng= (a jax.random key).")
+        total = prompt.shape[1] + max_new_tokens
+        max_len = total if max_len is None else max_len
+        if max_len < total:
+            raise ValueError(f"max_len={max_len} is shorter than prompt + new tokens "
+                             f"({prompt.shape[1]} + {max_new_tokens}).")
+        cfg = self.config
+        cache_dtype = jnp.dtype(cache_dtype or cfg.dtype or cfg.param_dtype)
+        rng = jax.random.key(0) if rng is None else rng
+        graphdef, state = nnx.split(self)
+        tokens, logits = _generate(graphdef, state, prompt.astype(jnp.int32), rng,
+                                   jnp.asarray(temperature if sample else 1.0, jnp.float32),
+                                   max_new_tokens=max_new_tokens, max_len=max_len,
+                                   sample=sample, top_k=top_k, cache_dtype=cache_dtype)
+        return (tokens, logits) if return_logits else tokens
+
+
+def _pick(logits, key, temperature, sample: bool, top_k):
+    """The next token [B] from logits [B, V]."""
+    if not sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len",
+                                             "sample", "top_k", "cache_dtype"))
+def _generate(graphdef, state, prompt, rng, temperature, *, max_new_tokens, max_len,
+              sample, top_k, cache_dtype):
+    model = nnx.merge(graphdef, state)
+    model.init_cache(prompt.shape[0], max_len, cache_dtype)
+    logits = model(prompt, decode=True, deterministic=True)[:, -1]
+    rng, key = jax.random.split(rng)
+    token = _pick(logits, key, temperature, sample, top_k)
+    step_def, step_state = nnx.split(model)
+
+    def step(carry, _):
+        st, tok, rng = carry
+        m = nnx.merge(step_def, st)
+        logits_t = m(tok[:, None], decode=True, deterministic=True)[:, 0]
+        rng, key = jax.random.split(rng)
+        nxt = _pick(logits_t, key, temperature, sample, top_k)
+        return (nnx.split(m)[1], nxt, rng), (nxt, logits_t)
+
+    _, (tokens, all_logits) = jax.lax.scan(step, (step_state, token, rng), None,
+                                           length=max_new_tokens - 1)
+    tokens = jnp.concatenate([prompt, token[:, None], tokens.swapaxes(0, 1)], axis=1)
+    all_logits = jnp.concatenate([logits[:, None], all_logits.swapaxes(0, 1)], axis=1)
+    return tokens, all_logits
+
+
+def cross_entropy(logits, targets, weights=None):
+    """Mean next-token cross-entropy.
+
+    Args:
+      logits: [B, T, V] (float32 recommended).
+      targets: int [B, T].
+      weights: optional [B, T] (e.g. 0/1: which positions count).
+
+    Returns:
+      scalar: ``sum(w * nll) / sum(w)`` (the plain mean without weights).
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    if weights is None:
+        return jnp.mean(nll)
+    weights = weights.astype(nll.dtype)
+    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1e-9)

@@ -1,0 +1,482 @@
+#!/usr/bin/env python
+"""Train a LongNetLM on long-context associative recall, and compare with local attention.
+
+The task (generated here, no download). A sequence of ``--seq-len`` tokens (8192 by
+default) is noise from a filler vocabulary with ``--num-pairs`` key-value pairs
+written into its first part at random places; each pair is a *record* of
+``--record-len`` tokens ``k v k v ...`` (its key and value alternating). The
+sequence ends with ``--num-queries`` questions ``k v``: a key of one of the pairs
+(each asked once, in random order) followed by its value. The loss is on the
+answers only: at each question key the model must predict the value that key had,
+thousands of tokens earlier. Keys are distinct within a sequence; values are drawn
+independently, so the only way to beat chance (``log num_values`` nats) is to find
+the key in the body. No pair lies within ``--gap`` tokens of the questions.
+
+Models:
+
+* ``--attention dilated`` (default): a small LongNet (rotary positions, pre-LN)
+  whose branches are a local segment and a segment spanning the whole sequence
+  with dilation rate = number of heads, so every query position is covered by
+  one head of the long branch (LongNet Eq. 13) and sees a key of every record.
+* ``--attention window --window W``: the same model with block-local dense
+  attention (one segment of ``W`` tokens, rate 1: ``jd.dilated_attention`` with
+  ``segment_lengths=(W,)``): it cannot see the pairs, so it stays at chance.
+
+Every run writes ``--out-dir``: ``log.jsonl`` (one JSON line per step: loss,
+accuracy, seconds; evaluation lines with ``eval_loss`` / ``eval_acc`` on a fixed
+held-out set), orbax checkpoints every ``--ckpt-every`` steps (``ckpt/<step>``:
+parameters, optimizer state, step), ``summary.json``. ``--resume`` continues from
+the last checkpoint exactly (same losses as an uninterrupted run: training batch
+``s`` is a pure function of ``--seed`` and ``s``, so the data stream resumes at the
+checkpoint's step; the log is cut back to that step). ``--stop-after N`` ends the
+process abruptly after step ``N`` (no final checkpoint, like a kill).
+
+Usage::
+
+    python scripts/train_longnet.py                      # ~5-10 min on 2 CPU cores
+    python scripts/train_longnet.py --attention window   # the local-attention baseline
+    python scripts/train_longnet.py --quick              # ~1 minute smoke run
+    python scripts/train_longnet.py --resume --out-dir runs/longnet
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+# ----------------------------------------------------------------------------- task
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """The associative-recall task: vocabulary layout and sequence geometry.
+
+    Token ids: ``[0, num_filler)`` filler, then ``num_keys`` keys, ``num_values``
+    values, and ``num_keys * num_values`` dictionary entries ``k:v`` (entry
+    ``(k, v)`` is ``entry0 + k * num_values + v``).
+
+    A sequence is filler noise with ``num_entries`` entries (distinct keys, i.i.d.
+    values) at random places in its first ``body_len`` tokens, each written
+    ``entry_repeats`` times in a row, then ``num_queries`` questions ``k v``: a key
+    of one of the entries (each asked once, in random order), then its value. No
+    entry lies within ``gap`` tokens of the questions.
+    """
+
+    seq_len: int = 8192
+    num_entries: int = 32
+    entry_repeats: int = 4
+    num_queries: int = 32
+    gap: int = 1024
+    num_keys: int = 32
+    num_values: int = 16
+    num_filler: int = 32
+
+    def __post_init__(self):
+        if not self.num_queries <= self.num_entries <= self.num_keys:
+            raise ValueError(
+                f"need num_queries ({self.num_queries}) <= num_entries "
+                f"({self.num_entries}) <= num_keys ({self.num_keys}).")
+        if self.body_len < self.num_entries * self.entry_repeats:
+            raise ValueError(
+                f"{self.num_entries} entries of {self.entry_repeats} tokens do not fit "
+                f"the {self.body_len} tokens before the questions (seq_len - 2 "
+                f"num_queries - gap).")
+
+    @property
+    def key0(self) -> int:
+        return self.num_filler
+
+    @property
+    def value0(self) -> int:
+        return self.num_filler + self.num_keys
+
+    @property
+    def entry0(self) -> int:
+        return self.num_filler + self.num_keys + self.num_values
+
+    @property
+    def vocab_size(self) -> int:
+        return self.entry0 + self.num_keys * self.num_values
+
+    @property
+    def body_len(self) -> int:
+        return self.seq_len - 2 * self.num_queries - self.gap
+
+    @property
+    def chance_loss(self) -> float:
+        return math.log(self.num_values)
+
+    def sample(self, rng: np.random.Generator, batch: int):
+        """``(inputs [B, T], targets [B, T], answers [B, T])``: next-token targets and
+        a 0/1 mask of the question keys (whose targets are the answers)."""
+        t, n, q, rep = self.seq_len, self.num_entries, self.num_queries, self.entry_repeats
+        seqs = rng.integers(0, self.num_filler, size=(batch, t + 1))
+        answers = np.zeros((batch, t + 1), np.float32)
+        free = self.body_len - n * rep  # filler tokens of the body, between entries
+        tail = t + 1 - 2 * q
+        for b in range(batch):
+            keys = rng.choice(self.num_keys, n, replace=False)
+            values = rng.integers(0, self.num_values, n)
+            starts = np.sort(rng.integers(0, free + 1, n)) + rep * np.arange(n)
+            for s, k, v in zip(starts, keys, values):
+                seqs[b, s:s + rep] = self.entry0 + k * self.num_values + v
+            asked = rng.choice(n, q, replace=False)
+            seqs[b, tail::2] = self.key0 + keys[asked]
+            seqs[b, tail + 1::2] = self.value0 + values[asked]
+            answers[b, tail + 1::2] = 1.0
+        return seqs[:, :-1].astype(np.int32), seqs[:, 1:].astype(np.int32), answers[:, 1:]
+
+
+def task_at(task: Task, seq_len: int) -> Task:
+    """The same task at another length (gap scaled with it)."""
+    return dataclasses.replace(task, seq_len=seq_len, gap=task.gap * seq_len // task.seq_len)
+
+
+def parse_curriculum(text: str | None, seq_len: int):
+    """``"512:150,2048:50"`` -> ((512, 150), (2048, 50)): steps at shorter lengths
+    before the full ``seq_len``."""
+    if not text:
+        return ()
+    stages = []
+    for part in text.split(","):
+        length, steps = (int(x) for x in part.split(":"))
+        if not 0 < length < seq_len or steps <= 0:
+            raise ValueError(f"curriculum stage {part!r}: need 0 < length < seq_len="
+                             f"{seq_len} and steps > 0.")
+        stages.append((length, steps))
+    return tuple(stages)
+
+
+def stage_of(step: int, curriculum, seq_len: int, batch: int, max_batch: int):
+    """(sequence length, batch size) of training step ``step`` (1-based): the
+    curriculum's stages first, then the full length. A stage keeps the tokens per
+    step of the full length (batch scaled up, at most ``max_batch``)."""
+    done = 0
+    for length, steps in curriculum:
+        done += steps
+        if step <= done:
+            return length, max(batch, min(max_batch, batch * seq_len // length))
+    return seq_len, batch
+
+
+def train_batch(task: Task, seed: int, step: int, batch: int):
+    """Training batch of ``step``: a pure function of (seed, step), so a resumed run
+    continues the data stream exactly."""
+    return task.sample(np.random.default_rng([seed, 0, step]), batch)
+
+
+def heldout_set(task: Task, seed: int, num: int, batch: int):
+    """The fixed held-out batches (a separate random stream from training)."""
+    return [task.sample(np.random.default_rng([seed, 1, task.seq_len, i]), batch)
+            for i in range(-(-num // batch))]
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--attention", choices=("dilated", "window"), default="dilated")
+    p.add_argument("--window", type=int, default=256,
+                   help="segment of the --attention window baseline")
+    p.add_argument("--segment-lengths", type=str, default=None,
+                   help="dilated branches, e.g. 256,8192 (default: local-segment,seq-len)")
+    p.add_argument("--dilation-rates", type=str, default=None,
+                   help="e.g. 1,4 (default: 1,heads)")
+    p.add_argument("--local-segment", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--num-entries", type=int, default=32)
+    p.add_argument("--entry-repeats", type=int, default=4)
+    p.add_argument("--num-queries", type=int, default=32)
+    p.add_argument("--gap", type=int, default=None,
+                   help="tokens between the last pair and the questions (default T/8)")
+    p.add_argument("--num-keys", type=int, default=32)
+    p.add_argument("--num-values", type=int, default=16)
+    p.add_argument("--num-filler", type=int, default=32)
+    p.add_argument("--embed-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn-dim", type=int, default=128)
+    p.add_argument("--positions", choices=("rotary", "xpos", "none"), default="rotary")
+    p.add_argument("--norm", choices=("pre", "sub"), default="pre")
+    p.add_argument("--remat", action="store_true")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--curriculum", type=str, default="256:100,2048:60",
+                   help="shorter sequences first: LENGTH:STEPS,... ('' for none)")
+    p.add_argument("--max-batch", type=int, default=32,
+                   help="largest batch of a curriculum stage")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-sequences", type=int, default=32)
+    p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=str, default=None,
+                   help="default runs/longnet_<attention>")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the last checkpoint in --out-dir")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="end the process abruptly after this step (simulated kill)")
+    p.add_argument("--quick", action="store_true",
+                   help="~1 minute smoke run: 2048 tokens, 60 steps")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    args = p.parse_args(argv)
+    if args.quick:
+        quick = dict(seq_len=2048, steps=60, eval_every=30, ckpt_every=20,
+                     eval_sequences=16, num_entries=16, num_queries=16, local_segment=128,
+                     window=128)
+        for k, v in quick.items():
+            if getattr(args, k) == p.get_default(k):
+                setattr(args, k, v)
+    if args.gap is None:
+        args.gap = args.seq_len // 8
+    if args.out_dir is None:
+        args.out_dir = os.path.join("runs", f"longnet_{args.attention}")
+    return args
+
+
+def _ints(text):
+    return tuple(int(x) for x in text.split(","))
+
+
+def make_task(args) -> Task:
+    return Task(seq_len=args.seq_len, num_entries=args.num_entries,
+                entry_repeats=args.entry_repeats, num_queries=args.num_queries,
+                gap=args.gap, num_keys=args.num_keys,
+                num_values=args.num_values, num_filler=args.num_filler)
+
+
+def make_config(args, task: Task):
+    import jax_dilated as jd
+
+    if args.attention == "window":
+        segs, rates = (args.window,), (1,)
+    else:
+        segs = _ints(args.segment_lengths) if args.segment_lengths else (
+            args.local_segment, args.seq_len)
+        rates = _ints(args.dilation_rates) if args.dilation_rates else (1, args.entry_repeats)
+    return jd.models.LongNetConfig(
+        vocab_size=task.vocab_size, embed_dim=args.embed_dim, num_layers=args.layers,
+        num_heads=args.heads, ffn_dim=args.ffn_dim, segment_lengths=segs,
+        dilation_rates=rates, positions=args.positions, norm=args.norm,
+        max_len=args.seq_len, remat=args.remat)
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def make_steps():
+    """The jitted training step (loss, gradient, optimizer update) and eval step."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jax_dilated as jd
+
+    def answer_metrics(logits, targets, answers):
+        loss = jd.models.cross_entropy(logits, targets, answers)
+        hits = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+        acc = jnp.sum(hits * answers) / jnp.maximum(jnp.sum(answers), 1.0)
+        return loss, acc
+
+    def objective(model, inputs, targets, answers):
+        return answer_metrics(model(inputs, deterministic=True), targets, answers)
+
+    @nnx.jit
+    def train_step(model, optimizer, inputs, targets, answers):
+        (loss, acc), grads = nnx.value_and_grad(objective, has_aux=True)(
+            model, inputs, targets, answers)
+        optimizer.update(model, grads)
+        return loss, acc, optax.global_norm(grads)
+
+    @nnx.jit
+    def eval_step(model, inputs, targets, answers):
+        loss, acc = answer_metrics(model(inputs, deterministic=True), targets, answers)
+        count = jnp.sum(answers)
+        return loss * count, acc * count, count
+
+    return train_step, eval_step
+
+
+def evaluate(eval_step, model, batches):
+    import jax.numpy as jnp
+
+    loss = acc = count = 0.0
+    for inputs, targets, answers in batches:
+        l, a, c = eval_step(model, jnp.asarray(inputs), jnp.asarray(targets),
+                            jnp.asarray(answers))
+        loss, acc, count = loss + float(l), acc + float(a), count + float(c)
+    return loss / count, acc / count
+
+
+def _read_log(path, upto_step):
+    """Lines of the loss log up to ``upto_step`` (a resumed run drops later ones)."""
+    if not os.path.exists(path):
+        return []
+    keep = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            row = json.loads(line)
+            if row.get("step", 0) <= upto_step:
+                keep.append(row)
+    return keep
+
+
+def main(argv=None) -> dict:
+    """Run training; returns the summary (also written to ``out_dir/summary.json``)."""
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    import jax_dilated as jd
+
+    task = make_task(args)
+    config = make_config(args, task)
+    out_dir = os.path.abspath(args.out_dir)
+    ckpt_dir = os.path.join(out_dir, "ckpt")
+    log_path = os.path.join(out_dir, "log.jsonl")
+    if not args.resume and os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+
+    model = jd.models.LongNetLM(config, rngs=nnx.Rngs(args.seed))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, max(args.warmup, 1), max(args.steps, args.warmup + 1), args.lr * 0.1)
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b2=0.98, weight_decay=args.weight_decay))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    train_step, eval_step = make_steps()
+
+    manager = ocp.CheckpointManager(
+        ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=args.keep_checkpoints,
+                                                       create=True))
+    start = 0
+    if args.resume and manager.latest_step() is not None:
+        start = manager.latest_step()
+        target = {"model": nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                  "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        restored = manager.restore(start, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        if restored["meta"]["step"] != start:
+            raise RuntimeError(f"checkpoint {start} holds step {restored['meta']['step']}.")
+        for module, name in ((model, "model"), (optimizer, "optimizer")):
+            state = nnx.state(module, nnx.Param) if name == "model" else nnx.state(module)
+            nnx.replace_by_pure_dict(state, restored["state"][name])
+            nnx.update(module, state)
+    rows = _read_log(log_path, start) if args.resume else []
+    with open(log_path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+    curriculum = parse_curriculum(args.curriculum, task.seq_len)
+    max_batch = max(args.batch_size, args.max_batch)
+    heldout = heldout_set(task, args.seed, args.eval_sequences, args.batch_size)
+    # the task at the window's length: within reach of every model
+    short_task = task_at(task, min(args.window, task.seq_len))
+    heldout_short = heldout_set(short_task, args.seed, args.eval_sequences, max_batch)
+    tasks = {task.seq_len: task}
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"[train_longnet] attention={args.attention} segments={config.segment_lengths} "
+          f"rates={config.dilation_rates} T={task.seq_len} params={n_params} "
+          f"chance={task.chance_loss:.3f} nats curriculum={curriculum} out={out_dir}"
+          + (f" resumed at step {start}" if start else ""), flush=True)
+
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=start, desc=f"train[{args.attention}]",
+                   dynamic_ncols=True)
+    t_start = time.time()
+    log = open(log_path, "a")
+    for step in range(start + 1, args.steps + 1):
+        length, batch_size = stage_of(step, curriculum, task.seq_len, args.batch_size,
+                                      max_batch)
+        if length not in tasks:
+            tasks[length] = task_at(task, length)
+        batch = train_batch(tasks[length], args.seed, step, batch_size)
+        t0 = time.time()
+        out = train_step(model, optimizer, *(jnp.asarray(x) for x in batch))
+        loss, acc, gnorm = (float(x) for x in out)
+        row = {"step": step, "seq_len": length, "batch": batch_size, "loss": loss,
+               "acc": acc, "grad_norm": gnorm, "seconds": round(time.time() - t0, 4)}
+        if step % args.eval_every == 0 or step == args.steps:
+            row["eval_loss"], row["eval_acc"] = evaluate(eval_step, model, heldout)
+            row["eval_short_loss"], row["eval_short_acc"] = evaluate(eval_step, model,
+                                                                     heldout_short)
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        if step % args.ckpt_every == 0 or step == args.steps:
+            state = {"model": nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                     "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
+            manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave({"step": step, "args": vars(args)})))
+        if bar is not None:
+            post = {"loss": f"{loss:.3f}", "acc": f"{acc:.2f}"}
+            if "eval_loss" in row:
+                post["eval"] = f"{row['eval_loss']:.3f}"
+            bar.set_postfix(post)
+            bar.update(1)
+        if args.stop_after is not None and step >= args.stop_after:
+            log.close()
+            if bar is not None:
+                bar.close()
+            manager.wait_until_finished()
+            print(f"[train_longnet] --stop-after {args.stop_after}: stopping abruptly",
+                  flush=True)
+            return {"stopped_at": step}
+    log.close()
+    if bar is not None:
+        bar.close()
+    manager.wait_until_finished()
+    wall = time.time() - t_start
+
+    eval_loss, eval_acc = evaluate(eval_step, model, heldout)
+    short_loss, short_acc = evaluate(eval_step, model, heldout_short)
+    summary = {
+        "attention": args.attention, "segment_lengths": list(config.segment_lengths),
+        "dilation_rates": list(config.dilation_rates), "seq_len": task.seq_len,
+        "steps": args.steps, "params": int(n_params), "heldout_sequences": args.eval_sequences,
+        "heldout_answers": int(sum(a.sum() for _, _, a in heldout)),
+        "heldout_loss": eval_loss, "heldout_acc": eval_acc,
+        "chance_loss": task.chance_loss, "chance_acc": 1.0 / task.num_values,
+        "short_seq_len": short_task.seq_len, "short_heldout_loss": short_loss,
+        "short_heldout_acc": short_acc, "curriculum": [list(c) for c in curriculum],
+        "train_seconds": round(wall, 1), "resumed_from": start,
+    }
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"[train_longnet] {args.attention}: held-out loss {eval_loss:.3f} nats vs chance "
+          f"{task.chance_loss:.3f}; accuracy {eval_acc:.1%} vs chance "
+          f"{1 / task.num_values:.1%} ({summary['heldout_answers']} answers); "
+          f"{args.steps - start} steps in {wall:.0f} s; at length {short_task.seq_len} "
+          f"(within every model's reach): loss {short_loss:.3f}, accuracy "
+          f"{short_acc:.1%}", flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    summary = main()
+    if "stopped_at" in summary:
+        os._exit(0)
+    sys.exit(0)
