@@ -32,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated import decode as decoding
-from jax_dilated import layouts, patterns, softmax
+from jax_dilated import block_patterns, layouts, patterns, softmax
 from jax_dilated.backends import select_implementation
+from jax_dilated.block_sparse import block_sparse_attention
 from jax_dilated.dilated import dilated_attention
 from jax_dilated.ring import ring_attention
 from jax_dilated.sharding import sharded
@@ -149,8 +150,9 @@ def precision_context(precision):
 class AttentionCore:
     """The static attention of a layer and how to run it.
 
-    kind: ``"dilated"`` (:func:`jax_dilated.dilated_attention`) or ``"ring"``
-      (exact attention, :func:`jax_dilated.ring_attention`).
+    kind: ``"dilated"`` (:func:`jax_dilated.dilated_attention`), ``"ring"``
+      (exact attention, :func:`jax_dilated.ring_attention`) or ``"block_sparse"``
+      (:func:`jax_dilated.block_sparse_attention`).
     fn: the attention function (the default or a user's drop-in with its signature).
     options: its static keyword arguments (segment lengths, mode, scale, ...).
     mesh, seq_axis, batch_axis, head_axis, layout: with a mesh, ``fn`` runs
@@ -233,6 +235,32 @@ def ring_core(*, mesh, seq_axis, layout="contiguous", batch_axis=None, head_axis
     attention_fn = ring_attention if attention_fn is None else attention_fn
     options = (("scale", scale), ("implementation", implementation))
     return AttentionCore("ring", attention_fn, options, mesh, seq_axis, batch_axis,
+                         head_axis, layout)
+
+
+def block_sparse_core(*, block_size, pattern, scale=None, implementation=None,
+                      attention_fn=None, mesh=None, seq_axis=None, layout="contiguous",
+                      batch_axis=None, head_axis=None) -> AttentionCore:
+    """Validated :class:`AttentionCore` for block-sparse attention.
+
+    ``attention_fn`` (default :func:`jax_dilated.block_sparse_attention`) is called as
+    ``attention_fn(q, k, v, block_size=, pattern=, scale=, implementation=,
+    is_causal=, kv_mask=)`` and, with a mesh (a ring over ``seq_axis`` in
+    ``layout``), also receives ``axis_name=`` and ``layout=`` inside ``shard_map``.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+    pattern = block_patterns.as_pattern(pattern)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or scale <= 0):
+        raise ValueError(f"scale must be None or a positive float, got {scale!r}.")
+    select_implementation(implementation)
+    check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
+    layouts.check_layout(layout)
+    attention_fn = block_sparse_attention if attention_fn is None else attention_fn
+    options = (("block_size", block_size), ("pattern", pattern), ("scale", scale),
+               ("implementation", implementation))
+    return AttentionCore("block_sparse", attention_fn, options, mesh, seq_axis, batch_axis,
                          head_axis, layout)
 
 

@@ -214,7 +214,7 @@ def _with_concrete_mask(mask: np.ndarray, causal, b: int, t: int, run):
 # ---------------------------------------------------------------------------- factory
 
 
-KINDS = ("auto", "dilated", "ring", "ring_dilated", "block_sparse")
+KINDS = ("auto", "dilated", "ring", "ring_dilated", "block_sparse", "block_sparse_ring")
 
 # Below this many tokens per device, sharding the sequence costs more in
 # communication than it saves; "auto" keeps such sequences on one device.
@@ -241,9 +241,11 @@ def _kernel_note(device=None) -> str:
 
 
 def choose_kind(*, segment_lengths=None, mesh=None, seq_axis: str | None = None,
-                seq_len: int | None = None, device=None) -> Choice:
+                seq_len: int | None = None, device=None, pattern=None) -> Choice:
     """The kind ``"auto"`` picks, with the reason.
 
+    * a block ``pattern``: block-sparse attention, ``"block_sparse_ring"`` or
+      ``"block_sparse"`` by the same mesh rules as dilated attention below;
     * no ``segment_lengths``: exact attention, ``"ring"`` over the mesh (a mesh is
       then required);
     * a mesh whose ``seq_axis`` has ``P > 1`` devices: ``"ring_dilated"``, unless
@@ -253,6 +255,11 @@ def choose_kind(*, segment_lengths=None, mesh=None, seq_axis: str | None = None,
 
     The reason also names the kernel the device kind selects.
     """
+    if pattern is not None:
+        choice = choose_kind(segment_lengths=(), mesh=mesh, seq_axis=seq_axis,
+                             seq_len=seq_len, device=device)
+        kind = "block_sparse" if choice.kind == "dilated" else "block_sparse_ring"
+        return Choice(kind, f"a block pattern: block-sparse attention; {choice.reason}")
     common.check_mesh_axes(mesh, seq_axis)
     note = _kernel_note(device if device is not None or mesh is None
                         else mesh.devices.flat[0])
@@ -289,7 +296,9 @@ def _layer_classes(api: str):
     layers = apis[api]
     return {"dilated": layers.MultiheadDilatedAttention,
             "ring_dilated": layers.MultiheadDilatedAttention,
-            "ring": layers.MultiheadRingAttention}
+            "ring": layers.MultiheadRingAttention,
+            "block_sparse": layers.MultiheadBlockSparseAttention,
+            "block_sparse_ring": layers.MultiheadBlockSparseAttention}
 
 
 def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
@@ -300,8 +309,9 @@ def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
     Args:
       kind: ``"dilated"`` (one device), ``"ring_dilated"`` (dilated attention with the
         sequence sharded over ``mesh`` / ``seq_axis``), ``"ring"`` (exact attention
-        over the mesh; no ``segment_lengths``), or ``"auto"`` (see
-        :func:`choose_kind`). ``"block_sparse"`` is not available yet.
+        over the mesh; no ``segment_lengths``), ``"block_sparse"`` /
+        ``"block_sparse_ring"`` (``block_size`` and ``pattern``; one device / a ring
+        over ``mesh``), or ``"auto"`` (see :func:`choose_kind`).
       api: ``"nnx"`` (``jax_dilated.nnx`` layers; pass ``rngs=``) or ``"linen"``.
       seq_len: the sequence length the layer will see, if known (used by ``"auto"``).
       explain: also return the :class:`Choice` (kind and reason).
@@ -312,32 +322,30 @@ def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
       The layer, or ``(layer, choice)`` with ``explain=True``.
 
     Raises:
-      ValueError: for an unknown kind, ``"block_sparse"``, a ring kind without a mesh,
+      ValueError: for an unknown kind, a ring kind without a mesh,
         a mesh without the named axis, ``"dilated"`` with a mesh, ``"ring"`` with
         dilated-attention options.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
-    if kind == "block_sparse":
-        raise ValueError(
-            "kind='block_sparse' is not available yet (block-sparse attention is still "
-            "to come); use 'dilated', 'ring_dilated', 'ring' or 'auto'.")
     classes = _layer_classes(api)
     mesh, seq_axis = config.get("mesh"), config.get("seq_axis")
     common.check_mesh_axes(mesh, seq_axis, config.get("batch_axis"), config.get("head_axis"))
     if kind == "auto":
         choice = choose_kind(segment_lengths=config.get("segment_lengths"), mesh=mesh,
-                             seq_axis=seq_axis, seq_len=seq_len)
-        if choice.kind == "dilated":  # chosen to stay on one device
+                             seq_axis=seq_axis, seq_len=seq_len,
+                             pattern=config.get("pattern"))
+        if choice.kind in ("dilated", "block_sparse"):  # chosen to stay on one device
             config = {k: v for k, v in config.items() if k not in _MESH_KEYS}
     else:
         choice = Choice(kind, "requested")
-    if choice.kind in ("ring", "ring_dilated") and mesh is None:
+    if choice.kind in ("ring", "ring_dilated", "block_sparse_ring") and mesh is None:
         raise ValueError(f"kind={choice.kind!r} shards the sequence over a mesh: pass "
                          f"mesh= and seq_axis=.")
-    if choice.kind == "dilated" and config.get("mesh") is not None:
-        raise ValueError("kind='dilated' runs on one device; with a mesh use "
-                         "kind='ring_dilated' (or 'auto').")
+    if choice.kind in ("dilated", "block_sparse") and config.get("mesh") is not None:
+        parallel = "ring_dilated" if choice.kind == "dilated" else "block_sparse_ring"
+        raise ValueError(f"kind={choice.kind!r} runs on one device; with a mesh use "
+                         f"kind={parallel!r} (or 'auto').")
     if choice.kind == "ring":
         given = [k for k in _DILATED_ONLY if k in config]
         if given:

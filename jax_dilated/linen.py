@@ -28,7 +28,7 @@ from jax_dilated import _layer_common as common
 from jax_dilated import decode as decoding
 
 __all__ = ["DilatedAttention", "RingAttention", "MultiheadDilatedAttention",
-           "MultiheadRingAttention"]
+           "MultiheadRingAttention", "MultiheadBlockSparseAttention"]
 
 
 def _dropout_key(module: nn.Module, rate: float, deterministic, dropout_rng):
@@ -238,3 +238,20 @@ class MultiheadRingAttention(_Multihead):
                                 batch_axis=self.batch_axis, head_axis=self.head_axis,
                                 scale=self.scale, implementation=self.implementation,
                                 attention_fn=self.attention_fn)
+
+
+class MultiheadBlockSparseAttention(_Multihead):
+    """Multi-head block-sparse attention (Linen); see
+    :class:`jax_dilated.nnx.MultiheadBlockSparseAttention` (``block_size`` and
+    ``pattern`` are required; with ``mesh`` / ``seq_axis`` it runs over a ring)."""
+
+    block_size: int | None = None
+    pattern: Any = None
+    layout: str = "contiguous"
+
+    def _core(self):
+        return common.block_sparse_core(
+            block_size=self.block_size, pattern=self.pattern, scale=self.scale,
+            implementation=self.implementation, attention_fn=self.attention_fn,
+            mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
+            batch_axis=self.batch_axis, head_axis=self.head_axis)

@@ -35,7 +35,7 @@ from jax_dilated import _layer_common as common
 from jax_dilated import decode as decoding
 
 __all__ = ["DilatedAttention", "RingAttention", "MultiheadDilatedAttention",
-           "MultiheadRingAttention"]
+           "MultiheadRingAttention", "MultiheadBlockSparseAttention"]
 
 
 def _fork_dropout_rngs(rngs, rate: float):
@@ -346,6 +346,37 @@ class MultiheadRingAttention(_Multihead):
         core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
                                 batch_axis=batch_axis, head_axis=head_axis, scale=scale,
                                 implementation=implementation, attention_fn=attention_fn)
+        super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads, dropout=0.0,
+                         use_bias=use_bias, layer_norm=layer_norm,
+                         layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
+                         param_dtype=param_dtype, precision=precision, deterministic=None,
+                         decode=False, rngs=rngs, qk_transform=qk_transform)
+
+
+class MultiheadBlockSparseAttention(_Multihead):
+    """Multi-head block-sparse attention (NNX), on one device or over a ring.
+
+    The layer of :class:`MultiheadDilatedAttention` (same parameters, sub-LayerNorm,
+    options) with :func:`jax_dilated.block_sparse_attention` as its attention:
+    ``block_size`` and ``pattern`` (a :mod:`jax_dilated.block_patterns` pattern or a
+    bool block mask) say which key blocks each query block attends to. With ``mesh``
+    and ``seq_axis`` it runs over a ring in ``layout`` ("contiguous" or "zigzag").
+    Block-sparse attention has no dropout and no decoding.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, block_size: int, pattern,
+                 num_kv_heads: int | None = None, scale: float | None = None,
+                 use_bias: bool = True, layer_norm: bool = True, layer_norm_eps: float = 1e-5,
+                 gamma_init: float = 1.0, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 precision: Any = None, implementation: str | None = None,
+                 attention_fn: Callable | None = None, mesh=None, seq_axis: str | None = None,
+                 layout: str = "contiguous", batch_axis: str | None = None,
+                 head_axis: str | None = None, qk_transform: Callable | None = None,
+                 rngs: nnx.Rngs):
+        core = common.block_sparse_core(
+            block_size=block_size, pattern=pattern, scale=scale,
+            implementation=implementation, attention_fn=attention_fn, mesh=mesh,
+            seq_axis=seq_axis, layout=layout, batch_axis=batch_axis, head_axis=head_axis)
         super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads, dropout=0.0,
                          use_bias=use_bias, layer_norm=layer_norm,
                          layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,

@@ -553,8 +553,11 @@ def test_factory_errors():
     make = jd.create_multihead_dilated_attention
     with pytest.raises(ValueError, match="kind must be one of"):
         make("sparse", **base, **SEGS)
-    with pytest.raises(ValueError, match="block_sparse.*not available yet"):
-        make("block_sparse", **base, **SEGS)
+    with pytest.raises(ValueError, match="kind='block_sparse' runs on one device"):
+        make("block_sparse", **base, block_size=4, pattern=np.eye(2, dtype=bool), mesh=mesh,
+             seq_axis="seq")
+    with pytest.raises(ValueError, match="mesh= and seq_axis="):
+        make("block_sparse_ring", **base, block_size=4, pattern=np.eye(2, dtype=bool))
     with pytest.raises(ValueError, match="mesh= and seq_axis="):
         make("ring", **base)
     with pytest.raises(ValueError, match="mesh= and seq_axis="):
