@@ -48,6 +48,12 @@ Subcommands:
     sends per ring step for every branch, computed from the shapes the code
     sends, next to the O(n/r) expectation (``--no-timing`` for memory only).
 
+``block_sparse``
+    ``jd.block_sparse_attention`` at densities 0.05 ... 1.0 (``RandomBlocks``)
+    next to exact blockwise attention: forward and forward+backward time
+    (interleaved), compiled temp memory, and per-device memory of the ring on 8
+    simulated devices against one device.
+
 Every subcommand shows progress on stderr, prints a summary table and writes
 its results as JSON (``--json``, default ``results/benchmark_<name>.json``).
 New subcommands (ring, distributed, block-sparse) register themselves with
@@ -1418,6 +1424,138 @@ def _print_distributed_summary(payload: dict) -> None:
 
 subcommand("distributed", "dilated attention over P simulated devices: memory, "
            "communication, time", _distributed_arguments)(run_distributed)
+
+
+# ----------------------------------------------------------------------------
+# block_sparse: time and memory against density, next to exact attention
+# ----------------------------------------------------------------------------
+
+BLOCK_SPARSE_DEFAULTS = dict(seq_len=32768, repeats=3)
+BLOCK_SPARSE_QUICK = dict(seq_len=4096, repeats=2)
+
+
+def _block_sparse_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq-len", "-n", type=int, default=None,
+                   help=f"sequence length (default {BLOCK_SPARSE_DEFAULTS['seq_len']}; "
+                        f"--quick {BLOCK_SPARSE_QUICK['seq_len']})")
+    p.add_argument("--densities", default="0.05,0.1,0.25,0.5,1.0",
+                   help="block densities (RandomBlocks: every query block reads exactly "
+                        "round(density x blocks) key blocks)")
+    p.add_argument("--block", type=int, default=512, help="block size (default 512)")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--devices", type=int, default=8,
+                   help="devices for the per-device ring memory (default 8)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed rounds, median reported (default 3; --quick 2)")
+    p.add_argument("--memory-only", action="store_true", help="compile only, no timing")
+    p.add_argument("--quick", action="store_true",
+                   help=f"small configuration (n={BLOCK_SPARSE_QUICK['seq_len']})")
+
+
+def run_block_sparse(args: argparse.Namespace) -> dict:
+    """The ``block_sparse`` benchmark; returns the JSON-able results."""
+    table = BLOCK_SPARSE_QUICK if args.quick else BLOCK_SPARSE_DEFAULTS
+    for name, value in table.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    _request_cpu_devices(args.devices)
+    import jax
+    import jax.numpy as jnp
+
+    import jax_dilated as jd
+    from jax_dilated import block_patterns as bp
+    from jax_dilated.backends import KernelArgs, xla
+
+    densities = tuple(float(x) for x in args.densities.split(","))
+    shape = (1, args.seq_len, args.heads, args.head_dim)
+    q, k, v, g = (jax.random.normal(key, shape, jnp.float32)
+                  for key in jax.random.split(jax.random.key(0), 4))
+    block = args.block
+
+    def exact(q, k, v):
+        kargs = KernelArgs(scale=q.shape[-1] ** -0.5, block_q=block, block_k=block)
+        return xla.attention(q, k, v, kargs)[0]
+
+    def sparse(density):
+        return functools.partial(jd.block_sparse_attention, block_size=block,
+                                 pattern=bp.RandomBlocks(density, seed=0))
+
+    def fwd_bwd(f):
+        return jax.grad(lambda q, k, v, g: jnp.sum(g * f(q, k, v)), argnums=(0, 1, 2))
+
+    configs = {"exact": exact, **{f"{d:g}": sparse(d) for d in densities}}
+    progress = Progress(2 * len(configs) + len(densities)
+                        + (0 if args.memory_only else len(configs) + args.repeats),
+                        "block_sparse")
+    progress.write(f"block_sparse: n={args.seq_len} H={args.heads} D={args.head_dim} "
+                   f"float32 block={block} densities={densities}")
+    memory = {}
+    for name, f in configs.items():
+        progress.start(f"memory {name}")
+        memory[name] = {"forward": _memory_of(jax, f, [q, k, v])["temp"]}
+        progress.done()
+        progress.start(f"memory {name} fwd+bwd")
+        memory[name]["forward_backward"] = _memory_of(jax, fwd_bwd(f), [q, k, v, g])["temp"]
+        progress.done()
+    mesh = jax.sharding.Mesh(np.array(_ring_devices(jax, args.devices)), ("seq",))
+    for d in densities:
+        progress.start(f"ring memory {d:g}")
+        ring = jd.sharded(sparse(d), mesh, seq_axis="seq")
+        memory[f"{d:g}"]["ring_per_device_forward_backward"] = _memory_of(
+            jax, fwd_bwd(ring), [q, k, v, g])["temp"]
+        progress.done()
+    timing = {}
+    if not args.memory_only:
+        calls = {}
+        for name, f in configs.items():
+            progress.start(f"compile {name}")
+            fwd, fb = jax.jit(f), jax.jit(fwd_bwd(f))
+            calls[f"{name} fwd"] = (functools.partial(fwd, q, k, v), jax.block_until_ready)
+            calls[f"{name} fwd+bwd"] = (functools.partial(fb, q, k, v, g),
+                                        jax.block_until_ready)
+            progress.done()
+        progress.start(f"{args.repeats} interleaved rounds")
+        timing = time_interleaved(calls, repeats=args.repeats)
+        for _ in range(args.repeats):
+            progress.done()
+    progress.close()
+    config = {k: getattr(args, k) for k in ("seq_len", "densities", "block", "heads",
+                                            "head_dim", "devices", "repeats", "quick",
+                                            "threads")}
+    payload = {"benchmark": "block_sparse", "config": config,
+               "environment": environment(args.threads), "memory": memory,
+               "timing": timing}
+    _print_block_sparse_summary(payload)
+    return payload
+
+
+def _print_block_sparse_summary(payload: dict) -> None:
+    cfg, mem, tim = payload["config"], payload["memory"], payload["timing"]
+    print()
+    print(f"block-sparse attention, n={cfg['seq_len']}, B=1, H={cfg['heads']}, "
+          f"D={cfg['head_dim']}, float32, block {cfg['block']}, RandomBlocks patterns")
+    rows = []
+    for name, m in mem.items():
+        t_f = tim.get(f"{name} fwd", {}).get("median_s")
+        t_fb = tim.get(f"{name} fwd+bwd", {}).get("median_s")
+        ex_f = tim.get("exact fwd", {}).get("median_s")
+        ex_fb = tim.get("exact fwd+bwd", {}).get("median_s")
+        ring = m.get("ring_per_device_forward_backward")
+        rows.append([name, fmt_ms(t_f), "-" if t_f is None else f"{t_f / ex_f:.3f}x",
+                     fmt_ms(t_fb), "-" if t_fb is None else f"{t_fb / ex_fb:.3f}x",
+                     fmt_bytes(m["forward_backward"]), fmt_bytes(ring),
+                     "-" if ring is None or not m["forward_backward"]
+                     else f"{ring / m['forward_backward']:.3f}x"])
+    print_table(["density", "fwd ms", "vs exact", "fwd+bwd ms", "vs exact",
+                 "fwd+bwd temp", f"ring temp/device (P={cfg['devices']})", "vs one device"],
+                rows)
+    print("(times: medians of interleaved rounds; temp: compiled memory_analysis(); the "
+          "ring column is per device through jd.sharded)")
+
+
+subcommand("block_sparse", "block-sparse attention: time and memory against density, "
+           "next to exact attention", _block_sparse_arguments)(run_block_sparse)
 
 
 # ----------------------------------------------------------------------------
