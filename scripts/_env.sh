@@ -24,7 +24,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # the PyTorch parity tests skip themselves without torch.
     echo "[jax-dilated] not Python 3.11: skipping torch (parity tests will be skipped)"
   fi
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench,train]" pytest
+  # matplotlib: block patterns draw themselves (a test checks the picture)
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench,train]" pytest matplotlib
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
