@@ -4,6 +4,7 @@ Public API only; see DESIGN.md for the semantics.
 """
 
 from jax_dilated import block_patterns, linen, models, nnx
+from jax_dilated.backends import backend_report
 from jax_dilated.block_sparse import block_sparse_attention
 from jax_dilated.decode import dilated_attention_decode
 from jax_dilated.dilated import dilated_attention
@@ -24,5 +25,7 @@ __all__ = [
     "nnx", "linen", "attention_fn", "create_multihead_dilated_attention",
     # models (jd.models.LongNetLM)
     "models",
+    # which kernel (cuDNN / XLA) each operation uses on this machine, and why
+    "backend_report",
 ]
 __version__ = "0.1.0"

@@ -1,42 +1,190 @@
-"""Which kernel runs where: chosen once, at trace time, from the device kind.
+"""Which kernel runs where: chosen at trace time from the device kind and the call.
 
-Only the blockwise XLA kernel exists so far; it runs on every platform. The
-selection lives here so that adding a backend changes one table, not callers.
+* ``implementation=None`` (the default everywhere): on a device that can run
+  cuDNN fused attention (an NVIDIA GPU with compute capability >= 8.0 and a JAX
+  built with cuDNN) every kernel call goes to cuDNN when the call is one cuDNN
+  serves (dtype, head_dim, mask kind; :mod:`.selection`) and to the blockwise XLA
+  kernel otherwise. The choice is made per call *while tracing*, from static
+  shapes, dtypes and which masks are present - never by catching errors at run
+  time. On every other device (CPU, TPU, older or non-NVIDIA GPUs) it is the
+  XLA kernel, as before.
+* ``implementation="xla"``: the blockwise XLA kernel everywhere.
+* ``implementation="cudnn"``: cuDNN or a ``ValueError`` saying why not - at
+  selection time for the device (not a capable GPU, JAX without cuDNN) and at
+  trace time for a call (e.g. float32, a kv mask, causal ring steps).
+
+:func:`get_kernel` keeps its old form (``get_kernel(implementation)``); the
+optional ``device=`` and hints (``dtype=``, ``head_dim=``) make an explicit
+request fail early, when a layer is built or a function traced.
 """
 
 from __future__ import annotations
 
-import types
+import functools
 
 import jax
 
-from jax_dilated.backends import xla
+from jax_dilated.backends import cudnn, selection, xla
 
-__all__ = ["IMPLEMENTATIONS", "get_kernel", "select_implementation"]
+__all__ = ["IMPLEMENTATIONS", "get_kernel", "select_implementation", "AutoKernel",
+           "explain_call"]
 
-_KERNELS = {"xla": xla}
-IMPLEMENTATIONS = tuple(_KERNELS)
+IMPLEMENTATIONS = ("xla", "cudnn")
 
 
-def select_implementation(implementation: str | None, *, device=None) -> str:
-    """Resolve ``implementation`` (None = by device kind) to a registered name.
-
-    Raises:
-      ValueError: for a name that is not a known implementation.
-    """
-    if implementation is None:
-        # Every platform gets the blockwise XLA kernel until a device-specific
-        # kernel is registered for it.
-        del device
-        return "xla"
-    if not isinstance(implementation, str) or implementation not in _KERNELS:
+def _check_name(implementation) -> None:
+    if implementation is not None and (not isinstance(implementation, str)
+                                       or implementation not in IMPLEMENTATIONS):
         raise ValueError(
             f"implementation must be None (choose by device kind) or one of "
             f"{IMPLEMENTATIONS}, got {implementation!r}."
         )
-    return implementation
 
 
-def get_kernel(implementation: str | None, *, device=None) -> types.ModuleType:
-    """The kernel module (with ``forward``, ``backward``, ``attention``) to use."""
-    return _KERNELS[select_implementation(implementation, device=device or jax.devices()[0])]
+def _hint_reason(info: selection.DeviceInfo, dtype, head_dim) -> str | None:
+    """A call-level reason knowable from hints alone (dtype, head_dim), or None."""
+    if dtype is None and head_dim is None:
+        return None
+    spec = selection.CallSpec(
+        dtype=jax.numpy.dtype(dtype).name if dtype is not None else "bfloat16",
+        head_dim=head_dim if head_dim is not None else 64)
+    return selection.cudnn_call_reason(info, spec)
+
+
+def select_implementation(implementation: str | None, *, device=None, dtype=None,
+                          head_dim: int | None = None,
+                          software_reason: str | None = "detect") -> str:
+    """Resolve ``implementation`` (None = by device kind) to a registered name.
+
+    Returns ``"cudnn"`` for None on a device that can run cuDNN (calls cuDNN
+    cannot serve still go to the XLA kernel, per call), else ``"xla"``.
+
+    Args:
+      implementation: None, ``"xla"`` or ``"cudnn"``.
+      device: a ``jax.Device`` or anything with ``platform``/``device_kind``/
+        ``compute_capability`` (default ``jax.devices()[0]``).
+      dtype, head_dim: optional hints; with ``implementation="cudnn"`` a hint cuDNN
+        cannot serve raises now.
+      software_reason: ``"detect"`` (check the installed JAX) or, for described
+        machines, None / a reason string.
+
+    Raises:
+      ValueError: an unknown name, or ``"cudnn"`` where it cannot run (says why).
+    """
+    _check_name(implementation)
+    if implementation == "xla":
+        return "xla"
+    info = selection.describe_device(device if device is not None else jax.devices()[0])
+    device_reason = selection.cudnn_device_reason(info, software_reason)
+    if implementation is None:
+        return "xla" if device_reason else "cudnn"
+    if device_reason:
+        raise ValueError(f"implementation='cudnn' cannot run here: {device_reason}. "
+                         f"Use implementation=None or 'xla'.")
+    hint = _hint_reason(info, dtype, head_dim)
+    if hint:
+        raise ValueError(f"implementation='cudnn' cannot serve this call: {hint}. "
+                         f"Use implementation=None or 'xla'.")
+    return "cudnn"
+
+
+class AutoKernel:
+    """cuDNN where a call can use it, the XLA kernel elsewhere (decided per call at trace time).
+
+    Has the whole interface of :mod:`.base`, block-sparse entry points included
+    (those always run on the XLA kernel). ``explain(...)`` says which kernel a
+    call gets and why.
+    """
+
+    name = "auto"
+
+    def __init__(self, cudnn_kernel: cudnn.CudnnKernel):
+        self.cudnn = cudnn_kernel
+
+    def choose(self, q, k, args, q_positions=None, k_positions=None, kv_valid=None):
+        reason = self.cudnn.call_reason(q, k, args, q_positions, k_positions, kv_valid)
+        return (xla, reason) if reason else (self.cudnn, None)
+
+    def forward(self, q, k, v, args, *, q_positions=None, k_positions=None, kv_valid=None,
+                dropout_rng=None):
+        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid)
+        return kernel.forward(q, k, v, args, q_positions=q_positions,
+                              k_positions=k_positions, kv_valid=kv_valid,
+                              dropout_rng=dropout_rng)
+
+    def backward(self, q, k, v, do, lse, delta, args, *, q_positions=None,
+                 k_positions=None, kv_valid=None, dropout_rng=None):
+        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid)
+        return kernel.backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
+                               k_positions=k_positions, kv_valid=kv_valid,
+                               dropout_rng=dropout_rng)
+
+    def attention(self, q, k, v, args, *, q_positions=None, k_positions=None,
+                  kv_valid=None, dropout_rng=None):
+        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid)
+        return kernel.attention(q, k, v, args, q_positions=q_positions,
+                                k_positions=k_positions, kv_valid=kv_valid,
+                                dropout_rng=dropout_rng)
+
+    # block-sparse calls: no cuDNN kernel
+    block_sparse_forward = staticmethod(xla.block_sparse_forward)
+    block_sparse_backward = staticmethod(xla.block_sparse_backward)
+
+    def __getattr__(self, name):
+        # optional entry points a backend may grow (base.py) fall through to XLA
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(xla, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_for(device) -> AutoKernel:
+    return AutoKernel(cudnn.CudnnKernel(device=device))
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_for(device) -> cudnn.CudnnKernel:
+    return cudnn.CudnnKernel(device=device)
+
+
+def get_kernel(implementation: str | None, *, device=None, dtype=None,
+               head_dim: int | None = None):
+    """The kernel (an object with ``forward``, ``backward``, ``attention``) to use.
+
+    ``None``: the XLA kernel module on devices without cuDNN, an
+    :class:`AutoKernel` (per-call cuDNN or XLA) on those with it. ``"xla"``: the
+    XLA module. ``"cudnn"``: a :class:`~.cudnn.CudnnKernel`, or ``ValueError``.
+    """
+    device = device if device is not None else jax.devices()[0]
+    name = select_implementation(implementation, device=device, dtype=dtype,
+                                 head_dim=head_dim)
+    if name == "xla":
+        return xla
+    if implementation is None:
+        return _auto_for(device)
+    return _cudnn_for(device)
+
+
+def explain_call(info, spec: selection.CallSpec, *, software_reason="detect",
+                 lse_cotangent: bool = False) -> tuple[str, str]:
+    """``(kernel, why)`` for a call described by ``spec`` on device ``info`` (implementation=None).
+
+    ``lse_cotangent``: whether the backward of this call receives a cotangent on
+    its log-sum-exp (branch merges), which needs the augmented cuDNN backward.
+    """
+    info = selection.describe_device(info)
+    device_reason = selection.cudnn_device_reason(info, software_reason)
+    if device_reason:
+        return "xla", "blockwise XLA kernel (no cuDNN on this device)"
+    call_reason = selection.cudnn_call_reason(info, spec)
+    if call_reason:
+        return "xla", f"cuDNN cannot serve {call_reason}"
+    limit = selection.cudnn_max_head_dim(info)
+    if lse_cotangent:
+        aug = selection.augmented_backward_reason(info, spec.head_dim)
+        back = ("backward on cuDNN with the head widened by 8 columns to carry "
+                "delta - dlse" if aug is None else f"backward on XLA: {aug}")
+        return "cudnn", f"fused forward (float32 lse); {back}"
+    return "cudnn", (f"fused forward and backward ({spec.dtype}, head_dim "
+                     f"{spec.head_dim} <= {limit})")
+

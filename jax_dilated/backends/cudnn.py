@@ -1,0 +1,399 @@
+"""cuDNN fused attention (the ``"cudnn"`` backend), with the kernel interface of :mod:`.base`.
+
+What cuDNN gives, and what this module adds
+-------------------------------------------
+JAX lowers ``jax._src.cudnn.fused_attention_stablehlo`` to cuDNN's flash
+attention. Its forward, run in training mode, returns the output *and* the
+softmax statistics ``stats`` [B, N, T] in **float32**: the log-sum-exp of the
+scaled logits, which is exactly the ``lse`` of this library's contract. The
+public ``jax.nn.dot_product_attention(..., return_residual=True)`` casts that
+residual to the output dtype and stops its gradient, so it cannot feed exact
+merges; this backend calls the cuDNN-level function instead (float32 kept) and
+wraps everything in its own ``jax.custom_vjp``.
+
+cuDNN's backward primitive takes ``(q, k, v, stats, o, do)`` and computes
+``p = exp(s - stats)``, ``delta = rowsum(do * o)`` (float32), ``ds = p (dp - delta)``.
+Any ``stats``/``o`` may be passed, so:
+
+* a backward through a merge whose *global* ``lse`` and ``o`` are known (a ring,
+  a branch merge with no cotangent on the merged lse) is one cuDNN call with the
+  global statistics (``native`` path);
+* the interface's generic ``backward(q, k, v, do, lse, delta)`` - an arbitrary
+  ``delta``, e.g. ``rowsum(do o) - dlse`` when the log-sum-exp itself has a
+  cotangent (LongNet's denominator mixing) - is served exactly by widening the
+  head by 8 zero columns: ``q, k, v`` get zeros, ``do`` gets three columns of
+  ones and ``o`` gets zeros plus ``delta`` split into three half-precision parts
+  (``hi + mid + lo``, ~2^-24 relative), so cuDNN's own ``rowsum(do' o')`` is
+  ``delta`` while ``q k^T``, ``do v^T`` and the first ``head_dim`` columns of
+  ``dq, dk, dv`` are unchanged (``augmented`` path, ~6% more backward work at
+  head_dim 128). Where ``head_dim + 8`` exceeds cuDNN's limit (128 before
+  Hopper) that backward runs on the XLA kernel instead, decided at trace time.
+
+The differentiable ``attention`` uses ``symbolic_zeros``: when the lse cotangent
+is symbolically zero it takes the native path with its own ``o``.
+
+What cuDNN serves (anything else: ``implementation=None`` falls back to the XLA
+kernel per call at trace time; ``implementation="cudnn"`` raises ``ValueError``
+with the reason; see :mod:`.selection`): bfloat16/float16; head_dim a multiple of
+8, at most 128 (compute capability 8.x) or 256 (9.0+); no mask or the plain
+causal mask of a square block (positions ``arange``); no ``kv_valid`` (cuDNN's
+padding mask is a per-batch prefix length, which a traced boolean mask cannot be
+proven to be); no dropout (cuDNN's dropout seed is static); grouped-query heads
+natively.
+
+Testing without a GPU: the fused primitive is injectable. :class:`CudnnKernel`
+takes any ``ops`` object with the contract of :class:`FusedOps`;
+:class:`ReferenceOps` is a small dense pure-JAX implementation of exactly that
+contract (float32 stats, backward from given stats and output), used by the CPU
+tests to check everything this module does around the primitive.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated import softmax
+from jax_dilated.backends import selection, xla
+from jax_dilated.backends.base import KernelArgs
+
+__all__ = ["FusedOps", "CudnnOps", "ReferenceOps", "CudnnKernel", "KERNEL", "forward",
+           "backward", "attention", "primitive_signature_reason"]
+
+
+class FusedOps(Protocol):
+    """The fused-attention primitive the backend wraps (BTNH layout, GQA allowed).
+
+    forward(q, k, v, *, scale, causal) -> (o [B, T, N, D] in q's dtype,
+        stats [B, N, T] float32 = logsumexp of the scaled, masked logits)
+    backward(q, k, v, o, stats, do, *, scale, causal) -> (dq, dk, dv) in input dtypes,
+        with p = exp(scale q.k - stats) (masked entries 0), delta = rowsum(do * o)
+        in float32, ds = p (do.v - delta), dq = scale ds k, dk = scale ds^T q,
+        dv = p^T do. ``stats`` and ``o`` are whatever the caller passes.
+    """
+
+    def forward(self, q, k, v, *, scale: float, causal: bool): ...
+
+    def backward(self, q, k, v, o, stats, do, *, scale: float, causal: bool): ...
+
+
+# ------------------------------------------------------------- the real primitive
+
+# Parameters of the private backward primitive that this module knows how to fill.
+_BWD_ARRAYS = ("query", "key", "value", "activation", "fwd_output", "grad_output")
+_BWD_UNUSED = ("bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
+               "page_table_v")
+_BWD_PARAMS = ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
+               "sliding_window_length")
+
+
+def _fused_module():
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+    return fused
+
+
+@functools.lru_cache(maxsize=None)
+def primitive_signature_reason() -> str | None:
+    """Why this JAX's cuDNN backward primitive cannot be bound here, or None."""
+    try:
+        fused = _fused_module()
+        impl = fused._dot_product_attention_bwd_impl
+        fused._dot_product_attention_bwd_p_wrapper  # noqa: B018 - presence check
+        fused.dot_product_attention  # noqa: B018
+        names = list(inspect.signature(impl).parameters)
+    except Exception as e:
+        return f"this JAX's cuDNN attention internals are not the expected ones ({e})"
+    unknown = [n for n in names if n not in _BWD_ARRAYS + _BWD_UNUSED + _BWD_PARAMS]
+    missing = [n for n in _BWD_ARRAYS if n not in names]
+    if unknown or missing:
+        return (f"this JAX's cuDNN backward primitive has parameters {names}; the cudnn "
+                f"backend does not know {unknown} / misses {missing}")
+    return None
+
+
+class CudnnOps:
+    """The cuDNN primitive through JAX (GPU only; traced, not run, anywhere else)."""
+
+    name = "cudnn"
+
+    def _mask_type(self, causal: bool):
+        fused = _fused_module()
+        return fused.MaskType.CAUSAL if causal else fused.MaskType.NO_MASK
+
+    def forward(self, q, k, v, *, scale: float, causal: bool):
+        fused = _fused_module()
+        # The cuDNN-level function keeps the float32 statistics (jax.nn casts them);
+        # it is never differentiated here: the custom_vjp below owns the gradient.
+        o, stats = fused.dot_product_attention(
+            q, k, v, scale=scale, mask_type=self._mask_type(causal), return_residual=True)
+        return o, stats
+
+    def backward(self, q, k, v, o, stats, do, *, scale: float, causal: bool):
+        reason = primitive_signature_reason()
+        if reason:
+            raise ValueError(f"implementation='cudnn': {reason}; use implementation='xla'.")
+        fused = _fused_module()
+        names = list(inspect.signature(fused._dot_product_attention_bwd_impl).parameters)
+        unused = jnp.zeros((0,), q.dtype)
+        arrays = dict(query=q, key=k, value=v, activation=stats.astype(jnp.float32),
+                      fwd_output=o, grad_output=do)
+        params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
+                      mask_type=self._mask_type(causal),
+                      layout=fused.AttentionLayout.BTNH.value, sliding_window_length=None)
+        first_param = min(names.index(p) for p in _BWD_PARAMS if p in names)
+        positional = [arrays.get(n, unused) for n in names[:first_param]]
+        keywords = {n: params[n] for n in names[first_param:]}
+        dq, dk, dv = fused._dot_product_attention_bwd_p_wrapper.bind(*positional, **keywords)[:3]
+        return dq, dk, dv
+
+
+# ------------------------------------------------- a pure-JAX stand-in for tests
+
+
+class ReferenceOps:
+    """Dense pure-JAX implementation of the :class:`FusedOps` contract.
+
+    Float32 math on the half-precision inputs (like cuDNN: products accumulated in
+    float32, p rounded to the input dtype before ``p v``), causal = top-left
+    diagonal. Used to test the wrapper on CPU; not a kernel to run at scale.
+    """
+
+    name = "reference"
+
+    @staticmethod
+    def _logits(q, k, scale, causal):
+        b, t, n, d = q.shape
+        kv = k.shape[2]
+        qg = q.astype(jnp.float32).reshape(b, t, kv, n // kv, d)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * scale
+        if causal:
+            mask = jnp.arange(k.shape[1])[None, :] <= jnp.arange(t)[:, None]
+            s = jnp.where(mask, s, -jnp.inf)
+        return s  # [B, Hkv, G, T, S]
+
+    def forward(self, q, k, v, *, scale: float, causal: bool):
+        b, t, n, d = q.shape
+        s = self._logits(q, k, scale, causal)
+        stats = jax.nn.logsumexp(s, axis=-1)
+        p = jnp.exp(s - stats[..., None]).astype(q.dtype).astype(jnp.float32)
+        o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+        return o.reshape(b, t, n, d).astype(q.dtype), stats.reshape(b, n, t)
+
+    def backward(self, q, k, v, o, stats, do, *, scale: float, causal: bool):
+        b, t, n, d = q.shape
+        kv = k.shape[2]
+        g = n // kv
+        s = self._logits(q, k, scale, causal)
+        st = stats.astype(jnp.float32).reshape(b, kv, g, t)
+        p = jnp.exp(s - st[..., None])
+        do32 = do.astype(jnp.float32).reshape(b, t, kv, g, -1)
+        o32 = o.astype(jnp.float32).reshape(b, t, kv, g, -1)
+        delta = jnp.einsum("btkgd,btkgd->bkgt", do32, o32)
+        dv = jnp.einsum("bkgts,btkgd->bskd", p, do32)
+        dp = jnp.einsum("btkgd,bskd->bkgts", do32, v.astype(jnp.float32))
+        ds = p * (dp - delta[..., None])
+        dq = jnp.einsum("bkgts,bskd->btkgd", ds, k.astype(jnp.float32)) * scale
+        dk = jnp.einsum("bkgts,btkgd->bskd", ds,
+                        q.astype(jnp.float32).reshape(b, t, kv, g, d)) * scale
+        return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+
+
+# ------------------------------------------------------------------- the kernel
+
+
+def _positions_kind(positions, length: int) -> str:
+    """``"arange"`` for None or a concrete ``arange(length)``, else ``"arbitrary"``."""
+    if positions is None:
+        return "arange"
+    if isinstance(positions, jax.core.Tracer):
+        return "arbitrary"
+    try:
+        value = np.asarray(positions)
+    except Exception:  # pragma: no cover
+        return "arbitrary"
+    return "arange" if np.array_equal(value, np.arange(length)) else "arbitrary"
+
+
+def call_spec(q, k, args: KernelArgs, q_positions=None, k_positions=None, kv_valid=None,
+              *, block_sparse: bool = False) -> selection.CallSpec:
+    """The static :class:`~.selection.CallSpec` of one kernel call."""
+    lq, lk = q.shape[1], k.shape[1]
+    positions = "arange"
+    if args.is_causal and "arbitrary" in (_positions_kind(q_positions, lq),
+                                          _positions_kind(k_positions, lk)):
+        positions = "arbitrary"
+    return selection.CallSpec(dtype=jnp.dtype(q.dtype).name, head_dim=q.shape[-1],
+                              len_q=lq, len_k=lk, is_causal=args.is_causal,
+                              positions=positions, kv_valid=kv_valid is not None,
+                              dropout=args.dropout_rate > 0.0, block_sparse=block_sparse)
+
+
+def _split3(delta, dtype):
+    """``delta`` (float32) as three ``dtype`` parts whose float32 sum is ``delta`` to ~2^-24."""
+    parts = []
+    rest = delta
+    for _ in range(3):
+        part = rest.astype(dtype)
+        parts.append(part)
+        rest = rest - part.astype(jnp.float32)
+    return parts
+
+
+class CudnnKernel:
+    """The cuDNN backend: ``forward``, ``backward``, ``attention`` of :mod:`.base`.
+
+    Args:
+      ops: the fused primitive (:class:`FusedOps`); default :class:`CudnnOps`.
+      device: the device (or :class:`~.selection.DeviceInfo`) whose limits apply
+        (head_dim); default ``jax.devices()[0]`` when first needed.
+
+    Every call is checked at trace time with :func:`selection.cudnn_call_reason`;
+    a call cuDNN cannot serve raises ``ValueError`` (the registry's automatic
+    kernel never sends one here).
+    """
+
+    name = "cudnn"
+
+    def __init__(self, ops: FusedOps | None = None, device=None):
+        self._ops = ops
+        self._device = device
+
+    @property
+    def ops(self) -> FusedOps:
+        if self._ops is None:
+            self._ops = CudnnOps()
+        return self._ops
+
+    @property
+    def info(self) -> selection.DeviceInfo:
+        if self._device is None:
+            self._device = jax.devices()[0]
+        return selection.describe_device(self._device)
+
+    # -------------------------------------------------------------- checks
+
+    def call_reason(self, q, k, args: KernelArgs, q_positions=None, k_positions=None,
+                    kv_valid=None) -> str | None:
+        """Why this call cannot run on cuDNN, or None."""
+        return selection.cudnn_call_reason(
+            self.info, call_spec(q, k, args, q_positions, k_positions, kv_valid))
+
+    def _check(self, q, k, args, q_positions, k_positions, kv_valid):
+        reason = self.call_reason(q, k, args, q_positions, k_positions, kv_valid)
+        if reason:
+            raise ValueError(
+                f"implementation='cudnn' cannot serve this call: {reason}. Use "
+                f"implementation=None (cuDNN where it can, the XLA kernel elsewhere) "
+                f"or 'xla'.")
+
+    def augmented_backward_ok(self, head_dim: int) -> bool:
+        return selection.augmented_backward_reason(self.info, head_dim) is None
+
+    # ------------------------------------------------------------ interface
+
+    def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
+                kv_valid=None, dropout_rng=None):
+        """As :func:`jax_dilated.backends.xla.forward` (o in q's dtype, lse float32)."""
+        del dropout_rng  # no dropout here (checked)
+        self._check(q, k, args, q_positions, k_positions, kv_valid)
+        o, stats = self.ops.forward(q, k, v, scale=float(args.scale), causal=args.is_causal)
+        return o.astype(q.dtype), jnp.swapaxes(stats, 1, 2).astype(jnp.float32)
+
+    def _native_backward(self, q, k, v, do, lse, o, args):
+        stats = jnp.swapaxes(jnp.where(jnp.isneginf(lse), 0.0, lse), 1, 2)
+        return self.ops.backward(q, k, v, o.astype(q.dtype), stats.astype(jnp.float32),
+                                 do.astype(q.dtype), scale=float(args.scale),
+                                 causal=args.is_causal)
+
+    def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
+                 k_positions=None, kv_valid=None, dropout_rng=None):
+        """As :func:`jax_dilated.backends.xla.backward`: ``lse``/``delta`` may be global.
+
+        The arbitrary ``delta`` goes through the augmented head (module docstring);
+        where ``head_dim + 8`` is above the device's limit, the XLA kernel's backward.
+        """
+        self._check(q, k, args, q_positions, k_positions, kv_valid)
+        d = q.shape[-1]
+        if not self.augmented_backward_ok(d):
+            return xla.backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
+                                k_positions=k_positions, kv_valid=kv_valid)
+        dt = q.dtype
+        extra = selection.AUGMENT_COLUMNS
+
+        def widen(x, cols=None):
+            tail = jnp.zeros(x.shape[:-1] + (extra,), dt) if cols is None else cols
+            return jnp.concatenate([x.astype(dt), tail], axis=-1)
+
+        parts = _split3(delta.astype(jnp.float32), dt)
+        rows = q.shape[:-1]
+        ones = jnp.ones(rows + (len(parts),), dt)
+        pad = jnp.zeros(rows + (extra - len(parts),), dt)
+        do_w = widen(do, jnp.concatenate([ones, pad], axis=-1))
+        o_w = jnp.concatenate([jnp.zeros(rows + (d,), dt), jnp.stack(parts, -1), pad], -1)
+        stats = jnp.swapaxes(jnp.where(jnp.isneginf(lse), 0.0, lse), 1, 2)
+        dq, dk, dv = self.ops.backward(widen(q), widen(k), widen(v), o_w,
+                                       stats.astype(jnp.float32), do_w,
+                                       scale=float(args.scale), causal=args.is_causal)
+        return (dq[..., :d].astype(q.dtype), dk[..., :d].astype(k.dtype),
+                dv[..., :d].astype(v.dtype))
+
+    def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
+                  kv_valid=None, dropout_rng=None):
+        """Differentiable :meth:`forward`; gradients flow through ``o`` and ``lse``."""
+        del dropout_rng
+        self._check(q, k, args, q_positions, k_positions, kv_valid)
+        return _attention(self, args, q, k, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(kernel: CudnnKernel, args: KernelArgs, q, k, v):
+    return kernel.forward(q, k, v, args)
+
+
+def _attention_fwd(kernel, args, q, k, v):
+    q, k, v = q.value, k.value, v.value  # symbolic_zeros: CustomVJPPrimal wrappers
+    o, lse = kernel.forward(q, k, v, args)
+    return (o, lse), (q, k, v, o, lse)
+
+
+def _attention_bwd(kernel, args, res, cotangents):
+    from jax.custom_derivatives import SymbolicZero
+
+    q, k, v, o, lse = res
+    do, dlse = cotangents
+    if isinstance(do, SymbolicZero):
+        do = jnp.zeros(o.shape, o.dtype)
+    if isinstance(dlse, SymbolicZero):
+        # nothing depends on this partial's lse: cuDNN's own backward, with its o
+        return kernel._native_backward(q, k, v, do, lse, o, args)
+    stats = softmax.stats_dtype(q.dtype)
+    # d lse / d s = p: an lse cotangent enters exactly like -delta
+    delta = softmax.row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
+    return kernel.backward(q, k, v, do, lse, delta, args)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+# The module-level kernel on this process's default device with the real primitive.
+KERNEL = CudnnKernel()
+
+
+def forward(q, k, v, args: KernelArgs, **kwargs):
+    """:meth:`CudnnKernel.forward` of :data:`KERNEL`."""
+    return KERNEL.forward(q, k, v, args, **kwargs)
+
+
+def backward(q, k, v, do, lse, delta, args: KernelArgs, **kwargs):
+    """:meth:`CudnnKernel.backward` of :data:`KERNEL`."""
+    return KERNEL.backward(q, k, v, do, lse, delta, args, **kwargs)
+
+
+def attention(q, k, v, args: KernelArgs, **kwargs):
+    """:meth:`CudnnKernel.attention` of :data:`KERNEL`."""
+    return KERNEL.attention(q, k, v, args, **kwargs)

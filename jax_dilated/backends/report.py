@@ -1,0 +1,85 @@
+"""``jd.backend_report()``: which kernel every operation would use on this machine, and why."""
+
+from __future__ import annotations
+
+import sys
+from typing import NamedTuple
+
+import jax
+
+from jax_dilated.backends import registry, selection
+
+__all__ = ["KernelChoice", "backend_report"]
+
+
+class KernelChoice(NamedTuple):
+    """One line of :func:`backend_report`."""
+
+    operation: str
+    kernel: str
+    reason: str
+
+    def __str__(self):
+        return f"{self.operation}: {self.kernel} - {self.reason}"
+
+
+def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice]:
+    spec = selection.CallSpec
+
+    def row(operation, call, *, lse_cotangent=False, note=""):
+        kernel, why = registry.explain_call(info, call, software_reason=software_reason,
+                                            lse_cotangent=lse_cotangent)
+        note = note if kernel == "cudnn" else ""
+        return KernelChoice(operation, kernel, why + (f"; {note}" if note else ""))
+
+    dense = spec(dtype, head_dim)
+    causal = spec(dtype, head_dim, is_causal=True)
+    ring_causal = spec(dtype, head_dim, is_causal=True, positions="arbitrary")
+    tails = ("calls with a kv_mask, dropout, or the short last segment of a branch "
+             "whose segment length does not divide the sequence use the XLA kernel")
+    return [
+        row("dilated_attention mode='longnet'", causal, lse_cotangent=True, note=tails),
+        row("dilated_attention mode='head_groups'", causal, note=tails),
+        row("ring_attention is_causal=False", dense, lse_cotangent=True,
+            note="every ring step's backward takes the global lse and delta"),
+        row("ring_attention is_causal=True", ring_causal),
+        row("dilated_attention(axis_name=...) local branches", causal, lse_cotangent=True,
+            note="as single-device longnet"),
+        row("dilated_attention(axis_name=...) branches spanning devices", ring_causal),
+        row("block_sparse_attention", spec(dtype, head_dim, block_sparse=True)),
+        row("dilated_attention_decode (KV cache)",
+            spec(dtype, head_dim, len_q=1, kv_valid=True)),
+    ]
+
+
+def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
+                   file=sys.stdout, software_reason="detect") -> list[KernelChoice]:
+    """Which kernel each operation would use on ``device`` with ``implementation=None``.
+
+    Args:
+      device: a ``jax.Device`` (default ``jax.devices()[0]``) or a described device
+        (anything with ``platform``, ``device_kind``, ``compute_capability``).
+      dtype, head_dim: the inputs to report for (default bfloat16, 128).
+      file: where to print the report (None: do not print).
+      software_reason: ``"detect"`` checks the installed JAX for cuDNN; pass None
+        (present) or a reason to describe another machine.
+
+    Returns:
+      one :class:`KernelChoice` (operation, kernel, reason) per operation.
+    """
+    device = jax.devices()[0] if device is None else device
+    info = selection.describe_device(device)
+    dtype = jax.numpy.dtype(dtype).name
+    rows = _rows(info, dtype, head_dim, software_reason)
+    if file is not None:
+        available = selection.cudnn_device_reason(info, software_reason)
+        print(f"jax-dilated kernels on {info} with JAX {jax.__version__}; inputs {dtype}, "
+              f"head_dim {head_dim}", file=file)
+        print("cuDNN fused attention: " + ("available" if available is None
+                                           else f"not used ({available})"), file=file)
+        width = max(len(r.operation) for r in rows)
+        for r in rows:
+            print(f"  {r.operation:<{width}}  {r.kernel:<5}  {r.reason}", file=file)
+        print("implementation='xla' forces the XLA kernel; implementation='cudnn' forces "
+              "cuDNN or raises ValueError saying why not.", file=file)
+    return rows

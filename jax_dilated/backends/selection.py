@@ -1,0 +1,212 @@
+"""Which kernel can serve a call, decided from static facts only.
+
+Everything here is pure Python on static information (no arrays, no devices
+touched beyond reading their attributes), so it runs at trace time and is
+unit-tested on CPU with *described* devices: any object with ``platform``,
+``device_kind`` and (for NVIDIA GPUs) ``compute_capability`` will do.
+
+Two questions are answered:
+
+* :func:`cudnn_device_reason` - can this *device* (with this JAX) run the cuDNN
+  fused-attention kernel at all? (NVIDIA GPU with CUDA, compute capability
+  >= 8.0, JAX built with cuDNN and exposing the primitives the backend binds.)
+* :func:`cudnn_call_reason` - can the cuDNN kernel serve this *call*? (dtype,
+  head_dim, mask kind, dropout, lengths.)
+
+Both return ``None`` when the answer is yes and otherwise a sentence saying why
+not; the registry turns that into a fallback (``implementation=None``) or a
+``ValueError`` (``implementation="cudnn"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+__all__ = ["DeviceInfo", "CallSpec", "describe_device", "cudnn_software_reason",
+           "cudnn_device_reason", "cudnn_call_reason", "cudnn_max_head_dim",
+           "CUDNN_DTYPES", "CUDNN_MIN_CAPABILITY", "AUGMENT_COLUMNS"]
+
+# cuDNN flash attention (the fused kernel JAX's cudnn path lowers to) runs on
+# Ampere (sm_80) and later; Hopper (9.0) raises the head_dim limit to 256.
+CUDNN_MIN_CAPABILITY = (8, 0)
+CUDNN_DTYPES = ("bfloat16", "float16")
+# Extra head-dim columns the generic backward (an arbitrary delta, i.e. a
+# log-sum-exp cotangent or a global delta) appends; see cudnn.py.
+AUGMENT_COLUMNS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """What selection needs to know about a device.
+
+    platform: ``"cpu"``, ``"gpu"`` (or ``"cuda"``/``"rocm"``), ``"tpu"``, ...
+    device_kind: e.g. ``"NVIDIA H100 80GB HBM3"``, ``"TPU v5 lite"``, ``"cpu"``.
+    compute_capability: ``(major, minor)`` for NVIDIA GPUs, else None.
+    runtime: ``"cuda"``, ``"rocm"`` or None (from the client's platform_version
+      when the device has one; inferred from the other fields otherwise).
+    """
+
+    platform: str
+    device_kind: str
+    compute_capability: tuple[int, int] | None = None
+    runtime: str | None = None
+
+    @property
+    def is_nvidia_gpu(self) -> bool:
+        return self.platform in ("gpu", "cuda") and self.runtime == "cuda"
+
+    def __str__(self):
+        cc = ("" if self.compute_capability is None
+              else f", compute capability {self.compute_capability[0]}."
+                   f"{self.compute_capability[1]}")
+        return f"{self.device_kind} ({self.platform}{cc})"
+
+
+def _parse_capability(value) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if isinstance(value, tuple) and len(value) == 2:
+        return int(value[0]), int(value[1])
+    try:
+        major, minor = str(value).split(".")[:2]
+        return int(major), int(minor)
+    except (ValueError, TypeError):
+        return None  # e.g. a ROCm "gfx90a" string
+
+
+def describe_device(device) -> DeviceInfo:
+    """A :class:`DeviceInfo` from a ``jax.Device`` (or any object with the same attributes)."""
+    if isinstance(device, DeviceInfo):
+        return device
+    platform = str(getattr(device, "platform", "unknown")).lower()
+    kind = str(getattr(device, "device_kind", platform))
+    cc = _parse_capability(getattr(device, "compute_capability", None))
+    runtime = None
+    client = getattr(device, "client", None)
+    version = str(getattr(client, "platform_version", "") or "").lower()
+    if "cuda" in version:
+        runtime = "cuda"
+    elif "rocm" in version or "hip" in version:
+        runtime = "rocm"
+    elif platform == "cuda":
+        runtime = "cuda"
+    elif platform == "rocm":
+        runtime = "rocm"
+    elif platform == "gpu":
+        # described devices (tests) or clients without a version string: an
+        # NVIDIA device kind with a numeric compute capability is CUDA.
+        if cc is not None and not kind.upper().startswith("AMD"):
+            runtime = "cuda"
+    return DeviceInfo(platform, kind, cc, runtime)
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_software_reason() -> str | None:
+    """Why this JAX cannot run the cuDNN backend, or None.
+
+    Checks that JAX was built with cuDNN and that its fused-attention module has
+    the public forward and the backward primitive the backend binds, with the
+    parameters it knows (the private signature has changed between releases).
+    """
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+    except Exception as e:  # pragma: no cover - jax without the module
+        return f"this JAX has no cuDNN fused-attention module ({type(e).__name__}: {e})"
+    if getattr(fused, "cuda_versions", None) is None:
+        return "this JAX was installed without CUDA/cuDNN (jaxlib CPU-only build)"
+    from jax_dilated.backends import cudnn
+    return cudnn.primitive_signature_reason()
+
+
+def cudnn_device_reason(device, software_reason: str | None = "detect") -> str | None:
+    """Why ``device`` cannot run the cuDNN backend, or None if it can.
+
+    ``software_reason``: ``"detect"`` checks the installed JAX
+    (:func:`cudnn_software_reason`); tests pass ``None`` (software present) or a
+    string to describe a machine.
+    """
+    info = describe_device(device)
+    if info.platform not in ("gpu", "cuda", "rocm"):
+        return f"the device is {info.platform!r}, not an NVIDIA GPU ({info.device_kind})"
+    if info.runtime != "cuda":
+        return f"{info.device_kind} is not a CUDA device (cuDNN is NVIDIA-only)"
+    cc = info.compute_capability
+    if cc is None:
+        return f"{info.device_kind} reports no compute capability"
+    if cc < CUDNN_MIN_CAPABILITY:
+        return (f"{info.device_kind} has compute capability {cc[0]}.{cc[1]}; cuDNN flash "
+                f"attention needs >= {CUDNN_MIN_CAPABILITY[0]}.{CUDNN_MIN_CAPABILITY[1]} "
+                f"(Ampere or later)")
+    if software_reason == "detect":
+        software_reason = cudnn_software_reason()
+    return software_reason
+
+
+def cudnn_max_head_dim(info: DeviceInfo) -> int:
+    """Largest head_dim cuDNN flash attention accepts on this device (a multiple of 8)."""
+    cc = info.compute_capability or (0, 0)
+    return 256 if cc >= (9, 0) else 128
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+    """The static facts of one kernel call (or of a typical call of an operation).
+
+    positions: ``"arange"`` (None, or concrete arrays equal to ``arange``) or
+      ``"arbitrary"`` (traced or other position arrays, as ring steps pass).
+    kv_valid: whether a boolean key mask is given.
+    block_sparse: a block-sparse call (listed blocks only).
+    """
+
+    dtype: str
+    head_dim: int
+    len_q: int | None = None
+    len_k: int | None = None
+    is_causal: bool = False
+    positions: str = "arange"
+    kv_valid: bool = False
+    dropout: bool = False
+    block_sparse: bool = False
+
+
+def cudnn_call_reason(info: DeviceInfo, spec: CallSpec) -> str | None:
+    """Why the cuDNN kernel cannot serve a call described by ``spec``, or None."""
+    if spec.block_sparse:
+        return "block-sparse calls (cuDNN has no block-sparse attention kernel)"
+    dtype = np.dtype(spec.dtype).name if not isinstance(spec.dtype, str) else spec.dtype
+    if dtype not in CUDNN_DTYPES:
+        return (f"dtype {dtype} (cuDNN flash attention takes bfloat16 or float16; "
+                f"float32/float64 run on the XLA kernel)")
+    limit = cudnn_max_head_dim(info)
+    if spec.head_dim % 8 or spec.head_dim > limit:
+        return (f"head_dim {spec.head_dim} (cuDNN needs a multiple of 8 and at most "
+                f"{limit} on compute capability "
+                f"{'.'.join(map(str, info.compute_capability or (0, 0)))})")
+    if spec.dropout:
+        return ("dropout (cuDNN draws its mask from a static seed, not the call's "
+                "dropout_rng, so masks would repeat across calls and steps)")
+    if spec.kv_valid:
+        return ("a boolean kv mask (cuDNN's padding mask is a per-batch prefix length; "
+                "an arbitrary or traced mask cannot be expressed, e.g. T not a multiple of "
+                "a segment length, kv_mask, ring padding, a decode cache)")
+    if spec.is_causal and spec.positions != "arange":
+        return ("causal masking by position arrays (ring steps / zigzag and striped "
+                "layouts); cuDNN's causal mask is the fixed top-left diagonal of one block")
+    if spec.is_causal and spec.len_q is not None and spec.len_k is not None \
+            and spec.len_q != spec.len_k:
+        return (f"causal with len_q={spec.len_q} != len_k={spec.len_k} (top-left and "
+                f"bottom-right diagonals differ; only square blocks are sent to cuDNN)")
+    return None
+
+
+def augmented_backward_reason(info: DeviceInfo, head_dim: int) -> str | None:
+    """Why the generic cuDNN backward (head_dim + 8 columns) cannot run, or None."""
+    limit = cudnn_max_head_dim(info)
+    if head_dim + AUGMENT_COLUMNS > limit:
+        return (f"a backward with a log-sum-exp cotangent or a global delta widens the "
+                f"head to {head_dim}+{AUGMENT_COLUMNS}, above cuDNN's {limit} on this "
+                f"device; that backward runs on the XLA kernel")
+    return None
