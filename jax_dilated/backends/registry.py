@@ -20,6 +20,7 @@ request fail early, when a layer is built or a function traced.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -129,6 +130,18 @@ class AutoKernel:
     # block-sparse calls: no cuDNN kernel
     block_sparse_forward = staticmethod(xla.block_sparse_forward)
     block_sparse_backward = staticmethod(xla.block_sparse_backward)
+
+    def ring_steps(self, q, k, args):
+        """The XLA kernel's fused ring steps (optional entry point of :mod:`.base`), or
+        None where cuDNN can serve a ring step (non-causal: positions do not matter),
+        so that the ring calls ``forward``/``backward`` per step and gets cuDNN."""
+        spec = cudnn.call_spec(q, k, args, q_positions=None, k_positions=None)
+        if args.is_causal:  # ring steps pass traced position arrays
+            spec = dataclasses.replace(spec, positions="arbitrary")
+        if selection.cudnn_call_reason(self.cudnn.info, spec) is None:
+            return None
+        make = getattr(xla, "ring_steps", None)
+        return None if make is None else make(q, k, args)
 
     def __getattr__(self, name):
         # optional entry points a backend may grow (base.py) fall through to XLA

@@ -53,14 +53,14 @@ def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice
 
 
 def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
-                   file=sys.stdout, software_reason="detect") -> list[KernelChoice]:
+                   file="stdout", software_reason="detect") -> list[KernelChoice]:
     """Which kernel each operation would use on ``device`` with ``implementation=None``.
 
     Args:
       device: a ``jax.Device`` (default ``jax.devices()[0]``) or a described device
         (anything with ``platform``, ``device_kind``, ``compute_capability``).
       dtype, head_dim: the inputs to report for (default bfloat16, 128).
-      file: where to print the report (None: do not print).
+      file: where to print the report (default ``sys.stdout``; None: do not print).
       software_reason: ``"detect"`` checks the installed JAX for cuDNN; pass None
         (present) or a reason to describe another machine.
 
@@ -71,6 +71,8 @@ def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
     info = selection.describe_device(device)
     dtype = jax.numpy.dtype(dtype).name
     rows = _rows(info, dtype, head_dim, software_reason)
+    if file == "stdout":
+        file = sys.stdout
     if file is not None:
         available = selection.cudnn_device_reason(info, software_reason)
         print(f"jax-dilated kernels on {info} with JAX {jax.__version__}; inputs {dtype}, "

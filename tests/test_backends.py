@@ -1,0 +1,492 @@
+"""Kernel selection by device kind, and the cuDNN backend's wrapper logic, on CPU.
+
+Selection is pure logic on *described* devices (simple objects with
+``platform``/``device_kind``/``compute_capability``), so CI covers an H100, an
+A100, a V100, an RTX 4090, an AMD GPU, a TPU and a CPU without any of them.
+
+The cuDNN backend (``jax_dilated.backends.cudnn``) is tested with its fused
+primitive injected: :class:`cudnn.ReferenceOps` implements the primitive's
+contract (float32 stats; a backward from *given* stats and output, delta =
+rowsum(do * o)) in dense pure JAX, so everything the backend does around the
+primitive - layouts, the float32 lse, the custom_vjp through ``o`` *and*
+``lse``, the widened-head backward that carries an arbitrary delta, global
+statistics, fallbacks - is checked against float64 references and the XLA
+kernel. What only a GPU can check (that cuDNN itself honours that contract) is
+left to the GPU session: see docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jax_dilated as jd
+import torch_reference as ref
+from _helpers import as_np, assert_close, to_torch
+from jax_dilated import softmax
+from jax_dilated.backends import KernelArgs, cudnn, registry, selection, xla
+
+
+@dataclasses.dataclass(frozen=True)
+class Dev:
+    """A described device: what jax.Device exposes that selection reads."""
+
+    platform: str
+    device_kind: str
+    compute_capability: str | None = None
+
+
+H100 = Dev("gpu", "NVIDIA H100 80GB HBM3", "9.0")
+H200 = Dev("gpu", "NVIDIA H200", "9.0")
+A100 = Dev("gpu", "NVIDIA A100-SXM4-80GB", "8.0")
+RTX4090 = Dev("gpu", "NVIDIA GeForce RTX 4090", "8.9")
+V100 = Dev("gpu", "Tesla V100-SXM2-16GB", "7.0")
+MI300 = Dev("gpu", "AMD Instinct MI300X", "gfx942")
+TPU = Dev("tpu", "TPU v5 lite")
+CPU = Dev("cpu", "cpu")
+
+TOL_HALF = {"bfloat16": 2e-2, "float16": 4e-3}
+HALF = {"bfloat16": jnp.bfloat16, "float16": np.float16}
+
+
+# ------------------------------------------------------------------- selection
+
+
+@pytest.mark.parametrize("device, expected", [
+    (H100, "cudnn"), (H200, "cudnn"), (A100, "cudnn"), (RTX4090, "cudnn"),
+    (V100, "xla"), (MI300, "xla"), (TPU, "xla"), (CPU, "xla"),
+])
+def test_default_by_device_kind(device, expected):
+    assert registry.select_implementation(None, device=device, software_reason=None) == expected
+    assert registry.select_implementation("xla", device=device, software_reason=None) == "xla"
+
+
+@pytest.mark.parametrize("device, match", [
+    (V100, r"compute capability 7\.0.*>= 8\.0"),
+    (MI300, r"not a CUDA device"),
+    (TPU, r"'tpu', not an NVIDIA GPU"),
+    (CPU, r"'cpu', not an NVIDIA GPU"),
+])
+def test_explicit_cudnn_refused_with_reason(device, match):
+    with pytest.raises(ValueError, match=r"implementation=.cudnn. cannot run here: .*" + match):
+        registry.select_implementation("cudnn", device=device, software_reason=None)
+
+
+def test_missing_software_is_a_reason():
+    why = "this JAX was installed without CUDA/cuDNN (jaxlib CPU-only build)"
+    assert registry.select_implementation(None, device=H100, software_reason=why) == "xla"
+    with pytest.raises(ValueError, match="without CUDA/cuDNN"):
+        registry.select_implementation("cudnn", device=H100, software_reason=why)
+
+
+def test_this_machine():
+    """No GPU here: the default is the XLA module, and 'cudnn' is refused at selection."""
+    assert registry.select_implementation(None) == "xla"
+    assert registry.get_kernel(None) is xla
+    assert registry.get_kernel("xla") is xla
+    with pytest.raises(ValueError, match="cannot run here"):
+        registry.get_kernel("cudnn")
+    with pytest.raises(ValueError, match=r"implementation must be.*'flash9'"):
+        registry.get_kernel("flash9")
+    # the installed CPU jaxlib has no cuDNN, and says so
+    assert "CUDA" in (selection.cudnn_software_reason() or "CUDA")
+
+
+@pytest.mark.parametrize("device, head_dim, ok", [
+    (H100, 64, True), (H100, 128, True), (H100, 256, True), (H100, 264, False),
+    (H100, 100, False), (A100, 128, True), (A100, 192, False), (RTX4090, 136, False),
+])
+def test_head_dim_limits(device, head_dim, ok):
+    info = selection.describe_device(device)
+    reason = selection.cudnn_call_reason(info, selection.CallSpec("bfloat16", head_dim))
+    assert (reason is None) == ok, reason
+    if not ok:
+        with pytest.raises(ValueError, match=f"head_dim {head_dim}"):
+            registry.select_implementation("cudnn", device=device, head_dim=head_dim,
+                                           software_reason=None)
+
+
+@pytest.mark.parametrize("dtype, ok", [("bfloat16", True), ("float16", True),
+                                       ("float32", False), ("float64", False)])
+def test_dtypes(dtype, ok):
+    info = selection.describe_device(H100)
+    assert (selection.cudnn_call_reason(info, selection.CallSpec(dtype, 128)) is None) == ok
+    if not ok:
+        with pytest.raises(ValueError, match=f"dtype {dtype}"):
+            registry.select_implementation("cudnn", device=H100, dtype=dtype,
+                                           software_reason=None)
+
+
+@pytest.mark.parametrize("spec, match", [
+    (selection.CallSpec("bfloat16", 128, is_causal=True, positions="arbitrary"),
+     "causal masking by position arrays"),
+    (selection.CallSpec("bfloat16", 128, kv_valid=True), "boolean kv mask"),
+    (selection.CallSpec("bfloat16", 128, dropout=True), "dropout"),
+    (selection.CallSpec("bfloat16", 128, len_q=8, len_k=16, is_causal=True), "len_q=8"),
+    (selection.CallSpec("bfloat16", 128, block_sparse=True), "block-sparse"),
+])
+def test_mask_kinds_cudnn_cannot_serve(spec, match):
+    reason = selection.cudnn_call_reason(selection.describe_device(H100), spec)
+    assert reason is not None and match in reason
+
+
+def test_mask_kinds_cudnn_serves():
+    info = selection.describe_device(H100)
+    for spec in (selection.CallSpec("bfloat16", 128),
+                 selection.CallSpec("float16", 64, is_causal=True, len_q=32, len_k=32),
+                 # non-causal: positions do not matter (ring steps without causality)
+                 selection.CallSpec("bfloat16", 128, positions="arbitrary"),
+                 selection.CallSpec("bfloat16", 128, len_q=8, len_k=16)):
+        assert selection.cudnn_call_reason(info, spec) is None, spec
+
+
+def test_augmented_backward_limits():
+    a100, h100 = selection.describe_device(A100), selection.describe_device(H100)
+    assert selection.augmented_backward_reason(a100, 128) is not None
+    assert selection.augmented_backward_reason(a100, 120) is None
+    assert selection.augmented_backward_reason(h100, 128) is None
+    assert selection.augmented_backward_reason(h100, 256) is not None
+
+
+def test_call_spec_positions():
+    q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+    causal = KernelArgs(scale=0.25, is_causal=True)
+    assert cudnn.call_spec(q, q, causal).positions == "arange"
+    assert cudnn.call_spec(q, q, causal, np.arange(8), np.arange(8)).positions == "arange"
+    assert cudnn.call_spec(q, q, causal, np.arange(8) + 8, np.arange(8)).positions == \
+        "arbitrary"
+    seen = []
+    jax.jit(lambda p: seen.append(cudnn.call_spec(q, q, causal, p, p).positions) or p)(
+        jnp.arange(8))
+    assert seen == ["arbitrary"]  # traced positions cannot be proven to be arange
+    # without causality positions are irrelevant
+    assert cudnn.call_spec(q, q, KernelArgs(scale=0.25), np.arange(8) + 3).positions == \
+        "arange"
+
+
+def test_describe_real_device():
+    info = selection.describe_device(jax.devices()[0])
+    assert info.platform == "cpu" and info.compute_capability is None
+    assert selection.cudnn_device_reason(info) is not None
+
+
+OPERATIONS = ("dilated_attention mode='longnet'", "dilated_attention mode='head_groups'",
+              "ring_attention is_causal=False", "ring_attention is_causal=True",
+              "dilated_attention(axis_name=...) local branches",
+              "dilated_attention(axis_name=...) branches spanning devices",
+              "block_sparse_attention", "dilated_attention_decode (KV cache)")
+
+
+def test_backend_report(capsys):
+    rows = jd.backend_report()
+    out = capsys.readouterr().out
+    assert tuple(r.operation for r in rows) == OPERATIONS
+    assert all(r.kernel == "xla" for r in rows)  # this machine: CPU
+    assert "cpu" in out and "not used" in out and "implementation='cudnn'" in out
+
+
+@pytest.mark.parametrize("device, head_dim, expected", [
+    (H100, 128, ["cudnn", "cudnn", "cudnn", "xla", "cudnn", "xla", "xla", "xla"]),
+    (A100, 128, ["cudnn", "cudnn", "cudnn", "xla", "cudnn", "xla", "xla", "xla"]),
+    (V100, 128, ["xla"] * 8),
+    (TPU, 128, ["xla"] * 8),
+    (H100, 512, ["xla"] * 8),
+])
+def test_backend_report_described(device, head_dim, expected):
+    rows = jd.backend_report(device, head_dim=head_dim, file=None, software_reason=None)
+    assert [r.kernel for r in rows] == expected
+    by_op = {r.operation: r for r in rows}
+    if device is A100:  # longnet's lse-carrying backward does not fit 128 + 8 there
+        assert "backward on XLA" in by_op[OPERATIONS[0]].reason
+        assert "backward on XLA" not in by_op[OPERATIONS[1]].reason
+    if device is H100 and head_dim == 128:
+        assert "widened" in by_op[OPERATIONS[0]].reason
+
+
+# ------------------------------------------------- the cuDNN wrapper, on CPU
+
+
+class RecordingOps(cudnn.ReferenceOps):
+    """ReferenceOps that records the head width of every call (D, or D + 8 when widened)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, q, k, v, **kw):
+        self.calls.append(("forward", q.shape[-1]))
+        return super().forward(q, k, v, **kw)
+
+    def backward(self, q, k, v, o, stats, do, **kw):
+        self.calls.append(("backward", q.shape[-1]))
+        return super().backward(q, k, v, o, stats, do, **kw)
+
+
+def _inputs(seed, n, lq, lk, h, hkv, d):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n, lq, h, d))
+    k = rng.standard_normal((n, lk, hkv, d))
+    v = rng.standard_normal((n, lk, hkv, d))
+    do = rng.standard_normal((n, lq, h, d))
+    dlse = rng.standard_normal((n, lq, h))
+    return q, k, v, do, dlse
+
+
+def _half(x, dtype):
+    return jnp.asarray(np.asarray(x).astype(HALF[dtype]))
+
+
+def _rounded(x, dtype):
+    return np.asarray(np.asarray(x).astype(HALF[dtype]), np.float64)
+
+
+def _torch_dense(q, k, v, do, dlse, scale, causal):
+    qt, kt, vt = (to_torch(x, requires_grad=True) for x in (q, k, v))
+    o, lse = ref.dense_attention(qt, kt, vt, scale=scale, is_causal=causal, return_lse=True)
+    outs = [o, lse]
+    cts = [to_torch(do), to_torch(dlse) if dlse is not None else torch.zeros_like(lse)]
+    grads = torch.autograd.grad(outs, (qt, kt, vt), grad_outputs=cts)
+    return tuple(as_np(x) for x in (o, lse, *grads))
+
+
+CASES = [  # (name, N, Lq, Lk, H, Hkv, D, causal)
+    ("dense", 2, 24, 24, 4, 4, 16, False),
+    ("causal_gqa", 2, 32, 32, 4, 2, 16, True),
+    ("lq_ne_lk_mqa", 1, 12, 40, 3, 1, 32, False),
+]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("with_dlse", [True, False], ids=["do_dlse", "do_only"])
+def test_cudnn_attention_vs_float64(case, dtype, with_dlse):
+    """o, float32 lse and gradients (through o and lse) vs the float64 dense reference."""
+    _, n, lq, lk, h, hkv, d, causal = case
+    q, k, v, do, dlse = _inputs(1, n, lq, lk, h, hkv, d)
+    q, k, v = (_rounded(x, dtype) for x in (q, k, v))
+    scale = 0.3
+    ops = RecordingOps()
+    kern = cudnn.CudnnKernel(ops=ops, device=H100)
+    args = KernelArgs(scale=scale, is_causal=causal)
+
+    @jax.jit
+    def run(q, k, v, do, dlse):
+        (o, lse), vjp = jax.vjp(lambda q, k, v: kern.attention(q, k, v, args), q, k, v)
+        return (o, lse, *vjp((do, dlse)))
+
+    def run_o_only(q, k, v, do):
+        def loss(q, k, v):
+            o, _ = kern.attention(q, k, v, args)
+            return jnp.sum(o.astype(jnp.float32) * do)
+        o, lse = kern.forward(q, k, v, args)
+        return (o, lse, *jax.grad(loss, (0, 1, 2))(q, k, v))
+
+    hq, hk, hv = (_half(x, dtype) for x in (q, k, v))
+    if with_dlse:
+        got = run(hq, hk, hv, _half(do, dtype), jnp.asarray(dlse, jnp.float32))
+    else:
+        got = run_o_only(hq, hk, hv, jnp.asarray(_rounded(do, dtype), jnp.float32))
+    want = _torch_dense(q, k, v, _rounded(do, dtype), dlse if with_dlse else None, scale,
+                        causal)
+    assert got[0].dtype == HALF[dtype] and got[1].dtype == jnp.float32
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, TOL_HALF[dtype], name)
+    widths = {w for kind, w in ops.calls if kind == "backward"}
+    # an lse cotangent needs the widened head; without one cuDNN's own backward runs
+    assert widths == ({d + selection.AUGMENT_COLUMNS} if with_dlse else {d})
+
+
+def test_cudnn_backward_with_global_statistics():
+    """backward on a key block with the global lse / delta equals the XLA kernel's (ring step)."""
+    n, l, h, hkv, d = 2, 32, 4, 2, 16
+    q, k, v, do, dlse = _inputs(2, n, l, 2 * l, h, hkv, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    # global statistics over all 2l keys (float64), the block is the first l keys
+    o, lse, *_ = _torch_dense(q, k, v, do, dlse, 0.25, False)
+    delta = np.einsum("nlhd,nlhd->nlh", do, o) - dlse
+    args = KernelArgs(scale=0.25)
+    blk = (q, k[:, :l], v[:, :l])
+    ops = RecordingOps()
+    kern = cudnn.CudnnKernel(ops=ops, device=H100)
+    got = kern.backward(*(_half(x, "bfloat16") for x in blk), _half(do, "bfloat16"),
+                        jnp.asarray(lse, jnp.float32), jnp.asarray(delta, jnp.float32), args)
+    # the XLA kernel on the same half-precision inputs and float32 statistics
+    want = xla.backward(*(_half(x, "bfloat16") for x in blk), _half(do, "bfloat16"),
+                        jnp.asarray(lse, jnp.float32), jnp.asarray(delta, jnp.float32), args)
+    # and in float64 (the exact block gradient given the global statistics)
+    want64 = xla.backward(*(jnp.asarray(x) for x in blk), jnp.asarray(do), jnp.asarray(lse),
+                          jnp.asarray(delta), args)
+    for name, a, b, c in zip(("dq", "dk", "dv"), got, want, want64):
+        assert a.dtype == jnp.bfloat16
+        assert_close(a, b, 2e-2, name + " vs xla bf16")
+        assert_close(a, c, 2e-2, name + " vs float64")
+    assert ops.calls == [("backward", d + selection.AUGMENT_COLUMNS)]
+
+
+def test_delta_carried_to_float32_precision():
+    """The three half-precision parts carry delta to ~2^-24 (not bf16's 2^-8)."""
+    delta = jnp.asarray(np.random.default_rng(3).standard_normal(1000) * 37.0, jnp.float32)
+    parts = cudnn._split3(delta, jnp.bfloat16)
+    total = sum(p.astype(jnp.float32) for p in parts)
+    rel = np.max(np.abs(np.asarray(total) - np.asarray(delta)) / np.abs(np.asarray(delta)))
+    assert rel < 1e-6, rel
+
+
+def test_merge_of_two_partials():
+    """Two key halves through the cuDNN kernel, merged by softmax.merge_partials: gradients
+    flow through both partial lse's and equal dense attention over all keys."""
+    n, l, h, d = 2, 24, 4, 16
+    q, k, v, do, _ = _inputs(4, n, l, 2 * l, h, h, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    kern = cudnn.CudnnKernel(ops=RecordingOps(), device=H100)
+    args = KernelArgs(scale=0.25)
+
+    def merged(q, k, v):
+        o1, l1 = kern.attention(q, k[:, :l], v[:, :l], args)
+        o2, l2 = kern.attention(q, k[:, l:], v[:, l:], args)
+        o, lse = softmax.merge_partials(o1.astype(jnp.float32), l1,
+                                        o2.astype(jnp.float32), l2)
+        return o
+
+    hq, hk, hv = (_half(x, "bfloat16") for x in (q, k, v))
+    o, vjp = jax.vjp(merged, hq, hk, hv)
+    got = (o, *vjp(jnp.asarray(do, jnp.float32)))
+    want = _torch_dense(q, k, v, do, None, 0.25, False)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want[:1] + want[2:]):
+        assert_close(a, b, 2e-2, name)
+
+
+def test_a100_head_128_lse_backward_falls_back_to_xla():
+    """Where head_dim + 8 is over the limit, the lse-carrying backward runs on XLA (still exact)."""
+    n, l, h, d = 1, 16, 2, 128
+    q, k, v, do, dlse = _inputs(5, n, l, l, h, h, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    ops = RecordingOps()
+    kern = cudnn.CudnnKernel(ops=ops, device=A100)
+    args = KernelArgs(scale=d ** -0.5, is_causal=True)
+    (o, lse), vjp = jax.vjp(lambda q, k, v: kern.attention(q, k, v, args),
+                            *(_half(x, "bfloat16") for x in (q, k, v)))
+    got = (o, lse, *vjp((_half(do, "bfloat16"), jnp.asarray(dlse, jnp.float32))))
+    want = _torch_dense(q, k, v, do, dlse, d ** -0.5, True)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, 2e-2, name)
+    assert ops.calls == [("forward", d)]  # no cuDNN backward call
+
+
+@pytest.mark.parametrize("what, call, match", [
+    ("float32", dict(dtype=jnp.float32), "dtype float32"),
+    ("kv_valid", dict(kv_valid=True), "boolean kv mask"),
+    ("dropout", dict(dropout=0.1), "dropout"),
+    ("traced causal positions", dict(positions=True), "position arrays"),
+])
+def test_explicit_cudnn_kernel_refuses_calls(what, call, match):
+    kern = cudnn.CudnnKernel(ops=cudnn.ReferenceOps(), device=H100)
+    dtype = call.get("dtype", jnp.bfloat16)
+    q = jnp.zeros((1, 8, 2, 16), dtype)
+    args = KernelArgs(scale=0.25, is_causal=True, dropout_rate=call.get("dropout", 0.0))
+    valid = jnp.ones((1, 8), bool) if call.get("kv_valid") else None
+
+    def f(pos):
+        p = pos if call.get("positions") else None
+        return kern.forward(q, q, q, args, q_positions=p, k_positions=p, kv_valid=valid,
+                            dropout_rng=jax.random.key(0))[0]
+
+    with pytest.raises(ValueError, match=r"implementation='cudnn' cannot serve this call: .*"
+                                         + match):
+        jax.jit(f)(jnp.arange(8))
+
+
+# ------------------------------------- the operations, on a described GPU
+
+
+@pytest.fixture
+def described_gpu(monkeypatch):
+    """Make the registry believe the default device is an H100 with cuDNN, with the
+    fused primitive replaced by the recording reference; returns the ops."""
+    ops = RecordingOps()
+    auto = registry.AutoKernel(cudnn.CudnnKernel(ops=ops, device=H100))
+    strict = cudnn.CudnnKernel(ops=ops, device=H100)
+    real = registry.select_implementation
+
+    def select(implementation, **kw):
+        kw["device"], kw["software_reason"] = H100, None
+        return real(implementation, **kw)
+
+    monkeypatch.setattr(registry, "select_implementation", select)
+    monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
+    monkeypatch.setattr(registry, "_cudnn_for", lambda device: strict)
+    return ops
+
+
+@pytest.mark.parametrize("mode", ["longnet", "head_groups"])
+@pytest.mark.parametrize("seq_len", [64, 72], ids=["whole_segments", "short_tail"])
+def test_dilated_attention_on_described_gpu(described_gpu, mode, seq_len):
+    """jd.dilated_attention with implementation=None on a (described) H100: cuDNN serves the
+    calls it can, XLA the rest, and output and gradients match the float64 XLA kernel."""
+    ops = described_gpu
+    b, h, d = 2, 4, 16
+    q, k, v, do, _ = _inputs(6, b, seq_len, seq_len, h, h, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    cfg = dict(segment_lengths=(16, 32), dilation_rates=(1, 2), mode=mode, is_causal=True)
+
+    def run(impl, dtype):
+        cast = (lambda x: _half(x, "bfloat16")) if dtype == "bfloat16" else jnp.asarray
+        f = lambda q, k, v: jd.dilated_attention(q, k, v, implementation=impl, **cfg)  # noqa
+        o, vjp = jax.vjp(f, cast(q), cast(k), cast(v))
+        return (o, *vjp(cast(do)))
+
+    got = run(None, "bfloat16")
+    want = run("xla", "float64")
+    for name, a, b_ in zip(("o", "dq", "dk", "dv"), got, want):
+        assert_close(a, b_, 2e-2, name)
+    fwd = [w for kind, w in ops.calls if kind == "forward"]
+    bwd = {w for kind, w in ops.calls if kind == "backward"}
+    # 64 = whole segments: both branches on cuDNN; 72: the short tails carry a key
+    # mask, so those calls run on XLA - with these lengths every branch has one
+    assert len(fwd) == (2 if seq_len == 64 else 0)
+    if seq_len == 64:
+        assert bwd == ({d + selection.AUGMENT_COLUMNS} if mode == "longnet" else {d})
+    # the explicit request fails at trace time for the masked calls, saying why
+    if seq_len == 72:
+        with pytest.raises(ValueError, match="boolean kv mask"):
+            jd.dilated_attention(_half(q, "bfloat16"), _half(k, "bfloat16"),
+                                 _half(v, "bfloat16"), implementation="cudnn", **cfg)
+
+
+def test_float32_falls_back_per_call(described_gpu):
+    ops = described_gpu
+    x = jnp.ones((1, 32, 2, 16), jnp.float32)
+    jd.dilated_attention(x, x, x, segment_lengths=(16,), dilation_rates=(1,))
+    assert ops.calls == []
+    with pytest.raises(ValueError, match="dtype float32"):
+        jd.dilated_attention(x, x, x, segment_lengths=(16,), dilation_rates=(1,),
+                             implementation="cudnn")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_on_described_gpu(described_gpu, causal):
+    """ring_attention over 2 CPU devices: non-causal steps on cuDNN (backward with the global
+    lse/delta through the widened head), causal steps (position arrays) on XLA."""
+    ops = described_gpu
+    b, t, h, d = 1, 64, 2, 16
+    q, k, v, do, _ = _inputs(7, b, t, t, h, h, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("seq",))
+    attn = jd.sharded(functools.partial(jd.ring_attention, is_causal=causal), mesh,
+                      seq_axis="seq")
+    @jax.jit
+    def run(q, k, v, do):
+        o, vjp = jax.vjp(attn, q, k, v)
+        return (o, *vjp(do))
+
+    got = run(*(_half(x, "bfloat16") for x in (q, k, v, do)))
+    want = _torch_dense(q, k, v, do, None, d ** -0.5, causal)
+    for name, a, b_ in zip(("o", "dq", "dk", "dv"), got, want[:1] + want[2:]):
+        assert_close(a, b_, 2e-2, name)
+    kinds = {kind for kind, _ in ops.calls}
+    assert kinds == (set() if causal else {"forward", "backward"})
