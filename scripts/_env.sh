@@ -24,8 +24,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # the PyTorch parity tests skip themselves without torch.
     echo "[jax-dilated] not Python 3.11: skipping torch (parity tests will be skipped)"
   fi
-  # matplotlib: block patterns draw themselves (a test checks the picture)
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench,train]" pytest matplotlib
+  # matplotlib: block patterns draw themselves (a test checks the picture);
+  # nbclient, nbformat, ipykernel: tests/test_notebooks.py runs notebooks/
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench,train]" pytest matplotlib \
+    nbclient nbformat ipykernel
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

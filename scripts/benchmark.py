@@ -1559,6 +1559,28 @@ subcommand("block_sparse", "block-sparse attention: time and memory against dens
 
 
 # ----------------------------------------------------------------------------
+# gpu: the kernels on one accelerator (implemented in scripts/benchmark_gpu.py)
+# ----------------------------------------------------------------------------
+
+def _gpu_module():
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    import benchmark_gpu
+    return benchmark_gpu
+
+
+def _gpu_arguments(p: argparse.ArgumentParser) -> None:
+    _gpu_module().add_arguments(p, sys.modules[__name__])
+
+
+@subcommand("gpu", "dilated (both modes), ring (one device's share), its segment kernels, "
+            "dense cuDNN and torch SDPA per segment on one GPU: time, tokens/s, TFLOP/s, "
+            "memory (--quick --allow-cpu checks it without a GPU)", _gpu_arguments)
+def run_gpu(args: argparse.Namespace) -> dict:
+    return _gpu_module().run_gpu(args, sys.modules[__name__])
+
+
+# ----------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------
 
