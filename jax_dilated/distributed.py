@@ -20,7 +20,10 @@ consecutive tokens. Every branch ``(w, r)`` runs in one of two ways:
 Ring rather than all-gather: a ring step sends one ``n / r`` block and overlaps it with
 compute, and memory stays one block; an all-gather would hold all ``g`` blocks
 (``w / r`` tokens) at once and, for the backward, needs a reduce-scatter of the same
-size. Both send ``(g - 1) n / r`` tokens per device in total.
+size. Both send ``(g - 1) n / r`` tokens per device in total. Measured
+(``scripts/benchmark.py distributed --allgather``: global n=65536, 8 heads, head_dim
+64, float32, causal, the branch (65536, 16) alone at P=8): compiled forward+backward
+temp memory per device 40.1 MiB as a ring, 65.1 MiB as an all-gather.
 
 The backward is the ring's ``custom_vjp`` (the key/value blocks and their gradient
 accumulators travel together and return to their owners), so memory per device is

@@ -1275,6 +1275,9 @@ def _distributed_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"small configuration (n={DISTRIBUTED_QUICK['seq_len']}): about a minute")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allgather", action="store_true",
+                   help="also compile every branch that spans all devices as an all-gather "
+                        "instead of a ring, at the largest P, and compare memory")
 
 
 _PERMUTE = None  # compiled regex, built on first use
@@ -1320,7 +1323,14 @@ def run_distributed(args: argparse.Namespace) -> dict:
         "head_dim", "dtype", "repeats", "quick", "seed", "threads")}
     env = environment(args.threads)
     devices = _ring_devices(jax, max(args.devices))
-    progress = Progress(len(args.devices) * (1 if args.no_timing else 2) + 1, "distributed")
+    compared = 0
+    if args.allgather:  # every branch that spans all of the largest P's devices, twice
+        at_most = distributed.shard_branches(tuple(zip(args.segments, args.rates)),
+                                             local_len=t // max(args.devices),
+                                             num_devices=max(args.devices))
+        compared = 2 * sum(sb.ring_size == max(args.devices) for sb in at_most)
+    progress = Progress(len(args.devices) * (1 if args.no_timing else 2) + 1 + compared,
+                        "distributed")
     progress.write(f"distributed: B={args.batch} n={t} H={h} D={d} {args.dtype} "
                    f"segments={args.segments} rates={args.rates} mode={args.mode} "
                    f"causal={args.causal} P={args.devices}")
@@ -1380,10 +1390,15 @@ def run_distributed(args: argparse.Namespace) -> dict:
             row["fwd_bwd"] = time_calls(lambda: step(q, k, v, ct), repeats=args.repeats,
                                         sync=jax.block_until_ready)
             progress.done()
+    if args.allgather:
+        payload_allgather = _allgather_comparison(args, jax, jnp, devices, progress)
     progress.close()
     payload = {"benchmark": "distributed", "config": config, "environment": env,
                "single_device": {"temp_bytes": single_mem["temp"]}, "devices": rows}
     _print_distributed_summary(payload)
+    if args.allgather:
+        payload["ring_vs_allgather"] = payload_allgather
+        _print_allgather_summary(payload_allgather)
     return payload
 
 
@@ -1424,6 +1439,115 @@ def _print_distributed_summary(payload: dict) -> None:
 
 subcommand("distributed", "dilated attention over P simulated devices: memory, "
            "communication, time", _distributed_arguments)(run_distributed)
+
+
+# ----------------------------------------------------------------------------
+# distributed --allgather: why spanning branches use a ring, measured
+# ----------------------------------------------------------------------------
+
+_COLLECTIVE = None  # compiled regex, built on first use
+
+
+def _collectives_in(hlo: str) -> dict[str, int]:
+    """Number of collective ops of each kind in a compiled HLO module."""
+    import re
+    global _COLLECTIVE
+    if _COLLECTIVE is None:
+        _COLLECTIVE = re.compile(
+            r"\s(collective-permute|all-gather|reduce-scatter|all-reduce|all-to-all)"
+            r"(?:-start)?\(")
+    counts: dict[str, int] = {}
+    for m in _COLLECTIVE.finditer(hlo):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+def _allgather_comparison(args, jax, jnp, devices, progress) -> list[dict]:
+    """One spanning branch at ``P = max(devices)``, as a ring and as an all-gather.
+
+    Both run the library's dilate / undilate (``gather.attend_dilated``) around the
+    spanning branch's attention; the ring variant is what ``dilated_attention``
+    does (``ring_partials`` over the devices of a segment), the all-gather variant
+    gathers every device's dilated key/value block and attends to all of them at
+    once (its backward, by autodiff, reduce-scatters dk/dv). Reported: compiled
+    per-device temp memory of forward+backward, the collectives in the HLO, and
+    the key/value tokens each device receives in the forward.
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_dilated import distributed, gather, patterns
+    from jax_dilated.backends import KernelArgs, get_kernel
+    from jax_dilated.ring import RingConfig, ring_partials
+
+    t, h, d, p = args.seq_len, args.heads, args.head_dim, max(args.devices)
+    dtype = jnp.dtype(args.dtype)
+    mesh = jax.sharding.Mesh(np.array(devices[:p]), ("seq",))
+    sharding = NamedSharding(mesh, P(None, "seq"))
+    spec = jax.ShapeDtypeStruct((args.batch, t, h, d), dtype, sharding=sharding)
+    kargs = KernelArgs(scale=d ** -0.5, is_causal=args.causal)
+    kernel = get_kernel(None)
+    rows = []
+    for w, r in zip(args.segments, args.rates):
+        sb = distributed.shard_branches(((w, r),), local_len=t // p, num_devices=p)[0]
+        if sb.ring_size != p:
+            continue  # local, or a ring over a subgroup: compare where all devices share
+        plan = patterns.plan_branches(((w, r),), seq_len=t, num_heads=h, num_kv_heads=h,
+                                      mode=args.mode, offsets_rule="modulo")[0]
+        cfg = RingConfig("seq", p, p, "contiguous", kargs, None)
+
+        def ring_attend(q, k, v, valid, cfg=cfg):
+            return ring_partials(q, k, v, valid, None, cfg)
+
+        def gather_attend(q, k, v, valid):
+            m = q.shape[1]
+            k_all = jax.lax.all_gather(k, "seq", axis=1, tiled=True)
+            v_all = jax.lax.all_gather(v, "seq", axis=1, tiled=True)
+            q_pos = jax.lax.axis_index("seq") * m + jnp.arange(m, dtype=jnp.int32)
+            return kernel.attention(q, k_all, v_all, kargs, q_positions=q_pos,
+                                    kv_valid=valid)
+
+        for method, attend in (("ring", ring_attend), ("all-gather", gather_attend)):
+            def local(q, k, v, attend=attend, sb=sb, plan=plan):
+                o, _ = gather.attend_dilated(attend, sb.cut, plan, q, k, v, None)
+                return o.astype(q.dtype)
+
+            attn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "seq"),) * 3,
+                                 out_specs=P(None, "seq"), check_vma=False)
+
+            def run(q, k, v, ct, attn=attn):
+                out, vjp = jax.vjp(attn, q, k, v)
+                return out, vjp(ct)
+
+            progress.start(f"compile {method} for branch ({w}, {r}) at P={p}")
+            compiled = jax.jit(run).lower(spec, spec, spec, spec).compile()
+            progress.done()
+            m = t // p // r  # dilated tokens per device and head
+            rows.append({"segment": w, "rate": r, "devices": p, "method": method,
+                         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+                         "collectives": _collectives_in(compiled.as_text()),
+                         "kv_tokens_received_forward": (p - 1) * m,
+                         "kv_tokens_held_at_once": m if method == "ring" else p * m})
+    return rows
+
+
+def _print_allgather_summary(rows: list[dict]) -> None:
+    if not rows:
+        print("(no branch spans all devices: nothing to compare)")
+        return
+    print()
+    print("spanning branches: ring (what the library runs) vs all-gather, forward+backward, "
+          "per device")
+    print_table(["segment", "rate", "P", "method", "temp / device", "k/v tokens held",
+                 "k/v tokens received (fwd)", "collectives in HLO"],
+                [[str(r["segment"]), str(r["rate"]), str(r["devices"]), r["method"],
+                  fmt_bytes(r["temp_bytes"]), str(r["kv_tokens_held_at_once"]),
+                  str(r["kv_tokens_received_forward"]),
+                  ", ".join(f"{k} x{n}" for k, n in sorted(r["collectives"].items()))]
+                 for r in rows])
+    print("(both receive the same (P-1) n/r tokens per device; the all-gather holds all "
+          "P blocks of the segment at once and reduce-scatters dk/dv of that size, the "
+          "ring one block at a time and overlaps the transfer with compute)")
 
 
 # ----------------------------------------------------------------------------
