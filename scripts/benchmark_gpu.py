@@ -1,0 +1,439 @@
+"""The ``gpu`` subcommand of ``scripts/benchmark.py``: kernels on one accelerator.
+
+Usage (on a GPU machine; docs/benchmarks.md has the exact commands)::
+
+    python scripts/benchmark.py gpu                     # n = 16K, 64K, 256K, 1M
+    python scripts/benchmark.py gpu --sizes 16384,65536 --ops dilated,segments
+    python scripts/benchmark.py gpu --quick --allow-cpu  # tiny sizes, checks the script
+
+Measured per sequence length ``n`` (batch 1, 16 heads, head_dim 128, bfloat16,
+segments 2048/4096/8192/16384, rates 1/2/4/8 by default), forward and
+forward+backward (the gradient of ``sum(out * g)``), each a jitted function:
+
+``dilated/<mode>``
+    ``jd.dilated_attention`` with ``implementation=--implementation`` (default
+    None: by device kind), modes head_groups and longnet.
+``segments/<mode>``
+    Only the kernel calls dilated attention makes: for every branch ``(w, r)`` the
+    chosen kernel's differentiable attention on a batch of dense dilated segments
+    ``[B n / w, w / r, heads of the branch, D]`` (cut from the inputs inside the
+    program; segments are whole: ``n`` a multiple of every ``w``) - no gather,
+    scatter or merge. The TFLOP/s ratio dilated / segments is the issue's "at
+    least 70%" target.
+``ring_device``
+    One device's share of a ``--ring-devices`` P ring (default 8) over the whole
+    sequence, contiguous layout: ``n / P`` queries of the last device against the
+    ``P`` key/value blocks - ``P - 1`` full blocks and the causal diagonal when
+    ``--causal`` (every step's mask kind static), merged with
+    ``softmax.merge_partials``. Communication is not included.
+``dense``
+    Exact attention over the whole sequence through the kernel (cuDNN on a GPU),
+    up to ``--dense-max-n`` (default 65536; it is O(n^2)).
+``torch/head_groups``
+    The PyTorch dilated-attention library's approach (``scripts/torch_dilated.py``:
+    ``F.scaled_dot_product_attention`` per dilated segment batch) on the same
+    device (CUDA when available). Its longnet mode uses CPU-only aten ops, so on
+    CUDA only head_groups runs.
+
+Reported: median time, tokens/s, achieved TFLOP/s from the attention FLOPs the
+sparse pattern needs (``dilated_flops``: ``4 D`` per attended (query, key) pair
+forward; forward+backward counted as 3.5x forward, the FlashAttention
+convention: the backward's four matmuls plus the recomputed ``QK^T``), compiled
+memory (``memory_analysis``) and the device's ``memory_stats`` (bytes in use
+before, process peak after). Errors (e.g. out of memory) are recorded per cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+GPU_DEFAULTS = dict(sizes=(16384, 65536, 262144, 1048576), segments=(2048, 4096, 8192, 16384),
+                    rates=(1, 2, 4, 8), repeats=5)
+GPU_QUICK = dict(sizes=(512, 1024), segments=(64, 128, 256, 512), rates=(1, 2, 4, 8),
+                 repeats=2)
+OPS = ("dilated", "segments", "ring_device", "dense", "torch")
+BACKWARD_FLOP_FACTOR = 3.5  # forward+backward / forward (FlashAttention convention)
+
+
+def add_arguments(p: argparse.ArgumentParser, h) -> None:
+    p.add_argument("--sizes", type=h.int_list, default=None,
+                   help="sequence lengths (default 16384,65536,262144,1048576; --quick 512,1024)")
+    p.add_argument("--segments", type=h.int_list, default=None,
+                   help="segment lengths (default 2048,4096,8192,16384; --quick 64..512)")
+    p.add_argument("--rates", type=h.int_list, default=None, help="dilation rates (1,2,4,8)")
+    p.add_argument("--modes", type=h.str_list, default=("head_groups", "longnet"))
+    p.add_argument("--ops", type=h.str_list, default=OPS,
+                   help=f"subset of {','.join(OPS)} (default all)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--causal", action="store_true", help="causal attention")
+    p.add_argument("--implementation", default=None,
+                   help="kernel for the JAX rows (default: by device kind)")
+    p.add_argument("--ring-devices", type=int, default=8)
+    p.add_argument("--dense-max-n", type=int, default=65536)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script)")
+    p.add_argument("--allow-cpu", action="store_true",
+                   help="run on a machine without a GPU (tiny sizes make sense only)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ------------------------------------------------------------------ environment
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_environment(jax, jd) -> dict:
+    dev = jax.devices()[0]
+    info = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "compute_capability": getattr(dev, "compute_capability", None),
+        "platform_version": getattr(dev.client, "platform_version", None),
+        "nvidia_smi": _driver(),
+    }
+    try:
+        import jaxlib
+        info["jaxlib"] = jaxlib.__version__
+        from jax._src.lib import cuda_versions
+        if cuda_versions is not None:
+            info["cudnn"] = cuda_versions.cudnn_get_version()
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["torch_cuda"] = torch.version.cuda if torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    info["kernels"] = [dict(r._asdict()) for r in jd.backend_report(file=None)]
+    return info
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def _memory_stats(jax) -> dict | None:
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend has them
+        return None
+    if not stats:
+        return None
+    return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+
+
+def _compiled_memory(compiled) -> dict:
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001
+        return {}
+    if m is None:
+        return {}
+    return {k: getattr(m, f"{k}_size_in_bytes", None) for k in ("temp", "argument", "output")}
+
+
+def _error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".splitlines()[0]
+    return text[:300]
+
+
+def _measure_jax(jax, fn, inputs, repeats: int, warmup: int) -> dict:
+    """Compile ``jax.jit(fn)`` at ``inputs``, then time it (median of ``repeats``)."""
+    before = _memory_stats(jax)
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*inputs).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*inputs))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        times.append(time.perf_counter() - t0)
+    return {"median_s": float(np.median(times)), "min_s": min(times), "times_s": times,
+            "compile_s": compile_s, "compiled_memory": _compiled_memory(compiled),
+            "device_memory_before": before, "device_memory_after": _memory_stats(jax)}
+
+
+def _with_rates(res: dict, flops: float, tokens: int) -> dict:
+    t = res["median_s"]
+    res.update(flops=flops, tflops=flops / t / 1e12, tokens_per_s=tokens / t)
+    return res
+
+
+def branch_runs(heads: int, segments, rates, mode: str):
+    """Per branch, the number of heads that run it (longnet: all; head_groups: the group)."""
+    if mode == "longnet":
+        return [heads] * len(segments)
+    base, extra = divmod(heads, len(segments))
+    return [base + (i < extra) for i in range(len(segments))]
+
+
+# ------------------------------------------------------------------- the runs
+
+
+def run_gpu(args: argparse.Namespace, h) -> dict:
+    table = GPU_QUICK if args.quick else GPU_DEFAULTS
+    for name, value in table.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if len(args.segments) != len(args.rates):
+        raise SystemExit(f"--segments {args.segments} and --rates {args.rates} differ")
+    unknown = set(args.ops) - set(OPS)
+    if unknown:
+        raise SystemExit(f"--ops: unknown {sorted(unknown)} (choose from {OPS})")
+
+    import jax
+    import jax.numpy as jnp
+
+    import jax_dilated as jd
+    from jax_dilated import softmax
+    from jax_dilated.backends import KernelArgs, get_kernel
+
+    if jax.default_backend() != "gpu" and not args.allow_cpu:
+        raise SystemExit(f"no GPU (JAX backend {jax.default_backend()!r}); pass --allow-cpu "
+                         f"to check the script with tiny sizes (--quick)")
+    env = gpu_environment(jax, jd)
+    dtype = jnp.dtype(args.dtype)
+    b, heads, d = args.batch, args.heads, args.head_dim
+    scale = d ** -0.5
+    config = {k: getattr(args, k) for k in (
+        "sizes", "segments", "rates", "modes", "ops", "batch", "heads", "head_dim", "dtype",
+        "causal", "implementation", "ring_devices", "dense_max_n", "repeats", "warmup",
+        "no_backward", "quick", "seed")}
+    jd.backend_report()
+    print(f"device: {env['device_kind']} | driver: {env['nvidia_smi']} | JAX {env['jax']} | "
+          f"{env['date_utc']}", flush=True)
+
+    passes = ("forward",) if args.no_backward else ("forward", "forward_backward")
+    results: list[dict] = []
+
+    def record(op, n, pass_name, fn, inputs, flops):
+        cell = {"op": op, "n": n, "pass": pass_name}
+        try:
+            res = _measure_jax(jax, fn, inputs, args.repeats, args.warmup)
+            cell.update(_with_rates(res, flops, b * n))
+            print(f"  {op:<22} n={n:<8} {pass_name:<16} {res['median_s'] * 1e3:10.2f} ms "
+                  f"{cell['tflops']:8.2f} TFLOP/s", flush=True)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, run goes on
+            cell["error"] = _error(e)
+            print(f"  {op:<22} n={n:<8} {pass_name:<16} ERROR {cell['error']}", flush=True)
+        results.append(cell)
+
+    def fwd_bwd(f):
+        def run(q, k, v, g):
+            out, vjp = jax.vjp(f, q, k, v)
+            return out, vjp(g.astype(out.dtype))
+        return run
+
+    rng = np.random.default_rng(args.seed)
+    kernel = get_kernel(args.implementation)
+    kargs = KernelArgs(scale=scale, is_causal=args.causal)
+    for n in args.sizes:
+        shape = (b, n, heads, d)
+        q, k, v, g = (jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+                      for _ in range(4))
+        segs = tuple(min(w, n) for w in args.segments)
+        for mode in args.modes:
+            fw = h.dilated_flops(batch=b, seq_len=n, heads=heads, head_dim=d, segments=segs,
+                                 rates=args.rates, mode=mode, causal=args.causal)
+            flops = {"forward": fw, "forward_backward": BACKWARD_FLOP_FACTOR * fw}
+            if "dilated" in args.ops:
+                attn = functools.partial(jd.dilated_attention, segment_lengths=segs,
+                                         dilation_rates=args.rates, mode=mode,
+                                         is_causal=args.causal,
+                                         implementation=args.implementation)
+                for p in passes:
+                    fn = attn if p == "forward" else fwd_bwd(attn)
+                    ins = (q, k, v) if p == "forward" else (q, k, v, g)
+                    record(f"dilated/{mode}", n, p, fn, ins, flops[p])
+            if "segments" in args.ops:
+                counts = branch_runs(heads, segs, args.rates, mode)
+
+                def segment_batches(*xs, counts=counts):
+                    # per branch, the dense dilated-segment batch a kernel call sees,
+                    # cut (inside the program, like the gather) from the inputs
+                    for (w, r), hb in zip(zip(segs, args.rates), counts):
+                        yield tuple(x[:, :(n // w) * (w // r), :hb].reshape(
+                            b * (n // w), w // r, hb, d) for x in xs)
+
+                def segments_fwd(q, k, v):
+                    return [kernel.attention(sq, sk, sv, kargs)[0]
+                            for sq, sk, sv in segment_batches(q, k, v)]
+
+                def segments_fwd_bwd(q, k, v, g):
+                    outs = []
+                    for sq, sk, sv, sg in segment_batches(q, k, v, g):
+                        o, vjp = jax.vjp(lambda a, b_, c: kernel.attention(a, b_, c, kargs)[0],
+                                         sq, sk, sv)
+                        outs.append((o, vjp(sg)))
+                    return outs
+
+                for p in passes:
+                    fn = segments_fwd if p == "forward" else segments_fwd_bwd
+                    ins = (q, k, v) if p == "forward" else (q, k, v, g)
+                    record(f"segments/{mode}", n, p, fn, ins, flops[p])
+        if "ring_device" in args.ops:
+            P = args.ring_devices
+            if n % P:
+                print(f"  ring_device n={n}: skipped (n % {P} != 0)")
+            else:
+                nl = n // P
+                ql = q[:, n - nl:]  # the last device's queries
+
+                def ring_device(ql, k, v):
+                    o = jnp.zeros(ql.shape, jnp.float32)
+                    lse = jnp.full(ql.shape[:3], -jnp.inf, jnp.float32)
+                    for s in range(P):
+                        kb, vb = k[:, s * nl:(s + 1) * nl], v[:, s * nl:(s + 1) * nl]
+                        step_args = KernelArgs(scale=scale,
+                                               is_causal=args.causal and s == P - 1)
+                        o_s, lse_s = kernel.attention(ql, kb, vb, step_args)
+                        o, lse = softmax.merge_partials(o, lse, o_s.astype(jnp.float32),
+                                                        lse_s)
+                    return o.astype(ql.dtype)
+
+                pairs = nl * nl * (P - 1) + (nl * (nl + 1) // 2 if args.causal else nl * nl)
+                fw = 4 * d * heads * b * pairs
+                for p in passes:
+                    fn = ring_device if p == "forward" else fwd_bwd(ring_device)
+                    ins = (ql, k, v) if p == "forward" else (ql, k, v, g[:, n - nl:])
+                    record(f"ring_device/P={P}", n, p, fn, ins,
+                           fw if p == "forward" else BACKWARD_FLOP_FACTOR * fw)
+        if "dense" in args.ops:
+            if n > args.dense_max_n:
+                print(f"  dense n={n}: skipped (above --dense-max-n {args.dense_max_n})")
+            else:
+                def dense(q, k, v):
+                    return kernel.attention(q, k, v, kargs)[0]
+
+                pairs = n * (n + 1) // 2 if args.causal else n * n
+                fw = 4 * d * heads * b * pairs
+                for p in passes:
+                    fn = dense if p == "forward" else fwd_bwd(dense)
+                    ins = (q, k, v) if p == "forward" else (q, k, v, g)
+                    record("dense", n, p, fn, ins,
+                           fw if p == "forward" else BACKWARD_FLOP_FACTOR * fw)
+        if "torch" in args.ops:
+            results.extend(_torch_rows(args, h, n, segs, passes, rng))
+        del q, k, v, g
+
+    payload = {"benchmark": "gpu", "config": config, "environment": env, "results": results}
+    _print_summary(payload, h)
+    return payload
+
+
+def _torch_rows(args, h, n, segs, passes, rng) -> list[dict]:
+    try:
+        import torch
+    except ImportError:
+        return [{"op": "torch/head_groups", "n": n, "error": "torch not installed"}]
+    sys.path.insert(0, str(h.SCRIPTS))
+    import torch_dilated as td
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    shape = (args.batch, n, args.heads, args.head_dim)
+    q, k, v = (torch.tensor(rng.standard_normal(shape, dtype=np.float32), device=device,
+                            dtype=dtype, requires_grad=True) for _ in range(3))
+    g = torch.tensor(rng.standard_normal(shape, dtype=np.float32), device=device, dtype=dtype)
+    attn = functools.partial(td.head_groups_attention, segment_lengths=segs,
+                             dilation_rates=args.rates, is_causal=args.causal)
+    fw = h.dilated_flops(batch=args.batch, seq_len=n, heads=args.heads, head_dim=args.head_dim,
+                         segments=segs, rates=args.rates, mode="head_groups",
+                         causal=args.causal)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def forward():
+        with torch.no_grad():
+            return attn(q, k, v)
+
+    def forward_backward():
+        return torch.autograd.grad(attn(q, k, v), (q, k, v), grad_outputs=g)
+
+    rows = []
+    for p in passes:
+        fn = forward if p == "forward" else forward_backward
+        cell = {"op": f"torch/head_groups ({device})", "n": n, "pass": p}
+        try:
+            td.check_config(n, segs, args.rates)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            for _ in range(args.warmup):
+                fn()
+                sync()
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times.append(time.perf_counter() - t0)
+            cell.update(median_s=float(np.median(times)), min_s=min(times), times_s=times)
+            if device == "cuda":
+                cell["torch_peak_bytes"] = torch.cuda.max_memory_allocated()
+            _with_rates(cell, fw if p == "forward" else BACKWARD_FLOP_FACTOR * fw,
+                        args.batch * n)
+            print(f"  {cell['op']:<22} n={n:<8} {p:<16} {cell['median_s'] * 1e3:10.2f} ms "
+                  f"{cell['tflops']:8.2f} TFLOP/s", flush=True)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory
+            cell["error"] = _error(e)
+            print(f"  {cell['op']:<22} n={n:<8} {p:<16} ERROR {cell['error']}", flush=True)
+        rows.append(cell)
+    del q, k, v, g
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _print_summary(payload: dict, h) -> None:
+    rows = []
+    for c in payload["results"]:
+        mem = c.get("compiled_memory", {}).get("temp") if "compiled_memory" in c else \
+            c.get("torch_peak_bytes")
+        peak = (c.get("device_memory_after") or {}).get("peak_bytes_in_use")
+        rows.append([c["op"], str(c["n"]), c.get("pass", "-"),
+                     h.fmt_ms(c.get("median_s")) if "error" not in c else "error",
+                     f"{c['tokens_per_s']:.3g}" if "tokens_per_s" in c else "-",
+                     f"{c['tflops']:.2f}" if "tflops" in c else "-",
+                     h.fmt_bytes(mem), h.fmt_bytes(peak)])
+    print()
+    h.print_table(["op", "n", "pass", "ms", "tokens/s", "TFLOP/s", "temp / torch peak",
+                   "device peak (process)"], rows)
+    # the issue's targets, where the cells exist
+    by = {(c["op"], c["n"], c.get("pass")): c for c in payload["results"] if "tflops" in c}
+    for (op, n, p), c in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if op.startswith("dilated/") and p == "forward_backward":
+            mode = op.split("/")[1]
+            seg = by.get((f"segments/{mode}", n, p))
+            if seg:
+                print(f"n={n} {mode}: dilated fwd+bwd reaches "
+                      f"{c['tflops'] / seg['tflops']:.0%} of the segment kernels' TFLOP/s "
+                      f"(target >= 70%)")
+            torch_cell = next((t for (o, tn, tp), t in by.items()
+                               if o.startswith("torch/") and tn == n and tp == p), None)
+            if torch_cell and mode == "head_groups":
+                print(f"n={n} head_groups: torch / JAX time = "
+                      f"{torch_cell['median_s'] / c['median_s']:.2f}x (target >= 2x)")
