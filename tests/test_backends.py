@@ -51,7 +51,11 @@ MI300 = Dev("gpu", "AMD Instinct MI300X", "gfx942")
 TPU = Dev("tpu", "TPU v5 lite")
 CPU = Dev("cpu", "cpu")
 
-TOL_HALF = {"bfloat16": 2e-2, "float16": 4e-3}
+def _real_cudnn_here() -> bool:
+    return jax.default_backend() == "gpu" and registry.select_implementation(None) == "cudnn"
+
+
+TOL_HALF = {"bfloat16": 2e-2, "float16": 5e-3}
 HALF = {"bfloat16": jnp.bfloat16, "float16": np.float16}
 
 
@@ -85,6 +89,11 @@ def test_missing_software_is_a_reason():
         registry.select_implementation("cudnn", device=H100, software_reason=why)
 
 
+CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu",
+                              reason="describes a machine without accelerator")
+
+
+@CPU_ONLY
 def test_this_machine():
     """No GPU here: the default is the XLA module, and 'cudnn' is refused at selection."""
     assert registry.select_implementation(None) == "xla"
@@ -170,10 +179,23 @@ def test_call_spec_positions():
         "arange"
 
 
+@CPU_ONLY
 def test_describe_real_device():
     info = selection.describe_device(jax.devices()[0])
     assert info.platform == "cpu" and info.compute_capability is None
     assert selection.cudnn_device_reason(info) is not None
+
+
+@pytest.mark.skipif(not _real_cudnn_here(), reason="needs an NVIDIA GPU with cuDNN")
+def test_this_gpu(capsys):
+    """On a GPU session: the real device is recognised and the defaults pick cuDNN."""
+    info = selection.describe_device(jax.devices()[0])
+    assert info.is_nvidia_gpu and info.compute_capability >= (8, 0), info
+    assert selection.cudnn_software_reason() is None
+    assert isinstance(registry.get_kernel(None), registry.AutoKernel)
+    assert isinstance(registry.get_kernel("cudnn"), cudnn.CudnnKernel)
+    rows = jd.backend_report()
+    assert rows[0].kernel == "cudnn" and info.device_kind in capsys.readouterr().out
 
 
 OPERATIONS = ("dilated_attention mode='longnet'", "dilated_attention mode='head_groups'",
@@ -183,6 +205,7 @@ OPERATIONS = ("dilated_attention mode='longnet'", "dilated_attention mode='head_
               "block_sparse_attention", "dilated_attention_decode (KV cache)")
 
 
+@CPU_ONLY
 def test_backend_report(capsys):
     rows = jd.backend_report()
     out = capsys.readouterr().out
@@ -212,19 +235,40 @@ def test_backend_report_described(device, head_dim, expected):
 # ------------------------------------------------- the cuDNN wrapper, on CPU
 
 
-class RecordingOps(cudnn.ReferenceOps):
-    """ReferenceOps that records the head width of every call (D, or D + 8 when widened)."""
+class RecordingOps:
+    """Wraps a fused primitive and records the head width of every call (D, or D + 8 when
+    the backward carries an arbitrary delta in widened columns)."""
 
-    def __init__(self):
+    def __init__(self, inner):
+        self.inner = inner
         self.calls = []
 
     def forward(self, q, k, v, **kw):
         self.calls.append(("forward", q.shape[-1]))
-        return super().forward(q, k, v, **kw)
+        return self.inner.forward(q, k, v, **kw)
 
     def backward(self, q, k, v, o, stats, do, **kw):
         self.calls.append(("backward", q.shape[-1]))
-        return super().backward(q, k, v, o, stats, do, **kw)
+        return self.inner.backward(q, k, v, o, stats, do, **kw)
+
+
+# Every wrapper test runs with the reference primitive on a described H100 (everywhere)
+# and with the real cuDNN primitive on this machine's GPU (only where there is one):
+# the GPU session runs this file as the cuDNN parity suite.
+PRIMITIVES = [
+    pytest.param("reference", id="reference_ops"),
+    pytest.param("cudnn", id="real_cudnn", marks=pytest.mark.skipif(
+        not _real_cudnn_here(), reason="needs an NVIDIA GPU (compute capability >= 8.0) "
+                                       "and a JAX with cuDNN")),
+]
+
+
+@pytest.fixture(params=PRIMITIVES)
+def primitive(request):
+    """(recording ops, device) for the cuDNN kernel under test."""
+    if request.param == "reference":
+        return RecordingOps(cudnn.ReferenceOps()), H100
+    return RecordingOps(cudnn.CudnnOps()), jax.devices()[0]
 
 
 def _inputs(seed, n, lq, lk, h, hkv, d):
@@ -264,14 +308,14 @@ CASES = [  # (name, N, Lq, Lk, H, Hkv, D, causal)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("with_dlse", [True, False], ids=["do_dlse", "do_only"])
-def test_cudnn_attention_vs_float64(case, dtype, with_dlse):
+def test_cudnn_attention_vs_float64(primitive, case, dtype, with_dlse):
     """o, float32 lse and gradients (through o and lse) vs the float64 dense reference."""
     _, n, lq, lk, h, hkv, d, causal = case
     q, k, v, do, dlse = _inputs(1, n, lq, lk, h, hkv, d)
     q, k, v = (_rounded(x, dtype) for x in (q, k, v))
     scale = 0.3
-    ops = RecordingOps()
-    kern = cudnn.CudnnKernel(ops=ops, device=H100)
+    ops, device = primitive
+    kern = cudnn.CudnnKernel(ops=ops, device=device)
     args = KernelArgs(scale=scale, is_causal=causal)
 
     @jax.jit
@@ -279,6 +323,7 @@ def test_cudnn_attention_vs_float64(case, dtype, with_dlse):
         (o, lse), vjp = jax.vjp(lambda q, k, v: kern.attention(q, k, v, args), q, k, v)
         return (o, lse, *vjp((do, dlse)))
 
+    @jax.jit
     def run_o_only(q, k, v, do):
         def loss(q, k, v):
             o, _ = kern.attention(q, k, v, args)
@@ -301,7 +346,7 @@ def test_cudnn_attention_vs_float64(case, dtype, with_dlse):
     assert widths == ({d + selection.AUGMENT_COLUMNS} if with_dlse else {d})
 
 
-def test_cudnn_backward_with_global_statistics():
+def test_cudnn_backward_with_global_statistics(primitive):
     """backward on a key block with the global lse / delta equals the XLA kernel's (ring step)."""
     n, l, h, hkv, d = 2, 32, 4, 2, 16
     q, k, v, do, dlse = _inputs(2, n, l, 2 * l, h, hkv, d)
@@ -311,16 +356,16 @@ def test_cudnn_backward_with_global_statistics():
     delta = np.einsum("nlhd,nlhd->nlh", do, o) - dlse
     args = KernelArgs(scale=0.25)
     blk = (q, k[:, :l], v[:, :l])
-    ops = RecordingOps()
-    kern = cudnn.CudnnKernel(ops=ops, device=H100)
-    got = kern.backward(*(_half(x, "bfloat16") for x in blk), _half(do, "bfloat16"),
-                        jnp.asarray(lse, jnp.float32), jnp.asarray(delta, jnp.float32), args)
+    ops, device = primitive
+    kern = cudnn.CudnnKernel(ops=ops, device=device)
+    half = [_half(x, "bfloat16") for x in (*blk, do)]
+    stats32 = (jnp.asarray(lse, jnp.float32), jnp.asarray(delta, jnp.float32))
+    got = jax.jit(lambda *a: kern.backward(*a, args))(*half, *stats32)
     # the XLA kernel on the same half-precision inputs and float32 statistics
-    want = xla.backward(*(_half(x, "bfloat16") for x in blk), _half(do, "bfloat16"),
-                        jnp.asarray(lse, jnp.float32), jnp.asarray(delta, jnp.float32), args)
+    back = jax.jit(lambda *a: xla.backward(*a, args))
+    want = back(*half, *stats32)
     # and in float64 (the exact block gradient given the global statistics)
-    want64 = xla.backward(*(jnp.asarray(x) for x in blk), jnp.asarray(do), jnp.asarray(lse),
-                          jnp.asarray(delta), args)
+    want64 = back(*(jnp.asarray(x) for x in (*blk, do)), jnp.asarray(lse), jnp.asarray(delta))
     for name, a, b, c in zip(("dq", "dk", "dv"), got, want, want64):
         assert a.dtype == jnp.bfloat16
         assert_close(a, b, 2e-2, name + " vs xla bf16")
@@ -337,13 +382,14 @@ def test_delta_carried_to_float32_precision():
     assert rel < 1e-6, rel
 
 
-def test_merge_of_two_partials():
+def test_merge_of_two_partials(primitive):
     """Two key halves through the cuDNN kernel, merged by softmax.merge_partials: gradients
     flow through both partial lse's and equal dense attention over all keys."""
     n, l, h, d = 2, 24, 4, 16
     q, k, v, do, _ = _inputs(4, n, l, 2 * l, h, h, d)
     q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
-    kern = cudnn.CudnnKernel(ops=RecordingOps(), device=H100)
+    ops, device = primitive
+    kern = cudnn.CudnnKernel(ops=ops, device=device)
     args = KernelArgs(scale=0.25)
 
     def merged(q, k, v):
@@ -353,9 +399,12 @@ def test_merge_of_two_partials():
                                         o2.astype(jnp.float32), l2)
         return o
 
-    hq, hk, hv = (_half(x, "bfloat16") for x in (q, k, v))
-    o, vjp = jax.vjp(merged, hq, hk, hv)
-    got = (o, *vjp(jnp.asarray(do, jnp.float32)))
+    @jax.jit
+    def run(q, k, v, do):
+        o, vjp = jax.vjp(merged, q, k, v)
+        return (o, *vjp(do))
+
+    got = run(*(_half(x, "bfloat16") for x in (q, k, v)), jnp.asarray(do, jnp.float32))
     want = _torch_dense(q, k, v, do, None, 0.25, False)
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, want[:1] + want[2:]):
         assert_close(a, b, 2e-2, name)
@@ -366,12 +415,15 @@ def test_a100_head_128_lse_backward_falls_back_to_xla():
     n, l, h, d = 1, 16, 2, 128
     q, k, v, do, dlse = _inputs(5, n, l, l, h, h, d)
     q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
-    ops = RecordingOps()
+    ops = RecordingOps(cudnn.ReferenceOps())
     kern = cudnn.CudnnKernel(ops=ops, device=A100)
     args = KernelArgs(scale=d ** -0.5, is_causal=True)
-    (o, lse), vjp = jax.vjp(lambda q, k, v: kern.attention(q, k, v, args),
-                            *(_half(x, "bfloat16") for x in (q, k, v)))
-    got = (o, lse, *vjp((_half(do, "bfloat16"), jnp.asarray(dlse, jnp.float32))))
+    @jax.jit
+    def run(q, k, v, do, dlse):
+        (o, lse), vjp = jax.vjp(lambda q, k, v: kern.attention(q, k, v, args), q, k, v)
+        return (o, lse, *vjp((do, dlse)))
+
+    got = run(*(_half(x, "bfloat16") for x in (q, k, v, do)), jnp.asarray(dlse, jnp.float32))
     want = _torch_dense(q, k, v, do, dlse, d ** -0.5, True)
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
         assert_close(a, b, 2e-2, name)
@@ -404,20 +456,24 @@ def test_explicit_cudnn_kernel_refuses_calls(what, call, match):
 # ------------------------------------- the operations, on a described GPU
 
 
-@pytest.fixture
-def described_gpu(monkeypatch):
-    """Make the registry believe the default device is an H100 with cuDNN, with the
-    fused primitive replaced by the recording reference; returns the ops."""
-    ops = RecordingOps()
-    auto = registry.AutoKernel(cudnn.CudnnKernel(ops=ops, device=H100))
-    strict = cudnn.CudnnKernel(ops=ops, device=H100)
-    real = registry.select_implementation
+@pytest.fixture(params=PRIMITIVES)
+def described_gpu(request, monkeypatch):
+    """The registry on a GPU with cuDNN, the fused primitive recorded: a described H100
+    with the reference primitive (everywhere), or this machine's GPU (where there is one).
+    Returns the recording ops."""
+    if request.param == "reference":
+        ops, device = RecordingOps(cudnn.ReferenceOps()), H100
+        real = registry.select_implementation
 
-    def select(implementation, **kw):
-        kw["device"], kw["software_reason"] = H100, None
-        return real(implementation, **kw)
+        def select(implementation, **kw):
+            kw["device"], kw["software_reason"] = H100, None
+            return real(implementation, **kw)
 
-    monkeypatch.setattr(registry, "select_implementation", select)
+        monkeypatch.setattr(registry, "select_implementation", select)
+    else:
+        ops, device = RecordingOps(cudnn.CudnnOps()), jax.devices()[0]
+    auto = registry.AutoKernel(cudnn.CudnnKernel(ops=ops, device=device))
+    strict = cudnn.CudnnKernel(ops=ops, device=device)
     monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
     monkeypatch.setattr(registry, "_cudnn_for", lambda device: strict)
     return ops
@@ -436,9 +492,14 @@ def test_dilated_attention_on_described_gpu(described_gpu, mode, seq_len):
 
     def run(impl, dtype):
         cast = (lambda x: _half(x, "bfloat16")) if dtype == "bfloat16" else jnp.asarray
-        f = lambda q, k, v: jd.dilated_attention(q, k, v, implementation=impl, **cfg)  # noqa
-        o, vjp = jax.vjp(f, cast(q), cast(k), cast(v))
-        return (o, *vjp(cast(do)))
+
+        @jax.jit
+        def f(q, k, v, do):
+            o, vjp = jax.vjp(lambda q, k, v: jd.dilated_attention(
+                q, k, v, implementation=impl, **cfg), q, k, v)
+            return (o, *vjp(do))
+
+        return f(cast(q), cast(k), cast(v), cast(do))
 
     got = run(None, "bfloat16")
     want = run("xla", "float64")
