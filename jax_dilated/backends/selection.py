@@ -142,7 +142,20 @@ def cudnn_device_reason(device, software_reason: str | None = "detect") -> str |
                 f"(Ampere or later)")
     if software_reason == "detect":
         software_reason = cudnn_software_reason()
+        if software_reason is None and cc == (10, 3):
+            version = _cudnn_version()
+            if version is not None and version < 91100:
+                software_reason = (f"compute capability 10.3 needs cuDNN >= 9.11, this JAX "
+                                   f"has {version}")
     return software_reason
+
+
+def _cudnn_version() -> int | None:
+    try:
+        from jax._src.lib import cuda_versions
+        return None if cuda_versions is None else int(cuda_versions.cudnn_get_version())
+    except Exception:  # pragma: no cover - informational
+        return None
 
 
 def cudnn_max_head_dim(info: DeviceInfo) -> int:
