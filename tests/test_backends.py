@@ -551,3 +551,15 @@ def test_ring_attention_on_described_gpu(described_gpu, causal):
         assert_close(a, b_, 2e-2, name)
     kinds = {kind for kind, _ in ops.calls}
     assert kinds == (set() if causal else {"forward", "backward"})
+
+
+@CPU_ONLY
+def test_layer_refuses_cudnn_when_built():
+    """A layer asking for cuDNN on a machine without it fails when it is built, not later."""
+    from flax import nnx
+    with pytest.raises(ValueError, match="implementation='cudnn' cannot run here"):
+        jd.nnx.MultiheadDilatedAttention(32, 4, segment_lengths=(16,), dilation_rates=(1,),
+                                         implementation="cudnn", rngs=nnx.Rngs(0))
+    layer = jd.nnx.MultiheadDilatedAttention(32, 4, segment_lengths=(16,), dilation_rates=(1,),
+                                             rngs=nnx.Rngs(0))  # default: by device kind
+    assert layer(jnp.ones((1, 32, 32))).shape == (1, 32, 32)
