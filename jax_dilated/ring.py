@@ -92,13 +92,120 @@ def _cond(pred, compute, skip):
     return compute() if pred is None else jax.lax.cond(pred, compute, skip)
 
 
-def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None):
-    """Global (o, lse) of the local queries: o [B, n, H, D] (stats dtype), lse [B, n, H]."""
+def _ring_steps(kernel, cfg: RingConfig, q, k):
+    """The kernel's optional ring entry points for these shapes, or None.
+
+    None (no ``ring_steps`` in the backend, it declines these shapes, or the ring
+    has its own ``cfg.step``) means the plain ``forward``/``backward`` interface.
+    """
+    make = getattr(kernel, "ring_steps", None)
+    if cfg.step is not None or make is None:
+        return None
+    return make(q, k, cfg.args)
+
+
+def _fold(pred, compute, acc):
+    """``compute(acc)``, skipped (``acc`` unchanged) where ``pred`` is False."""
+    return compute(acc) if pred is None else jax.lax.cond(pred, compute, lambda a: a, acc)
+
+
+def _forward_steps(steps, q, k, v, kv_valid, rng, cfg: RingConfig, me, q_pos,
+                   keep_kv: bool = False):
+    """:func:`_forward` through the kernel's ring steps: keys and values travel in the
+    kernel's layout and every step folds into one (o, lse) updated in place.
+
+    With ``keep_kv`` also returns this device's packed keys and values for the
+    backward: the last block makes one more hop (sent, like every block, before it
+    is computed on), which brings every device's own block home. Packing k and v
+    again in the backward would not do: XLA merges the two identical conversions
+    and keeps the forward's copy alive through the whole forward.
+    """
+    p, n = cfg.ring_size, q.shape[1]
+    stats = softmax.stats_dtype(q.dtype)
+
+    def fold(acc, block, src):
+        kv, valid = block
+        k_pos = layouts.local_positions(cfg.layout, src, p, n)
+
+        def compute(acc):
+            return steps.forward(q, kv, *acc, q_positions=q_pos, k_positions=k_pos,
+                                 kv_valid=valid, dropout_rng=cfg.step_rng(rng, src))
+
+        return _fold(any_pair_allowed(cfg.args.is_causal, q_pos, k_pos, valid), compute, acc)
+
+    acc = varying_like((jnp.zeros(q.shape, stats), jnp.full(q.shape[:3], -jnp.inf, stats)),
+                       (q, k))
+    block = (steps.pack_kv(k, v), kv_valid)
+    if p == 1:
+        acc = fold(acc, block, me)
+        return (*acc, block[0]) if keep_kv else acc
+
+    def step(carry, s):
+        acc, block = carry
+        nxt = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())  # send first, then compute
+        return (fold(acc, block, (me - s) % p), nxt), None
+
+    nxt = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())
+    acc = fold(acc, block, me)
+    (acc, block), _ = jax.lax.scan(step, (acc, nxt), jnp.arange(1, p - 1))
+    home = jax.lax.ppermute(block[0], cfg.axis_name, cfg.perm()) if keep_kv else None
+    acc = fold(acc, block, (me - (p - 1)) % p)
+    return (*acc, home) if keep_kv else acc
+
+
+def _backward_steps(steps, q, k, v, kv_valid, rng, lse, do, delta, cfg: RingConfig, me,
+                    q_pos, packed_kv):
+    """:func:`_backward` through the kernel's ring steps: dq and the blocked dk/dv are
+    accumulated in place; the blocks and their accumulators travel separately (so
+    that only one of them is in flight at a time)."""
+    p, n = cfg.ring_size, q.shape[1]
+    stats = softmax.stats_dtype(q.dtype)
+
+    def grads(acc, block, src):
+        kv, valid = block
+        k_pos = layouts.local_positions(cfg.layout, src, p, n)
+
+        def compute(acc):
+            return steps.backward(q, kv, do, lse, delta, *acc, q_positions=q_pos,
+                                  k_positions=k_pos, kv_valid=valid,
+                                  dropout_rng=cfg.step_rng(rng, src))
+
+        return _fold(any_pair_allowed(cfg.args.is_causal, q_pos, k_pos, valid), compute, acc)
+
+    block = (packed_kv, kv_valid)  # from the forward (see _forward_steps)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, stats), (q, block[0]))
+    dq, dkv = grads(varying_like(zeros, (q, k, do)), block, me)
+    if p > 1:
+        def step(carry, s):
+            dq, block, dkv = carry
+            block = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())
+            dkv = jax.lax.ppermute(dkv, cfg.axis_name, cfg.perm())
+            dq, dkv = grads((dq, dkv), block, (me - s) % p)
+            return (dq, block, dkv), None
+
+        (dq, _, dkv), _ = jax.lax.scan(step, (dq, block, dkv), jnp.arange(1, p))
+        # after P - 1 hops each accumulator sits one device short of its owner
+        dkv = jax.lax.ppermute(dkv, cfg.axis_name, cfg.perm())
+    dk, dv = steps.unpack_kv(dkv)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = False):
+    """Global (o, lse) of the local queries: o [B, n, H, D] (stats dtype), lse [B, n, H].
+
+    With ``keep_kv`` returns ``(o, lse, packed)``: ``packed`` this device's keys and
+    values in the kernel's ring layout (None without ring steps), for :func:`_backward`.
+    """
     kernel = get_kernel(cfg.implementation)
     p, n = cfg.ring_size, q.shape[1]
     stats = softmax.stats_dtype(q.dtype)
     me = cfg.ring_index()
     q_pos = layouts.local_positions(cfg.layout, me, p, n)
+    steps = _ring_steps(kernel, cfg, q, k)
+    if steps is not None:
+        return _forward_steps(steps, q, k, v, kv_valid, rng, cfg, me, q_pos, keep_kv)
+    if keep_kv:
+        return (*_forward(q, k, v, kv_valid, rng, cfg, aux), None)
 
     def partial(block, src):
         k_blk, v_blk, valid_blk = block
@@ -135,13 +242,18 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None):
     return softmax.merge_partials(o, lse, *partial(block, (me - (p - 1)) % p))
 
 
-def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig, aux=None):
+def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig, aux=None,
+              packed_kv=None):
     kernel = get_kernel(cfg.implementation)
     p, n = cfg.ring_size, q.shape[1]
     stats = softmax.stats_dtype(q.dtype)
     me = cfg.ring_index()
     q_pos = layouts.local_positions(cfg.layout, me, p, n)
     delta = softmax.row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
+    steps = _ring_steps(kernel, cfg, q, k)
+    if steps is not None:
+        return _backward_steps(steps, q, k, v, kv_valid, rng, lse, do, delta, cfg, me, q_pos,
+                               packed_kv)
 
     def grads(block, src):
         k_blk, v_blk, valid_blk = block
@@ -185,14 +297,14 @@ def _ring(q, k, v, kv_valid, rng, cfg, aux=None):
 
 
 def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None):
-    o, lse = _forward(q, k, v, kv_valid, rng, cfg, aux)
-    return (o, lse), (q, k, v, kv_valid, rng, o, lse, aux)
+    o, lse, packed_kv = _forward(q, k, v, kv_valid, rng, cfg, aux, keep_kv=True)
+    return (o, lse), (q, k, v, kv_valid, rng, o, lse, aux, packed_kv)
 
 
 def _ring_bwd(cfg, res, cotangents):
-    q, k, v, kv_valid, rng, o, lse, aux = res
+    q, k, v, kv_valid, rng, o, lse, aux, packed_kv = res
     do, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg, aux)
+    dq, dk, dv = _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg, aux, packed_kv)
     return dq, dk, dv, None, None, None
 
 

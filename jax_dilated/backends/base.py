@@ -26,6 +26,30 @@ exactly; ``Lq``/``Lk`` are padded up to whole blocks, padded keys never attended
 
 with ``blocks`` a :class:`BlockLists`. Within a listed block the causal rule and
 ``kv_valid`` still apply; all listed blocks of a query block share one softmax.
+
+Optional, for rings (:mod:`jax_dilated.ring` falls back to ``forward``/``backward``
+when a backend lacks it or it returns None). It lets a ring keep keys and values in
+the kernel's own layout for the whole ring and accumulate in place, instead of
+converting every visiting block and allocating fresh outputs at every step:
+
+    ring_steps(q, k, args) -> steps, or None (not for these shapes)
+    steps.pack_kv(k, v) -> kv
+        keys and values [N, Lk, H_kv, D] in the kernel's layout: a pytree of arrays
+        that travels around the ring (``ppermute``) as is
+    steps.forward(q, kv, o, lse, *, q_positions, k_positions, kv_valid, dropout_rng)
+        -> (o, lse)
+        folds the block ``kv`` into the running normalised partial ``o`` [N, Lq, H, D],
+        ``lse`` [N, Lq, H] (stats dtype; start from o = 0, lse = -inf): the result is
+        the partial over the keys of both, as :func:`~jax_dilated.softmax.merge_partials`
+        would give it
+    steps.backward(q, kv, do, lse, delta, dq, dkv, *, ...same keywords) -> (dq, dkv)
+        adds the block's gradients to the accumulators ``dq`` [N, Lq, H, D] (stats
+        dtype) and ``dkv`` (stats dtype, shaped like ``kv``; start from zeros);
+        ``lse``/``delta`` as for ``backward``
+    steps.unpack_kv(dkv) -> (dk, dv)     [N, Lk, H_kv, D], stats dtype
+
+``steps.forward`` and ``steps.backward`` must draw the same dropout masks from the
+same ``dropout_rng``; a ring uses one of the two interfaces for both passes.
 """
 
 from __future__ import annotations

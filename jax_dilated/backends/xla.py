@@ -22,7 +22,7 @@ from jax_dilated import softmax
 from jax_dilated._vma import varying_like
 from jax_dilated.backends.base import BlockLists, KernelArgs, any_pair_allowed
 
-__all__ = ["forward", "backward", "attention", "block_sparse_forward",
+__all__ = ["forward", "backward", "attention", "ring_steps", "block_sparse_forward",
            "block_sparse_backward", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
 
 DEFAULT_BLOCK_Q = 512
@@ -476,6 +476,178 @@ def attention(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
     Gradients flow to q, k, v from both outputs, ``o`` and ``lse``.
     """
     return _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng)
+
+
+# ------------------------------------------------------------------- ring steps
+
+
+class _RingSteps:
+    """The optional ring entry points (see :mod:`.base`) for one geometry.
+
+    Keys and values travel in the kernel's blocked layout ``[nk, N, Hkv, bk, D]``
+    (converted once per ring by :meth:`pack_kv`), and every step folds its block
+    into accumulators carried through the ring and updated in place: the running
+    ``(o, lse)`` in the forward, ``dq`` and the blocked ``dk``/``dv`` in the
+    backward. Query-side arrays stay in the caller's ``[N, L, H, ...]`` layout and
+    are cut into blocks one query block at a time, so no shard-sized copy of
+    ``q``, ``do``, ``o`` or ``dq`` is made per step.
+    """
+
+    def __init__(self, geo: _Blocking, group: int, args: KernelArgs):
+        self.geo, self.group, self.args = geo, group, args
+
+    # [N, bq, H, ...] <-> [N, Hkv, G, bq, ...]
+    def _rows(self, x):
+        n, bq, h = x.shape[:3]
+        x = x.reshape(n, bq, h // self.group, self.group, *x.shape[3:])
+        return jnp.moveaxis(x, 1, 3)
+
+    def _unrows(self, x):
+        x = jnp.moveaxis(x, 3, 1)
+        return x.reshape(x.shape[0], x.shape[1], -1, *x.shape[4:])
+
+    def _slice(self, x, i):
+        bq = self.geo.block_q
+        return jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=1)
+
+    def _put(self, x, blk, i):
+        return jax.lax.dynamic_update_slice_in_dim(x, blk.astype(x.dtype),
+                                                   i * self.geo.block_q, axis=1)
+
+    def _q_block(self, q, i):
+        """Query block i, pre-scaled, [N, Hkv, G, bq, D] (as :class:`_Prepared` makes it)."""
+        (q_blk,) = _matmul_inputs(self._slice(q, i))
+        stats = softmax.stats_dtype(q_blk.dtype)
+        if jnp.dtype(q_blk.dtype) == stats:
+            q_blk = q_blk * jnp.asarray(self.args.scale, q_blk.dtype)
+        return self._rows(q_blk)
+
+    def _keys(self, q, k_positions, kv_valid):
+        """Blocked key positions [nk, bk], validity [nk, N, Hkv|1, bk] or None, post-scale."""
+        geo = self.geo
+        kp = (jnp.arange(geo.len_k, dtype=jnp.int32) if k_positions is None
+              else k_positions.astype(jnp.int32))
+        k_pos = kp.reshape(geo.num_k, geo.block_k)
+        k_valid = None
+        if kv_valid is not None:
+            valid = kv_valid[:, None, :] if kv_valid.ndim == 2 else kv_valid.transpose(0, 2, 1)
+            k_valid = _to_blocks(valid, 2, geo.block_k)
+        # the scale is folded into q blocks of the stats dtype (see _q_block)
+        wide = jax.default_backend() == "cpu" or softmax.stats_dtype(q.dtype) == q.dtype
+        return k_pos, k_valid, 1.0 if wide else self.args.scale
+
+    def _q_pos(self, q_positions):
+        geo = self.geo
+        qp = (jnp.arange(geo.len_q, dtype=jnp.int32) if q_positions is None
+              else q_positions.astype(jnp.int32))
+        return qp.reshape(geo.num_q, geo.block_q)
+
+    def pack_kv(self, k, v):
+        k, v = _matmul_inputs(k, v)
+        bk = self.geo.block_k
+        return (_to_blocks(k.transpose(0, 2, 1, 3), 2, bk),
+                _to_blocks(v.transpose(0, 2, 1, 3), 2, bk))
+
+    def unpack_kv(self, kv):
+        return tuple(_from_blocks(x, 2, self.geo.len_k).transpose(0, 2, 1, 3) for x in kv)
+
+    def forward(self, q, kv, o, lse, *, q_positions=None, k_positions=None, kv_valid=None,
+                dropout_rng=None):
+        args, geo = self.args, self.geo
+        k_b, v_b = kv
+        stats = o.dtype
+        q_pos_b = self._q_pos(q_positions)
+        k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
+
+        def q_block(carry, i):
+            o, lse = carry
+            q_blk = self._q_block(q, i)
+            q_pos = q_pos_b[i]
+            m = self._rows(self._slice(lse, i))
+            # the normalised partial (o, lse) as a running state: m = lse, l = 1
+            state = softmax.RunningState(
+                m, jnp.where(jnp.isneginf(m), 0.0, 1.0).astype(stats),
+                self._rows(self._slice(o, i)))
+
+            def k_block(state, ys):
+                j, k_blk, v_blk, k_pos, k_valid = ys
+
+                def compute(state):
+                    mask = _block_mask(args, q_pos, k_pos, k_valid)
+                    keep = _dropout_keep(args, dropout_rng, i, j,
+                                         q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
+                    return _forward_block(state, q_blk, k_blk, v_blk, mask, keep,
+                                          post_scale, stats)
+
+                need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
+                return _maybe_cond(need, compute, lambda st: st, state), None
+
+            ys = (jnp.arange(geo.num_k), k_b, v_b, k_pos_b, k_valid_b)
+            state, _ = jax.lax.scan(k_block, state, ys)
+            o_blk, lse_blk = softmax.finalize_state(state)
+            return (self._put(o, self._unrows(o_blk), i),
+                    self._put(lse, self._unrows(lse_blk), i)), None
+
+        (o, lse), _ = jax.lax.scan(q_block, (o, lse), jnp.arange(geo.num_q))
+        return o, lse
+
+    def backward(self, q, kv, do, lse, delta, dq, dkv, *, q_positions=None,
+                 k_positions=None, kv_valid=None, dropout_rng=None):
+        args, geo = self.args, self.geo
+        k_b, v_b = kv
+        stats = dq.dtype
+        q_pos_b = self._q_pos(q_positions)
+        k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
+
+        def q_block(carry, i):
+            dq, (dk_b, dv_b) = carry
+            q_blk = self._q_block(q, i)
+            (do_blk,) = _matmul_inputs(self._slice(do, i))
+            do_blk = self._rows(do_blk)
+            lse_i = self._slice(lse, i).astype(stats)
+            # rows without keys have lse = -inf and all logits -inf: exp(-inf - 0) = 0.
+            lse_blk = self._rows(jnp.where(jnp.isneginf(lse_i), 0.0, lse_i))
+            delta_blk = self._rows(self._slice(delta, i).astype(stats))
+            q_pos = q_pos_b[i]
+            # dq of this block, transposed as _backward_block gives it: [N, Hkv, D, G, bq]
+            dqt = jnp.moveaxis(self._rows(self._slice(dq, i)), -1, 2)
+
+            def k_block(carry, ys):
+                j, k_blk, v_blk, k_pos, k_valid = ys
+
+                def compute(carry):
+                    dqt, dk_b, dv_b = carry
+                    mask = _block_mask_t(args, q_pos, k_pos, k_valid)
+                    keep = _dropout_keep(args, dropout_rng, i, j,
+                                         q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
+                    (dk_j, dv_j), dqt_blk = _backward_block(
+                        (dk_b[j], dv_b[j]), q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk,
+                        mask, keep, post_scale, args.scale, stats)
+                    return dqt + dqt_blk, dk_b.at[j].set(dk_j), dv_b.at[j].set(dv_j)
+
+                need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
+                return _maybe_cond(need, compute, lambda c: c, carry), None
+
+            ys = (jnp.arange(geo.num_k), k_b, v_b, k_pos_b, k_valid_b)
+            (dqt, dk_b, dv_b), _ = jax.lax.scan(k_block, (dqt, dk_b, dv_b), ys)
+            dq = self._put(dq, self._unrows(jnp.moveaxis(dqt, 2, -1)), i)
+            return (dq, (dk_b, dv_b)), None
+
+        (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), jnp.arange(geo.num_q))
+        return dq, dkv
+
+
+def ring_steps(q, k, args: KernelArgs):
+    """The ring entry points for queries like ``q`` and keys like ``k`` (see :mod:`.base`).
+
+    None (the ring then uses :func:`forward` / :func:`backward`) when the lengths
+    are not whole blocks or the batch would be cut into chunks.
+    """
+    geo = _blocking(q.shape[1], k.shape[1], args)
+    if (geo.num_q * geo.block_q != geo.len_q or geo.num_k * geo.block_k != geo.len_k
+            or _batch_chunk(q.shape[0], q, k, args) < q.shape[0]):
+        return None
+    return _RingSteps(geo, q.shape[2] // k.shape[2], args)
 
 
 # ----------------------------------------------------------------- block-sparse
