@@ -91,8 +91,8 @@ class LongNetConfig:
       attention_dropout: dropout on the attention probabilities.
       layer_norm_eps: epsilon of every LayerNorm.
       remat: rematerialise every block in the backward pass.
-      dtype: computation dtype (None: float32 parameters compute in float32);
-        logits are float32 whatever it is.
+      dtype: computation dtype (None: that of the parameters); logits are at
+        least float32 whatever it is.
       param_dtype: parameter dtype.
       implementation: attention kernel (None: chosen by device kind).
     """
@@ -269,7 +269,8 @@ class LongNetLM(nnx.Module):
       rngs: ``nnx.Rngs`` (``params`` for initialisation, ``dropout`` for dropout).
 
     Call: ``model(tokens [B, T] int, *, kv_mask=None [B, T] bool, decode=False,
-    deterministic=None) -> logits [B, T, V] float32``. Logits at ``t`` depend on
+    deterministic=None) -> logits [B, T, V]`` (float32, or float64 for a float64
+    model). Logits at ``t`` depend on
     tokens ``0..t`` only (causal). ``decode=True`` runs the next tokens against the
     KV cache of :meth:`init_cache` (a prompt at once, then token by token; each
     token at its absolute position). ``deterministic=True`` disables dropout (None:
@@ -310,7 +311,8 @@ class LongNetLM(nnx.Module):
 
     def __call__(self, tokens, *, kv_mask=None, decode: bool = False,
                  deterministic: bool | None = None):
-        """``tokens`` [B, T] int -> logits [B, T, V] float32 (see the class docstring)."""
+        """``tokens`` [B, T] int -> logits [B, T, V] (at least float32; see the class
+        docstring)."""
         if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(
                 f"tokens must be an int array [batch, seq], got "
@@ -329,7 +331,7 @@ class LongNetLM(nnx.Module):
                 x = _run_block(block, x, kv_mask, deterministic)
         x = self.final_ln(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
-        return logits.astype(jnp.float32)
+        return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
 
     # ----------------------------------------------------------------- decoding
 
@@ -443,14 +445,15 @@ def cross_entropy(logits, targets, weights=None):
     """Mean next-token cross-entropy.
 
     Args:
-      logits: [B, T, V] (float32 recommended).
+      logits: [B, T, V] (computed in at least float32).
       targets: int [B, T].
       weights: optional [B, T] (e.g. 0/1: which positions count).
 
     Returns:
       scalar: ``sum(w * nll) / sum(w)`` (the plain mean without weights).
     """
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)),
+                              axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     if weights is None:
         return jnp.mean(nll)
