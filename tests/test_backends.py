@@ -595,3 +595,27 @@ def test_distributed_dilated_on_described_gpu(described_gpu, causal):
     # calls, not run counts) only when non-causal
     traced = len([c for c in ops.calls if c[0] == "forward"])
     assert traced == 1 if causal else traced > 1, ops.calls
+
+
+def test_widened_backward_in_chunks():
+    """A segment batch whose widened operands exceed the budget runs in chunks (lax.map),
+    with the same gradients as one call (here 5 segments in chunks of 2, one padded)."""
+    n, l, h, d = 5, 16, 2, 16
+    q, k, v, do, dlse = _inputs(9, n, l, l, h, h, d)
+    half = [_half(x, "bfloat16") for x in (q, k, v, do)]
+    rng = np.random.default_rng(10)
+    lse = jnp.asarray(rng.standard_normal((n, l, h)) + 3.0, jnp.float32)
+    delta = jnp.asarray(rng.standard_normal((n, l, h)), jnp.float32)
+    args = KernelArgs(scale=0.25, is_causal=True)
+    whole_ops, chunk_ops = RecordingOps(cudnn.ReferenceOps()), RecordingOps(cudnn.ReferenceOps())
+    whole = cudnn.CudnnKernel(ops=whole_ops, device=H100)
+    per_segment = 5 * l * h * (d + selection.AUGMENT_COLUMNS) * 2  # bytes, bf16
+    chunked = cudnn.CudnnKernel(ops=chunk_ops, device=H100,
+                                widen_chunk_bytes=2 * per_segment)
+    got = jax.jit(lambda *a: chunked.backward(*a, args))(*half, lse, delta)
+    want = jax.jit(lambda *a: whole.backward(*a, args))(*half, lse, delta)
+    for name, a, b_ in zip(("dq", "dk", "dv"), got, want):
+        assert a.shape == b_.shape
+        assert_close(a, b_, 1e-6, name)
+    assert "while" in jax.jit(lambda *a: chunked.backward(*a, args)).lower(
+        *half, lse, delta).as_text()

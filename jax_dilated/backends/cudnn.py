@@ -27,7 +27,9 @@ Any ``stats``/``o`` may be passed, so:
   ``delta`` while ``q k^T``, ``do v^T`` and the first ``head_dim`` columns of
   ``dq, dk, dv`` are unchanged (``augmented`` path, ~6% more backward work at
   head_dim 128). Where ``head_dim + 8`` exceeds cuDNN's limit (128 before
-  Hopper) that backward runs on the XLA kernel instead, decided at trace time.
+  Hopper) that backward runs on the XLA kernel instead, decided at trace time. A
+  segment batch whose widened copies would exceed ``WIDEN_CHUNK_BYTES`` runs in
+  chunks (``lax.map``), so the transient memory stays bounded.
 
 The differentiable ``attention`` uses ``symbolic_zeros``: when the lse cotangent
 is symbolically zero it takes the native path with its own ``o``.
@@ -259,9 +261,16 @@ class CudnnKernel:
 
     name = "cudnn"
 
-    def __init__(self, ops: FusedOps | None = None, device=None):
+    # Bytes of widened operands (q, k, v, do, o with 8 more columns) one cuDNN call of
+    # the generic backward may hold; a larger segment batch is cut into chunks run one
+    # after another (lax.map), so the transient copies stay bounded at 1M tokens.
+    WIDEN_CHUNK_BYTES = 2 << 30
+
+    def __init__(self, ops: FusedOps | None = None, device=None,
+                 widen_chunk_bytes: int | None = None):
         self._ops = ops
         self._device = device
+        self.widen_chunk_bytes = widen_chunk_bytes or self.WIDEN_CHUNK_BYTES
 
     @property
     def ops(self) -> FusedOps:
@@ -322,6 +331,29 @@ class CudnnKernel:
         if not self.augmented_backward_ok(d):
             return xla.backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
                                 k_positions=k_positions, kv_valid=kv_valid)
+        n = q.shape[0]
+        width = d + selection.AUGMENT_COLUMNS
+        rows_q, rows_k = int(np.prod(q.shape[1:-1])), int(np.prod(k.shape[1:-1]))
+        per_item = (3 * rows_q + 2 * rows_k) * width * jnp.dtype(q.dtype).itemsize
+        chunks = max(1, -(-n * per_item // self.widen_chunk_bytes))
+        lse = jnp.where(jnp.isneginf(lse), 0.0, lse).astype(jnp.float32)
+        delta = delta.astype(jnp.float32)
+        if chunks == 1:
+            return self._widened_backward(q, k, v, do, lse, delta, args)
+        chunk = -(-n // chunks)
+        chunks = -(-n // chunk)
+
+        def split(x):
+            x = jnp.pad(x, [(0, chunks * chunk - n)] + [(0, 0)] * (x.ndim - 1))
+            return x.reshape(chunks, chunk, *x.shape[1:])
+
+        outs = jax.lax.map(lambda xs: self._widened_backward(*xs, args),
+                           tuple(split(x) for x in (q, k, v, do, lse, delta)))
+        return tuple(y.reshape(chunks * chunk, *y.shape[2:])[:n] for y in outs)
+
+    def _widened_backward(self, q, k, v, do, lse, delta, args):
+        """One cuDNN backward with ``delta`` carried in 8 extra head columns (see module)."""
+        d = q.shape[-1]
         dt = q.dtype
         extra = selection.AUGMENT_COLUMNS
 
@@ -329,15 +361,14 @@ class CudnnKernel:
             tail = jnp.zeros(x.shape[:-1] + (extra,), dt) if cols is None else cols
             return jnp.concatenate([x.astype(dt), tail], axis=-1)
 
-        parts = _split3(delta.astype(jnp.float32), dt)
+        parts = _split3(delta, dt)
         rows = q.shape[:-1]
         ones = jnp.ones(rows + (len(parts),), dt)
         pad = jnp.zeros(rows + (extra - len(parts),), dt)
         do_w = widen(do, jnp.concatenate([ones, pad], axis=-1))
         o_w = jnp.concatenate([jnp.zeros(rows + (d,), dt), jnp.stack(parts, -1), pad], -1)
-        stats = jnp.swapaxes(jnp.where(jnp.isneginf(lse), 0.0, lse), 1, 2)
         dq, dk, dv = self.ops.backward(widen(q), widen(k), widen(v), o_w,
-                                       stats.astype(jnp.float32), do_w,
+                                       jnp.swapaxes(lse, 1, 2), do_w,
                                        scale=float(args.scale), causal=args.is_causal)
         return (dq[..., :d].astype(q.dtype), dk[..., :d].astype(k.dtype),
                 dv[..., :d].astype(v.dtype))
