@@ -249,13 +249,13 @@ def run_gpu(args: argparse.Namespace, h) -> dict:
             return out, vjp(g.astype(out.dtype))
         return run
 
-    rng = np.random.default_rng(args.seed)
     kernel = get_kernel(args.implementation)
     kargs = KernelArgs(scale=scale, is_causal=args.causal)
     for n in args.sizes:
         shape = (b, n, heads, d)
-        q, k, v, g = (jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
-                      for _ in range(4))
+        # drawn on the device (4 x 4 GiB at n = 1M: host-side numpy would take minutes)
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(args.seed), n), 4)
+        q, k, v, g = (jax.random.normal(key, shape, dtype) for key in keys)
         segs = tuple(min(w, n) for w in args.segments)
         for mode in args.modes:
             fw = h.dilated_flops(batch=b, seq_len=n, heads=heads, head_dim=d, segments=segs,
@@ -338,7 +338,7 @@ def run_gpu(args: argparse.Namespace, h) -> dict:
                     record("dense", n, p, fn, ins,
                            fw if p == "forward" else BACKWARD_FLOP_FACTOR * fw)
         if "torch" in args.ops:
-            results.extend(_torch_rows(args, h, n, segs, passes, rng))
+            results.extend(_torch_rows(args, h, n, segs, passes))
         del q, k, v, g
 
     payload = {"benchmark": "gpu", "config": config, "environment": env, "results": results}
@@ -346,7 +346,7 @@ def run_gpu(args: argparse.Namespace, h) -> dict:
     return payload
 
 
-def _torch_rows(args, h, n, segs, passes, rng) -> list[dict]:
+def _torch_rows(args, h, n, segs, passes) -> list[dict]:
     try:
         import torch
     except ImportError:
@@ -357,9 +357,10 @@ def _torch_rows(args, h, n, segs, passes, rng) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
     shape = (args.batch, n, args.heads, args.head_dim)
-    q, k, v = (torch.tensor(rng.standard_normal(shape, dtype=np.float32), device=device,
-                            dtype=dtype, requires_grad=True) for _ in range(3))
-    g = torch.tensor(rng.standard_normal(shape, dtype=np.float32), device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(args.seed + n)
+    q, k, v = (torch.randn(shape, generator=gen, device=device, dtype=dtype)
+               .requires_grad_(True) for _ in range(3))
+    g = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     attn = functools.partial(td.head_groups_attention, segment_lengths=segs,
                              dilation_rates=args.rates, is_causal=args.causal)
     fw = h.dilated_flops(batch=args.batch, seq_len=n, heads=args.heads, head_dim=args.head_dim,
