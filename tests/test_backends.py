@@ -619,3 +619,98 @@ def test_widened_backward_in_chunks():
         assert_close(a, b_, 1e-6, name)
     assert "while" in jax.jit(lambda *a: chunked.backward(*a, args)).lower(
         *half, lse, delta).as_text()
+
+
+def test_real_primitive_binds_abstractly(monkeypatch):
+    """The real cuDNN forward and backward bind with this JAX's primitives: shapes and dtypes
+    by abstract evaluation (no lowering, so no GPU needed; the cuDNN version probe, which
+    needs CUDA, is stubbed). Catches a changed private signature before a GPU session."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    assert cudnn.primitive_signature_reason() is None
+    ops = cudnn.CudnnOps()
+    b, t, s, h, hkv, d = 2, 64, 48, 4, 2, 64
+    q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16)
+    o, stats = jax.eval_shape(lambda q, k, v: ops.forward(q, k, v, scale=0.125, causal=False),
+                              q, kv, kv)
+    assert (o.shape, o.dtype) == ((b, t, h, d), jnp.bfloat16)
+    assert (stats.shape, stats.dtype) == ((b, h, t), jnp.float32)
+    grads = jax.eval_shape(
+        lambda q, k, v, o, st, do: ops.backward(q, k, v, o, st, do, scale=0.125, causal=True),
+        q, kv, kv, q, jax.ShapeDtypeStruct((b, h, t), jnp.float32), q)
+    assert [(g.shape, g.dtype) for g in grads] == [
+        ((b, t, h, d), jnp.bfloat16), ((b, s, hkv, d), jnp.bfloat16),
+        ((b, s, hkv, d), jnp.bfloat16)]
+    # and the whole kernel (forward, widened backward) traces with it
+    kern = cudnn.CudnnKernel(ops=ops, device=H100)
+    args = KernelArgs(scale=0.125)
+
+    def loss(q, k, v):
+        o, lse = kern.attention(q, k, v, args)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+    shapes = jax.eval_shape(jax.grad(loss, (0, 1, 2)), q, kv, kv)
+    assert [x.shape for x in shapes] == [(b, t, h, d), (b, s, hkv, d), (b, s, hkv, d)]
+
+
+def _cuda_custom_calls(fn, *shapes):
+    """``[(target, signature)]`` of the cuDNN custom calls in ``fn`` lowered for CUDA (from
+    this CPU machine: jax.export lowers for another platform without running anything)."""
+    import re
+    checks = [jax.export.DisabledSafetyCheck.custom_call(n)
+              for n in ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")]
+    exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*shapes)
+    calls = []
+    for line in exp.mlir_module().splitlines():
+        m = re.search(r"custom_call @(__cudnn\S+)\(", line)
+        if m:
+            calls.append((m.group(1), line[line.rindex(" : ("):]))
+    return calls
+
+
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_lowers_to_cudnn_for_cuda(monkeypatch, with_lse):
+    """The real primitive path lowered for CUDA: one fused forward returning float32 stats,
+    one fused backward - widened to head_dim + 8 when the lse has a cotangent, plain when
+    it does not."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    kern = cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device=H100)
+    args = KernelArgs(scale=0.125, is_causal=True)
+
+    def loss(q, k, v):
+        o, lse = kern.attention(q, k, v, args)
+        return jnp.sum(o.astype(jnp.float32)) + (jnp.sum(lse) if with_lse else 0.0)
+
+    q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 64, 2, 64), jnp.bfloat16)
+    calls = _cuda_custom_calls(jax.grad(loss, (0, 1, 2)), q, kv, kv)
+    assert [c[0] for c in calls].count("__cudnn$fmhaSoftmax") == 1
+    assert [c[0] for c in calls].count("__cudnn$fmhaSoftmaxBackward") == 1
+    fwd = next(sig for name, sig in calls if name == "__cudnn$fmhaSoftmax")
+    bwd = next(sig for name, sig in calls if name == "__cudnn$fmhaSoftmaxBackward")
+    assert "tensor<2x4x64xf32>" in fwd  # the float32 stats
+    width = 64 + selection.AUGMENT_COLUMNS if with_lse else 64
+    assert f"tensor<2x64x4x{width}xbf16>" in bwd and "tensor<2x4x64xf32>" in bwd
+
+
+@pytest.mark.parametrize("mode", ["longnet", "head_groups"])
+def test_dilated_attention_lowers_to_cudnn(monkeypatch, mode):
+    """jd.dilated_attention with the default kernel on a (described) H100 lowered for CUDA:
+    one fused forward and one fused backward per branch."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    auto = registry.AutoKernel(cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device=H100))
+    monkeypatch.setattr(registry, "select_implementation", lambda impl, **kw: "cudnn")
+    monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
+    x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        o = jd.dilated_attention(q, k, v, segment_lengths=(64, 128), dilation_rates=(1, 2),
+                                 mode=mode, is_causal=True)
+        return jnp.sum(o.astype(jnp.float32))
+
+    names = [c[0] for c in _cuda_custom_calls(jax.grad(loss, (0, 1, 2)), x, x, x)]
+    assert names.count("__cudnn$fmhaSoftmax") == 2
+    assert names.count("__cudnn$fmhaSoftmaxBackward") == 2
