@@ -55,7 +55,8 @@ Subcommands:
     simulated devices against one device.
 
 Every subcommand shows progress on stderr, prints a summary table and writes
-its results as JSON (``--json``, default ``results/benchmark_<name>.json``).
+its results as JSON (``--json``, default ``results/benchmark_<name>.json``) and
+a PNG plot next to it (``scripts/benchmark_plots.py``; ``--no-plot`` skips it).
 New subcommands (ring, distributed, block-sparse) register themselves with
 :func:`subcommand` and reuse the helpers below (threads, timing, progress,
 environment, JSON).
@@ -1721,6 +1722,8 @@ def build_parser() -> argparse.ArgumentParser:
         default_json = f"results/benchmark_{cmd.name}.json"
         p.add_argument("--json", default=str(ROOT / default_json),
                        help=f"where to write the results (default {default_json})")
+        p.add_argument("--no-plot", action="store_true",
+                       help="skip the PNG plot written next to the JSON (needs matplotlib)")
     return parser
 
 
@@ -1730,6 +1733,15 @@ def main(argv: list[str] | None = None) -> int:
     payload = SUBCOMMANDS[args.command].run(args)
     path = write_json(args.json, payload)
     print(f"\nresults written to {path}")
+    if not args.no_plot:
+        try:
+            if str(SCRIPTS) not in sys.path:
+                sys.path.insert(0, str(SCRIPTS))
+            from benchmark_plots import plot
+            for png in plot(payload, path):
+                print(f"plot written to {png}")
+        except ImportError as e:
+            print(f"no plot ({e}; pip install matplotlib)")
     return 0
 
 
