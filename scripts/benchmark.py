@@ -38,7 +38,8 @@ Subcommands:
     total work, which a layout does not change; a projection times each
     distinct ring step on one device and reports the critical path (sum over
     steps of the slowest device) that real devices, one per shard, would see.
-    ``--quick``: n = 2048 (memory at 4096), a minute or two.
+    ``--quick``: n = 2048 (memory at 4096), a minute or two; ``--no-timing``:
+    the memory table only.
 
 ``distributed``
     ``jd.dilated_attention(axis_name=...)`` over P = 1, 2, 4, 8 simulated CPU
@@ -742,6 +743,8 @@ def _ring_arguments(p: argparse.ArgumentParser) -> None:
                         "jax-dilated's kernel)")
     p.add_argument("--no-projection", action="store_true",
                    help="skip the per-step critical-path projection")
+    p.add_argument("--no-timing", action="store_true",
+                   help="compile and report the per-device memory table only")
     p.add_argument("--implementation", default=None,
                    help="kernel implementation (default: by device kind)")
     p.add_argument("--quick", action="store_true",
@@ -1093,7 +1096,8 @@ def run_ring(args: argparse.Namespace) -> dict:
     variants = _ring_variants(args, libs, ra, mesh, inputs)
     passes = ["forward_backward"] if args.no_forward else ["forward", "forward_backward"]
     jobs = _ring_memory_jobs(args, libs, ra)
-    progress = Progress(len(jobs) + len(variants) + len(passes) + 1
+    progress = Progress(len(jobs) if args.no_timing else
+                        len(jobs) + len(variants) + len(passes) + 1
                         + (not args.no_projection and args.causal), "ring")
     progress.write(f"ring: B={args.batch} n={args.seq_len} H={args.heads} D={args.head_dim} "
                    f"{args.dtype} causal={args.causal} P={args.devices} "
@@ -1101,6 +1105,13 @@ def run_ring(args: argparse.Namespace) -> dict:
                    f"threads={args.threads} repeats={args.repeats}; ringattention: {ra_status}")
 
     memory = _ring_memory(args, libs, jobs, progress)
+    if args.no_timing:
+        progress.close()
+        payload = {"benchmark": "ring", "config": config, "environment": env,
+                   "memory": memory, "timing": {}, "timing_reference": None,
+                   "projection": None}
+        _print_ring_summary(payload)
+        return payload
 
     # --- compile every variant, forward and forward+backward ---
     results: dict = {}
@@ -1202,6 +1213,8 @@ def _print_ring_summary(payload: dict) -> None:
                      fmt_bytes(r["argument_bytes_expected_per_device"])])
     print_table(["program", "fwd temp", "fwd+bwd temp", "vs single", "args",
                  "4 inputs / P"], rows)
+    if not payload["timing"]:
+        return
     print()
     ref = payload["timing_reference"]
     print(f"timing at global n={cfg['seq_len']}, ring over P={cfg['devices']} "

@@ -222,21 +222,33 @@ def _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, mask
     # then plain (non-transposed) matmuls, which XLA:CPU runs fastest.
     dk_acc, dv_acc = carry
     post = jnp.asarray(post_scale, stats)
+    # The elementwise work runs on the logits as the matmuls lay them out,
+    # [N Hkv, bk, G bq] (a free reshape): with the shapes equal, XLA computes each
+    # step in place of the previous one and holds two logits blocks, not three.
+    n, h, bk = k_blk.shape[:3]
+    g, bq = q_blk.shape[2:4]
+    flat, full = (n * h, bk, g * bq), (n, h, bk, g, bq)
+
+    def rows(x):  # [N, Hkv, G, bq] -> [N Hkv, 1, G bq]
+        return x.reshape(n * h, 1, g * bq)
+
     st = jnp.einsum("nhkd,nhgqd->nhkgq", k_blk, q_blk, preferred_element_type=stats)
+    st = st.reshape(flat)
     if post_scale != 1.0:
         st = st * post
     if mask_t is not None:
-        st = jnp.where(mask_t, st, -jnp.inf)
-    pt = jnp.exp(st - lse_blk[:, :, None])
+        st = jnp.where(jnp.broadcast_to(mask_t, full).reshape(flat), st, -jnp.inf)
+    pt = jnp.exp(st - rows(lse_blk))
     if keep is not None:
-        keep = jnp.moveaxis(keep, -1, 2)
+        keep = jnp.moveaxis(keep, -1, 2).reshape(flat)
     pz = pt if keep is None else pt * keep
-    dv_acc = dv_acc + jnp.einsum("nhkgq,nhgqd->nhkd", pz.astype(do_blk.dtype), do_blk,
-                                 preferred_element_type=stats)
+    dv_acc = dv_acc + jnp.einsum("nhkgq,nhgqd->nhkd", pz.astype(do_blk.dtype).reshape(full),
+                                 do_blk, preferred_element_type=stats)
     dpt = jnp.einsum("nhkd,nhgqd->nhkgq", v_blk, do_blk, preferred_element_type=stats)
+    dpt = dpt.reshape(flat)
     if keep is not None:
         dpt = dpt * keep
-    dst = (pt * (dpt - delta_blk[:, :, None])).astype(q_blk.dtype)
+    dst = (pt * (dpt - rows(delta_blk))).astype(q_blk.dtype).reshape(full)
     # q_blk carries the pre-scale, so only the post-scale is left for dk.
     dk_blk = jnp.einsum("nhkgq,nhgqd->nhkd", dst, q_blk, preferred_element_type=stats)
     if post_scale != 1.0:
