@@ -390,6 +390,15 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
     permutation per hop, or one cut short after the last needed hop (with dk/dv
     sent back to their owners), could skip it. That is not implemented; with a
     traced mask nothing can be skipped statically.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> from jax_dilated import block_patterns as bp
+      >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 64, 2, 8))
+      >>> pattern = bp.LocalWindow(1) | bp.GlobalBlocks([0])   # 4 blocks of 16 tokens
+      >>> jd.block_sparse_attention(q, k, v, block_size=16, pattern=pattern,
+      ...                           is_causal=True).shape
+      (1, 64, 2, 8)
     """
     b, tq, h, hkv, tk = validation.check_qkv(query, key, value)
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \

@@ -99,6 +99,20 @@ def dilated_attention_decode(query, key_cache, value_cache, position, *, segment
       [batch, 1, num_heads, head_dim] in the dtype of ``query``: equal to
       ``dilated_attention(..., is_causal=True)`` at ``position`` on the sequence
       ``0..position`` (and on any longer one).
+
+    Only the cached keys of each branch's current segment that the head selects are
+    read (at most ``w / r`` per branch), so the work per token does not grow with
+    the context.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jax_dilated as jd
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))
+      >>> cfg = dict(segment_lengths=(8, 16), dilation_rates=(1, 2))
+      >>> full = jax.jit(lambda x: jd.dilated_attention(x, x, x, is_causal=True, **cfg))(x)
+      >>> decode = jax.jit(lambda q, k, v, t: jd.dilated_attention_decode(q, k, v, t, **cfg))
+      >>> step = decode(x[:, 20:21], x, x, 20)         # position may be traced
+      >>> bool(jnp.allclose(step, full[:, 20:21], atol=1e-5))
+      True
     """
     # the cache may be stored in another dtype than the query: check shapes only
     as_query = [jax.ShapeDtypeStruct(x.shape, query.dtype) for x in (key_cache, value_cache)]

@@ -78,8 +78,9 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
     Example:
       >>> import jax, jax.numpy as jnp, jax_dilated as jd
       >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 64, 4, 8))
-      >>> jd.dilated_attention(q, k, v, segment_lengths=(16, 32),
-      ...                      dilation_rates=(1, 2)).shape
+      >>> attn = jax.jit(lambda q, k, v: jd.dilated_attention(
+      ...     q, k, v, segment_lengths=(16, 32), dilation_rates=(1, 2), is_causal=True))
+      >>> attn(q, k, v).shape
       (1, 64, 4, 8)
     """
     b, t, h, hkv, tk = validation.check_qkv(query, key, value)

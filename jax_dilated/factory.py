@@ -113,6 +113,17 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
       (``sow_weights``), custom einsums, broadcast dropout (build the Flax layer with
       ``broadcast_dropout=False`` to use dropout), and Flax's ``decode`` cache (use
       :class:`jax_dilated.nnx.MultiheadDilatedAttention` for decoding).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jax_dilated as jd
+      >>> from flax import nnx
+      >>> mha = nnx.MultiHeadAttention(
+      ...     num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(0),
+      ...     attention_fn=jd.attention_fn(segment_lengths=(8, 32), dilation_rates=(1, 2)))
+      >>> x = jnp.ones((1, 32, 16))
+      >>> run = nnx.jit(lambda m, x: m(x, mask=nnx.make_causal_mask(jnp.ones((1, 32)))))
+      >>> run(mha, x).shape
+      (1, 32, 16)
     """
     core = common.dilated_core(
         segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
@@ -325,6 +336,15 @@ def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
       ValueError: for an unknown kind, a ring kind without a mesh,
         a mesh without the named axis, ``"dilated"`` with a mesh, ``"ring"`` with
         dilated-attention options.
+
+    Example:
+      >>> import jax_dilated as jd
+      >>> from flax import nnx
+      >>> layer, choice = jd.create_multihead_dilated_attention(
+      ...     embed_dim=16, num_heads=2, segment_lengths=(8, 32), dilation_rates=(1, 2),
+      ...     seq_len=32, explain=True, rngs=nnx.Rngs(0))
+      >>> choice.kind, type(layer).__name__
+      ('dilated', 'MultiheadDilatedAttention')
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")

@@ -59,14 +59,43 @@ def global_order(seq_len: int, num_devices: int, layout: str) -> np.ndarray:
 
 
 def to_layout(x, num_devices: int, layout: str, axis: int = 1):
-    """Permute the global sequence axis of ``x`` into ``layout`` order."""
+    """Permute the global sequence axis of ``x`` into ``layout`` order.
+
+    Args:
+      x: a global array, e.g. [batch, seq, heads, head_dim].
+      num_devices: ``P``, the devices of the ring.
+      layout: ``"contiguous"`` (unchanged), ``"zigzag"`` (the sequence in ``2P`` chunks;
+        device ``d`` gets chunks ``d`` and ``2P-1-d``) or ``"striped"`` (token ``t`` to
+        device ``t mod P``); ``seq`` must divide by ``2P`` (zigzag) or ``P``.
+      axis: the sequence axis.
+
+    Returns:
+      ``x`` with its sequence axis permuted so that the ``d``-th contiguous ``seq / P``
+      slice is what device ``d`` holds. :func:`from_layout` undoes it.
+
+    Example:
+      >>> import jax.numpy as jnp, jax_dilated as jd
+      >>> jd.to_layout(jnp.arange(8)[None], 2, "zigzag").tolist()   # devices 0 | 1
+      [[0, 1, 6, 7, 2, 3, 4, 5]]
+      >>> jd.to_layout(jnp.arange(8)[None], 2, "striped").tolist()
+      [[0, 2, 4, 6, 1, 3, 5, 7]]
+    """
     if layout == "contiguous":
         return x
     return jnp.take(x, global_order(x.shape[axis], num_devices, layout), axis=axis)
 
 
 def from_layout(x, num_devices: int, layout: str, axis: int = 1):
-    """Inverse of :func:`to_layout`: back to the user's token order."""
+    """Inverse of :func:`to_layout`: back to the user's token order.
+
+    Arguments as in :func:`to_layout`; ``from_layout(to_layout(x, P, l), P, l) == x``.
+
+    Example:
+      >>> import jax.numpy as jnp, jax_dilated as jd
+      >>> x = jnp.arange(8)[None]
+      >>> bool((jd.from_layout(jd.to_layout(x, 2, "zigzag"), 2, "zigzag") == x).all())
+      True
+    """
     if layout == "contiguous":
         return x
     inverse = np.argsort(global_order(x.shape[axis], num_devices, layout))

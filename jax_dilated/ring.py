@@ -346,6 +346,23 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
       [batch, n, num_heads, head_dim] in the input dtype: softmax attention of the
       local queries over all keys of the global sequence. Rows with no key to
       attend to are zero.
+
+    The math: every device keeps its queries; the ``P`` key/value shards visit it in
+    turn (``jax.lax.ppermute``), and the partial results ``(O_s, LSE_s)`` of the
+    steps are merged by the online softmax, ``O = sum_s exp(LSE_s - LSE) O_s`` with
+    ``LSE = log sum_s exp(LSE_s)``: exactly ``softmax(scale q k^T) v`` over the
+    global sequence.
+
+    Example (on global arrays :func:`jax_dilated.sharded` does the ``shard_map``):
+      >>> import jax, jax_dilated as jd
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("seq",))
+      >>> ring = jax.shard_map(
+      ...     lambda q, k, v: jd.ring_attention(q, k, v, axis_name="seq", is_causal=True),
+      ...     mesh=mesh, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
+      >>> x = jax.random.normal(jax.random.key(0), (1, 64, 2, 8))
+      >>> ring(x, x, x).shape
+      (1, 64, 2, 8)
     """
     b, n, h, hkv, nk = validation.check_qkv(query, key, value)
     if nk != n:

@@ -66,6 +66,12 @@ def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
 
     Returns:
       one :class:`KernelChoice` (operation, kernel, reason) per operation.
+
+    Example:
+      >>> import jax_dilated as jd
+      >>> rows = jd.backend_report(file=None)      # jd.backend_report() prints it
+      >>> rows[0].operation, rows[0].kernel in ("xla", "cudnn", "pallas")
+      ("dilated_attention mode='longnet'", True)
     """
     device = jax.devices()[0] if device is None else device
     info = selection.describe_device(device)
