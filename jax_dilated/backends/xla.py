@@ -555,7 +555,8 @@ class _RingSteps:
         return qp.reshape(geo.num_q, geo.block_q)
 
     def pack_kv(self, k, v):
-        k, v = _matmul_inputs(k, v)
+        # in the input dtype: blocks travel at their own size (widened, on CPU, one
+        # block at a time as they are used)
         bk = self.geo.block_k
         return (_to_blocks(k.transpose(0, 2, 1, 3), 2, bk),
                 _to_blocks(v.transpose(0, 2, 1, 3), 2, bk))
@@ -588,8 +589,8 @@ class _RingSteps:
                     mask = _block_mask(args, q_pos, k_pos, k_valid)
                     keep = _dropout_keep(args, dropout_rng, i, j,
                                          q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
-                    return _forward_block(state, q_blk, k_blk, v_blk, mask, keep,
-                                          post_scale, stats)
+                    return _forward_block(state, q_blk, *_matmul_inputs(k_blk, v_blk),
+                                          mask, keep, post_scale, stats)
 
                 need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
                 return _maybe_cond(need, compute, lambda st: st, state), None
@@ -633,8 +634,8 @@ class _RingSteps:
                     keep = _dropout_keep(args, dropout_rng, i, j,
                                          q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                     (dk_j, dv_j), dqt_blk = _backward_block(
-                        (dk_b[j], dv_b[j]), q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk,
-                        mask, keep, post_scale, args.scale, stats)
+                        (dk_b[j], dv_b[j]), q_blk, *_matmul_inputs(k_blk, v_blk), do_blk,
+                        lse_blk, delta_blk, mask, keep, post_scale, args.scale, stats)
                     return dqt + dqt_blk, dk_b.at[j].set(dk_j), dv_b.at[j].set(dv_j)
 
                 need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
