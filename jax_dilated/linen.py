@@ -47,6 +47,13 @@ class DilatedAttention(nn.Module):
     Fields as :class:`jax_dilated.nnx.DilatedAttention`; call ``(query, key, value, *,
     is_causal=False, kv_mask=None, deterministic=None, dropout_rng=None)`` with
     ``[B, T, H, D]`` arrays.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> attn = jd.linen.DilatedAttention(segment_lengths=(8, 32), dilation_rates=(1, 2))
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))
+      >>> jax.jit(lambda x: attn.apply({}, x, x, x, is_causal=True))(x).shape
+      (1, 32, 2, 8)
     """
 
     segment_lengths: Sequence[int]
@@ -83,6 +90,13 @@ class RingAttention(nn.Module):
 
     Fields as :class:`jax_dilated.nnx.RingAttention`; call ``(query, key, value, *,
     is_causal=False, kv_mask=None)``.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> ring = jd.linen.RingAttention(mesh=jax.make_mesh((1,), ("seq",)), seq_axis="seq")
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))
+      >>> jax.jit(lambda x: ring.apply({}, x, x, x, is_causal=True))(x).shape
+      (1, 32, 2, 8)
     """
 
     mesh: Any
@@ -211,7 +225,17 @@ class _Multihead(nn.Module):
 class MultiheadDilatedAttention(_Multihead):
     """LongNet multi-head dilated attention (Linen); options, parameters and math as
     :class:`jax_dilated.nnx.MultiheadDilatedAttention` (``segment_lengths`` and
-    ``dilation_rates`` are required)."""
+    ``dilation_rates`` are required).
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> layer = jd.linen.MultiheadDilatedAttention(
+      ...     embed_dim=16, num_heads=2, segment_lengths=(8, 32), dilation_rates=(1, 2))
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 16))    # [batch, seq, embed]
+      >>> params = jax.jit(layer.init)(jax.random.key(1), x)
+      >>> jax.jit(lambda p, x: layer.apply(p, x, is_causal=True))(params, x).shape
+      (1, 32, 16)
+    """
 
     segment_lengths: Sequence[int] | None = None
     dilation_rates: Sequence[int] | None = None
@@ -229,7 +253,17 @@ class MultiheadDilatedAttention(_Multihead):
 
 class MultiheadRingAttention(_Multihead):
     """Multi-head exact ring attention over ``mesh`` / ``seq_axis`` (Linen); see
-    :class:`jax_dilated.nnx.MultiheadRingAttention`."""
+    :class:`jax_dilated.nnx.MultiheadRingAttention`.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> layer = jd.linen.MultiheadRingAttention(
+      ...     embed_dim=16, num_heads=2, mesh=jax.make_mesh((1,), ("seq",)), seq_axis="seq")
+      >>> x = jax.numpy.ones((1, 32, 16))
+      >>> params = jax.jit(layer.init)(jax.random.key(1), x)
+      >>> jax.jit(lambda p, x: layer.apply(p, x, is_causal=True))(params, x).shape
+      (1, 32, 16)
+    """
 
     layout: str = "contiguous"
 
@@ -243,7 +277,18 @@ class MultiheadRingAttention(_Multihead):
 class MultiheadBlockSparseAttention(_Multihead):
     """Multi-head block-sparse attention (Linen); see
     :class:`jax_dilated.nnx.MultiheadBlockSparseAttention` (``block_size`` and
-    ``pattern`` are required; with ``mesh`` / ``seq_axis`` it runs over a ring)."""
+    ``pattern`` are required; with ``mesh`` / ``seq_axis`` it runs over a ring).
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> from jax_dilated import block_patterns as bp
+      >>> layer = jd.linen.MultiheadBlockSparseAttention(
+      ...     embed_dim=16, num_heads=2, block_size=8, pattern=bp.LocalWindow(1))
+      >>> x = jax.numpy.ones((1, 32, 16))
+      >>> params = jax.jit(layer.init)(jax.random.key(1), x)
+      >>> jax.jit(lambda p, x: layer.apply(p, x, is_causal=True))(params, x).shape
+      (1, 32, 16)
+    """
 
     block_size: int | None = None
     pattern: Any = None

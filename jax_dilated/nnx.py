@@ -98,6 +98,14 @@ class DilatedAttention(_DropoutMixin, nnx.Module):
 
     Call: ``(query [B, T, H, D], key, value [B, T, Hkv, D], *, is_causal=False,
     kv_mask=None [B, T] bool, deterministic=None, rngs=None) -> [B, T, H, D]``.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> from flax import nnx
+      >>> attn = jd.nnx.DilatedAttention(segment_lengths=(8, 32), dilation_rates=(1, 2))
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))
+      >>> nnx.jit(lambda attn, x: attn(x, x, x, is_causal=True))(attn, x).shape
+      (1, 32, 2, 8)
     """
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], *,
@@ -139,6 +147,13 @@ class RingAttention(nnx.Module):
       scale, implementation, attention_fn: as for :func:`jax_dilated.ring_attention`.
 
     Call: ``(query, key, value, *, is_causal=False, kv_mask=None) -> [B, T, H, D]``.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> ring = jd.nnx.RingAttention(mesh=jax.make_mesh((1,), ("seq",)), seq_axis="seq")
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))
+      >>> jax.jit(lambda x: ring(x, x, x, is_causal=True))(x).shape
+      (1, 32, 2, 8)
     """
 
     def __init__(self, *, mesh, seq_axis: str, layout: str = "contiguous",
@@ -299,6 +314,15 @@ class MultiheadDilatedAttention(_Multihead):
     ``bias`` [heads, D]; ``sub_ln``: ``scale``, ``bias`` [H, D]; ``out``: ``kernel``
     [H, D, E], ``bias`` [E]. ``nnx.state(layer, nnx.Param)`` has the structure of the
     Linen layer's ``params``.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> from flax import nnx
+      >>> layer = jd.nnx.MultiheadDilatedAttention(
+      ...     16, 2, segment_lengths=(8, 32), dilation_rates=(1, 2), rngs=nnx.Rngs(0))
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 16))    # [batch, seq, embed]
+      >>> nnx.jit(lambda layer, x: layer(x, is_causal=True))(layer, x).shape
+      (1, 32, 16)
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, segment_lengths: Sequence[int],
@@ -333,6 +357,15 @@ class MultiheadRingAttention(_Multihead):
     options) with :func:`jax_dilated.ring_attention` as its attention: ``mesh`` and
     ``seq_axis`` are required, ``layout`` picks the ring layout. Ring attention has no
     dropout and no decoding.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> from flax import nnx
+      >>> layer = jd.nnx.MultiheadRingAttention(
+      ...     16, 2, mesh=jax.make_mesh((1,), ("seq",)), seq_axis="seq", rngs=nnx.Rngs(0))
+      >>> x = jax.numpy.ones((1, 32, 16))
+      >>> nnx.jit(lambda layer, x: layer(x, is_causal=True))(layer, x).shape
+      (1, 32, 16)
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, mesh, seq_axis: str,
@@ -362,6 +395,16 @@ class MultiheadBlockSparseAttention(_Multihead):
     bool block mask) say which key blocks each query block attends to. With ``mesh``
     and ``seq_axis`` it runs over a ring in ``layout`` ("contiguous" or "zigzag").
     Block-sparse attention has no dropout and no decoding.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> from flax import nnx
+      >>> from jax_dilated import block_patterns as bp
+      >>> layer = jd.nnx.MultiheadBlockSparseAttention(
+      ...     16, 2, block_size=8, pattern=bp.LocalWindow(1), rngs=nnx.Rngs(0))
+      >>> x = jax.numpy.ones((1, 32, 16))
+      >>> nnx.jit(lambda layer, x: layer(x, is_causal=True))(layer, x).shape
+      (1, 32, 16)
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, block_size: int, pattern,
