@@ -8,6 +8,12 @@ interface, and the partial results are folded together with
 :func:`jax_dilated.softmax.merge_partials`. The next block is sent before the
 current one is computed on, so transfer and compute can overlap.
 
+Where the kernel offers the optional ring steps (``ring_steps``, see
+:mod:`jax_dilated.backends.base`), key/value blocks travel in the kernel's own
+layout (converted once per ring) and every step folds into accumulators that are
+carried through the ring and updated in place, so a device holds a handful of
+shard-sized buffers instead of fresh copies and outputs at every step.
+
 The backward is a ring too (``jax.custom_vjp``): with the global output and
 log-sum-exp saved, key, value and their gradient accumulators travel together; after
 ``P`` hops the accumulators are back with their owners. Nothing of global length is
