@@ -93,6 +93,15 @@ class BlockPattern:
 
     Subclasses implement ``_build(nq, nk, num_heads) -> bool [1 or num_heads, nq, nk]``
     (``num_heads`` is None when no head count was given; per-head parts then raise).
+
+    Example:
+      >>> from jax_dilated import block_patterns as bp
+      >>> p = (bp.LocalWindow(0) | bp.GlobalBlocks([0])) & bp.CausalBlocks()
+      >>> p.to_mask(4).astype(int)
+      array([[1, 0, 0, 0],
+             [1, 1, 0, 0],
+             [1, 0, 1, 0],
+             [1, 0, 0, 1]])
     """
 
     per_head: bool = False
@@ -182,7 +191,14 @@ class BlockPattern:
 
 
 def as_pattern(pattern) -> BlockPattern:
-    """A :class:`BlockPattern` from a pattern or a (NumPy) bool mask."""
+    """A :class:`BlockPattern` from a pattern or a (NumPy) bool mask.
+
+    Example:
+      >>> import numpy as np
+      >>> from jax_dilated import block_patterns as bp
+      >>> type(bp.as_pattern(np.ones((2, 2), bool))).__name__
+      'MaskPattern'
+    """
     if isinstance(pattern, BlockPattern):
         return pattern
     if isinstance(pattern, np.ndarray):
@@ -198,7 +214,16 @@ def _grid(nq: int, nk: int):
 
 @dataclasses.dataclass(frozen=True)
 class LocalWindow(BlockPattern):
-    """Key blocks ``i - before <= j <= i + after`` (``after`` defaults to ``before``)."""
+    """Key blocks ``i - before <= j <= i + after`` (``after`` defaults to ``before``).
+
+    Example:
+      >>> from jax_dilated import block_patterns as bp
+      >>> bp.LocalWindow(1, 0).to_mask(4).astype(int)
+      array([[1, 0, 0, 0],
+             [1, 1, 0, 0],
+             [0, 1, 1, 0],
+             [0, 0, 1, 1]])
+    """
 
     before: int
     after: int | None = None
@@ -216,7 +241,16 @@ class LocalWindow(BlockPattern):
 @dataclasses.dataclass(frozen=True)
 class Dilated(BlockPattern):
     """Every ``rate``-th block relative to the query block: ``(i - j) mod rate ==
-    offset`` and ``|i - j| <= span`` (``span`` None: unlimited)."""
+    offset`` and ``|i - j| <= span`` (``span`` None: unlimited).
+
+    Example:
+      >>> from jax_dilated import block_patterns as bp
+      >>> bp.Dilated(2).to_mask(4).astype(int)
+      array([[1, 0, 1, 0],
+             [0, 1, 0, 1],
+             [1, 0, 1, 0],
+             [0, 1, 0, 1]])
+    """
 
     rate: int
     span: int | None = None
@@ -241,7 +275,15 @@ class Dilated(BlockPattern):
 @dataclasses.dataclass(frozen=True)
 class GlobalBlocks(BlockPattern):
     """Global blocks: query block ``g`` sees every key block and every query block
-    sees key block ``g``, for each ``g`` in ``indices`` (negative counts from the end)."""
+    sees key block ``g``, for each ``g`` in ``indices`` (negative counts from the end).
+
+    Example:
+      >>> from jax_dilated import block_patterns as bp
+      >>> bp.GlobalBlocks([0]).to_mask(3).astype(int)
+      array([[1, 1, 1],
+             [1, 0, 0],
+             [1, 0, 0]])
+    """
 
     indices: tuple[int, ...] = (0,)
 
@@ -273,7 +315,14 @@ class GlobalBlocks(BlockPattern):
 
 @dataclasses.dataclass(frozen=True)
 class Strided(BlockPattern):
-    """Fixed columns ``j mod stride == offset`` that every query block sees."""
+    """Fixed columns ``j mod stride == offset`` that every query block sees.
+
+    Example:
+      >>> from jax_dilated import block_patterns as bp
+      >>> bp.Strided(2).to_mask(2, 4).astype(int)
+      array([[1, 0, 1, 0],
+             [1, 0, 1, 0]])
+    """
 
     stride: int
     offset: int = 0
@@ -293,7 +342,15 @@ class Strided(BlockPattern):
 
 @dataclasses.dataclass(frozen=True)
 class CausalBlocks(BlockPattern):
-    """Key blocks at or before the query block: ``j <= i``."""
+    """Key blocks at or before the query block: ``j <= i``.
+
+    Example:
+      >>> from jax_dilated import block_patterns as bp
+      >>> bp.CausalBlocks().to_mask(3).astype(int)
+      array([[1, 0, 0],
+             [1, 1, 0],
+             [1, 1, 1]])
+    """
 
     def _build(self, nq, nk, num_heads):
         i, j = _grid(nq, nk)
@@ -302,7 +359,13 @@ class CausalBlocks(BlockPattern):
 
 @dataclasses.dataclass(frozen=True)
 class AllBlocks(BlockPattern):
-    """Every block (dense attention)."""
+    """Every block (dense attention).
+
+    Example:
+      >>> from jax_dilated import block_patterns as bp
+      >>> bool(bp.AllBlocks().to_mask(3).all())
+      True
+    """
 
     def _build(self, nq, nk, num_heads):
         return np.ones((1, nq, nk), bool)
@@ -342,6 +405,11 @@ class RandomBlocks(BlockPattern):
     those of ``within``); or ``num_blocks``: that many per row (fewer if a row has
     fewer candidates). ``per_head``: an independent draw for every head. The draw is
     a function of ``seed``, the mask shape and the head.
+
+    Example:
+      >>> from jax_dilated import block_patterns as bp
+      >>> bp.RandomBlocks(0.25, seed=0).to_mask(8).sum(axis=1).tolist()   # 2 of 8 per row
+      [2, 2, 2, 2, 2, 2, 2, 2]
     """
 
     density: float | None = None
@@ -390,7 +458,14 @@ class RandomBlocks(BlockPattern):
 class TopUp(BlockPattern):
     """``base`` plus random blocks until every row holds ``round(density * c_i)`` of its
     ``c_i`` candidates (all key blocks, or those of ``within``); see the module
-    docstring. Made by :meth:`BlockPattern.with_density`."""
+    docstring. Made by :meth:`BlockPattern.with_density`.
+
+    Example:
+      >>> from jax_dilated import block_patterns as bp
+      >>> p = bp.LocalWindow(0).with_density(0.5, seed=0)       # the diagonal, topped up
+      >>> m = p.to_mask(8); bool(m.diagonal().all()), m.sum(axis=1).tolist()
+      (True, [4, 4, 4, 4, 4, 4, 4, 4])
+    """
 
     base: BlockPattern
     density: float
@@ -428,7 +503,15 @@ def _combine(parts, nq, nk, num_heads, op):
 
 @dataclasses.dataclass(frozen=True)
 class Union(BlockPattern):
-    """Blocks active in any part (``a | b``)."""
+    """Blocks active in any part (``a | b``).
+
+    Example:
+      >>> from jax_dilated import block_patterns as bp
+      >>> (bp.LocalWindow(0) | bp.Strided(4)).to_mask(3).astype(int)
+      array([[1, 0, 0],
+             [1, 1, 0],
+             [1, 0, 1]])
+    """
 
     parts: tuple[BlockPattern, ...]
 
@@ -451,7 +534,15 @@ class Union(BlockPattern):
 
 @dataclasses.dataclass(frozen=True)
 class Intersection(BlockPattern):
-    """Blocks active in every part (``a & b``)."""
+    """Blocks active in every part (``a & b``).
+
+    Example:
+      >>> from jax_dilated import block_patterns as bp
+      >>> (bp.LocalWindow(1) & bp.CausalBlocks()).to_mask(3).astype(int)
+      array([[1, 0, 0],
+             [1, 1, 0],
+             [0, 1, 1]])
+    """
 
     parts: tuple[BlockPattern, ...]
 
@@ -475,7 +566,15 @@ class Intersection(BlockPattern):
 
 class MaskPattern(BlockPattern):
     """An explicit bool mask ``[q_blocks, k_blocks]`` (shared) or
-    ``[heads, q_blocks, k_blocks]`` (per head); its shape must match the call's."""
+    ``[heads, q_blocks, k_blocks]`` (per head); its shape must match the call's.
+
+    Example:
+      >>> import numpy as np
+      >>> from jax_dilated import block_patterns as bp
+      >>> bp.MaskPattern(np.eye(2, dtype=bool)).to_mask(2).astype(int)
+      array([[1, 0],
+             [0, 1]])
+    """
 
     def __init__(self, mask):
         arr = np.asarray(mask)
