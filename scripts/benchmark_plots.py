@@ -72,14 +72,18 @@ def _ring(payload, ax_pair):
     cfg = payload["config"]
     ax_m, ax_t = ax_pair
     rows = {name: r for name, r in payload["memory"].items()
-            if r.get("layout") in (None, "contiguous") and "ringattention" not in name}
+            if r.get("layout") == "contiguous" and "ringattention" not in name}
     pts = sorted((r["devices"], r["forward_backward"]["temp"] / MIB) for r in rows.values())
     ps = [p for p, _ in pts]
     ax_m.plot(ps, [m for _, m in pts], "o-", label="ring (contiguous), fwd+bwd")
-    ax_m.plot(ps, [pts[0][1] / p for p in ps], "k:", label="1/P")
+    single = [r["forward_backward"]["temp"] / MIB for r in payload["memory"].values()
+              if r.get("layout") is None]
+    base = single[0] if single else pts[0][1]
+    ax_m.plot(ps, [base / p for p in ps], "k:", label="1/P of one device")
     for name, r in payload["memory"].items():
         if name not in rows:
-            ax_m.plot([r["devices"]], [r["forward_backward"]["temp"] / MIB], "x", label=name)
+            ax_m.plot([r["devices"]], [r["forward_backward"]["temp"] / MIB],
+                      "s" if r.get("layout") is None else "x", label=name)
     _log2x(ax_m, ps, "devices P")
     ax_m.set_yscale("log")
     ax_m.set_ylabel("temp memory per device (MiB)")
@@ -123,6 +127,11 @@ def _distributed(payload, ax_pair):
         ax_t.set_axis_off()
 
 
+def _pos(x):
+    """``x``, or NaN where a log axis cannot show it (0 bytes, missing)."""
+    return x if x else float("nan")
+
+
 def _block_sparse(payload, ax_pair):
     cfg, mem, tim = payload["config"], payload["memory"], payload["timing"]
     ax_t, ax_m = ax_pair
@@ -143,11 +152,11 @@ def _block_sparse(payload, ax_pair):
         ax_t.legend(fontsize=8)
     else:
         ax_t.set_axis_off()
-    ax_m.plot(dens, [mem[key[d]]["forward_backward"] / MIB for d in dens], "o-",
+    ax_m.plot(dens, [_pos(mem[key[d]]["forward_backward"]) / MIB for d in dens], "o-",
               label="one device, fwd+bwd")
     ring = [mem[key[d]].get("ring_per_device_forward_backward") for d in dens]
     if all(r is not None for r in ring):
-        ax_m.plot(dens, [r / MIB for r in ring], "s-",
+        ax_m.plot(dens, [_pos(r) / MIB for r in ring], "s-",
                   label=f"ring, per device (P={cfg['devices']})")
     ax_m.axhline(mem["exact"]["forward_backward"] / MIB, color="k", ls=":",
                  label="exact attention")
