@@ -249,7 +249,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         quick = dict(seq_len=2048, steps=150, curriculum="256:100,1024:30", eval_every=50,
-                     eval_sequences=16)
+                     batch_size=4)
         for k, v in quick.items():
             if getattr(args, k) == p.get_default(k):
                 setattr(args, k, v)
