@@ -95,6 +95,14 @@ class LongNetConfig:
         least float32 whatever it is.
       param_dtype: parameter dtype.
       implementation: attention kernel (None: chosen by device kind).
+
+    Example:
+      >>> import jax_dilated as jd
+      >>> cfg = jd.models.LongNetConfig(vocab_size=32, embed_dim=16, num_layers=1,
+      ...                               num_heads=2, segment_lengths=(8, 32),
+      ...                               dilation_rates=(1, 2))
+      >>> cfg.replace(num_layers=2).num_layers
+      2
     """
 
     vocab_size: int
@@ -282,6 +290,19 @@ class LongNetLM(nnx.Module):
     :class:`jax_dilated.nnx.MultiheadDilatedAttention`), ``ln_ffn``, ``ffn.fc1``
     [E, F], (``ffn.gate`` [E, F]), (``ffn.ln``), ``ffn.fc2`` [F, E]; ``final_ln``;
     ``head.kernel`` [E, V] when embeddings are untied.
+
+    Example:
+      >>> import jax.numpy as jnp, jax_dilated as jd
+      >>> from flax import nnx
+      >>> cfg = jd.models.LongNetConfig(vocab_size=32, embed_dim=16, num_layers=1,
+      ...                               num_heads=2, segment_lengths=(8, 32),
+      ...                               dilation_rates=(1, 2))
+      >>> model = jd.models.LongNetLM(cfg, rngs=nnx.Rngs(0))
+      >>> tokens = jnp.arange(32)[None] % 32                    # [batch, seq]
+      >>> nnx.jit(lambda m, t: m(t, deterministic=True))(model, tokens).shape
+      (1, 32, 32)
+      >>> model.generate(tokens[:, :4], max_new_tokens=3).shape   # KV-cache decoding
+      (1, 7)
     """
 
     def __init__(self, config: LongNetConfig, *, mesh=None, seq_axis: str | None = None,
@@ -451,6 +472,12 @@ def cross_entropy(logits, targets, weights=None):
 
     Returns:
       scalar: ``sum(w * nll) / sum(w)`` (the plain mean without weights).
+
+    Example:
+      >>> import jax.numpy as jnp, jax_dilated as jd
+      >>> logits = jnp.zeros((1, 2, 4))                          # uniform over 4 tokens
+      >>> round(float(jd.models.cross_entropy(logits, jnp.array([[0, 3]]))), 4)  # log 4
+      1.3863
     """
     logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)),
                               axis=-1)

@@ -46,6 +46,14 @@ def rotate(x, positions, base: float = 10000.0):
 
     Pairs ``(x[..., i], x[..., i + head_dim/2])`` are rotated by ``positions *
     base^(-2i/head_dim)``. Returns an array of the shape and dtype of ``x``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax_dilated.models import rotate
+      >>> x = jax.random.normal(jax.random.key(0), (1, 4, 2, 8))
+      >>> y = rotate(x, jnp.arange(4))
+      >>> bool(jnp.allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), atol=1e-5))
+      True
     """
     d = x.shape[-1]
     _check_head_dim(d, "rotary")
@@ -69,6 +77,17 @@ class Rotary:
 
     Call: ``(q [B, T, H, D], k [B, T, Hkv, D], positions int [T]) -> (q, k)``, same
     shapes and dtypes; ``D`` must be even.
+
+    Example (scores depend on relative positions only):
+      >>> import jax, jax.numpy as jnp
+      >>> from jax_dilated.models import Rotary
+      >>> q = k = jnp.ones((1, 1, 1, 8))
+      >>> def score(i, j):
+      ...     qi, _ = Rotary()(q, k, jnp.array([i]))
+      ...     _, kj = Rotary()(q, k, jnp.array([j]))
+      ...     return float((qi * kj).sum())
+      >>> abs(score(5, 2) - score(13, 10)) < 1e-4
+      True
     """
 
     base: float = 10000.0
@@ -94,6 +113,14 @@ class XPos:
       center: the position ``c`` where both scales are 1 (cancels in the scores).
 
     Call: ``(q [B, T, H, D], k [B, T, Hkv, D], positions int [T]) -> (q, k)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax_dilated.models import XPos
+      >>> q = k = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))
+      >>> q2, k2 = XPos(center=8)(q, k, jnp.arange(16))
+      >>> q2.shape, k2.shape
+      ((1, 16, 2, 8), (1, 16, 2, 8))
     """
 
     base: float = 10000.0
