@@ -51,12 +51,16 @@ def test_docstring_examples(name: str):
 
 
 def test_public_api_has_examples():
-    """Every public function and class of the top-level API shows an example."""
+    """Every public function and class (jd.*, jd.nnx.*, jd.linen.*, jd.models.*,
+    jd.block_patterns.*) shows an example."""
     import inspect
 
     import jax_dilated as jd
 
-    missing = [n for n in jd.__all__
-               if not inspect.ismodule(getattr(jd, n))
-               and ">>>" not in (inspect.getdoc(getattr(jd, n)) or "")]
+    names = [(f"jd.{n}", getattr(jd, n)) for n in jd.__all__
+             if not inspect.ismodule(getattr(jd, n))]
+    for sub in ("nnx", "linen", "models", "block_patterns"):
+        module = getattr(jd, sub)
+        names += [(f"jd.{sub}.{n}", getattr(module, n)) for n in module.__all__]
+    missing = [n for n, obj in names if ">>>" not in (inspect.getdoc(obj) or "")]
     assert not missing, f"no >>> example in the docstring of: {missing}"
