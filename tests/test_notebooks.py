@@ -12,6 +12,7 @@ should be those of optimised code.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,9 @@ OPTIMISED = {"03_scaling"}          # notebooks that time code: no compile short
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
 def test_notebook_runs(path: Path, monkeypatch):
+    # The kernel spec runs "python": make it this interpreter (the one with jax_dilated).
+    bindir = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", bindir + os.pathsep + os.environ.get("PATH", ""))
     if path.stem not in OPTIMISED:
         flags = os.environ.get("XLA_FLAGS", "")
         monkeypatch.setenv("XLA_FLAGS", f"{flags} {FAST_COMPILE}".strip())
