@@ -7,7 +7,19 @@ VENV="${JD_VENV:-$ROOT/.venv}"
 # Python 3.11: jax 0.10.x from PyPI, and the CPU wheel of torch 2.13.0 the parity
 # suite uses (any other torch spec pulls CUDA packages). JD_PYTHON overrides it.
 PY="${JD_PYTHON:-python3.11}"
-"$PY" --version >/dev/null 2>&1 || PY=python3
+if ! "$PY" --version >/dev/null 2>&1; then
+  # pyenv installs interpreters it does not put on PATH (its shim refuses a version
+  # that is not selected): look for the executable among its versions first.
+  found=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/*/bin/"$PY" 2>/dev/null | tail -n 1)
+  if [ -n "$found" ]; then
+    PY="$found"
+  elif [ -n "${JD_PYTHON:-}" ]; then
+    echo "[jax-dilated] JD_PYTHON=$JD_PYTHON: no such interpreter" >&2
+    exit 1
+  else
+    PY=python3
+  fi
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[jax-dilated] creating virtual environment $VENV with $($PY --version)"
   "$PY" -m venv "$VENV"
