@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-import torch
+
+try:  # the PyTorch references need it; the pure-JAX helpers below do not
+    import torch
+except ImportError:  # Python other than 3.11 (torch is pinned for 3.11 only)
+    torch = None
 
 # tolerance relative to the reference's largest magnitude, per JAX dtype
 TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-2}
@@ -27,13 +31,13 @@ def to_jax(x: np.ndarray, dtype: str):
     return out
 
 
-def to_torch(x: np.ndarray, requires_grad: bool = False) -> torch.Tensor:
+def to_torch(x: np.ndarray, requires_grad: bool = False) -> "torch.Tensor":
     t = torch.tensor(np.asarray(x, dtype=np.float64), dtype=torch.float64)
     return t.requires_grad_(requires_grad)
 
 
 def as_np(x) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
+    if torch is not None and isinstance(x, torch.Tensor):
         return x.detach().numpy().astype(np.float64)
     return np.asarray(x).astype(np.float64)
 

@@ -19,3 +19,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+try:
+    import torch  # noqa: F401
+except ImportError:
+    # Without PyTorch (it is pinned for Python 3.11 only) the modules built on the
+    # PyTorch references cannot be imported; the others still run.
+    collect_ignore = ["test_parity.py", "test_kernel.py", "test_softmax.py",
+                      "test_backends.py"]
