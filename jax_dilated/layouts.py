@@ -82,7 +82,19 @@ def to_layout(x, num_devices: int, layout: str, axis: int = 1):
     """
     if layout == "contiguous":
         return x
-    return jnp.take(x, global_order(x.shape[axis], num_devices, layout), axis=axis)
+    check_layout(layout)
+    check_divisible(x.shape[axis], num_devices, layout)
+    # Reshapes, transposes and flips rather than a gather by global_order: their
+    # transposes are the same kind of op, where a gather's is a scatter-add whose
+    # output sharding is ambiguous on Explicit meshes (batch sharded, sequence not).
+    x = jnp.moveaxis(x, axis, 0)
+    t, rest, p = x.shape[0], x.shape[1:], num_devices
+    if layout == "striped":  # [n, P] -> [P, n]: token i P + d to device d
+        x = x.reshape(t // p, p, *rest).swapaxes(0, 1)
+    else:  # chunks [2P] -> [P, 2]: device d holds chunks d and 2P - 1 - d
+        chunks = x.reshape(2 * p, t // (2 * p), *rest)
+        x = jnp.stack([chunks[:p], jnp.flip(chunks[p:], axis=0)], axis=1)
+    return jnp.moveaxis(x.reshape(t, *rest), 0, axis)
 
 
 def from_layout(x, num_devices: int, layout: str, axis: int = 1):
@@ -98,8 +110,16 @@ def from_layout(x, num_devices: int, layout: str, axis: int = 1):
     """
     if layout == "contiguous":
         return x
-    inverse = np.argsort(global_order(x.shape[axis], num_devices, layout))
-    return jnp.take(x, inverse, axis=axis)
+    check_layout(layout)
+    check_divisible(x.shape[axis], num_devices, layout)
+    x = jnp.moveaxis(x, axis, 0)  # the steps of to_layout, undone in reverse order
+    t, rest, p = x.shape[0], x.shape[1:], num_devices
+    if layout == "striped":
+        x = x.reshape(p, t // p, *rest).swapaxes(0, 1)
+    else:
+        pairs = x.reshape(p, 2, t // (2 * p), *rest)
+        x = jnp.concatenate([pairs[:, 0], jnp.flip(pairs[:, 1], axis=0)], axis=0)
+    return jnp.moveaxis(x.reshape(t, *rest), 0, axis)
 
 
 def local_positions(layout: str, device, num_devices: int, local_len: int):
