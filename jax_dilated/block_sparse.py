@@ -32,8 +32,13 @@ How the work follows the density (everything below is decided at trace time):
   index; a ring step in which no block of the visiting shard is active (for any
   head) is skipped with ``lax.cond``, forward and backward, and the steps' partial
   results are merged by :func:`jax_dilated.softmax.merge_partials` in the ring core
-  (:func:`jax_dilated.ring.ring_partials`). The key/value transfer itself is not
-  skipped: see :func:`block_sparse_attention`.
+  (:func:`jax_dilated.ring.ring_partials`). Where all heads share one set of lists
+  and the kernel has block-sparse ring steps (``block_sparse_ring_steps``, see
+  :mod:`jax_dilated.backends.base`), the ring uses those instead: keys and values
+  travel in the kernel's blocked layout and each step folds its listed blocks into
+  accumulators carried in place (o/lse forward; dq and blocked dk/dv backward), so
+  a device holds a few shard-sized buffers rather than per-step copies. The
+  key/value transfer itself is not skipped: see :func:`block_sparse_attention`.
 """
 
 from __future__ import annotations
@@ -176,6 +181,48 @@ class _Step:
             outs.append(o)
             lses.append(lse)
         return self._assemble(outs), self._assemble(lses)
+
+    # --- the kernel's ring steps (RingConfig.step protocol of jax_dilated.ring)
+
+    def ring_steps(self, kernel, q, k):
+        """The kernel's block-sparse ring steps, or None (then forward/backward).
+
+        Used when all heads share one class (one set of lists): keys and values
+        then travel in the kernel's layout and every step folds its listed blocks
+        into accumulators carried in place. Several head classes keep the
+        per-step path.
+        """
+        make = getattr(kernel, "block_sparse_ring_steps", None)
+        if make is None or len(self.classes) != 1 or self.classes[0].q_heads is not None:
+            return None
+        return make(q, k, self.args)
+
+    @staticmethod
+    def _fold(need, compute, acc):
+        if need is True or need is None:
+            return compute(acc)
+        if need is False:
+            return acc
+        return jax.lax.cond(need, compute, lambda a: a, acc)
+
+    def fold_forward(self, steps, q, kv, kv_valid, acc, q_pos, k_pos, me, src, aux):
+        lists, need = self._need(self.classes[0], me, src, aux, kv_valid)
+
+        def compute(acc):
+            return steps.forward(q, kv, *acc, blocks=lists, q_positions=q_pos,
+                                 k_positions=k_pos, kv_valid=kv_valid)
+
+        return self._fold(need, compute, acc)
+
+    def fold_backward(self, steps, q, kv, kv_valid, do, lse, delta, acc, q_pos, k_pos, me,
+                      src, aux):
+        lists, need = self._need(self.classes[0], me, src, aux, kv_valid)
+
+        def compute(acc):
+            return steps.backward(q, kv, do, lse, delta, *acc, blocks=lists,
+                                  q_positions=q_pos, k_positions=k_pos, kv_valid=kv_valid)
+
+        return self._fold(need, compute, acc)
 
     def backward(self, q, k, v, kv_valid, do, lse, delta, q_pos, k_pos, me, src, aux):
         stats = softmax.stats_dtype(q.dtype)

@@ -59,7 +59,18 @@ class RingConfig:
         step.backward(q, k, v, kv_valid, do, lse, delta, q_pos, k_pos, me, src, aux)
             -> (dq, dk, dv)
 
-    all in the stats dtype.
+    all in the stats dtype. A step may also use the kernel's ring steps (keys and
+    values in the kernel's layout, accumulators carried in place; see
+    :mod:`jax_dilated.backends.base`)::
+
+        step.ring_steps(kernel, q, k) -> steps or None (None: forward/backward above)
+        step.fold_forward(steps, q, kv, kv_valid, (o, lse), q_pos, k_pos, me, src, aux)
+            -> (o, lse)
+        step.fold_backward(steps, q, kv, kv_valid, do, lse, delta, (dq, dkv), q_pos,
+                           k_pos, me, src, aux) -> (dq, dkv)
+
+    which fold the visiting block into the accumulators as ``steps.forward`` /
+    ``steps.backward`` do (and skip it themselves).
     """
 
     axis_name: str
@@ -101,12 +112,14 @@ def _cond(pred, compute, skip):
 def _ring_steps(kernel, cfg: RingConfig, q, k):
     """The kernel's optional ring entry points for these shapes, or None.
 
-    None (no ``ring_steps`` in the backend, it declines these shapes, or the ring
-    has its own ``cfg.step``) means the plain ``forward``/``backward`` interface.
+    None (no ``ring_steps`` in the backend, it declines these shapes, or the ring's
+    own ``cfg.step`` declines them) means the plain ``forward``/``backward`` interface.
     """
     make = getattr(kernel, "ring_steps", None)
-    if cfg.step is not None or make is None:
+    if make is None:
         return None
+    if cfg.step is not None:
+        return getattr(cfg.step, "ring_steps", lambda *_: None)(kernel, q, k)
     return make(q, k, cfg.args)
 
 
@@ -116,7 +129,7 @@ def _fold(pred, compute, acc):
 
 
 def _forward_steps(steps, q, k, v, kv_valid, rng, cfg: RingConfig, me, q_pos,
-                   keep_kv: bool = False):
+                   keep_kv: bool = False, aux=None):
     """:func:`_forward` through the kernel's ring steps: keys and values travel in the
     kernel's layout and every step folds into one (o, lse) updated in place.
 
@@ -132,6 +145,8 @@ def _forward_steps(steps, q, k, v, kv_valid, rng, cfg: RingConfig, me, q_pos,
     def fold(acc, block, src):
         kv, valid = block
         k_pos = layouts.local_positions(cfg.layout, src, p, n)
+        if cfg.step is not None:
+            return cfg.step.fold_forward(steps, q, kv, valid, acc, q_pos, k_pos, me, src, aux)
 
         def compute(acc):
             return steps.forward(q, kv, *acc, q_positions=q_pos, k_positions=k_pos,
@@ -160,7 +175,7 @@ def _forward_steps(steps, q, k, v, kv_valid, rng, cfg: RingConfig, me, q_pos,
 
 
 def _backward_steps(steps, q, k, v, kv_valid, rng, lse, do, delta, cfg: RingConfig, me,
-                    q_pos, packed_kv):
+                    q_pos, packed_kv, aux=None):
     """:func:`_backward` through the kernel's ring steps: dq and the blocked dk/dv are
     accumulated in place; the blocks and their accumulators travel separately (so
     that only one of them is in flight at a time)."""
@@ -170,6 +185,9 @@ def _backward_steps(steps, q, k, v, kv_valid, rng, lse, do, delta, cfg: RingConf
     def grads(acc, block, src):
         kv, valid = block
         k_pos = layouts.local_positions(cfg.layout, src, p, n)
+        if cfg.step is not None:
+            return cfg.step.fold_backward(steps, q, kv, valid, do, lse, delta, acc, q_pos,
+                                          k_pos, me, src, aux)
 
         def compute(acc):
             return steps.backward(q, kv, do, lse, delta, *acc, q_positions=q_pos,
@@ -209,7 +227,7 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = 
     q_pos = layouts.local_positions(cfg.layout, me, p, n)
     steps = _ring_steps(kernel, cfg, q, k)
     if steps is not None:
-        return _forward_steps(steps, q, k, v, kv_valid, rng, cfg, me, q_pos, keep_kv)
+        return _forward_steps(steps, q, k, v, kv_valid, rng, cfg, me, q_pos, keep_kv, aux)
     if keep_kv:
         return (*_forward(q, k, v, kv_valid, rng, cfg, aux), None)
 
@@ -259,7 +277,7 @@ def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig, aux=Non
     steps = _ring_steps(kernel, cfg, q, k)
     if steps is not None:
         return _backward_steps(steps, q, k, v, kv_valid, rng, lse, do, delta, cfg, me, q_pos,
-                               packed_kv)
+                               packed_kv, aux)
 
     def grads(block, src):
         k_blk, v_blk, valid_blk = block

@@ -474,6 +474,50 @@ def test_ring_traced_mask():
           torch_ref(q, k, v, g, gl, mask, block_mask, bs, causal=True), False)
 
 
+def test_ring_traced_shared_mask():
+    """A shared mask passed into shard_map as an array (traced): one head class, so the
+    kernel's ring steps run with traced lists (every block listed, the mask deciding)."""
+    p, t, bs = 4, 32, 4
+    q, k, v, g, gl, mask = make_inputs(2, t, t, 4, 2, 8, "random", 7)
+    block_mask = (bp.LocalWindow(1) | bp.RandomBlocks(0.3, seed=2)).to_mask(t // bs)
+    mesh = build_mesh((p,), ("seq",), "auto")
+    spec = P(None, "seq")
+
+    def local(q, k, v, mask, bm):
+        return jd.block_sparse_attention(q, k, v, block_size=bs, pattern=bm, is_causal=True,
+                                         kv_mask=mask, axis_name="seq", return_lse=True)
+
+    ring = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4 + (P(),),
+                         out_specs=(spec, spec), check_vma=True)
+    got = grad_step(lambda q, k, v, m: ring(q, k, v, m, jnp.asarray(block_mask)))(
+        *(jnp.asarray(x) for x in (q, k, v, g, gl)), jnp.asarray(mask))
+    check("ring traced shared mask", "float64", got,
+          torch_ref(q, k, v, g, gl, mask, block_mask, bs, causal=True), False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_compiled_memory_per_device(causal):
+    """Compiled temp memory of forward+backward per device on 8 devices, against the
+    block-sparse kernel on one device (memory_analysis is deterministic).
+
+    Before the block-sparse ring used the kernel's ring steps (every step re-laid q,
+    do, k, v into blocks and allocated fresh dq/dk/dv) this was 0.37 (non-causal) /
+    0.33 (causal); with them it is 0.167.
+    """
+    shape, dtype = (1, 8192, 2, 64), jnp.float32
+    specs = [jax.ShapeDtypeStruct(shape, dtype)] * 4
+    f = functools.partial(jd.block_sparse_attention, block_size=256,
+                          pattern=bp.RandomBlocks(0.5, seed=0), is_causal=causal)
+
+    def temp(f):
+        grad = jax.grad(lambda q, k, v, c: jnp.sum(f(q, k, v) * c), argnums=(0, 1, 2))
+        return jax.jit(grad).lower(*specs).compile().memory_analysis().temp_size_in_bytes
+
+    single = temp(f)
+    ring = temp(jd.sharded(f, build_mesh((8,), ("seq",), "explicit"), seq_axis="seq"))
+    assert ring < 0.22 * single, (ring, single, ring / single)
+
+
 # ------------------------------------------------------------- work follows density
 
 

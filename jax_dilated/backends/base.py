@@ -50,6 +50,14 @@ converting every visiting block and allocating fresh outputs at every step:
 
 ``steps.forward`` and ``steps.backward`` must draw the same dropout masks from the
 same ``dropout_rng``; a ring uses one of the two interfaces for both passes.
+
+Optional, for block-sparse rings (the kernel must have the block-sparse kernels):
+
+    block_sparse_ring_steps(q, k, args) -> steps, or None
+        ring steps as above whose ``forward``/``backward`` also take ``blocks=``, a
+        :class:`BlockLists` in blocks of exactly ``args.block_q`` x ``args.block_k``:
+        only the listed key blocks of each query block are folded in (``rows`` and
+        ``rows_ok`` are read; ``cols`` may be None)
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from jax_dilated._vma import varying_like
 from jax_dilated.backends.base import BlockLists, KernelArgs, any_pair_allowed
 
 __all__ = ["forward", "backward", "attention", "ring_steps", "block_sparse_forward",
-           "block_sparse_backward", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
+           "block_sparse_backward", "block_sparse_ring_steps", "DEFAULT_BLOCK_Q",
+           "DEFAULT_BLOCK_K"]
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
@@ -503,6 +504,10 @@ class _RingSteps:
     backward. Query-side arrays stay in the caller's ``[N, L, H, ...]`` layout and
     are cut into blocks one query block at a time, so no shard-sized copy of
     ``q``, ``do``, ``o`` or ``dq`` is made per step.
+
+    With ``blocks=`` (a :class:`~.base.BlockLists`) a step visits only the listed key
+    blocks of each query block (block-sparse attention over a ring); the backward,
+    query blocks outermost, needs only the row lists.
     """
 
     def __init__(self, geo: _Blocking, group: int, args: KernelArgs):
@@ -564,16 +569,36 @@ class _RingSteps:
     def unpack_kv(self, kv):
         return tuple(_from_blocks(x, 2, self.geo.len_k).transpose(0, 2, 1, 3) for x in kv)
 
+    def _rows_of(self, blocks):
+        """Key blocks each query block visits: (rows [nq, L], rows_ok or None).
+
+        Without ``blocks`` every key block, in order.
+        """
+        geo = self.geo
+        if blocks is None:
+            return np.broadcast_to(np.arange(geo.num_k, dtype=np.int32),
+                                   (geo.num_q, geo.num_k)), None
+        if self.args.dropout_rate:
+            raise ValueError("block-sparse kernels do not implement dropout.")
+        if blocks.rows.shape[0] != geo.num_q:
+            raise ValueError(
+                f"block lists for {blocks.rows.shape[0]} query blocks do not fit "
+                f"{geo.num_q} query blocks of {geo.block_q}.")
+        ok = None if blocks.rows_ok is None else jnp.asarray(blocks.rows_ok, bool)
+        return jnp.asarray(blocks.rows, jnp.int32), ok
+
     def forward(self, q, kv, o, lse, *, q_positions=None, k_positions=None, kv_valid=None,
-                dropout_rng=None):
+                dropout_rng=None, blocks=None):
         args, geo = self.args, self.geo
         k_b, v_b = kv
         stats = o.dtype
         q_pos_b = self._q_pos(q_positions)
         k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
+        rows, rows_ok = self._rows_of(blocks)
 
-        def q_block(carry, i):
+        def q_block(carry, xs):
             o, lse = carry
+            i, row, row_ok = xs
             q_blk = self._q_block(q, i)
             q_pos = q_pos_b[i]
             m = self._rows(self._slice(lse, i))
@@ -583,37 +608,42 @@ class _RingSteps:
                 self._rows(self._slice(o, i)))
 
             def k_block(state, ys):
-                j, k_blk, v_blk, k_pos, k_valid = ys
+                j, ok = ys
+                k_pos, k_valid = _take(k_pos_b, j), _take(k_valid_b, j)
 
                 def compute(state):
+                    # read inside the branch: a skipped block reads nothing
+                    k_blk, v_blk = _matmul_inputs(_take(k_b, j), _take(v_b, j))
                     mask = _block_mask(args, q_pos, k_pos, k_valid)
                     keep = _dropout_keep(args, dropout_rng, i, j,
                                          q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
-                    return _forward_block(state, q_blk, *_matmul_inputs(k_blk, v_blk),
-                                          mask, keep, post_scale, stats)
+                    return _forward_block(state, q_blk, k_blk, v_blk, mask, keep,
+                                          post_scale, stats)
 
-                need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
+                need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid))
                 return _maybe_cond(need, compute, lambda st: st, state), None
 
-            ys = (jnp.arange(geo.num_k), k_b, v_b, k_pos_b, k_valid_b)
-            state, _ = jax.lax.scan(k_block, state, ys)
+            state, _ = jax.lax.scan(k_block, state, (row, row_ok))
             o_blk, lse_blk = softmax.finalize_state(state)
             return (self._put(o, self._unrows(o_blk), i),
                     self._put(lse, self._unrows(lse_blk), i)), None
 
-        (o, lse), _ = jax.lax.scan(q_block, (o, lse), jnp.arange(geo.num_q))
+        xs = (jnp.arange(geo.num_q), rows, rows_ok)
+        (o, lse), _ = jax.lax.scan(q_block, (o, lse), xs)
         return o, lse
 
     def backward(self, q, kv, do, lse, delta, dq, dkv, *, q_positions=None,
-                 k_positions=None, kv_valid=None, dropout_rng=None):
+                 k_positions=None, kv_valid=None, dropout_rng=None, blocks=None):
         args, geo = self.args, self.geo
         k_b, v_b = kv
         stats = dq.dtype
         q_pos_b = self._q_pos(q_positions)
         k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
+        rows, rows_ok = self._rows_of(blocks)
 
-        def q_block(carry, i):
+        def q_block(carry, xs):
             dq, (dk_b, dv_b) = carry
+            i, row, row_ok = xs
             q_blk = self._q_block(q, i)
             (do_blk,) = _matmul_inputs(self._slice(do, i))
             do_blk = self._rows(do_blk)
@@ -626,27 +656,30 @@ class _RingSteps:
             dqt = jnp.moveaxis(self._rows(self._slice(dq, i)), -1, 2)
 
             def k_block(carry, ys):
-                j, k_blk, v_blk, k_pos, k_valid = ys
+                j, ok = ys
+                k_pos, k_valid = _take(k_pos_b, j), _take(k_valid_b, j)
 
                 def compute(carry):
                     dqt, dk_b, dv_b = carry
+                    k_blk, v_blk = _matmul_inputs(_take(k_b, j), _take(v_b, j))
                     mask = _block_mask_t(args, q_pos, k_pos, k_valid)
                     keep = _dropout_keep(args, dropout_rng, i, j,
                                          q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                     (dk_j, dv_j), dqt_blk = _backward_block(
-                        (dk_b[j], dv_b[j]), q_blk, *_matmul_inputs(k_blk, v_blk), do_blk,
+                        (dk_b[j], dv_b[j]), q_blk, k_blk, v_blk, do_blk,
                         lse_blk, delta_blk, mask, keep, post_scale, args.scale, stats)
                     return dqt + dqt_blk, dk_b.at[j].set(dk_j), dv_b.at[j].set(dv_j)
 
-                need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
+                # the real entries of a row are distinct key blocks; padding is skipped
+                need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid))
                 return _maybe_cond(need, compute, lambda c: c, carry), None
 
-            ys = (jnp.arange(geo.num_k), k_b, v_b, k_pos_b, k_valid_b)
-            (dqt, dk_b, dv_b), _ = jax.lax.scan(k_block, (dqt, dk_b, dv_b), ys)
+            (dqt, dk_b, dv_b), _ = jax.lax.scan(k_block, (dqt, dk_b, dv_b), (row, row_ok))
             dq = self._put(dq, self._unrows(jnp.moveaxis(dqt, 2, -1)), i)
             return (dq, (dk_b, dv_b)), None
 
-        (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), jnp.arange(geo.num_q))
+        xs = (jnp.arange(geo.num_q), rows, rows_ok)
+        (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), xs)
         return dq, dkv
 
 
@@ -661,6 +694,16 @@ def ring_steps(q, k, args: KernelArgs):
             or _batch_chunk(q.shape[0], q, k, args) < q.shape[0]):
         return None
     return _RingSteps(geo, q.shape[2] // k.shape[2], args)
+
+
+def block_sparse_ring_steps(q, k, args: KernelArgs):
+    """Ring steps (as :func:`ring_steps`) whose ``forward``/``backward`` take
+    ``blocks=`` lists in blocks of exactly ``args.block_q`` x ``args.block_k``;
+    None where the shapes do not allow them."""
+    steps = ring_steps(q, k, args)
+    if steps is None or (steps.geo.block_q, steps.geo.block_k) != (args.block_q, args.block_k):
+        return None
+    return steps
 
 
 # ----------------------------------------------------------------- block-sparse
