@@ -453,12 +453,16 @@ def test_ring_shard_map_return_lse():
           torch_ref(q, k, v, g, gl, mask, pattern.to_mask(t // bs), bs, causal=True), False)
 
 
-def test_ring_traced_mask():
-    """A per-head mask passed into shard_map as an array (traced) over a 4-device ring."""
+@pytest.mark.parametrize("per_head", [True, False], ids=["per_head", "shared"])
+def test_ring_traced_mask(per_head):
+    """A block mask passed into shard_map as an array (traced) over a 4-device ring:
+    per head (several head classes: the per-step path), or shared (one head class: the
+    kernel's ring steps with traced lists, every block listed, the mask deciding)."""
     p, t, bs = 4, 32, 4
-    q, k, v, g, gl, mask = make_inputs(2, t, t, 4, 2, 8, "random", 6)
-    block_mask = (bp.LocalWindow(1) | bp.RandomBlocks(0.3, seed=1, per_head=True)).to_mask(
-        t // bs, t // bs, 4)
+    q, k, v, g, gl, mask = make_inputs(2, t, t, 4, 2, 8, "random", 6 if per_head else 7)
+    pattern = bp.LocalWindow(1) | bp.RandomBlocks(0.3, seed=1 if per_head else 2,
+                                                  per_head=per_head)
+    block_mask = pattern.to_mask(t // bs, t // bs, 4) if per_head else pattern.to_mask(t // bs)
     mesh = build_mesh((p,), ("seq",), "auto")
     spec = P(None, "seq")
 
@@ -470,28 +474,7 @@ def test_ring_traced_mask():
                          out_specs=(spec, spec), check_vma=True)
     got = grad_step(lambda q, k, v, m: ring(q, k, v, m, jnp.asarray(block_mask)))(
         *(jnp.asarray(x) for x in (q, k, v, g, gl)), jnp.asarray(mask))
-    check("ring traced mask", "float64", got,
-          torch_ref(q, k, v, g, gl, mask, block_mask, bs, causal=True), False)
-
-
-def test_ring_traced_shared_mask():
-    """A shared mask passed into shard_map as an array (traced): one head class, so the
-    kernel's ring steps run with traced lists (every block listed, the mask deciding)."""
-    p, t, bs = 4, 32, 4
-    q, k, v, g, gl, mask = make_inputs(2, t, t, 4, 2, 8, "random", 7)
-    block_mask = (bp.LocalWindow(1) | bp.RandomBlocks(0.3, seed=2)).to_mask(t // bs)
-    mesh = build_mesh((p,), ("seq",), "auto")
-    spec = P(None, "seq")
-
-    def local(q, k, v, mask, bm):
-        return jd.block_sparse_attention(q, k, v, block_size=bs, pattern=bm, is_causal=True,
-                                         kv_mask=mask, axis_name="seq", return_lse=True)
-
-    ring = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4 + (P(),),
-                         out_specs=(spec, spec), check_vma=True)
-    got = grad_step(lambda q, k, v, m: ring(q, k, v, m, jnp.asarray(block_mask)))(
-        *(jnp.asarray(x) for x in (q, k, v, g, gl)), jnp.asarray(mask))
-    check("ring traced shared mask", "float64", got,
+    check(f"ring traced mask per_head={per_head}", "float64", got,
           torch_ref(q, k, v, g, gl, mask, block_mask, bs, causal=True), False)
 
 
