@@ -26,7 +26,6 @@ import math
 import numpy as np
 import torch
 
-from torch_reference.dilated import head_groups_dilated_attention, longnet_dilated_attention
 from torch_reference.multihead import MultiheadDilatedAttention
 
 __all__ = ["LongNetLM", "rotary", "xpos"]
@@ -62,22 +61,7 @@ class _Attention(MultiheadDilatedAttention):
         self.position_fn = position_fn
 
     def forward(self, x, *, kv_mask=None):
-        t = x.shape[1]
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.position_fn is not None:
-            q, k = self.position_fn(q, k, torch.arange(t))
-        common = dict(segment_lengths=self.segment_lengths,
-                      dilation_rates=self.dilation_rates, is_causal=True, kv_mask=kv_mask)
-        if self.mode == "longnet":
-            o = longnet_dilated_attention(q, k, v, head_offsets=self.head_offsets, **common)
-        else:
-            o = head_groups_dilated_attention(q, k, v, **common)
-        o = o.flatten(-2)
-        if self.norm is not None:
-            o = self.norm(o)
-        return self.out_proj(o)
+        return super().forward(x, is_causal=True, kv_mask=kv_mask)
 
 
 class LongNetLM(torch.nn.Module):

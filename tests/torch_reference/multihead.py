@@ -56,6 +56,9 @@ class MultiheadDilatedAttention(torch.nn.Module):
         q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        position_fn = getattr(self, "position_fn", None)  # set by the LongNetLM reference
+        if position_fn is not None:
+            q, k = position_fn(q, k, torch.arange(q.shape[1]))
         common = dict(segment_lengths=self.segment_lengths,
                       dilation_rates=self.dilation_rates, is_causal=is_causal,
                       kv_mask=kv_mask)
