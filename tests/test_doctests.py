@@ -1,13 +1,15 @@
 """The ``>>>`` examples in the public modules' docstrings run and print what they show.
 
 One test per module (``doctest``, with ELLIPSIS and NORMALIZE_WHITESPACE); examples are
-kept tiny so that the whole file runs in seconds.
+kept tiny so that the whole file runs in seconds. The examples of ``docs/semantics.md``
+run the same way (one test for the page).
 """
 
 from __future__ import annotations
 
 import doctest
 import importlib
+import os
 
 import pytest
 
@@ -30,6 +32,7 @@ MODULES = [
     "jax_dilated.backends.report",
 ]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tests(name: str):
@@ -61,3 +64,13 @@ def test_public_api_has_examples():
         names += [(f"jd.{sub}.{n}", getattr(module, n)) for n in module.__all__]
     missing = [n for n, obj in names if ">>>" not in (inspect.getdoc(obj) or "")]
     assert not missing, f"no >>> example in the docstring of: {missing}"
+
+
+def test_semantics_doc_examples():
+    """The ``>>>`` examples of docs/semantics.md run and print what the page shows
+    (they need 4 devices: conftest.py gives JAX 8 CPU devices)."""
+    path = os.path.join(ROOT, "docs", "semantics.md")
+    result = doctest.testfile(path, module_relative=False, optionflags=FLAGS,
+                              report=True, verbose=False)
+    assert result.attempted > 0, f"no examples found in {path}"
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {path}"
