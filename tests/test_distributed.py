@@ -143,6 +143,27 @@ def test_sharded_equals_single_device(case: Case):
         assert all(np.all(np.isfinite(np.asarray(gr))) for gr in grads)
 
 
+def test_ring_steps_by_head_group_with_per_head_masks(monkeypatch):
+    """Spanning branches through the kernel's ring steps one kv head at a time: the
+    dilated rings hand the steps per-kv-head key validity ([N, n, Hkv]), which is cut
+    per head group. Equal to single-device dilated attention."""
+    from jax_dilated.backends import xla
+
+    monkeypatch.setattr(xla, "_RING_BLOCK_ELEMENTS", 1)
+    groups = []
+    original = xla.ring_steps
+
+    def recording(*args, **kwargs):
+        steps = original(*args, **kwargs)
+        groups.append(None if steps is None else steps.num_groups)
+        return steps
+
+    monkeypatch.setattr(xla, "ring_steps", recording)
+    test_sharded_equals_single_device(Case("split_heads", 4, 16, (8, 64), (1, 4),
+                                           causal=True, heads=4, kv_heads=2, mask=True))
+    assert groups and max(g or 0 for g in groups) > 1, groups
+
+
 def _shard_map_fn(mesh, config, axis="seq"):
     spec = P(None, axis)
     local = functools.partial(jd.dilated_attention, axis_name=axis, **config)

@@ -508,10 +508,19 @@ class _RingSteps:
     With ``blocks=`` (a :class:`~.base.BlockLists`) a step visits only the listed key
     blocks of each query block (block-sparse attention over a ring); the backward,
     query blocks outermost, needs only the row lists.
+
+    Heads are visited in groups of ``heads`` kv heads (with their query heads): the
+    work item is (query block, head group), so the logits and the per-block
+    temporaries cover one group, not every head. Heads are independent, so this
+    changes nothing in the result; it bounds what a step holds besides the shard-sized
+    buffers, which is what a ring at many devices is left with (see
+    :func:`_ring_head_group`).
     """
 
-    def __init__(self, geo: _Blocking, group: int, args: KernelArgs):
-        self.geo, self.group, self.args = geo, group, args
+    def __init__(self, geo: _Blocking, group: int, kv_heads: int, heads: int,
+                 args: KernelArgs):
+        self.geo, self.group, self.heads, self.args = geo, group, heads, args
+        self.num_groups = kv_heads // heads
 
     # [N, bq, H, ...] <-> [N, Hkv, G, bq, ...]
     def _rows(self, x):
@@ -523,17 +532,45 @@ class _RingSteps:
         x = jnp.moveaxis(x, 3, 1)
         return x.reshape(x.shape[0], x.shape[1], -1, *x.shape[4:])
 
-    def _slice(self, x, i):
-        bq = self.geo.block_q
-        return jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=1)
+    def _start(self, x, i, h):
+        # rows of query block i, query heads of head group h: x [N, L, H, ...]
+        hq = self.heads * self.group
+        return _indices(0, i * self.geo.block_q, h * hq, *(0,) * (x.ndim - 3))
 
-    def _put(self, x, blk, i):
-        return jax.lax.dynamic_update_slice_in_dim(x, blk.astype(x.dtype),
-                                                   i * self.geo.block_q, axis=1)
+    def _slice(self, x, i, h):
+        sizes = (x.shape[0], self.geo.block_q, self.heads * self.group) + x.shape[3:]
+        return jax.lax.dynamic_slice(x, self._start(x, i, h), sizes)
 
-    def _q_block(self, q, i):
-        """Query block i, pre-scaled, [N, Hkv, G, bq, D] (as :class:`_Prepared` makes it)."""
-        (q_blk,) = _matmul_inputs(self._slice(q, i))
+    def _put(self, x, blk, i, h):
+        return jax.lax.dynamic_update_slice(x, blk.astype(x.dtype), self._start(x, i, h))
+
+    def _kv(self, x, j, h):
+        """Key block j of head group h from blocked [nk, N, Hkv | 1, bk, ...] (a
+        broadcast head axis of size 1 is not cut)."""
+        if x is None:
+            return None
+        cut = x.shape[2] > 1
+        start = _indices(j, 0, 0 if cut else 0, *(0,) * (x.ndim - 3))
+        size = (1, x.shape[1], self.heads if cut else 1) + x.shape[3:]
+        return jax.lax.dynamic_slice(x, start, size)[0]
+
+    def _put_kv(self, x, blk, j, h):
+        start = _indices(j, 0, h * self.heads, *(0,) * (x.ndim - 3))
+        return jax.lax.dynamic_update_slice(x, blk[None].astype(x.dtype), start)
+
+    def _items(self, rows, rows_ok):
+        """Scan operands of the work items (query block i, head group h), i outermost."""
+        nh = self.num_groups
+        items = np.arange(self.geo.num_q * nh)
+        i, h = items // nh, items % nh
+        take = (lambda x: None if x is None else x[i]) if nh > 1 else (lambda x: x)
+        return (jnp.asarray(i, jnp.int32), jnp.asarray(h, jnp.int32), take(rows),
+                take(rows_ok))
+
+    def _q_block(self, q, i, h):
+        """Query block i of head group h, pre-scaled, [N, heads, G, bq, D] (as
+        :class:`_Prepared` makes it)."""
+        (q_blk,) = _matmul_inputs(self._slice(q, i, h))
         stats = softmax.stats_dtype(q_blk.dtype)
         if jnp.dtype(q_blk.dtype) == stats:
             q_blk = q_blk * jnp.asarray(self.args.scale, q_blk.dtype)
@@ -598,22 +635,22 @@ class _RingSteps:
 
         def q_block(carry, xs):
             o, lse = carry
-            i, row, row_ok = xs
-            q_blk = self._q_block(q, i)
+            i, h, row, row_ok = xs
+            q_blk = self._q_block(q, i, h)
             q_pos = q_pos_b[i]
-            m = self._rows(self._slice(lse, i))
+            m = self._rows(self._slice(lse, i, h))
             # the normalised partial (o, lse) as a running state: m = lse, l = 1
             state = softmax.RunningState(
                 m, jnp.where(jnp.isneginf(m), 0.0, 1.0).astype(stats),
-                self._rows(self._slice(o, i)))
+                self._rows(self._slice(o, i, h)))
 
             def k_block(state, ys):
                 j, ok = ys
-                k_pos, k_valid = _take(k_pos_b, j), _take(k_valid_b, j)
+                k_pos, k_valid = _take(k_pos_b, j), self._kv(k_valid_b, j, h)
 
                 def compute(state):
                     # read inside the branch: a skipped block reads nothing
-                    k_blk, v_blk = _matmul_inputs(_take(k_b, j), _take(v_b, j))
+                    k_blk, v_blk = _matmul_inputs(self._kv(k_b, j, h), self._kv(v_b, j, h))
                     mask = _block_mask(args, q_pos, k_pos, k_valid)
                     keep = _dropout_keep(args, dropout_rng, i, j,
                                          q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
@@ -625,11 +662,10 @@ class _RingSteps:
 
             state, _ = jax.lax.scan(k_block, state, (row, row_ok))
             o_blk, lse_blk = softmax.finalize_state(state)
-            return (self._put(o, self._unrows(o_blk), i),
-                    self._put(lse, self._unrows(lse_blk), i)), None
+            return (self._put(o, self._unrows(o_blk), i, h),
+                    self._put(lse, self._unrows(lse_blk), i, h)), None
 
-        xs = (jnp.arange(geo.num_q), rows, rows_ok)
-        (o, lse), _ = jax.lax.scan(q_block, (o, lse), xs)
+        (o, lse), _ = jax.lax.scan(q_block, (o, lse), self._items(rows, rows_ok))
         return o, lse
 
     def backward(self, q, kv, do, lse, delta, dq, dkv, *, q_positions=None,
@@ -643,43 +679,43 @@ class _RingSteps:
 
         def q_block(carry, xs):
             dq, (dk_b, dv_b) = carry
-            i, row, row_ok = xs
-            q_blk = self._q_block(q, i)
-            (do_blk,) = _matmul_inputs(self._slice(do, i))
+            i, h, row, row_ok = xs
+            q_blk = self._q_block(q, i, h)
+            (do_blk,) = _matmul_inputs(self._slice(do, i, h))
             do_blk = self._rows(do_blk)
-            lse_i = self._slice(lse, i).astype(stats)
+            lse_i = self._slice(lse, i, h).astype(stats)
             # rows without keys have lse = -inf and all logits -inf: exp(-inf - 0) = 0.
             lse_blk = self._rows(jnp.where(jnp.isneginf(lse_i), 0.0, lse_i))
-            delta_blk = self._rows(self._slice(delta, i).astype(stats))
+            delta_blk = self._rows(self._slice(delta, i, h).astype(stats))
             q_pos = q_pos_b[i]
-            # dq of this block, transposed as _backward_block gives it: [N, Hkv, D, G, bq]
-            dqt = jnp.moveaxis(self._rows(self._slice(dq, i)), -1, 2)
+            # dq of this block, transposed as _backward_block gives it: [N, heads, D, G, bq]
+            dqt = jnp.moveaxis(self._rows(self._slice(dq, i, h)), -1, 2)
 
             def k_block(carry, ys):
                 j, ok = ys
-                k_pos, k_valid = _take(k_pos_b, j), _take(k_valid_b, j)
+                k_pos, k_valid = _take(k_pos_b, j), self._kv(k_valid_b, j, h)
 
                 def compute(carry):
                     dqt, dk_b, dv_b = carry
-                    k_blk, v_blk = _matmul_inputs(_take(k_b, j), _take(v_b, j))
+                    k_blk, v_blk = _matmul_inputs(self._kv(k_b, j, h), self._kv(v_b, j, h))
                     mask = _block_mask_t(args, q_pos, k_pos, k_valid)
                     keep = _dropout_keep(args, dropout_rng, i, j,
                                          q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                     (dk_j, dv_j), dqt_blk = _backward_block(
-                        (dk_b[j], dv_b[j]), q_blk, k_blk, v_blk, do_blk,
-                        lse_blk, delta_blk, mask, keep, post_scale, args.scale, stats)
-                    return dqt + dqt_blk, dk_b.at[j].set(dk_j), dv_b.at[j].set(dv_j)
+                        (self._kv(dk_b, j, h), self._kv(dv_b, j, h)), q_blk, k_blk, v_blk,
+                        do_blk, lse_blk, delta_blk, mask, keep, post_scale, args.scale, stats)
+                    return (dqt + dqt_blk, self._put_kv(dk_b, dk_j, j, h),
+                            self._put_kv(dv_b, dv_j, j, h))
 
                 # the real entries of a row are distinct key blocks; padding is skipped
                 need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid))
                 return _maybe_cond(need, compute, lambda c: c, carry), None
 
             (dqt, dk_b, dv_b), _ = jax.lax.scan(k_block, (dqt, dk_b, dv_b), (row, row_ok))
-            dq = self._put(dq, self._unrows(jnp.moveaxis(dqt, 2, -1)), i)
+            dq = self._put(dq, self._unrows(jnp.moveaxis(dqt, 2, -1)), i, h)
             return (dq, (dk_b, dv_b)), None
 
-        xs = (jnp.arange(geo.num_q), rows, rows_ok)
-        (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), xs)
+        (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), self._items(rows, rows_ok))
         return dq, dkv
 
 
@@ -693,7 +729,33 @@ def ring_steps(q, k, args: KernelArgs):
     if (geo.num_q * geo.block_q != geo.len_q or geo.num_k * geo.block_k != geo.len_k
             or _batch_chunk(q.shape[0], q, k, args) < q.shape[0]):
         return None
-    return _RingSteps(geo, q.shape[2] // k.shape[2], args)
+    group, kv_heads = q.shape[2] // k.shape[2], k.shape[2]
+    return _RingSteps(geo, group, kv_heads, _ring_head_group(q.shape[0], kv_heads, group,
+                                                             geo, args), args)
+
+
+# logits elements of one ring step's block (one head group): 1 MiB in float32
+_RING_BLOCK_ELEMENTS = 1 << 18
+
+
+def _ring_head_group(batch: int, kv_heads: int, group: int, geo: _Blocking,
+                     args: KernelArgs) -> int:
+    """kv heads per head group of the ring steps: the most that keep a logits block
+    within ``_RING_BLOCK_ELEMENTS`` (at least one), a divisor of ``kv_heads``.
+
+    A ring at P devices holds a few shard-sized buffers, which shrink as 1/P, and
+    per-step temporaries (logits, query/key blocks), which do not: with every head at
+    once the latter were a third of the per-device memory at P = 8 (n = 32768, 8
+    heads). Looping over heads keeps the matmul shapes (heads are a batch axis of
+    them), so it costs only loop overhead. With dropout every head stays in one
+    group: the keep masks are drawn per (query block, key block) over all heads.
+    """
+    if args.dropout_rate:
+        return kv_heads
+    per_head = batch * group * geo.block_q * geo.block_k
+    fits = [d for d in range(1, kv_heads + 1)
+            if kv_heads % d == 0 and d * per_head <= _RING_BLOCK_ELEMENTS]
+    return max(fits, default=1)
 
 
 def block_sparse_ring_steps(q, k, args: KernelArgs):
@@ -731,6 +793,11 @@ def _listed(ok, need):
     if ok is None:
         return need
     return ok if need is None else ok & need
+
+
+def _indices(*starts):
+    """Start indices of one dynamic slice, all int32 (Python ints are int64 under x64)."""
+    return tuple(jnp.asarray(v, jnp.int32) for v in starts)
 
 
 def _take(x, i):
