@@ -38,7 +38,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   # matplotlib: block patterns draw themselves (a test checks the picture);
   # nbclient, nbformat, ipykernel: tests/test_notebooks.py runs notebooks/
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench,train]" pytest matplotlib \
+  # pytest-xdist: scripts/test.sh runs the tests on several processes (the test extra
+  # lists it too; the extra itself is not installed here: its unpinned torch could
+  # pull CUDA packages)
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench,train]" pytest "pytest-xdist>=3" matplotlib \
     nbclient nbformat ipykernel
   echo "$want" > "$stamp"
 fi
