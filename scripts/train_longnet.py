@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -290,8 +291,25 @@ def make_config(args, task: Task):
 # ----------------------------------------------------------------------------- train
 
 
+@functools.cache
+def make_tx(lr: float, warmup: int, steps: int, weight_decay: float):
+    """The optimizer: clipping, AdamW on a warmup-cosine schedule. One object per
+    setting, so that the optimizer's graph (which holds it) is the same for a second
+    ``main`` in the same process and the jitted steps are not compiled again."""
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, lr, max(warmup, 1), max(steps, warmup + 1), lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b2=0.98, weight_decay=weight_decay))
+
+
+@functools.cache
 def make_steps():
-    """The jitted training step (loss, gradient, optimizer update) and eval step."""
+    """The jitted training step (loss, gradient, optimizer update) and eval step.
+
+    One pair per process: a second ``main`` in the same process (a resume, another
+    run of a notebook) reuses their compilations where the model is the same."""
     import jax.numpy as jnp
     import optax
     from flax import nnx
@@ -362,7 +380,6 @@ def main(argv=None, *, hard_stop: bool = False) -> dict:
     args = parse_args(argv)
     import jax
     import jax.numpy as jnp
-    import optax
     import orbax.checkpoint as ocp
     from flax import nnx
 
@@ -378,10 +395,7 @@ def main(argv=None, *, hard_stop: bool = False) -> dict:
     os.makedirs(out_dir, exist_ok=True)
 
     model = jd.models.LongNetLM(config, rngs=nnx.Rngs(args.seed))
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, max(args.warmup, 1), max(args.steps, args.warmup + 1), args.lr * 0.1)
-    tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(schedule, b2=0.98, weight_decay=args.weight_decay))
+    tx = make_tx(args.lr, args.warmup, args.steps, args.weight_decay)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     train_step, eval_step = make_steps()
 
