@@ -149,7 +149,7 @@ def test_ring_steps_by_head_group_with_per_head_masks(monkeypatch):
     per head group. Equal to single-device dilated attention."""
     from jax_dilated.backends import xla
 
-    monkeypatch.setattr(xla, "_RING_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(xla, "_ring_block_budget", lambda: 1)
     groups = []
     original = xla.ring_steps
 

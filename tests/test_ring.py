@@ -637,7 +637,7 @@ def test_ring_steps_several_blocks_match_fallback(monkeypatch, p, layout, causal
     monkeypatch.setattr(xla, "DEFAULT_BLOCK_Q", 4)  # 3 blocks of 4 per shard of 12
     monkeypatch.setattr(xla, "DEFAULT_BLOCK_K", 4)
     if split:
-        monkeypatch.setattr(xla, "_RING_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(xla, "_ring_block_budget", lambda: 1)
     used = []
     original = xla.ring_steps
 

@@ -550,7 +550,7 @@ class _RingSteps:
         if x is None:
             return None
         cut = x.shape[2] > 1
-        start = _indices(j, 0, 0 if cut else 0, *(0,) * (x.ndim - 3))
+        start = _indices(j, 0, h * self.heads if cut else 0, *(0,) * (x.ndim - 3))
         size = (1, x.shape[1], self.heads if cut else 1) + x.shape[3:]
         return jax.lax.dynamic_slice(x, start, size)[0]
 
@@ -734,27 +734,35 @@ def ring_steps(q, k, args: KernelArgs):
                                                              geo, args), args)
 
 
-# logits elements of one ring step's block (one head group): 1 MiB in float32
+# logits elements of one ring step's block (one head group) on CPU: 1 MiB in float32
 _RING_BLOCK_ELEMENTS = 1 << 18
+
+
+def _ring_block_budget() -> int:
+    """Logits elements one ring step's block may hold (see :func:`_ring_head_group`)."""
+    return _RING_BLOCK_ELEMENTS if jax.default_backend() == "cpu" else _BLOCK_ELEMENTS
 
 
 def _ring_head_group(batch: int, kv_heads: int, group: int, geo: _Blocking,
                      args: KernelArgs) -> int:
     """kv heads per head group of the ring steps: the most that keep a logits block
-    within ``_RING_BLOCK_ELEMENTS`` (at least one), a divisor of ``kv_heads``.
+    within the budget (at least one), a divisor of ``kv_heads``.
 
     A ring at P devices holds a few shard-sized buffers, which shrink as 1/P, and
     per-step temporaries (logits, query/key blocks), which do not: with every head at
     once the latter were a third of the per-device memory at P = 8 (n = 32768, 8
     heads). Looping over heads keeps the matmul shapes (heads are a batch axis of
-    them), so it costs only loop overhead. With dropout every head stays in one
-    group: the keep masks are drawn per (query block, key block) over all heads.
+    them), so on CPU it costs only loop overhead (measured: no slower). Elsewhere the
+    budget is the kernel's usual block size (``_BLOCK_ELEMENTS``): on a GPU one head
+    of a 512 x 512 block is too little work per loop step to keep the device busy
+    (not measured yet). With dropout every head stays in one group: the keep masks
+    are drawn per (query block, key block) over all heads.
     """
     if args.dropout_rate:
         return kv_heads
     per_head = batch * group * geo.block_q * geo.block_k
     fits = [d for d in range(1, kv_heads + 1)
-            if kv_heads % d == 0 and d * per_head <= _RING_BLOCK_ELEMENTS]
+            if kv_heads % d == 0 and d * per_head <= _ring_block_budget()]
     return max(fits, default=1)
 
 
