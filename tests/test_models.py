@@ -102,7 +102,9 @@ def test_generate_equals_greedy_full_forward(kw):
     assert all(b.attn.cache_index is None for b in model.blocks)
     model.init_cache(2, 24)
     prefill = nnx.jit(lambda m, x: m(x, decode=True))(model, out[:, :17])
-    np.testing.assert_allclose(np.asarray(prefill), np.asarray(forward(model, out[:, :17])),
+    # (the full pass over all 24 tokens, compiled above: by causality its first 17
+    # positions are the pass over those 17 tokens)
+    np.testing.assert_allclose(np.asarray(prefill), np.asarray(forward(model, out)[:, :17]),
                                rtol=0, atol=1e-5)
     assert int(model.blocks[0].attn.cache_index[...]) == 17
 
@@ -348,29 +350,39 @@ def test_qk_transform_hook():
 def test_multi_token_decode():
     """decode=True with several tokens: a prompt into an empty cache (one causal pass),
     then chunks and single tokens at later indices (token by token) - eager and under
-    jit (lax.cond on the index) - equal to the full causal forward; Linen too."""
-    layer = _layer(qk_transform=Rotary())
+    jit (lax.cond on the index) - equal to the full causal forward; Linen too.
+
+    The chunks repeat their lengths (9, 1, 5, 5, 1) so that jit compiles each length
+    once and eager mode reuses its per-op compilations: compile time is most of this
+    test's time."""
+    chunks = ((0, 9), (9, 10), (10, 15), (15, 20), (20, 21))  # a prompt longer than
+    layer = _layer(qk_transform=Rotary())                    # a segment, then chunks
     x = jnp.asarray(np.random.default_rng(10).standard_normal((2, 21, E)))
     full = nnx.jit(lambda m, x: m(x, is_causal=True))(layer, x)
     step = nnx.jit(lambda m, x: m(x, decode=True))
     for run in (lambda m, x: m(x, decode=True), step):
         layer.init_cache((2, 24, E), dtype=jnp.float64)
-        outs = [run(layer, x[:, a:b]) for a, b in ((0, 9), (9, 10), (10, 16), (16, 21))]
+        outs = [run(layer, x[:, a:b]) for a, b in chunks]
         np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full),
                                    rtol=1e-10, atol=1e-12)
         assert int(layer.cache_index[...]) == 21
     with pytest.raises(ValueError, match="KV cache overflow: the cache holds max_len=24"):
         layer(x[:, :4], decode=True)
     # under jit a chunk past the end outputs NaN for the tokens that do not fit
+    # (9 + 9 tokens, then 6 of 9 fit)
     layer.init_cache((2, 24, E), dtype=jnp.float64)
-    step(layer, x[:, :20])
-    over = step(layer, x[:, :6])
-    assert np.isfinite(np.asarray(over[:, :4])).all() and np.isnan(np.asarray(over[:, 4:])).all()
-    # the functions directly: a bfloat16 cache is read back as the step path reads it
+    step(layer, x[:, :9])
+    step(layer, x[:, 9:18])
+    over = step(layer, x[:, 12:21])
+    assert np.isfinite(np.asarray(over[:, :6])).all() and np.isnan(np.asarray(over[:, 6:])).all()
+    # the functions directly: a bfloat16 cache is read back as the step path reads it.
+    # `fast`: the concrete-index path (the cache is a constant of the jitted function,
+    # so its index is concrete: the Python branch picks the prefill, as eagerly);
+    # `slow`: the traced index (lax.cond)
     q = jnp.asarray(np.random.default_rng(11).standard_normal((1, 6, 4, 8)), jnp.float32)
     cache = decoding.init_kv_cache(1, 8, 4, 8, jnp.bfloat16)
     cfg = dict(segment_lengths=(2, 4), dilation_rates=(1, 2))
-    fast, c1 = decoding.decode_tokens(cache, q, q, q, **cfg)
+    fast, c1 = jax.jit(lambda q: decoding.decode_tokens(cache, q, q, q, **cfg))(q)
     slow, c2 = jax.jit(functools.partial(decoding.decode_tokens, **cfg))(
         cache._replace(index=jnp.asarray(0)), q, q, q)
     one = jax.jit(functools.partial(decoding.decode_step, **cfg))
@@ -379,20 +391,25 @@ def test_multi_token_decode():
         np.testing.assert_allclose(np.asarray(fast[:, i]), np.asarray(o[:, 0]), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(c1.key), np.asarray(cache.key))
     np.testing.assert_allclose(np.asarray(slow), np.asarray(fast), atol=1e-6)
-    # Linen: init creates the cache, then a prompt and single tokens
+    # Linen: init creates the cache (under jit: it runs a full causal pass), then a
+    # prompt, chunks and single tokens, eagerly (the same shapes as the NNX layer's:
+    # the per-op compilations are reused)
     lin = jd.linen.MultiheadDilatedAttention(E, H, segment_lengths=(4, 8),
                                              dilation_rates=(1, 2), num_kv_heads=2,
                                              qk_transform=Rotary(), param_dtype=jnp.float64)
     params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
-    cache = lin.init(jax.random.key(0), jnp.zeros((2, 21, E)), decode=True)["cache"]
+    cache = jax.jit(functools.partial(lin.init, decode=True))(
+        jax.random.key(0), jnp.zeros((2, 24, E)))["cache"]
+    assert int(cache["cache_index"]) == 0
     outs = []
-    for a, b in ((0, 12), (12, 13), (13, 21)):
+    for a, b in chunks:
         out, mut = lin.apply({"params": params, "cache": cache}, x[:, a:b], decode=True,
                              mutable=["cache"])
         outs.append(out)
         cache = mut["cache"]
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full),
                                rtol=1e-10, atol=1e-12)
+    assert int(cache["cache_index"]) == 21
 
 
 def test_config_errors():
