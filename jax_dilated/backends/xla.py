@@ -558,8 +558,10 @@ class _RingSteps:
         start = _indices(j, 0, h * self.heads, *(0,) * (x.ndim - 3))
         return jax.lax.dynamic_update_slice(x, blk[None].astype(x.dtype), start)
 
-    def _items(self, rows, rows_ok):
-        """Scan operands of the work items (query block i, head group h), i outermost."""
+    def _items(self, blocks):
+        """Scan operands of the work items (query block i, head group h), i outermost:
+        (i, h, the key blocks the item visits, which of them are real)."""
+        rows, rows_ok = self._rows_of(blocks)
         nh = self.num_groups
         items = np.arange(self.geo.num_q * nh)
         i, h = items // nh, items % nh
@@ -626,12 +628,11 @@ class _RingSteps:
 
     def forward(self, q, kv, o, lse, *, q_positions=None, k_positions=None, kv_valid=None,
                 dropout_rng=None, blocks=None):
-        args, geo = self.args, self.geo
+        args = self.args
         k_b, v_b = kv
         stats = o.dtype
         q_pos_b = self._q_pos(q_positions)
         k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
-        rows, rows_ok = self._rows_of(blocks)
 
         def q_block(carry, xs):
             o, lse = carry
@@ -665,17 +666,16 @@ class _RingSteps:
             return (self._put(o, self._unrows(o_blk), i, h),
                     self._put(lse, self._unrows(lse_blk), i, h)), None
 
-        (o, lse), _ = jax.lax.scan(q_block, (o, lse), self._items(rows, rows_ok))
+        (o, lse), _ = jax.lax.scan(q_block, (o, lse), self._items(blocks))
         return o, lse
 
     def backward(self, q, kv, do, lse, delta, dq, dkv, *, q_positions=None,
                  k_positions=None, kv_valid=None, dropout_rng=None, blocks=None):
-        args, geo = self.args, self.geo
+        args = self.args
         k_b, v_b = kv
         stats = dq.dtype
         q_pos_b = self._q_pos(q_positions)
         k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
-        rows, rows_ok = self._rows_of(blocks)
 
         def q_block(carry, xs):
             dq, (dk_b, dv_b) = carry
@@ -715,7 +715,7 @@ class _RingSteps:
             dq = self._put(dq, self._unrows(jnp.moveaxis(dqt, 2, -1)), i, h)
             return (dq, (dk_b, dv_b)), None
 
-        (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), self._items(rows, rows_ok))
+        (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), self._items(blocks))
         return dq, dkv
 
 
