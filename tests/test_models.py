@@ -355,8 +355,9 @@ def test_multi_token_decode():
     The chunks repeat their lengths (9, 1, 5, 5, 1) so that jit compiles each length
     once and eager mode reuses its per-op compilations: compile time is most of this
     test's time."""
-    chunks = ((0, 9), (9, 10), (10, 15), (15, 20), (20, 21))  # a prompt longer than
-    layer = _layer(qk_transform=Rotary())                    # a segment, then chunks
+    # a prompt longer than a segment, then single tokens and chunks
+    chunks = ((0, 9), (9, 10), (10, 15), (15, 20), (20, 21))
+    layer = _layer(qk_transform=Rotary())
     x = jnp.asarray(np.random.default_rng(10).standard_normal((2, 21, E)))
     full = nnx.jit(lambda m, x: m(x, is_causal=True))(layer, x)
     step = nnx.jit(lambda m, x: m(x, decode=True))
