@@ -5,13 +5,13 @@ Public API only; see DESIGN.md for the semantics.
 
 from jax_dilated import block_patterns, linen, models, nnx
 from jax_dilated.backends import backend_report
-from jax_dilated.block_sparse import block_sparse_attention
-from jax_dilated.decode import dilated_attention_decode
-from jax_dilated.dilated import dilated_attention
-from jax_dilated.factory import attention_fn, create_multihead_dilated_attention
-from jax_dilated.layouts import from_layout, to_layout
-from jax_dilated.ring import ring_attention
-from jax_dilated.sharding import sharded
+from jax_dilated.core.layouts import from_layout, to_layout
+from jax_dilated.layers.factory import attention_fn, create_multihead_dilated_attention
+from jax_dilated.ops.block_sparse import block_sparse_attention
+from jax_dilated.ops.decode import dilated_attention_decode
+from jax_dilated.ops.dilated import dilated_attention
+from jax_dilated.ops.ring import ring_attention
+from jax_dilated.ops.sharded import sharded
 
 __all__ = [
     # operations on arrays

@@ -843,7 +843,7 @@ def _step_patterns(seq_len: int, devices: int, layout: str, block: int,
     every query of block i (the library's skip rule); a step with no block is
     skipped whole (``None``).
     """
-    from jax_dilated.layouts import global_order
+    from jax_dilated.core.layouts import global_order
     pos = global_order(seq_len, devices, layout).reshape(devices, -1, block)
     q_max, k_min = pos.max(-1), pos.min(-1)
     steps = []
@@ -872,7 +872,7 @@ def _ring_projection(args, libs, progress) -> dict:
     """
     jax, jnp, jd = libs.jax, libs.jnp, libs.jd
     from jax_dilated.backends import KernelArgs, get_kernel
-    from jax_dilated.layouts import global_order
+    from jax_dilated.core.layouts import global_order
     p, n = args.devices, args.seq_len // args.devices
     kernel = get_kernel(args.implementation)
     dtype = jnp.dtype(args.dtype)
@@ -940,7 +940,9 @@ def _memory_of(jax, fn, specs) -> dict:
 def _ring_memory_jobs(args, libs, ra) -> list[tuple]:
     """``(name, devices, layout, forward fn, input spec)`` of every compiled-memory row."""
     jax, jnp, jd = libs.jax, libs.jnp, libs.jd
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from jax_dilated.backends import KernelArgs, get_kernel
     n, dtype = args.memory_seq_len, jnp.dtype(args.dtype)
     shape = (args.batch, n, args.heads, args.head_dim)
@@ -1010,9 +1012,11 @@ def _undo_order(inverse: np.ndarray, x) -> np.ndarray:
 def _ring_variants(args, libs, ra, mesh, inputs) -> dict:
     """name -> (forward fn, its q/k/v/ct inputs placed for it, output back to token order)."""
     jax, jnp, jd = libs.jax, libs.jnp, libs.jd
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from jax_dilated.backends import KernelArgs, get_kernel
-    from jax_dilated.layouts import global_order
+    from jax_dilated.core.layouts import global_order
     dtype = jnp.dtype(args.dtype)
     kernel = get_kernel(args.implementation)
     kargs = KernelArgs(scale=args.head_dim ** -0.5, is_causal=args.causal)
@@ -1326,7 +1330,8 @@ def run_distributed(args: argparse.Namespace) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jax_dilated as jd
-    from jax_dilated import distributed, patterns
+    from jax_dilated.core import branch_plans
+    from jax_dilated.ops import distributed
 
     t, h, d = args.seq_len, args.heads, args.head_dim
     dtype = jnp.dtype(args.dtype)
@@ -1380,7 +1385,7 @@ def run_distributed(args: argparse.Namespace) -> dict:
         progress.done()
         plan = distributed.shard_branches(tuple(zip(args.segments, args.rates)),
                                           local_len=t // p, num_devices=p)
-        heads_plans = patterns.plan_branches(tuple(zip(args.segments, args.rates)),
+        heads_plans = branch_plans.plan_branches(tuple(zip(args.segments, args.rates)),
                                              seq_len=t, num_heads=h, num_kv_heads=h,
                                              mode=args.mode, offsets_rule="modulo")
         branches = []
@@ -1479,7 +1484,7 @@ def _collectives_in(hlo: str) -> dict[str, int]:
 def _allgather_comparison(args, jax, jnp, devices, progress) -> list[dict]:
     """One spanning branch at ``P = max(devices)``, as a ring and as an all-gather.
 
-    Both run the library's dilate / undilate (``gather.attend_dilated``) around the
+    Both run the library's dilate / undilate (``dilation.attend_dilated``) around the
     spanning branch's attention; the ring variant is what ``dilated_attention``
     does (``ring_partials`` over the devices of a segment), the all-gather variant
     gathers every device's dilated key/value block and attends to all of them at
@@ -1490,9 +1495,10 @@ def _allgather_comparison(args, jax, jnp, devices, progress) -> list[dict]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_dilated import distributed, gather, patterns
     from jax_dilated.backends import KernelArgs, get_kernel
-    from jax_dilated.ring import RingConfig, ring_partials
+    from jax_dilated.core import branch_plans, dilation
+    from jax_dilated.ops import distributed
+    from jax_dilated.ops.ring import RingConfig, ring_partials
 
     t, h, d, p = args.seq_len, args.heads, args.head_dim, max(args.devices)
     dtype = jnp.dtype(args.dtype)
@@ -1506,7 +1512,7 @@ def _allgather_comparison(args, jax, jnp, devices, progress) -> list[dict]:
         sb = distributed.shard_branches(((w, r),), local_len=t // p, num_devices=p)[0]
         if sb.ring_size != p:
             continue  # local, or a ring over a subgroup: compare where all devices share
-        plan = patterns.plan_branches(((w, r),), seq_len=t, num_heads=h, num_kv_heads=h,
+        plan = branch_plans.plan_branches(((w, r),), seq_len=t, num_heads=h, num_kv_heads=h,
                                       mode=args.mode, offsets_rule="modulo")[0]
         cfg = RingConfig("seq", p, p, "contiguous", kargs, None)
 
@@ -1523,7 +1529,7 @@ def _allgather_comparison(args, jax, jnp, devices, progress) -> list[dict]:
 
         for method, attend in (("ring", ring_attend), ("all-gather", gather_attend)):
             def local(q, k, v, attend=attend, sb=sb, plan=plan):
-                o, _ = gather.attend_dilated(attend, sb.cut, plan, q, k, v, None)
+                o, _ = dilation.attend_dilated(attend, sb.cut, plan, q, k, v, None)
                 return o.astype(q.dtype)
 
             attn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "seq"),) * 3,

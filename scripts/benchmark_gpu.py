@@ -210,8 +210,8 @@ def run_gpu(args: argparse.Namespace, h) -> dict:
     import jax.numpy as jnp
 
     import jax_dilated as jd
-    from jax_dilated import softmax
     from jax_dilated.backends import KernelArgs, get_kernel
+    from jax_dilated.core import softmax
 
     if jax.default_backend() != "gpu" and not args.allow_cpu:
         raise SystemExit(f"no GPU (JAX backend {jax.default_backend()!r}); pass --allow-cpu "

@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
-import jax_dilated as jd
 import torch_reference as ref
 from _helpers import as_np, assert_close, to_torch
-from jax_dilated import softmax
+
+import jax_dilated as jd
 from jax_dilated.backends import KernelArgs, cudnn, registry, selection, xla
+from jax_dilated.core import softmax
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,18 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _mesh import build_mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_dilated as jd
 from jax_dilated import block_patterns as bp
-from jax_dilated.block_sparse import block_lists
-from _mesh import build_mesh
+from jax_dilated.ops.block_sparse import block_lists
 
 torch = pytest.importorskip("torch")
 
 import torch_reference as ref  # noqa: E402
 from _helpers import TOL, as_np, assert_close, np_dtype, rounded, to_jax, to_torch  # noqa: E402
-
 
 # ------------------------------------------------------------------------- patterns
 

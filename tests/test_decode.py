@@ -1,4 +1,4 @@
-"""KV-cache decoding (``jax_dilated.decode`` and the layers' ``decode=True``).
+"""KV-cache decoding (``jax_dilated.ops.decode`` and the layers' ``decode=True``).
 
 Decoding token by token must give, at every step, the output of the full causal
 forward pass on the prefix - for prefixes far longer than the largest segment and
@@ -15,13 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import assert_close
 from flax import linen as nn
 from flax import nnx
 
 import jax_dilated as jd
-from jax_dilated import decode
-
-from _helpers import assert_close
+from jax_dilated.ops import decode
 
 CASES = {
     "longnet_modulo": dict(segment_lengths=(4, 8), dilation_rates=(1, 2)),

@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _mesh import build_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_dilated as jd
-from _mesh import build_mesh
-from jax_dilated import distributed
+from jax_dilated.ops import distributed
 
 TOL = {"float32": 1e-5, "float64": 1e-10}
 
@@ -149,7 +149,7 @@ def test_ring_steps_by_head_group_with_per_head_masks(monkeypatch):
     per head group. Equal to single-device dilated attention."""
     from jax_dilated.backends import xla
 
-    monkeypatch.setattr(xla, "_ring_block_budget", lambda: 1)
+    monkeypatch.setattr(xla.ring, "_ring_block_budget", lambda: 1)
     groups = []
     original = xla.ring_steps
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
 import torch_reference as ref
 from _helpers import TOL, as_np, assert_close, np_dtype, rounded, to_jax, to_torch
+
 from jax_dilated.backends import KernelArgs, xla
 
 

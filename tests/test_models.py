@@ -25,8 +25,8 @@ from flax import linen as nn
 from flax import nnx
 
 import jax_dilated as jd
-from jax_dilated import decode as decoding
 from jax_dilated.models import LongNetConfig, LongNetLM, Rotary, XPos, cross_entropy
+from jax_dilated.ops import decode as decoding
 
 V = 32
 SEGS = dict(segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4))
@@ -321,7 +321,7 @@ def _layer(**kw):
 def test_qk_transform_hook():
     """The layer with qk_transform = projections, the transform at positions 0..T-1,
     dilated attention, sub-LN and output projection composed by hand; NNX == Linen."""
-    from jax_dilated import _layer_common as common
+    from jax_dilated.layers import common
 
     xp = XPos(scale_base=8.0)
     layer = _layer(qk_transform=xp)

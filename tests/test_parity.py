@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
-import jax_dilated as jd
 import torch_reference as ref
 from _helpers import TOL, as_np, assert_close, rounded, to_jax, to_torch
+
+import jax_dilated as jd
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,18 +32,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _mesh import build_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_dilated as jd
-from jax_dilated import layouts
-from _mesh import build_mesh
+from jax_dilated.core import layouts
 
 torch = pytest.importorskip("torch")  # the reference; without it the module skips
 
 import torch_reference as ref  # noqa: E402
 from _helpers import TOL, as_np, assert_close, np_dtype, rounded, to_jax, to_torch  # noqa: E402
-
 
 # --------------------------------------------------------------------------- inputs
 
@@ -428,7 +427,7 @@ def test_ring_kernel_calls_counted(monkeypatch, layout, causal, mask_kind, expec
 
     # the ring uses the kernel's ring steps where it has them, else its forward
     monkeypatch.setattr(xla, "forward", counting(xla.forward))
-    monkeypatch.setattr(xla._RingSteps, "forward", counting(xla._RingSteps.forward))
+    monkeypatch.setattr(xla.ring._RingSteps, "forward", counting(xla.ring._RingSteps.forward))
     p, t = 4, 16
     q, k, v, _, _, mask = make_inputs(2, t, 2, 2, 8, mask_kind, seed=3)
     attn = _ring_fn(p, causal, layout)
@@ -634,10 +633,10 @@ def test_ring_steps_several_blocks_match_fallback(monkeypatch, p, layout, causal
     other tests."""
     from jax_dilated.backends import xla
 
-    monkeypatch.setattr(xla, "DEFAULT_BLOCK_Q", 4)  # 3 blocks of 4 per shard of 12
-    monkeypatch.setattr(xla, "DEFAULT_BLOCK_K", 4)
+    monkeypatch.setattr(xla.layout, "DEFAULT_BLOCK_Q", 4)  # 3 blocks of 4 per shard of 12
+    monkeypatch.setattr(xla.layout, "DEFAULT_BLOCK_K", 4)
     if split:
-        monkeypatch.setattr(xla, "_ring_block_budget", lambda: 1)
+        monkeypatch.setattr(xla.ring, "_ring_block_budget", lambda: 1)
     used = []
     original = xla.ring_steps
 
@@ -672,10 +671,10 @@ def test_ring_steps_dropout_match_fallback(monkeypatch):
     from jax.sharding import PartitionSpec as PS
 
     from jax_dilated.backends import KernelArgs, xla
-    from jax_dilated.ring import RingConfig, ring_partials
+    from jax_dilated.ops.ring import RingConfig, ring_partials
 
-    monkeypatch.setattr(xla, "DEFAULT_BLOCK_Q", 4)
-    monkeypatch.setattr(xla, "DEFAULT_BLOCK_K", 4)
+    monkeypatch.setattr(xla.layout, "DEFAULT_BLOCK_Q", 4)
+    monkeypatch.setattr(xla.layout, "DEFAULT_BLOCK_K", 4)
     p = 4
     mesh = build_mesh((p,), ("seq",), "auto")
     q, k, v, g, _, _ = (jnp.asarray(x) if x is not None else None

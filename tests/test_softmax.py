@@ -1,4 +1,4 @@
-"""The online softmax of ``jax_dilated.softmax`` against PyTorch.
+"""The online softmax of ``jax_dilated.core.softmax`` against PyTorch.
 
 * ``merge_partials`` of two kernel partials over *disjoint* key sets equals
   attention over their union (output, log-sum-exp and gradients);
@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
 import torch_reference as ref
 from _helpers import assert_close, to_torch
-from jax_dilated import softmax
+
 from jax_dilated.backends import KernelArgs, xla
+from jax_dilated.core import softmax
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -5,7 +5,11 @@
 """
 
 from jax_dilated.backends.base import KernelArgs
-from jax_dilated.backends.registry import IMPLEMENTATIONS, get_kernel, select_implementation
+from jax_dilated.backends.registry import (
+           IMPLEMENTATIONS,
+           get_kernel,
+           select_implementation,
+)
 from jax_dilated.backends.report import KernelChoice, backend_report
 
 __all__ = ["KernelArgs", "IMPLEMENTATIONS", "get_kernel", "select_implementation",

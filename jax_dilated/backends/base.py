@@ -2,7 +2,7 @@
 
 A kernel computes attention of a block of queries against a block of keys and
 values and returns the output together with the log-sum-exp, so that partial
-results over different key sets can be merged exactly (:mod:`jax_dilated.softmax`):
+results over different key sets can be merged exactly (:mod:`jax_dilated.core.softmax`):
 
     forward(q, k, v, args, *, q_positions, k_positions, kv_valid, dropout_rng)
         -> o [N, Lq, H, D] (input dtype), lse [N, Lq, H] (float32; float64 for float64)
@@ -27,7 +27,7 @@ exactly; ``Lq``/``Lk`` are padded up to whole blocks, padded keys never attended
 with ``blocks`` a :class:`BlockLists`. Within a listed block the causal rule and
 ``kv_valid`` still apply; all listed blocks of a query block share one softmax.
 
-Optional, for rings (:mod:`jax_dilated.ring` falls back to ``forward``/``backward``
+Optional, for rings (:mod:`jax_dilated.ops.ring` falls back to ``forward``/``backward``
 when a backend lacks it or it returns None). It lets a ring keep keys and values in
 the kernel's own layout for the whole ring and accumulate in place, instead of
 converting every visiting block and allocating fresh outputs at every step:
@@ -40,7 +40,7 @@ converting every visiting block and allocating fresh outputs at every step:
         -> (o, lse)
         folds the block ``kv`` into the running normalised partial ``o`` [N, Lq, H, D],
         ``lse`` [N, Lq, H] (stats dtype; start from o = 0, lse = -inf): the result is
-        the partial over the keys of both, as :func:`~jax_dilated.softmax.merge_partials`
+        the partial over the keys of both, as :func:`~jax_dilated.core.softmax.merge_partials`
         would give it
     steps.backward(q, kv, do, lse, delta, dq, dkv, *, ...same keywords) -> (dq, dkv)
         adds the block's gradients to the accumulators ``dq`` [N, Lq, H, D] (stats

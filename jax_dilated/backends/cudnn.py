@@ -60,9 +60,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated import softmax
 from jax_dilated.backends import selection, xla
 from jax_dilated.backends.base import KernelArgs
+from jax_dilated.core import softmax
 
 __all__ = ["FusedOps", "CudnnOps", "ReferenceOps", "CudnnKernel", "KERNEL", "forward",
            "backward", "attention", "primitive_signature_reason"]

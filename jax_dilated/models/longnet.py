@@ -42,9 +42,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_dilated import _layer_common as common
-from jax_dilated import nnx as jd_nnx
-from jax_dilated import patterns
+from jax_dilated.core import branch_plans
+from jax_dilated.layers import common
+from jax_dilated.layers import nnx as jd_nnx
 from jax_dilated.models.positions import Rotary, XPos
 
 __all__ = ["LongNetConfig", "LongNetLM", "cross_entropy"]
@@ -139,12 +139,12 @@ class LongNetConfig:
                 _positive_int(name, getattr(self, name))
         object.__setattr__(self, "segment_lengths", tuple(self.segment_lengths))
         object.__setattr__(self, "dilation_rates", tuple(self.dilation_rates))
-        patterns.validate_branches(self.segment_lengths, self.dilation_rates)
+        branch_plans.validate_branches(self.segment_lengths, self.dilation_rates)
         _choice("positions", self.positions, POSITIONS)
         _choice("norm", self.norm, NORMS)
         _choice("ffn", self.ffn, FFNS)
-        _choice("mode", self.mode, patterns.MODES)
-        _choice("head_offsets", self.head_offsets, patterns.HEAD_OFFSETS)
+        _choice("mode", self.mode, branch_plans.MODES)
+        _choice("head_offsets", self.head_offsets, branch_plans.HEAD_OFFSETS)
         common.HeadsConfig.create(self.embed_dim, self.num_heads, self.num_kv_heads,
                                   layer_norm_eps=self.layer_norm_eps)
         if self.positions != "none" and self.head_dim % 2:

@@ -1,11 +1,11 @@
 """Ring attention: exact attention with the sequence sharded over a mesh axis.
 
 Inside ``jax.shard_map`` every device holds ``n = T / P`` queries, keys and values
-(in one of the layouts of :mod:`jax_dilated.layouts`). Key/value blocks (compact kv
+(in one of the layouts of :mod:`jax_dilated.core.layouts`). Key/value blocks (compact kv
 heads, with their padding mask) travel around the ring with ``jax.lax.ppermute``;
 at every step the local queries attend to the visiting block through the kernel
 interface, and the partial results are folded together with
-:func:`jax_dilated.softmax.merge_partials`. The next block is sent before the
+:func:`jax_dilated.core.softmax.merge_partials`. The next block is sent before the
 current one is computed on, so transfer and compute can overlap.
 
 Where the kernel offers the optional ring steps (``ring_steps``, see
@@ -33,10 +33,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_dilated import layouts, softmax, validation
-from jax_dilated._vma import varying_like
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.backends.base import any_pair_allowed
+from jax_dilated.core import layouts, softmax, validation
+from jax_dilated.core.vma import varying_like
 
 __all__ = ["ring_attention"]
 
@@ -359,7 +359,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
       is_causal: global causal mask (by global position, whatever the layout).
       scale: logit scale, default ``1 / sqrt(head_dim)``.
       layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"``: which global tokens
-        this shard holds (see :mod:`jax_dilated.layouts`; ``jd.sharded`` permutes
+        this shard holds (see :mod:`jax_dilated.core.layouts`; ``jd.sharded`` permutes
         for you).
       kv_mask: bool [batch, n], this shard's key padding mask (True = may be attended
         to); it travels with its keys.

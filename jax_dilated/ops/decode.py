@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated import patterns, validation
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.dilated import combine_branches, dilated_attention
+from jax_dilated.core import branch_plans, validation
+from jax_dilated.ops.dilated import combine_branches, dilated_attention
 
 __all__ = ["KVCache", "init_kv_cache", "dilated_attention_decode", "decode_step",
            "decode_tokens"]
@@ -60,7 +60,7 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                    jnp.zeros((), jnp.int32))
 
 
-def _branch_decode(kernel, plan: patterns.BranchPlan, query, key_cache, value_cache, p,
+def _branch_decode(kernel, plan: branch_plans.BranchPlan, query, key_cache, value_cache, p,
                    args: KernelArgs, num_heads: int):
     """(o [B, 1, Hq, D], lse [B, 1, Hq]) of one branch for the heads ``plan.query_heads``."""
     b, cache_len, hkv = key_cache.shape[:3]
@@ -121,8 +121,8 @@ def dilated_attention_decode(query, key_cache, value_cache, position, *, segment
         raise ValueError(
             f"decoding attends one token at a time: query must be [batch, 1, heads, "
             f"head_dim], got {tuple(query.shape)}.")
-    branches = patterns.validate_branches(segment_lengths, dilation_rates)
-    plans = patterns.plan_branches(branches, seq_len=key_cache.shape[1], num_heads=h,
+    branches = branch_plans.validate_branches(segment_lengths, dilation_rates)
+    plans = branch_plans.plan_branches(branches, seq_len=key_cache.shape[1], num_heads=h,
                                    num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
     kernel = get_kernel(implementation)
     args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]))

@@ -7,7 +7,7 @@ attention inside every dilated segment (all segments and heads batched in one
 call), and the result is scattered back to the positions it came from.
 
 ``mode="longnet"`` merges the branches of every head by their softmax
-denominators (Eq. 10) with :func:`jax_dilated.softmax.merge_partials`;
+denominators (Eq. 10) with :func:`jax_dilated.core.softmax.merge_partials`;
 ``mode="head_groups"`` runs branch ``i`` on head group ``i`` only and divides the
 whole output by the number of branches.
 """
@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated import distributed, gather, patterns, softmax, validation
 from jax_dilated.backends import KernelArgs, get_kernel
+from jax_dilated.core import branch_plans, dilation, softmax, validation
+from jax_dilated.ops import distributed
 
 __all__ = ["dilated_attention"]
 
@@ -61,7 +62,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
         equals single-device attention on the global sequence. Segments that fit in
         a shard run locally with no communication; a segment spanning ``g`` devices
         (``w = g n``, ``g | P``, or ``w >= T``; needs ``n % r == 0``) dilates locally
-        and runs a ring over its ``g`` devices (:mod:`jax_dilated.distributed`).
+        and runs a ring over its ``g`` devices (:mod:`jax_dilated.ops.distributed`).
       implementation: kernel; None chooses by device kind (``"xla"`` on CPU).
       block_q, block_k: kernel block sizes (None: the kernel's defaults).
 
@@ -90,7 +91,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
             f"must equal query length, got query {tuple(query.shape)} and key "
             f"{tuple(key.shape)}."
         )
-    branches = patterns.validate_branches(segment_lengths, dilation_rates)
+    branches = branch_plans.validate_branches(segment_lengths, dilation_rates)
     is_causal = validation.check_flag("is_causal", is_causal)
     kv_mask = validation.check_kv_mask(kv_mask, b, t)
     dropout_rate = validation.check_dropout(dropout_rate, dropout_rng)
@@ -99,7 +100,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
                       block_q=block_q, block_k=block_k)
     num_devices = 1 if axis_name is None else validation.axis_size(
         axis_name, "dilated_attention(axis_name=...)")
-    plans = patterns.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
+    plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
                                    num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
     rng = dropout_rng if dropout_rate > 0.0 else None
     if axis_name is None:
@@ -109,7 +110,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
             attend = functools.partial(
                 _kernel_attend, kernel, args,
                 None if rng is None else jax.random.fold_in(rng, i))
-            results.append(gather.attend_dilated(attend, plan.branch, plan, query, key,
+            results.append(dilation.attend_dilated(attend, plan.branch, plan, query, key,
                                                  value, kv_mask))
     else:
         get_kernel(implementation)  # validate the name now, at trace time

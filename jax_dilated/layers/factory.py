@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated import _layer_common as common
-from jax_dilated import linen as linen_layers
-from jax_dilated import nnx as nnx_layers
 from jax_dilated.backends import select_implementation
+from jax_dilated.layers import common
+from jax_dilated.layers import linen as linen_layers
+from jax_dilated.layers import nnx as nnx_layers
 
 __all__ = ["attention_fn", "create_multihead_dilated_attention", "choose_kind", "Choice",
            "KINDS", "MIN_TOKENS_PER_DEVICE"]

@@ -13,7 +13,7 @@ How the work follows the density (everything below is decided at trace time):
   every key block, the query blocks that read it). The kernel
   (``block_sparse_forward``/``backward`` of :mod:`jax_dilated.backends.xla`)
   scans these lists, gathers the listed key blocks and folds them into the online
-  softmax of :mod:`jax_dilated.softmax`; padding entries are skipped with
+  softmax of :mod:`jax_dilated.core.softmax`; padding entries are skipped with
   ``lax.cond``. The backward (``jax.custom_vjp``, recomputing probabilities from
   the saved log-sum-exp) walks the transposed lists for dk/dv and scatters dq.
   Time is proportional to the number of active blocks, memory is linear in the
@@ -31,8 +31,8 @@ How the work follows the density (everything below is decided at trace time):
   are tabulated for every (device, visiting shard) pair and picked by device
   index; a ring step in which no block of the visiting shard is active (for any
   head) is skipped with ``lax.cond``, forward and backward, and the steps' partial
-  results are merged by :func:`jax_dilated.softmax.merge_partials` in the ring core
-  (:func:`jax_dilated.ring.ring_partials`). Where all heads share one set of lists
+  results are merged by :func:`jax_dilated.core.softmax.merge_partials` in the ring core
+  (:func:`jax_dilated.ops.ring.ring_partials`). Where all heads share one set of lists
   and the kernel has block-sparse ring steps (``block_sparse_ring_steps``, see
   :mod:`jax_dilated.backends.base`), the ring uses those instead: keys and values
   travel in the kernel's blocked layout and each step folds its listed blocks into
@@ -49,12 +49,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated import layouts, softmax, validation
-from jax_dilated._vma import varying_like
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.backends.base import BlockLists
 from jax_dilated.block_patterns import BlockPattern
-from jax_dilated.ring import RingConfig, ring_partials
+from jax_dilated.core import layouts, softmax, validation
+from jax_dilated.core.vma import varying_like
+from jax_dilated.ops.ring import RingConfig, ring_partials
 
 __all__ = ["block_sparse_attention", "block_lists"]
 
@@ -110,7 +110,7 @@ class _HeadClass:
 class _Step:
     """One ring step (or the whole single-device call) of block-sparse attention.
 
-    Implements the ``RingConfig.step`` protocol of :mod:`jax_dilated.ring`. The
+    Implements the ``RingConfig.step`` protocol of :mod:`jax_dilated.ops.ring`. The
     identity is the hash: a fresh object per trace, never compared by value.
     """
 
@@ -182,7 +182,7 @@ class _Step:
             lses.append(lse)
         return self._assemble(outs), self._assemble(lses)
 
-    # --- the kernel's ring steps (RingConfig.step protocol of jax_dilated.ring)
+    # --- the kernel's ring steps (RingConfig.step protocol of jax_dilated.ops.ring)
 
     def ring_steps(self, kernel, q, k):
         """The kernel's block-sparse ring steps, or None (then forward/backward).

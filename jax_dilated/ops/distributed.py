@@ -11,7 +11,7 @@ consecutive tokens. Every branch ``(w, r)`` runs in one of two ways:
   concatenation, in device order, of the ``n / r`` tokens each of the ``g`` devices
   selects. So every device first dilates its own queries, keys and values (the
   sparsification happens before any communication), and then the ``g`` devices of a
-  segment run exact ring attention (:func:`jax_dilated.ring.ring_partials`) on the
+  segment run exact ring attention (:func:`jax_dilated.ops.ring.ring_partials`) on the
   dilated blocks. A step sends ``n / r`` tokens of key and value per device, whatever
   ``P`` is. Causality is by position inside the dilated segment, which orders tokens
   the same way as their global positions: every device sees its own keys and those of
@@ -28,7 +28,7 @@ temp memory per device 40.1 MiB as a ring, 65.1 MiB as an all-gather.
 The backward is the ring's ``custom_vjp`` (the key/value blocks and their gradient
 accumulators travel together and return to their owners), so memory per device is
 O(n) for local branches and O(n / r) for spanning ones. The branches are then merged by
-:mod:`jax_dilated.softmax` exactly as on one device.
+:mod:`jax_dilated.core.softmax` exactly as on one device.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import dataclasses
 
 import jax
 
-from jax_dilated import gather, patterns
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.ring import RingConfig, ring_partials
+from jax_dilated.core import branch_plans, dilation
+from jax_dilated.ops.ring import RingConfig, ring_partials
 
 __all__ = ["ShardedBranch", "shard_branches", "branch_partials"]
 
@@ -57,7 +57,7 @@ class ShardedBranch:
     segment_length: int
     rate: int
     ring_size: int
-    cut: patterns.Branch
+    cut: branch_plans.Branch
 
     @property
     def is_local(self) -> bool:
@@ -80,7 +80,7 @@ def shard_branches(branches, *, local_len: int, num_devices: int) -> list[Sharde
     total = n * p
     out = []
     for w, r in branches:
-        br = patterns.resolve_branch(w, r, total)
+        br = branch_plans.resolve_branch(w, r, total)
         if p == 1:
             out.append(ShardedBranch(w, r, 1, br))
             continue
@@ -110,7 +110,7 @@ def shard_branches(branches, *, local_len: int, num_devices: int) -> list[Sharde
                 f"{n}/{r} tokens of each dilated segment; choose a rate dividing {n} or "
                 f"a local length that is a multiple of {r}."
             )
-        out.append(ShardedBranch(w, r, span // n, patterns.Branch(n, r, n)))
+        out.append(ShardedBranch(w, r, span // n, branch_plans.Branch(n, r, n)))
     return out
 
 
@@ -119,7 +119,7 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
     """``[(o_i, lse_i)]`` of every branch for this device's queries (inside shard_map).
 
     Args:
-      plans: the :class:`patterns.BranchPlan` of every branch (heads and offsets).
+      plans: the :class:`branch_plans.BranchPlan` of every branch (heads and offsets).
       sharded_branches: :func:`shard_branches` for the same branches.
       query: [B, n, H, D]; key, value: [B, n, Hkv, D]; kv_mask: None or [B, n].
       dropout_rng: None, or the key of the whole call; every branch, device and
@@ -147,6 +147,6 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
             def attend(q, k, v, valid, cfg=cfg, rng=rng):
                 return ring_partials(q, k, v, valid, rng, cfg)
 
-        results.append(gather.attend_dilated(attend, sb.cut, plan, query, key, value,
+        results.append(dilation.attend_dilated(attend, sb.cut, plan, query, key, value,
                                              kv_mask))
     return results

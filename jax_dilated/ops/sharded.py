@@ -18,7 +18,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_dilated import layouts, validation
+from jax_dilated.core import layouts, validation
 
 __all__ = ["sharded"]
 

@@ -31,13 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated import decode as decoding
-from jax_dilated import block_patterns, layouts, patterns, softmax
+from jax_dilated import block_patterns
 from jax_dilated.backends import select_implementation
-from jax_dilated.block_sparse import block_sparse_attention
-from jax_dilated.dilated import dilated_attention
-from jax_dilated.ring import ring_attention
-from jax_dilated.sharding import sharded
+from jax_dilated.core import branch_plans, layouts, softmax
+from jax_dilated.ops import decode as decoding
+from jax_dilated.ops.block_sparse import block_sparse_attention
+from jax_dilated.ops.dilated import dilated_attention
+from jax_dilated.ops.ring import ring_attention
+from jax_dilated.ops.sharded import sharded
 
 __all__ = [
     "AttentionCore",
@@ -196,12 +197,12 @@ def dilated_core(*, segment_lengths, dilation_rates, mode="longnet", head_offset
     scale=, implementation=, is_causal=, kv_mask=, dropout_rate=, dropout_rng=)`` and,
     with a mesh, also receives ``axis_name=`` inside ``shard_map``.
     """
-    branches = patterns.validate_branches(segment_lengths, dilation_rates)
-    if mode not in patterns.MODES:
-        raise ValueError(f"mode must be one of {patterns.MODES}, got {mode!r}.")
-    if head_offsets not in patterns.HEAD_OFFSETS:
+    branches = branch_plans.validate_branches(segment_lengths, dilation_rates)
+    if mode not in branch_plans.MODES:
+        raise ValueError(f"mode must be one of {branch_plans.MODES}, got {mode!r}.")
+    if head_offsets not in branch_plans.HEAD_OFFSETS:
         raise ValueError(
-            f"head_offsets must be one of {patterns.HEAD_OFFSETS}, got {head_offsets!r}.")
+            f"head_offsets must be one of {branch_plans.HEAD_OFFSETS}, got {head_offsets!r}.")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or scale <= 0):
         raise ValueError(f"scale must be None or a positive float, got {scale!r}.")
@@ -327,7 +328,7 @@ class HeadsConfig:
         """Combinations of heads and attention that cannot work, caught at construction."""
         opts = dict(core.options)
         if opts.get("mode") == "head_groups":
-            patterns.head_groups(self.num_heads, len(opts["segment_lengths"]))
+            branch_plans.head_groups(self.num_heads, len(opts["segment_lengths"]))
         if core.head_axis is not None:
             size = core.mesh.shape[core.head_axis]
             if self.num_heads % size or self.num_kv_heads % size:
@@ -453,7 +454,7 @@ def apply_qk_transform(fn, q, k, start=0):
 def layer_decode_step(core: AttentionCore, cache: decoding.KVCache, q, k, v, *, kv_mask,
                       dropout_rng, precision):
     """A decoding step of a layer: ``(attn [B, n, H, D], new cache)`` for ``n`` new
-    tokens (one, or a prompt; see :func:`jax_dilated.decode.decode_tokens`). Decoding
+    tokens (one, or a prompt; see :func:`jax_dilated.ops.decode.decode_tokens`). Decoding
     is causal, on one device, without dropout or padding mask."""
     if core.kind != "dilated":
         raise ValueError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated import patterns
+from jax_dilated.core import branch_plans
 
 __all__ = ["gather_dilated", "scatter_dilated", "key_validity", "attend_dilated"]
 
@@ -24,7 +24,7 @@ def _pad_seq(x, padded_len: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def gather_dilated(x, branch: patterns.Branch, offsets: np.ndarray, heads: np.ndarray):
+def gather_dilated(x, branch: branch_plans.Branch, offsets: np.ndarray, heads: np.ndarray):
     """Dilated segments of ``x`` for heads ``heads`` at offsets ``offsets``.
 
     Args:
@@ -47,7 +47,7 @@ def gather_dilated(x, branch: patterns.Branch, offsets: np.ndarray, heads: np.nd
     return x.reshape(b * s, w // r, len(flat), *x.shape[4:])
 
 
-def scatter_dilated(y, branch: patterns.Branch, offsets: np.ndarray, batch: int,
+def scatter_dilated(y, branch: branch_plans.Branch, offsets: np.ndarray, batch: int,
                      seq_len: int, fill):
     """Inverse of :func:`gather_dilated` for one set of heads: [B*S, w/r, Hs, ...] -> [B, T, Hs, ...].
 
@@ -65,14 +65,14 @@ def scatter_dilated(y, branch: patterns.Branch, offsets: np.ndarray, batch: int,
     return y[:, :seq_len]
 
 
-def key_validity(kv_mask, branch: patterns.Branch, batch: int, seq_len: int):
+def key_validity(kv_mask, branch: branch_plans.Branch, batch: int, seq_len: int):
     """[B, T] validity of keys, or None when every key of every segment exists."""
     if kv_mask is None and seq_len % branch.effective_length == 0:
         return None
     return jnp.ones((batch, seq_len), bool) if kv_mask is None else kv_mask
 
 
-def attend_dilated(attend, branch: patterns.Branch, plan: patterns.BranchPlan, query, key,
+def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.BranchPlan, query, key,
                    value, kv_mask):
     """Dilate, attend inside every dilated segment, undilate: one branch's ``(o, lse)``.
 

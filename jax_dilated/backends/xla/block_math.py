@@ -1,0 +1,140 @@
+"""What the XLA kernel computes for one (query block, key block) pair: masks,
+logits, dropout keep masks, the forward fold into the running softmax and the
+backward's gradient contributions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dilated.backends.base import KernelArgs
+from jax_dilated.core import softmax
+
+
+def _block_mask(args: KernelArgs, q_pos, k_pos, k_valid):
+    """Allowed (query, key) pairs of one block, broadcastable to [N, Hkv, G, bq, bk].
+
+    Returns None when every pair is allowed.
+    """
+    mask = None
+    if args.is_causal:
+        mask = (k_pos[None, :] <= q_pos[:, None])[None, None, None]
+    if k_valid is not None:
+        valid = k_valid[:, :, None, None, :]
+        mask = valid if mask is None else mask & valid
+    return mask
+
+
+def _block_mask_t(args: KernelArgs, q_pos, k_pos, k_valid):
+    """:func:`_block_mask` in the transposed layout, broadcastable to [N, Hkv, bk, G, bq]."""
+    mask = None
+    if args.is_causal:
+        mask = (k_pos[:, None] <= q_pos[None, :])[None, None, :, None, :]
+    if k_valid is not None:
+        valid = k_valid[:, :, :, None, None]
+        mask = valid if mask is None else mask & valid
+    return mask
+
+
+def _maybe_cond(pred, compute, skip, operand):
+    """``lax.cond`` that is skipped entirely when the predicate is statically True."""
+    if pred is None:
+        return compute(operand)
+    return jax.lax.cond(pred, compute, skip, operand)
+
+
+def _dropout_keep(args: KernelArgs, rng, i, j, shape, dtype):
+    """Scaled keep mask ``z / (1 - rate)`` of block (i, j), or None without dropout.
+
+    Derived from (rng, i, j) alone, so the backward regenerates the same mask.
+    """
+    if args.dropout_rate == 0.0:
+        return None
+    key = jax.random.fold_in(jax.random.fold_in(rng, i), j)
+    keep = jax.random.bernoulli(key, 1.0 - args.dropout_rate, shape)
+    return keep.astype(dtype) / jnp.asarray(1.0 - args.dropout_rate, dtype)
+
+
+def _logits(q_blk, k_blk, post_scale: float, mask, stats):
+    """Masked logits [N, Hkv, G, bq, bk] of one block (q already carries the pre-scale)."""
+    s = jnp.einsum("nhgqd,nhkd->nhgqk", q_blk, k_blk, preferred_element_type=stats)
+    if post_scale != 1.0:
+        s = s * jnp.asarray(post_scale, stats)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    return s
+
+
+def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, stats):
+    """Fold one (query block, key block) pair into the running softmax state.
+
+    q_blk [N, Hkv, G, bq, D] (carrying the pre-scale), k_blk/v_blk [N, Hkv, bk, D];
+    ``mask`` as :func:`_block_mask` gives it, ``keep`` the scaled dropout mask or None.
+    """
+    s = _logits(q_blk, k_blk, post_scale, mask, stats)
+
+    def pv(p):
+        if keep is not None:
+            p = p * keep
+        return jnp.einsum("nhgqk,nhkd->nhgqd", p.astype(v_blk.dtype), v_blk,
+                          preferred_element_type=stats)
+
+    return softmax.update_state(state, s, pv)[0]
+
+
+def _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, mask_t, keep,
+                    post_scale: float, scale: float, stats):
+    """Gradient contributions of one (query block, key block) pair.
+
+    ``carry`` = (dk_acc, dv_acc) [N, Hkv, bk, D] gets this block's dk, dv added;
+    also returns this block's dq, transposed: [N, Hkv, D, G, bq]. ``mask_t`` as
+    :func:`_block_mask_t` gives it; ``keep`` the dropout mask [N, Hkv, G, bq, bk] or None.
+    """
+    # Transposed block [N, Hkv, bk, G, bq]: four of the five products are
+    # then plain (non-transposed) matmuls, which XLA:CPU runs fastest.
+    dk_acc, dv_acc = carry
+    post = jnp.asarray(post_scale, stats)
+    # The elementwise work runs on the logits as the matmuls lay them out,
+    # [N Hkv, bk, G bq] (a free reshape): with the shapes equal, XLA computes each
+    # step in place of the previous one and holds two logits blocks, not three.
+    n, h, bk = k_blk.shape[:3]
+    g, bq = q_blk.shape[2:4]
+    flat, full = (n * h, bk, g * bq), (n, h, bk, g, bq)
+
+    def rows(x):  # [N, Hkv, G, bq] -> [N Hkv, 1, G bq]
+        return x.reshape(n * h, 1, g * bq)
+
+    st = jnp.einsum("nhkd,nhgqd->nhkgq", k_blk, q_blk, preferred_element_type=stats)
+    st = st.reshape(flat)
+    if post_scale != 1.0:
+        st = st * post
+    if mask_t is not None:
+        st = jnp.where(jnp.broadcast_to(mask_t, full).reshape(flat), st, -jnp.inf)
+    pt = jnp.exp(st - rows(lse_blk))
+    if keep is not None:
+        keep = jnp.moveaxis(keep, -1, 2).reshape(flat)
+    pz = pt if keep is None else pt * keep
+    dv_acc = dv_acc + jnp.einsum("nhkgq,nhgqd->nhkd", pz.astype(do_blk.dtype).reshape(full),
+                                 do_blk, preferred_element_type=stats)
+    dpt = jnp.einsum("nhkd,nhgqd->nhkgq", v_blk, do_blk, preferred_element_type=stats)
+    dpt = dpt.reshape(flat)
+    if keep is not None:
+        dpt = dpt * keep
+    dst = (pt * (dpt - rows(delta_blk))).astype(q_blk.dtype).reshape(full)
+    # q_blk carries the pre-scale, so only the post-scale is left for dk.
+    dk_blk = jnp.einsum("nhkgq,nhgqd->nhkd", dst, q_blk, preferred_element_type=stats)
+    if post_scale != 1.0:
+        dk_blk = dk_blk * post
+    dk_acc = dk_acc + dk_blk
+    # dq^T = k^T ds^T keeps ds^T as a plain right operand; asking for dq
+    # directly makes XLA:CPU transpose the whole block (the slowest step).
+    dqt_blk = jnp.einsum("nhkd,nhkgq->nhdgq", k_blk, dst,
+                         preferred_element_type=stats) * jnp.asarray(scale, stats)
+    return (dk_acc, dv_acc), dqt_blk
+
+
+def _listed(ok, need):
+    """Skip predicate of one list entry: real (``ok``) and not masked out (``need``)."""
+    if ok is None:
+        return need
+    return ok if need is None else ok & need

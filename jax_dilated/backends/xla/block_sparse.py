@@ -1,0 +1,151 @@
+"""The XLA kernel over listed blocks only (block-sparse attention)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dilated.backends.base import BlockLists, KernelArgs, any_pair_allowed
+from jax_dilated.backends.xla.block_math import (
+    _backward_block,
+    _block_mask,
+    _block_mask_t,
+    _forward_block,
+    _listed,
+    _maybe_cond,
+)
+from jax_dilated.backends.xla.dense import _batch_chunk, _chunked
+from jax_dilated.backends.xla.layout import _Blocking, _matmul_inputs, _Prepared, _take
+from jax_dilated.core import softmax
+from jax_dilated.core.vma import varying_like
+
+
+def _sparse_blocking(len_q: int, len_k: int, args: KernelArgs, blocks: BlockLists) -> _Blocking:
+    """Exact block geometry of a block-sparse call, checked against the lists."""
+    if not args.block_q or not args.block_k:
+        raise ValueError(f"block-sparse kernels need block_q and block_k, got {args}.")
+    if args.dropout_rate:
+        raise ValueError("block-sparse kernels do not implement dropout.")
+    geo = _Blocking(len_q, len_k, args.block_q, args.block_k)
+    if blocks.rows.shape[0] != geo.num_q or blocks.cols.shape[0] != geo.num_k:
+        raise ValueError(
+            f"block lists for {blocks.rows.shape[0]} query blocks and "
+            f"{blocks.cols.shape[0]} key blocks do not fit lengths ({len_q}, {len_k}) in "
+            f"blocks of ({args.block_q}, {args.block_k}): expected ({geo.num_q}, "
+            f"{geo.num_k})."
+        )
+    return geo
+
+
+def _sparse_forward_core(q, k, v, kv_valid, args: KernelArgs, *, blocks: BlockLists,
+                         q_positions=None, k_positions=None, dropout_rng=None):
+    del dropout_rng
+    out_dtype = q.dtype
+    q, k, v = _matmul_inputs(q, k, v)
+    geo = _sparse_blocking(q.shape[1], k.shape[1], args, blocks)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
+    stats = softmax.stats_dtype(q.dtype)
+    rows_shape = prep.q.shape[1:-1]  # [N, Hkv, G, bq]
+    d = q.shape[-1]
+    rows = jnp.asarray(blocks.rows, jnp.int32)
+    rows_ok = None if blocks.rows_ok is None else jnp.asarray(blocks.rows_ok, bool)
+
+    def q_block(_, xs):
+        q_blk, q_pos, row, row_ok = xs
+
+        def k_step(state, ys):
+            j, ok = ys
+
+            def compute(state):
+                # gathered inside the branch: a skipped entry reads nothing
+                k_valid = _take(prep.k_valid, j)
+                mask = _block_mask(args, q_pos, _take(prep.k_pos, j), k_valid)
+                return _forward_block(state, q_blk, _take(prep.k, j), _take(prep.v, j),
+                                      mask, None, prep.post_scale, stats)
+
+            need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, _take(prep.k_pos, j),
+                                                _take(prep.k_valid, j)))
+            return _maybe_cond(need, compute, lambda st: st, state), None
+
+        state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v, row))
+        state, _ = jax.lax.scan(k_step, state, (row, row_ok))
+        o, lse = softmax.finalize_state(state)
+        return None, (o.astype(out_dtype), lse)
+
+    _, (o, lse) = jax.lax.scan(q_block, None, (prep.q, prep.q_pos, rows, rows_ok))
+    return prep.from_q_rows(o), prep.from_q_rows(lse)
+
+
+def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
+                          blocks: BlockLists, q_positions=None, k_positions=None,
+                          dropout_rng=None):
+    del dropout_rng
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, do = _matmul_inputs(q, k, v, do)
+    geo = _sparse_blocking(q.shape[1], k.shape[1], args, blocks)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
+    stats = softmax.stats_dtype(q.dtype)
+    do_b = prep.q_rows(do)
+    lse_b = prep.q_rows(jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats))
+    delta_b = prep.q_rows(delta.astype(stats))
+    cols = jnp.asarray(blocks.cols, jnp.int32)
+    cols_ok = None if blocks.cols_ok is None else jnp.asarray(blocks.cols_ok, bool)
+    nq, n_, h_, g_, bq_, d_ = prep.q.shape
+    dq_t_shape = (n_, h_, d_, g_, bq_)
+    like = (q, k, v, do, cols)
+
+    def k_block(dq_acc, xs):
+        k_blk, v_blk, k_pos, k_valid, col, col_ok = xs
+
+        def q_step(carry, ys):
+            i, ok = ys
+            q_pos = _take(prep.q_pos, i)
+
+            def compute(carry):
+                mask = _block_mask_t(args, q_pos, k_pos, k_valid)
+                return _backward_block(carry, _take(prep.q, i), k_blk, v_blk,
+                                       _take(do_b, i), _take(lse_b, i), _take(delta_b, i),
+                                       mask, None, prep.post_scale, args.scale, stats)
+
+            def skip(carry):
+                return carry, varying_like(jnp.zeros(dq_t_shape, stats), like)
+
+            need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid))
+            return _maybe_cond(need, compute, skip, carry)
+
+        zeros_kv = varying_like(jnp.zeros(k_blk.shape, stats), like)
+        (dk_blk, dv_blk), dq_parts = jax.lax.scan(q_step, (zeros_kv, zeros_kv), (col, col_ok))
+        # padding entries added zeros; real entries of one column are distinct blocks
+        return dq_acc.at[col].add(dq_parts), (dk_blk, dv_blk)
+
+    dq0 = varying_like(jnp.zeros((nq, n_, h_, d_, g_, bq_), stats), like)
+    xs = (prep.k, prep.v, prep.k_pos, prep.k_valid, cols, cols_ok)
+    dq_t, (dk, dv) = jax.lax.scan(k_block, dq0, xs)
+    dq = jnp.moveaxis(dq_t, 3, -1)
+    return (prep.from_q_rows(dq).astype(dtypes[0]), prep.from_k_rows(dk).astype(dtypes[1]),
+            prep.from_k_rows(dv).astype(dtypes[2]))
+
+
+def block_sparse_forward(q, k, v, args: KernelArgs, *, blocks: BlockLists, q_positions=None,
+                         k_positions=None, kv_valid=None):
+    """Attention over the listed blocks only (see :class:`~.base.BlockLists`).
+
+    Arguments and results as in :func:`forward`; ``args.block_q``/``block_k`` are the
+    exact block sizes the lists refer to. Query block ``i`` attends, with one softmax,
+    to the keys of blocks ``blocks.rows[i]`` (entries with ``rows_ok`` False
+    skipped); the cost is proportional to the number of listed blocks.
+    """
+    chunk = _batch_chunk(q.shape[0], q, k, args)
+    return _chunked(_sparse_forward_core, (q, k, v, kv_valid),
+                    dict(q_positions=q_positions, k_positions=k_positions, blocks=blocks),
+                    args, None, chunk)
+
+
+def block_sparse_backward(q, k, v, do, lse, delta, args: KernelArgs, *, blocks: BlockLists,
+                          q_positions=None, k_positions=None, kv_valid=None):
+    """Backward of :func:`block_sparse_forward` (as :func:`backward`; ``lse``/``delta``
+    may be global statistics). dk/dv loop over ``blocks.cols``, the transposed lists."""
+    chunk = _batch_chunk(q.shape[0], q, k, args)
+    return _chunked(_sparse_backward_core, (q, k, v, do, lse, delta, kv_valid),
+                    dict(q_positions=q_positions, k_positions=k_positions, blocks=blocks),
+                    args, None, chunk)

@@ -1,0 +1,244 @@
+"""Blockwise online-softmax attention over every key block (the kernel's
+``forward``/``backward``/``attention``).
+
+Memory stays linear in sequence length in both passes: the forward holds one
+block of logits ``[N, H, block_q, block_k]`` at a time and keeps only the output
+and the log-sum-exp; the backward (a ``jax.custom_vjp``) recomputes the
+probabilities block by block from the saved log-sum-exp instead of storing them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_dilated.backends.base import KernelArgs, any_pair_allowed
+from jax_dilated.backends.xla.block_math import (
+    _backward_block,
+    _block_mask,
+    _block_mask_t,
+    _dropout_keep,
+    _forward_block,
+    _maybe_cond,
+)
+from jax_dilated.backends.xla.layout import _blocking, _matmul_inputs, _Prepared
+from jax_dilated.core import softmax
+from jax_dilated.core.vma import varying_like
+
+
+def _forward_core(q, k, v, kv_valid, args: KernelArgs, *, q_positions=None,
+                  k_positions=None, dropout_rng=None):
+    """Blockwise forward of one batch chunk; arguments and results as in :func:`forward`."""
+    out_dtype = q.dtype
+    q, k, v = _matmul_inputs(q, k, v)
+    geo = _blocking(q.shape[1], k.shape[1], args)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
+    stats = softmax.stats_dtype(q.dtype)
+    rows_shape = prep.q.shape[1:-1]  # [N, Hkv, G, bq]
+    d = q.shape[-1]
+
+    def q_block(_, xs):
+        i, q_blk, q_pos = xs
+
+        def k_block(state, ys):
+            j, k_blk, v_blk, k_pos, k_valid = ys
+
+            def compute(state):
+                mask = _block_mask(args, q_pos, k_pos, k_valid)
+                keep = _dropout_keep(args, dropout_rng, i, j,
+                                     q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
+                return _forward_block(state, q_blk, k_blk, v_blk, mask, keep,
+                                      prep.post_scale, stats)
+
+            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
+            return _maybe_cond(need, compute, lambda st: st, state), None
+
+        state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v))
+        ys = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
+        state, _ = jax.lax.scan(k_block, state, ys)
+        o, lse = softmax.finalize_state(state)
+        return None, (o.astype(out_dtype), lse)
+
+    xs = (jnp.arange(geo.num_q), prep.q, prep.q_pos)
+    _, (o, lse) = jax.lax.scan(q_block, None, xs)
+    return prep.from_q_rows(o), prep.from_q_rows(lse)
+
+
+def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
+                   q_positions=None, k_positions=None, dropout_rng=None):
+    """Blockwise backward of one batch chunk; arguments and results as in :func:`backward`."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, do = _matmul_inputs(q, k, v, do)
+    geo = _blocking(q.shape[1], k.shape[1], args)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
+    stats = softmax.stats_dtype(q.dtype)
+    do_b = prep.q_rows(do)
+    # rows without keys have lse = -inf and all logits -inf: exp(-inf - 0) = 0.
+    lse_b = prep.q_rows(jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats))
+    delta_b = prep.q_rows(delta.astype(stats))
+
+    def k_block(_, xs):
+        j, k_blk, v_blk, k_pos, k_valid = xs
+
+        def q_block(carry, ys):
+            i, q_blk, do_blk, lse_blk, delta_blk, q_pos = ys
+
+            def compute(carry):
+                mask = _block_mask_t(args, q_pos, k_pos, k_valid)
+                keep = _dropout_keep(args, dropout_rng, i, j,
+                                     q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
+                return _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk,
+                                       delta_blk, mask, keep, prep.post_scale, args.scale,
+                                       stats)
+
+            def skip(carry):
+                return carry, varying_like(jnp.zeros(dq_t_shape, stats), (q, k, v, do))
+
+            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
+            return _maybe_cond(need, compute, skip, carry)
+
+        n_, h_, g_, bq_, d_ = prep.q.shape[1:]
+        dq_t_shape = (n_, h_, d_, g_, bq_)
+        zeros_kv = varying_like(jnp.zeros(k_blk.shape, stats), (q, k, v, do))
+        ys = (jnp.arange(geo.num_q), prep.q, do_b, lse_b, delta_b, prep.q_pos)
+        (dk_blk, dv_blk), dq_parts = jax.lax.scan(q_block, (zeros_kv, zeros_kv), ys)
+        return None, (dk_blk, dv_blk, dq_parts)
+
+    def k_block_acc(dq_acc, xs):
+        _, (dk_blk, dv_blk, dq_parts) = k_block(None, xs)
+        return dq_acc + dq_parts, (dk_blk, dv_blk)
+
+    nq, n_, h_, g_, bq_, d_ = prep.q.shape
+    dq0 = varying_like(jnp.zeros((nq, n_, h_, d_, g_, bq_), stats), (q, k, v, do))
+    xs = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
+    dq_t, (dk, dv) = jax.lax.scan(k_block_acc, dq0, xs)
+    dq = jnp.moveaxis(dq_t, 3, -1)
+    return (prep.from_q_rows(dq).astype(dtypes[0]), prep.from_k_rows(dk).astype(dtypes[1]),
+            prep.from_k_rows(dv).astype(dtypes[2]))
+
+
+# Elements of one logits block [n, H, block_q, block_k] processed at once. The
+# batch (segments x batch) is cut into chunks that keep a block near this size:
+# blocks that fit in cache run the matmuls 2-3x faster on CPU than one huge block
+# batched over every segment, and temp memory stops growing with the batch.
+_BLOCK_ELEMENTS = 1 << 21
+
+
+def _batch_chunk(n: int, q, k, args: KernelArgs) -> int:
+    geo = _blocking(q.shape[1], k.shape[1], args)
+    per_item = q.shape[2] * geo.block_q * geo.block_k
+    return max(1, min(n, _BLOCK_ELEMENTS // per_item))
+
+
+def _chunked(core, batched, shared, args, dropout_rng, chunk: int):
+    """Run ``core`` over the leading (batch) axis of ``batched`` in chunks of ``chunk``.
+
+    ``batched``: arrays (or None) with a leading batch axis; ``shared``: keyword
+    arrays passed whole. Each chunk gets its own dropout key (fold_in of the chunk
+    index), so forward and backward draw the same masks.
+    """
+    n = next(x for x in batched if x is not None).shape[0]
+    if chunk >= n:
+        return core(*batched, args, dropout_rng=dropout_rng, **shared)
+    num = -(-n // chunk)
+
+    def split(x):
+        if x is None:
+            return None
+        x = jnp.pad(x, [(0, num * chunk - n)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(num, chunk, *x.shape[1:])
+
+    def one(xs):
+        i, parts = xs
+        rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
+        return core(*parts, args, dropout_rng=rng, **shared)
+
+    outs = jax.lax.map(one, (jnp.arange(num), tuple(split(x) for x in batched)))
+    return jax.tree.map(lambda y: y.reshape(num * chunk, *y.shape[2:])[:n], outs)
+
+
+def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
+            kv_valid=None, dropout_rng=None):
+    """Blockwise attention forward.
+
+    Args:
+      q: [N, Lq, H, D]; k, v: [N, Lk, Hkv, D] with ``H % Hkv == 0``.
+      args: static kernel arguments (scale, causality, dropout, block sizes).
+      q_positions: [Lq] int positions of the queries (for causality; default arange).
+      k_positions: [Lk] int positions of the keys (default arange).
+      kv_valid: [N, Lk] or [N, Lk, Hkv] bool, False = key may not be attended to.
+      dropout_rng: PRNG key, needed when ``args.dropout_rate > 0``.
+
+    Returns:
+      ``o`` [N, Lq, H, D] in q's dtype and ``lse`` [N, Lq, H] in the stats dtype
+      (float32, or float64 for float64 inputs); ``o = 0``, ``lse = -inf`` for rows
+      with no allowed key.
+    """
+    chunk = _batch_chunk(q.shape[0], q, k, args)
+    return _chunked(_forward_core, (q, k, v, kv_valid),
+                    dict(q_positions=q_positions, k_positions=k_positions), args,
+                    dropout_rng, chunk)
+
+
+def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
+             k_positions=None, kv_valid=None, dropout_rng=None):
+    """Blockwise attention backward from saved statistics.
+
+    With ``p = exp(scale q.k - lse)`` (dropout mask ``z`` applied to ``p`` in
+    the output only) the gradients are ``dv = (p z)^T do``, ``dp = z (do v^T)``,
+    ``ds = p (dp - delta)``, ``dq = scale ds k``, ``dk = scale ds^T q``.
+
+    ``lse`` and ``delta`` may be *global* statistics (over more keys than this call
+    sees), which is how a ring or a branch merge differentiates through a
+    partial: ``delta = rowsum(do * o) - dlse`` with the global ``o``.
+
+    Args:
+      q, k, v, q_positions, k_positions, kv_valid, dropout_rng: as in :func:`forward`.
+      do: [N, Lq, H, D] output cotangent.
+      lse: [N, Lq, H] log-sum-exp (stats dtype, ``-inf`` for rows without keys).
+      delta: [N, Lq, H] as above (stats dtype).
+
+    Returns:
+      ``dq`` [N, Lq, H, D], ``dk``/``dv`` [N, Lk, Hkv, D], in the input dtypes.
+    """
+    chunk = _batch_chunk(q.shape[0], q, k, args)
+    return _chunked(_backward_core, (q, k, v, do, lse, delta, kv_valid),
+                    dict(q_positions=q_positions, k_positions=k_positions), args,
+                    dropout_rng, chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng):
+    return forward(q, k, v, args, q_positions=q_positions, k_positions=k_positions,
+                   kv_valid=kv_valid, dropout_rng=dropout_rng)
+
+
+def _attention_fwd(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng):
+    o, lse = _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng)
+    return (o, lse), (q, k, v, o, lse, q_positions, k_positions, kv_valid, dropout_rng)
+
+
+def _attention_bwd(args, res, cotangents):
+    q, k, v, o, lse, q_positions, k_positions, kv_valid, dropout_rng = res
+    do, dlse = cotangents
+    stats = softmax.stats_dtype(q.dtype)
+    # d lse / d s = p, so an lse cotangent enters exactly like -delta.
+    delta = softmax.row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
+    dq, dk, dv = backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
+                          k_positions=k_positions, kv_valid=kv_valid,
+                          dropout_rng=dropout_rng)
+    return dq, dk, dv, None, None, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
+              kv_valid=None, dropout_rng=None):
+    """Differentiable blockwise attention: :func:`forward` with a recomputing VJP.
+
+    Gradients flow to q, k, v from both outputs, ``o`` and ``lse``.
+    """
+    return _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng)

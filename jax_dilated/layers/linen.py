@@ -1,0 +1,302 @@
+"""Flax Linen layers: the Linen twins of :mod:`jax_dilated.nnx`.
+
+* :class:`DilatedAttention`, :class:`RingAttention` - the attention functions as
+  modules (no parameters).
+* :class:`MultiheadDilatedAttention`, :class:`MultiheadRingAttention` - the multi-head
+  layers, with the same options, parameters (same names, shapes, initialisation and
+  logical sharding axes, boxed with ``nn.with_logical_partitioning``) and math as the
+  NNX layers: ``variables["params"]`` of a Linen layer and
+  ``nnx.state(nnx_layer, nnx.Param)`` are interchangeable.
+
+Linen conventions: ``dtype``, ``param_dtype``, ``precision``; ``deterministic`` as a
+field or call argument (the call wins), dropout keys from the ``"dropout"`` rng
+collection (or ``dropout_rng=``); decoding through the ``"cache"`` collection, as in
+``flax.linen.MultiHeadDotProductAttention``: ``init`` with ``decode=True`` on a full
+``[batch, max_len, embed_dim]`` input creates the cache, then
+``apply(variables, x_t, decode=True, mutable=["cache"])`` decodes the next tokens
+``x_t`` [batch, n, embed_dim] (one at a time, or a whole prompt).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+from jax_dilated.layers import common
+from jax_dilated.ops import decode as decoding
+
+__all__ = ["DilatedAttention", "RingAttention", "MultiheadDilatedAttention",
+           "MultiheadRingAttention", "MultiheadBlockSparseAttention"]
+
+
+def _dropout_key(module: nn.Module, rate: float, deterministic, dropout_rng):
+    """The dropout key of a call, or None (rate 0 or deterministic)."""
+    if rate == 0.0:
+        return None
+    deterministic = nn.merge_param("deterministic", module.deterministic, deterministic)
+    if deterministic:
+        return None
+    return module.make_rng("dropout") if dropout_rng is None else dropout_rng
+
+
+class DilatedAttention(nn.Module):
+    """:func:`jax_dilated.dilated_attention` as a Linen module (no parameters).
+
+    Fields as :class:`jax_dilated.nnx.DilatedAttention`; call ``(query, key, value, *,
+    is_causal=False, kv_mask=None, deterministic=None, dropout_rng=None)`` with
+    ``[B, T, H, D]`` arrays.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> attn = jd.linen.DilatedAttention(segment_lengths=(8, 32), dilation_rates=(1, 2))
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))
+      >>> jax.jit(lambda x: attn.apply({}, x, x, x, is_causal=True))(x).shape
+      (1, 32, 2, 8)
+    """
+
+    segment_lengths: Sequence[int]
+    dilation_rates: Sequence[int]
+    mode: str = "longnet"
+    head_offsets: str = "modulo"
+    scale: float | None = None
+    dropout_rate: float = 0.0
+    implementation: str | None = None
+    attention_fn: Callable | None = None
+    mesh: Any = None
+    seq_axis: str | None = None
+    batch_axis: str | None = None
+    head_axis: str | None = None
+    deterministic: bool | None = None
+
+    @nn.compact
+    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
+                 deterministic: bool | None = None, dropout_rng=None):
+        core = common.dilated_core(
+            segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates,
+            mode=self.mode, head_offsets=self.head_offsets, scale=self.scale,
+            implementation=self.implementation, attention_fn=self.attention_fn,
+            mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis,
+            head_axis=self.head_axis)
+        rate = common.check_dropout_rate("dropout_rate", self.dropout_rate)
+        key_ = _dropout_key(self, rate, deterministic, dropout_rng)
+        return core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
+                    dropout_rate=rate if key_ is not None else 0.0, dropout_rng=key_)
+
+
+class RingAttention(nn.Module):
+    """Exact attention over a sequence sharded on ``seq_axis`` of ``mesh`` (Linen).
+
+    Fields as :class:`jax_dilated.nnx.RingAttention`; call ``(query, key, value, *,
+    is_causal=False, kv_mask=None)``.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> ring = jd.linen.RingAttention(mesh=jax.make_mesh((1,), ("seq",)), seq_axis="seq")
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))
+      >>> jax.jit(lambda x: ring.apply({}, x, x, x, is_causal=True))(x).shape
+      (1, 32, 2, 8)
+    """
+
+    mesh: Any
+    seq_axis: str
+    layout: str = "contiguous"
+    batch_axis: str | None = None
+    head_axis: str | None = None
+    scale: float | None = None
+    implementation: str | None = None
+    attention_fn: Callable | None = None
+
+    @nn.compact
+    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None):
+        core = common.ring_core(mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
+                                batch_axis=self.batch_axis, head_axis=self.head_axis,
+                                scale=self.scale, implementation=self.implementation,
+                                attention_fn=self.attention_fn)
+        return core(query, key, value, is_causal=is_causal, kv_mask=kv_mask)
+
+
+class _ParamGroup(nn.Module):
+    """Creates one group of parameters (e.g. ``query``: ``kernel``, ``bias``)."""
+
+    specs: tuple
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self):
+        return {s.name: self.param(s.name, nn.with_logical_partitioning(s.init, s.axes),
+                                   s.shape, self.param_dtype)
+                for s in self.specs}
+
+
+class _Multihead(nn.Module):
+    """Fields and body shared by the multi-head layers; subclasses build the core."""
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    scale: float | None = None
+    dropout: float = 0.0
+    use_bias: bool = True
+    layer_norm: bool = True
+    layer_norm_eps: float = 1e-5
+    gamma_init: float = 1.0
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    implementation: str | None = None
+    attention_fn: Callable | None = None
+    mesh: Any = None
+    seq_axis: str | None = None
+    batch_axis: str | None = None
+    head_axis: str | None = None
+    deterministic: bool | None = None
+    decode: bool = False
+    qk_transform: Callable | None = None
+
+    def _core(self) -> common.AttentionCore:
+        raise NotImplementedError  # defined by every public subclass
+
+    def _decode(self, core, q, k, v, kv_mask, dropout_rng):
+        """Decoding through the ``cache`` collection (created by the first call)."""
+        initialized = self.has_variable("cache", "cached_key")
+        if not initialized and not self.is_initializing():
+            raise ValueError(
+                "decode=True needs the KV cache: create it with "
+                "layer.init(rngs, jnp.zeros((batch, max_len, embed_dim)), decode=True) and "
+                "pass variables['cache'] with mutable=['cache'].")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        cache_index = self.variable("cache", "cache_index",
+                                    lambda: jnp.zeros((), jnp.int32))
+        q, k = common.apply_qk_transform(self.qk_transform, q, k,
+                                         cache_index.value if initialized else 0)
+        if not initialized:  # the initialising call: an ordinary causal forward pass
+            with common.precision_context(self.precision):
+                return core(q, k, v, is_causal=True, kv_mask=kv_mask,
+                            dropout_rate=self.dropout if dropout_rng is not None else 0.0,
+                            dropout_rng=dropout_rng)
+        cache = decoding.KVCache(cached_key.value, cached_value.value, cache_index.value)
+        attn, cache = common.layer_decode_step(core, cache, q, k, v, kv_mask=kv_mask,
+                                               dropout_rng=dropout_rng,
+                                               precision=self.precision)
+        cached_key.value, cached_value.value, cache_index.value = cache
+        return attn
+
+    @nn.compact
+    def __call__(self, query, key=None, value=None, *, is_causal: bool = False,
+                 kv_mask=None, deterministic: bool | None = None,
+                 decode: bool | None = None, dropout_rng=None):
+        """Multi-head attention: ``query`` [batch, seq, embed_dim] (``key`` / ``value``
+        default to it) -> [batch, seq, embed_dim]. Arguments as in
+        :meth:`jax_dilated.nnx.MultiheadDilatedAttention.__call__`; ``dropout_rng``
+        overrides the ``"dropout"`` rng collection."""
+        heads = common.HeadsConfig.create(
+            self.embed_dim, self.num_heads, self.num_kv_heads, use_bias=self.use_bias,
+            layer_norm=self.layer_norm, layer_norm_eps=self.layer_norm_eps,
+            gamma_init=self.gamma_init)
+        core = self._core()
+        heads.check_core(core)
+        common.check_qk_transform(self.qk_transform)
+        rate = common.check_dropout_rate("dropout", self.dropout)
+        if rate and not core.has_dropout:
+            raise ValueError(
+                f"dropout={rate}: ring attention has no attention dropout; use dropout=0.0 "
+                f"(or dilated attention).")
+        query, key, value = common.check_inputs(heads.embed_dim, query, key, value)
+        params = {group: _ParamGroup(specs, self.param_dtype, name=group)()
+                  for group, specs in common.param_specs(heads).items()}
+        dropout_rng = _dropout_key(self, rate, deterministic, dropout_rng)
+        q, k, v = common.project_qkv(params, query, key, value, dtype=self.dtype,
+                                     precision=self.precision)
+        if self.decode if decode is None else decode:
+            attn = self._decode(core, q, k, v, kv_mask, dropout_rng)
+        else:
+            q, k = common.apply_qk_transform(self.qk_transform, q, k)
+            with common.precision_context(self.precision):
+                attn = core(q, k, v, is_causal=is_causal, kv_mask=kv_mask,
+                            dropout_rate=rate if dropout_rng is not None else 0.0,
+                            dropout_rng=dropout_rng)
+        return common.project_out(params, heads, attn, dtype=self.dtype,
+                                  precision=self.precision)
+
+
+class MultiheadDilatedAttention(_Multihead):
+    """LongNet multi-head dilated attention (Linen); options, parameters and math as
+    :class:`jax_dilated.nnx.MultiheadDilatedAttention` (``segment_lengths`` and
+    ``dilation_rates`` are required).
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> layer = jd.linen.MultiheadDilatedAttention(
+      ...     embed_dim=16, num_heads=2, segment_lengths=(8, 32), dilation_rates=(1, 2))
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 16))    # [batch, seq, embed]
+      >>> params = jax.jit(layer.init)(jax.random.key(1), x)
+      >>> jax.jit(lambda p, x: layer.apply(p, x, is_causal=True))(params, x).shape
+      (1, 32, 16)
+    """
+
+    segment_lengths: Sequence[int] | None = None
+    dilation_rates: Sequence[int] | None = None
+    mode: str = "longnet"
+    head_offsets: str = "modulo"
+
+    def _core(self):
+        return common.dilated_core(
+            segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates,
+            mode=self.mode, head_offsets=self.head_offsets, scale=self.scale,
+            implementation=self.implementation, attention_fn=self.attention_fn,
+            mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis,
+            head_axis=self.head_axis)
+
+
+class MultiheadRingAttention(_Multihead):
+    """Multi-head exact ring attention over ``mesh`` / ``seq_axis`` (Linen); see
+    :class:`jax_dilated.nnx.MultiheadRingAttention`.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> layer = jd.linen.MultiheadRingAttention(
+      ...     embed_dim=16, num_heads=2, mesh=jax.make_mesh((1,), ("seq",)), seq_axis="seq")
+      >>> x = jax.numpy.ones((1, 32, 16))
+      >>> params = jax.jit(layer.init)(jax.random.key(1), x)
+      >>> jax.jit(lambda p, x: layer.apply(p, x, is_causal=True))(params, x).shape
+      (1, 32, 16)
+    """
+
+    layout: str = "contiguous"
+
+    def _core(self):
+        return common.ring_core(mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
+                                batch_axis=self.batch_axis, head_axis=self.head_axis,
+                                scale=self.scale, implementation=self.implementation,
+                                attention_fn=self.attention_fn)
+
+
+class MultiheadBlockSparseAttention(_Multihead):
+    """Multi-head block-sparse attention (Linen); see
+    :class:`jax_dilated.nnx.MultiheadBlockSparseAttention` (``block_size`` and
+    ``pattern`` are required; with ``mesh`` / ``seq_axis`` it runs over a ring).
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> from jax_dilated import block_patterns as bp
+      >>> layer = jd.linen.MultiheadBlockSparseAttention(
+      ...     embed_dim=16, num_heads=2, block_size=8, pattern=bp.LocalWindow(1))
+      >>> x = jax.numpy.ones((1, 32, 16))
+      >>> params = jax.jit(layer.init)(jax.random.key(1), x)
+      >>> jax.jit(lambda p, x: layer.apply(p, x, is_causal=True))(params, x).shape
+      (1, 32, 16)
+    """
+
+    block_size: int | None = None
+    pattern: Any = None
+    layout: str = "contiguous"
+
+    def _core(self):
+        return common.block_sparse_core(
+            block_size=self.block_size, pattern=self.pattern, scale=self.scale,
+            implementation=self.implementation, attention_fn=self.attention_fn,
+            mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
+            batch_axis=self.batch_axis, head_axis=self.head_axis)

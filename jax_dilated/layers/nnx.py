@@ -1,0 +1,427 @@
+"""Flax NNX layers: dilated / ring attention and multi-head attention built on them.
+
+* :class:`DilatedAttention` - :func:`jax_dilated.dilated_attention` as a module (no
+  parameters); with ``mesh`` and ``seq_axis`` it runs sequence-parallel.
+* :class:`RingAttention` - exact attention over a sequence sharded on a mesh axis.
+* :class:`MultiheadDilatedAttention` - LongNet multi-head attention: q/k/v
+  projections (grouped-query via ``num_kv_heads``), dilated attention, the MAGNETO
+  sub-LayerNorm, the output projection; KV-cache decoding.
+* :class:`MultiheadRingAttention` - the same layer around ring attention.
+
+Conventions follow ``flax.nnx.MultiHeadAttention``: ``dtype`` / ``param_dtype`` /
+``precision``, ``rngs`` (``params`` stream for initialisation, ``dropout`` stream for
+attention dropout), ``deterministic`` in the constructor or the call (the call wins,
+``nnx.view(model, deterministic=...)`` sets it), ``decode`` with ``init_cache``.
+Parameters carry logical sharding names (``"embed"``, ``"heads"``, ``"kv_heads"``,
+``"head_dim"``; see :mod:`jax_dilated.layers.common`) as ``out_sharding`` metadata;
+they are annotated, not placed, so a layer builds without a mesh. To shard them
+(here heads over a "model" mesh axis)::
+
+    rules = [("heads", "model"), ("kv_heads", "model"), ("embed", None), ("head_dim", None)]
+    with nnx.logical_axis_rules(rules):
+        shardings = nnx.get_named_sharding(nnx.state(layer), mesh)
+    nnx.update(layer, jax.device_put(nnx.state(layer), shardings))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_dilated.layers import common
+from jax_dilated.ops import decode as decoding
+
+__all__ = ["DilatedAttention", "RingAttention", "MultiheadDilatedAttention",
+           "MultiheadRingAttention", "MultiheadBlockSparseAttention"]
+
+
+def _fork_dropout_rngs(rngs, rate: float):
+    """The dropout stream a module keeps (None without dropout or without rngs)."""
+    if rate == 0.0 or rngs is None:
+        return nnx.data(None)
+    if isinstance(rngs, nnx.Rngs):
+        return rngs.dropout.fork()
+    if isinstance(rngs, nnx.RngStream):
+        return rngs.fork()
+    raise TypeError(f"rngs must be an nnx.Rngs, nnx.RngStream or None, got {type(rngs).__name__}.")
+
+
+class _DropoutMixin:
+    """``deterministic`` / ``rngs`` resolution as in ``nnx.Dropout``."""
+
+    def _dropout_key(self, rate: float, deterministic, rngs, who: str):
+        if rate == 0.0:
+            return None
+        deterministic = self.deterministic if deterministic is None else deterministic
+        if deterministic is None:
+            raise ValueError(
+                f"{who} has dropout rate {rate}: pass deterministic=True/False to the "
+                f"constructor or the call (or use nnx.view(model, deterministic=...)).")
+        if deterministic:
+            return None
+        rngs = self.rngs if rngs is None else rngs
+        if rngs is None:
+            raise ValueError(
+                f"{who}: deterministic=False needs random keys: pass rngs= (an nnx.Rngs "
+                f"with a 'dropout' stream) to the constructor or the call.")
+        if isinstance(rngs, nnx.Rngs):
+            return rngs.dropout()
+        if isinstance(rngs, nnx.RngStream):
+            return rngs()
+        if isinstance(rngs, jax.Array):
+            return rngs
+        raise TypeError(
+            f"rngs must be an nnx.Rngs, nnx.RngStream or a key, got {type(rngs).__name__}.")
+
+    def set_view(self, deterministic: bool | None = None):
+        """Used by ``nnx.view(model, deterministic=...)``."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+
+class DilatedAttention(_DropoutMixin, nnx.Module):
+    """:func:`jax_dilated.dilated_attention` as an NNX module (no parameters).
+
+    Args:
+      segment_lengths, dilation_rates, mode, head_offsets, scale, implementation: as in
+        :func:`jax_dilated.dilated_attention`.
+      dropout_rate: attention-probability dropout.
+      attention_fn: a drop-in with the signature of :func:`jax_dilated.dilated_attention`.
+      mesh, seq_axis: run sequence-parallel over ``mesh`` (the sequence sharded on
+        ``seq_axis``; ``batch_axis`` / ``head_axis`` optionally shard batch and heads);
+        inputs and outputs stay global arrays.
+      deterministic: default of the call's ``deterministic``.
+      rngs: ``nnx.Rngs``; its ``dropout`` stream is kept for dropout.
+
+    Call: ``(query [B, T, H, D], key, value [B, T, Hkv, D], *, is_causal=False,
+    kv_mask=None [B, T] bool, deterministic=None, rngs=None) -> [B, T, H, D]``.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> from flax import nnx
+      >>> attn = jd.nnx.DilatedAttention(segment_lengths=(8, 32), dilation_rates=(1, 2))
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))
+      >>> nnx.jit(lambda attn, x: attn(x, x, x, is_causal=True))(attn, x).shape
+      (1, 32, 2, 8)
+    """
+
+    def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], *,
+                 mode: str = "longnet", head_offsets: str = "modulo",
+                 scale: float | None = None, dropout_rate: float = 0.0,
+                 implementation: str | None = None, attention_fn: Callable | None = None,
+                 mesh=None, seq_axis: str | None = None, batch_axis: str | None = None,
+                 head_axis: str | None = None, deterministic: bool | None = None,
+                 rngs: nnx.Rngs | None = None):
+        self.core = common.dilated_core(
+            segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
+            head_offsets=head_offsets, scale=scale, implementation=implementation,
+            attention_fn=attention_fn, mesh=mesh, seq_axis=seq_axis,
+            batch_axis=batch_axis, head_axis=head_axis)
+        self.dropout_rate = common.check_dropout_rate("dropout_rate", dropout_rate)
+        self.deterministic = deterministic
+        self.rngs = _fork_dropout_rngs(rngs, self.dropout_rate)
+
+    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
+                 deterministic: bool | None = None, rngs=None):
+        dropout_rng = self._dropout_key(self.dropout_rate, deterministic, rngs,
+                                        "DilatedAttention")
+        return self.core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
+                         dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
+                         dropout_rng=dropout_rng)
+
+
+class RingAttention(nnx.Module):
+    """Exact attention over a sequence sharded on ``seq_axis`` of ``mesh`` (no parameters).
+
+    Runs :func:`jax_dilated.ring_attention` through :func:`jax_dilated.sharded`: global
+    ``[B, T, H, D]`` arrays in and out, ``T`` divisible by the ring size (twice it
+    for ``layout="zigzag"``).
+
+    Args:
+      mesh, seq_axis: the mesh and the axis of the ring.
+      layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"``.
+      batch_axis, head_axis: optional mesh axes for batch and heads.
+      scale, implementation, attention_fn: as for :func:`jax_dilated.ring_attention`.
+
+    Call: ``(query, key, value, *, is_causal=False, kv_mask=None) -> [B, T, H, D]``.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> ring = jd.nnx.RingAttention(mesh=jax.make_mesh((1,), ("seq",)), seq_axis="seq")
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))
+      >>> jax.jit(lambda x: ring(x, x, x, is_causal=True))(x).shape
+      (1, 32, 2, 8)
+    """
+
+    def __init__(self, *, mesh, seq_axis: str, layout: str = "contiguous",
+                 batch_axis: str | None = None, head_axis: str | None = None,
+                 scale: float | None = None, implementation: str | None = None,
+                 attention_fn: Callable | None = None):
+        self.core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
+                                     batch_axis=batch_axis, head_axis=head_axis,
+                                     scale=scale, implementation=implementation,
+                                     attention_fn=attention_fn)
+
+    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None):
+        return self.core(query, key, value, is_causal=is_causal, kv_mask=kv_mask)
+
+
+class _Multihead(_DropoutMixin, nnx.Module):
+    """Projections + attention core + sub-LayerNorm + output projection (shared body)."""
+
+    def __init__(self, embed_dim, num_heads, core: common.AttentionCore, *, num_kv_heads,
+                 dropout, use_bias, layer_norm, layer_norm_eps, gamma_init, dtype,
+                 param_dtype, precision, deterministic, decode, rngs: nnx.Rngs,
+                 qk_transform=None):
+        self.heads = common.HeadsConfig.create(
+            embed_dim, num_heads, num_kv_heads, use_bias=use_bias, layer_norm=layer_norm,
+            layer_norm_eps=layer_norm_eps, gamma_init=gamma_init)
+        self.heads.check_core(core)
+        self.core = core
+        self.dropout = common.check_dropout_rate("dropout", dropout)
+        if self.dropout and not core.has_dropout:
+            raise ValueError(
+                f"dropout={dropout}: ring attention has no attention dropout; use "
+                f"dropout=0.0 (or dilated attention).")
+        self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+        self.deterministic, self.decode = deterministic, decode
+        self.qk_transform = common.check_qk_transform(qk_transform)
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}.")
+        groups = common.param_specs(self.heads)
+        self.param_groups = tuple(groups)
+        for group, specs in groups.items():
+            setattr(self, group, nnx.Dict({
+                s.name: nnx.Param(s.init(rngs.params(), s.shape, param_dtype),
+                                  out_sharding=s.axes, eager_sharding=False)
+                for s in specs}))
+        self.rngs = _fork_dropout_rngs(rngs, self.dropout)
+        self.cached_key = nnx.data(None)
+        self.cached_value = nnx.data(None)
+        self.cache_index = nnx.data(None)
+
+    def _params(self):
+        return {g: {name: p[...] for name, p in getattr(self, g).items()}
+                for g in self.param_groups}
+
+    def init_cache(self, input_shape, dtype=jnp.float32):
+        """Allocate the KV cache for decoding: ``input_shape = (batch, max_len, embed_dim)``."""
+        if len(input_shape) != 3 or input_shape[-1] != self.heads.embed_dim:
+            raise ValueError(
+                f"init_cache takes (batch, max_len, embed_dim) with embed_dim="
+                f"{self.heads.embed_dim}, got {tuple(input_shape)}.")
+        cache = decoding.init_kv_cache(input_shape[0], input_shape[1],
+                                       self.heads.num_kv_heads, self.heads.head_dim, dtype)
+        self.cached_key = nnx.Cache(cache.key)
+        self.cached_value = nnx.Cache(cache.value)
+        self.cache_index = nnx.Cache(cache.index)
+
+    def set_view(self, deterministic: bool | None = None, decode: bool | None = None):
+        """Used by ``nnx.view(model, deterministic=..., decode=...)``."""
+        super().set_view(deterministic)
+        if decode is not None:
+            self.decode = decode
+
+    def __call__(self, query, key=None, value=None, *, is_causal: bool = False,
+                 kv_mask=None, deterministic: bool | None = None,
+                 decode: bool | None = None, rngs=None):
+        """Multi-head attention of ``query`` over ``key`` / ``value``.
+
+        Args:
+          query: [batch, seq, embed_dim]; key, value: [batch, seq, embed_dim], default
+            ``query`` (self-attention; ``value`` defaults to ``key``).
+          is_causal: causal attention.
+          kv_mask: bool [batch, seq], True where a key may be attended to.
+          deterministic: no dropout when True (default: the constructor's).
+          decode: decode against the KV cache of :meth:`init_cache`: ``query``
+            [batch, n, embed_dim] are the next ``n`` tokens (one at a time, or a
+            whole prompt: from an empty cache one causal forward pass fills it);
+            always causal.
+          rngs: overrides the constructor's dropout stream.
+
+        Returns:
+          [batch, seq, embed_dim].
+        """
+        query, key, value = common.check_inputs(self.heads.embed_dim, query, key, value)
+        params = self._params()
+        dropout_rng = self._dropout_key(self.dropout, deterministic, rngs, type(self).__name__)
+        q, k, v = common.project_qkv(params, query, key, value, dtype=self.dtype,
+                                     precision=self.precision)
+        if self.decode if decode is None else decode:
+            if self.cache_index is None:
+                raise ValueError(
+                    "decode=True needs the KV cache: call layer.init_cache((batch, "
+                    "max_len, embed_dim)) first.")
+            cache = decoding.KVCache(self.cached_key[...], self.cached_value[...],
+                                     self.cache_index[...])
+            q, k = common.apply_qk_transform(self.qk_transform, q, k, cache.index)
+            attn, cache = common.layer_decode_step(self.core, cache, q, k, v,
+                                                   kv_mask=kv_mask, dropout_rng=dropout_rng,
+                                                   precision=self.precision)
+            self.cached_key[...], self.cached_value[...] = cache.key, cache.value
+            self.cache_index[...] = cache.index
+        else:
+            q, k = common.apply_qk_transform(self.qk_transform, q, k)
+            with common.precision_context(self.precision):
+                attn = self.core(q, k, v, is_causal=is_causal, kv_mask=kv_mask,
+                                 dropout_rate=self.dropout if dropout_rng is not None else 0.0,
+                                 dropout_rng=dropout_rng)
+        return common.project_out(params, self.heads, attn, dtype=self.dtype,
+                                  precision=self.precision)
+
+
+class MultiheadDilatedAttention(_Multihead):
+    """LongNet multi-head dilated attention (NNX).
+
+    ``query`` / ``key`` / ``value`` [B, T, E] are projected to ``num_heads`` query heads
+    and ``num_kv_heads`` key/value heads of ``E / num_heads`` features, attended with
+    :func:`jax_dilated.dilated_attention`, normalised by the MAGNETO sub-LayerNorm
+    over the joint (heads, head_dim) features, and projected back to ``E``.
+
+    Args:
+      embed_dim: ``E``, divisible by ``num_heads``.
+      num_heads: query heads ``H``.
+      segment_lengths, dilation_rates, mode, head_offsets, scale, implementation: the
+        dilated attention (see :func:`jax_dilated.dilated_attention`).
+      num_kv_heads: key/value heads (grouped-query attention), dividing ``H``;
+        default ``H``.
+      dropout: attention-probability dropout rate.
+      use_bias: biases on the four projections.
+      layer_norm: the sub-LayerNorm before the output projection (MAGNETO).
+      layer_norm_eps: its epsilon.
+      gamma_init: Xavier-normal gain of the value and output projections (query and
+        key use gain 1); biases start at zero.
+      dtype: computation dtype (default: inferred from inputs and parameters).
+      param_dtype: parameter dtype.
+      precision: matmul precision of the projections and the attention kernel.
+      attention_fn: drop-in for :func:`jax_dilated.dilated_attention` (same keywords).
+      mesh, seq_axis, batch_axis, head_axis: run the attention sequence-parallel over
+        ``mesh`` (distributed dilated attention, equal to the single-device result);
+        projections follow their inputs' sharding.
+      qk_transform: ``(q, k, positions) -> (q, k)`` applied to the projected
+        queries [B, T, H, D] and keys [B, T, Hkv, D] before attention (and before
+        keys enter the KV cache), ``positions`` int32 [T] the tokens' absolute
+        positions (``cache index + arange(T)`` when decoding); e.g.
+        :class:`jax_dilated.models.Rotary` or :class:`jax_dilated.models.XPos`.
+      deterministic, decode: defaults of the call's flags.
+      rngs: ``nnx.Rngs`` (``params`` stream for initialisation, ``dropout`` stream).
+
+    Parameters (groups of ``nnx.Param``): ``query`` / ``key`` / ``value``:
+    ``kernel`` [E, heads, D] (``("embed", "heads" | "kv_heads", "head_dim")``),
+    ``bias`` [heads, D]; ``sub_ln``: ``scale``, ``bias`` [H, D]; ``out``: ``kernel``
+    [H, D, E], ``bias`` [E]. ``nnx.state(layer, nnx.Param)`` has the structure of the
+    Linen layer's ``params``.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> from flax import nnx
+      >>> layer = jd.nnx.MultiheadDilatedAttention(
+      ...     16, 2, segment_lengths=(8, 32), dilation_rates=(1, 2), rngs=nnx.Rngs(0))
+      >>> x = jax.random.normal(jax.random.key(0), (1, 32, 16))    # [batch, seq, embed]
+      >>> nnx.jit(lambda layer, x: layer(x, is_causal=True))(layer, x).shape
+      (1, 32, 16)
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, segment_lengths: Sequence[int],
+                 dilation_rates: Sequence[int], num_kv_heads: int | None = None,
+                 mode: str = "longnet", head_offsets: str = "modulo",
+                 scale: float | None = None, dropout: float = 0.0, use_bias: bool = True,
+                 layer_norm: bool = True, layer_norm_eps: float = 1e-5,
+                 gamma_init: float = 1.0, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 precision: Any = None, implementation: str | None = None,
+                 attention_fn: Callable | None = None, mesh=None,
+                 seq_axis: str | None = None, batch_axis: str | None = None,
+                 head_axis: str | None = None, deterministic: bool | None = None,
+                 decode: bool = False, qk_transform: Callable | None = None,
+                 rngs: nnx.Rngs):
+        core = common.dilated_core(
+            segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
+            head_offsets=head_offsets, scale=scale, implementation=implementation,
+            attention_fn=attention_fn, mesh=mesh, seq_axis=seq_axis,
+            batch_axis=batch_axis, head_axis=head_axis)
+        super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
+                         dropout=dropout, use_bias=use_bias, layer_norm=layer_norm,
+                         layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
+                         param_dtype=param_dtype, precision=precision,
+                         deterministic=deterministic, decode=decode, rngs=rngs,
+                         qk_transform=qk_transform)
+
+
+class MultiheadRingAttention(_Multihead):
+    """Multi-head exact attention, sequence-parallel over a mesh axis (NNX).
+
+    The layer of :class:`MultiheadDilatedAttention` (same parameters, sub-LayerNorm,
+    options) with :func:`jax_dilated.ring_attention` as its attention: ``mesh`` and
+    ``seq_axis`` are required, ``layout`` picks the ring layout. Ring attention has no
+    dropout and no decoding.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> from flax import nnx
+      >>> layer = jd.nnx.MultiheadRingAttention(
+      ...     16, 2, mesh=jax.make_mesh((1,), ("seq",)), seq_axis="seq", rngs=nnx.Rngs(0))
+      >>> x = jax.numpy.ones((1, 32, 16))
+      >>> nnx.jit(lambda layer, x: layer(x, is_causal=True))(layer, x).shape
+      (1, 32, 16)
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, mesh, seq_axis: str,
+                 layout: str = "contiguous", num_kv_heads: int | None = None,
+                 scale: float | None = None, use_bias: bool = True, layer_norm: bool = True,
+                 layer_norm_eps: float = 1e-5, gamma_init: float = 1.0, dtype: Any = None,
+                 param_dtype: Any = jnp.float32, precision: Any = None,
+                 implementation: str | None = None, attention_fn: Callable | None = None,
+                 batch_axis: str | None = None, head_axis: str | None = None,
+                 qk_transform: Callable | None = None, rngs: nnx.Rngs):
+        core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
+                                batch_axis=batch_axis, head_axis=head_axis, scale=scale,
+                                implementation=implementation, attention_fn=attention_fn)
+        super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads, dropout=0.0,
+                         use_bias=use_bias, layer_norm=layer_norm,
+                         layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
+                         param_dtype=param_dtype, precision=precision, deterministic=None,
+                         decode=False, rngs=rngs, qk_transform=qk_transform)
+
+
+class MultiheadBlockSparseAttention(_Multihead):
+    """Multi-head block-sparse attention (NNX), on one device or over a ring.
+
+    The layer of :class:`MultiheadDilatedAttention` (same parameters, sub-LayerNorm,
+    options) with :func:`jax_dilated.block_sparse_attention` as its attention:
+    ``block_size`` and ``pattern`` (a :mod:`jax_dilated.block_patterns` pattern or a
+    bool block mask) say which key blocks each query block attends to. With ``mesh``
+    and ``seq_axis`` it runs over a ring in ``layout`` ("contiguous" or "zigzag").
+    Block-sparse attention has no dropout and no decoding.
+
+    Example:
+      >>> import jax, jax_dilated as jd
+      >>> from flax import nnx
+      >>> from jax_dilated import block_patterns as bp
+      >>> layer = jd.nnx.MultiheadBlockSparseAttention(
+      ...     16, 2, block_size=8, pattern=bp.LocalWindow(1), rngs=nnx.Rngs(0))
+      >>> x = jax.numpy.ones((1, 32, 16))
+      >>> nnx.jit(lambda layer, x: layer(x, is_causal=True))(layer, x).shape
+      (1, 32, 16)
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, block_size: int, pattern,
+                 num_kv_heads: int | None = None, scale: float | None = None,
+                 use_bias: bool = True, layer_norm: bool = True, layer_norm_eps: float = 1e-5,
+                 gamma_init: float = 1.0, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 precision: Any = None, implementation: str | None = None,
+                 attention_fn: Callable | None = None, mesh=None, seq_axis: str | None = None,
+                 layout: str = "contiguous", batch_axis: str | None = None,
+                 head_axis: str | None = None, qk_transform: Callable | None = None,
+                 rngs: nnx.Rngs):
+        core = common.block_sparse_core(
+            block_size=block_size, pattern=pattern, scale=scale,
+            implementation=implementation, attention_fn=attention_fn, mesh=mesh,
+            seq_axis=seq_axis, layout=layout, batch_axis=batch_axis, head_axis=head_axis)
+        super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads, dropout=0.0,
+                         use_bias=use_bias, layer_norm=layer_norm,
+                         layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
+                         param_dtype=param_dtype, precision=precision, deterministic=None,
+                         decode=False, rngs=rngs, qk_transform=qk_transform)
