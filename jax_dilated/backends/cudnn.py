@@ -402,9 +402,7 @@ def _attention_bwd(kernel, args, res, cotangents):
     if isinstance(dlse, SymbolicZero):
         # nothing depends on this partial's lse: cuDNN's own backward, with its o
         return kernel._native_backward(q, k, v, do, lse, o, args)
-    stats = softmax.stats_dtype(q.dtype)
-    # d lse / d s = p: an lse cotangent enters exactly like -delta
-    delta = softmax.row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
+    delta = softmax.backward_delta(do, o, dlse)
     return kernel.backward(q, k, v, do, lse, delta, args)
 
 

@@ -34,6 +34,8 @@ __all__ = [
     "finalize_state",
     "merge_partials",
     "row_dot",
+    "empty_partial",
+    "backward_delta",
 ]
 
 
@@ -117,6 +119,26 @@ def row_dot(a, b):
     the library goes through here.
     """
     return jnp.einsum("...d,...d->...", a, b)
+
+
+def empty_partial(q_shape, dtype) -> tuple[jax.Array, jax.Array]:
+    """The normalised partial of rows that saw no key: ``o = 0`` [*q_shape] and
+    ``lse = -inf`` [*q_shape[:-1]], in ``dtype`` (the stats dtype). It is the identity
+    of :func:`merge_partials` and where every accumulation of partials starts."""
+    return jnp.zeros(q_shape, dtype), jnp.full(q_shape[:-1], -jnp.inf, dtype)
+
+
+def backward_delta(do, o, dlse) -> jax.Array:
+    """The backward's per-row ``delta = rowsum(do * o) - dlse`` [..., rows], stats dtype.
+
+    With ``p = exp(s - lse)`` the logits' gradient is ``ds = p (dp - delta)``: the
+    ``rowsum(do * o)`` term is the softmax's own, and since ``d lse / d s = p`` an
+    ``lse`` cotangent ``dlse`` enters exactly as ``-dlse``. ``o`` is the *global*
+    output (over every key the row attends to), so a kernel call over part of the
+    keys, a ring step or a merged branch differentiates exactly with it.
+    """
+    stats = stats_dtype(o.dtype)
+    return row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
 
 
 def _merge_weights(lse1, lse2):

@@ -373,8 +373,7 @@ def _local_fwd(q, k, v, kv_valid, step, aux):
 def _local_bwd(step, res, cotangents):
     q, k, v, kv_valid, aux, o, lse = res
     do, dlse = cotangents
-    stats = softmax.stats_dtype(q.dtype)
-    delta = softmax.row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
+    delta = softmax.backward_delta(do, o, dlse)
     dq, dk, dv = step.backward(q, k, v, kv_valid, do, lse, delta, None, None, 0, 0, aux)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 

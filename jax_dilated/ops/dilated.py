@@ -18,7 +18,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, dilation, softmax, validation

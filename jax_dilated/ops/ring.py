@@ -274,7 +274,7 @@ def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig, aux=Non
     stats = softmax.stats_dtype(q.dtype)
     me = cfg.ring_index()
     q_pos = layouts.local_positions(cfg.layout, me, p, n)
-    delta = softmax.row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
+    delta = softmax.backward_delta(do, o, dlse)
     steps = _ring_steps(kernel, cfg, q, k)
     if steps is not None:
         return _backward_steps(steps, q, k, v, kv_valid, rng, lse, do, delta, cfg, me, q_pos,

@@ -223,9 +223,7 @@ def _attention_fwd(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rn
 def _attention_bwd(args, res, cotangents):
     q, k, v, o, lse, q_positions, k_positions, kv_valid, dropout_rng = res
     do, dlse = cotangents
-    stats = softmax.stats_dtype(q.dtype)
-    # d lse / d s = p, so an lse cotangent enters exactly like -delta.
-    delta = softmax.row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
+    delta = softmax.backward_delta(do, o, dlse)
     dq, dk, dv = backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
                           k_positions=k_positions, kv_valid=kv_valid,
                           dropout_rng=dropout_rng)
