@@ -1,6 +1,6 @@
 """jax-dilated: dilated (LongNet), ring and block-sparse attention for very long sequences.
 
-Public API only; see DESIGN.md for the semantics.
+Public API only; the semantics are stated in docs/semantics.md.
 """
 
 from jax_dilated import block_patterns, linen, models, nnx

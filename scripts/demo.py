@@ -81,7 +81,7 @@ def _branch_links(rows: np.ndarray, seq_len: int, w: int, r: int, offset: int,
 def dense_reference(q, k, v, rows, attn: DilatedAttention, scale: float | None = None):
     """Exact dilated attention at query positions ``rows``, all heads, in float64 NumPy.
 
-    Straight from the definition (DESIGN.md section 3), independent of the
+    Straight from the definition (docs/semantics.md, section 2), independent of the
     library's gather/scatter code:
 
     * longnet: head ``j`` attends with logits ``scale q.k + log m(p, t)`` where
@@ -129,7 +129,7 @@ def dense_reference(q, k, v, rows, attn: DilatedAttention, scale: float | None =
 def exact_reference(q, k, v, rows, causal: bool, scale: float | None = None):
     """Exact softmax attention at query positions ``rows``, all heads, float64 NumPy.
 
-    The definition of ring attention's result (DESIGN.md section 3): every query
+    The definition of ring attention's result (docs/semantics.md, section 3): every query
     attends to every key (to the keys at or before it when causal).
 
     Returns:

@@ -5,7 +5,7 @@ Self-contained: it imports nothing from ``jax_dilated``. Arrays are
 torch's own CPU flash attention (what ``torch.nn.functional.scaled_dot_product_attention``
 dispatches to on CPU), run once per dilated segment batch.
 
-Two modes, matching DESIGN.md section 3:
+Two modes, matching docs/semantics.md, section 2:
 
 * :func:`head_groups_attention` is written the way the PyTorch dilated-attention
   library (``dilated_attention_pytorch.DilatedAttention``) writes it: for head

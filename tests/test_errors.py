@@ -1,7 +1,7 @@
 """Bad input to ``dilated_attention`` raises at trace time, naming the argument.
 
 One test per error; every ``match=`` names the offending argument (and, where
-useful, the value received), as DESIGN.md section 2 requires.
+useful, the value received), as docs/semantics.md, section 1 requires.
 """
 
 from __future__ import annotations

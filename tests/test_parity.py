@@ -7,7 +7,7 @@ feeds the same numbers to JAX and to the PyTorch reference of
 compares the output and the gradients of q, k and v.
 
 Tolerances are relative to the largest magnitude of the reference:
-float64 1e-10, float32 1e-5, bfloat16 2e-2 (DESIGN.md: stats in float32).
+float64 1e-10, float32 1e-5, bfloat16 2e-2 (docs/semantics.md, section 7: stats in float32).
 """
 
 from __future__ import annotations

@@ -461,7 +461,7 @@ def test_layout_round_trip_and_positions(layout, p):
     for dev in range(p):
         pos = np.asarray(layouts.local_positions(layout, dev, p, n))
         np.testing.assert_array_equal(pos, order[dev * n:(dev + 1) * n])
-    # what each layout promises (DESIGN.md section 3)
+    # what each layout promises (docs/semantics.md, section 3)
     shards = order.reshape(p, n)
     if layout == "contiguous":
         np.testing.assert_array_equal(shards, np.arange(t).reshape(p, n))

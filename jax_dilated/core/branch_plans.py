@@ -1,4 +1,4 @@
-"""Segment / dilation index arithmetic for dilated attention (DESIGN.md section 3).
+"""Segment / dilation index arithmetic for dilated attention (docs/semantics.md, section 2).
 
 Everything here is static (Python ints and NumPy), computed once at trace time.
 
@@ -196,7 +196,7 @@ class BranchPlan:
 
 def plan_branches(branches, *, seq_len: int, num_heads: int, num_kv_heads: int,
                   mode: str, offsets_rule: str) -> list[BranchPlan]:
-    """Static plan of every branch for ``mode`` (see DESIGN.md section 3)."""
+    """Static plan of every branch for ``mode`` (see docs/semantics.md, section 2)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
     if offsets_rule not in HEAD_OFFSETS:

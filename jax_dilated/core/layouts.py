@@ -1,4 +1,4 @@
-"""How a global sequence is laid out over the devices of a ring (DESIGN.md section 3).
+"""How a global sequence is laid out over the devices of a ring (docs/semantics.md, section 3).
 
 * ``"contiguous"``: device ``d`` of ``P`` holds tokens ``[d n, (d + 1) n)``, ``n = T / P``.
 * ``"zigzag"``: the sequence is cut into ``2P`` chunks; device ``d`` holds chunks ``d``

@@ -1,4 +1,4 @@
-"""Dilated attention on one device (LongNet, DESIGN.md section 3).
+"""Dilated attention on one device (LongNet; docs/semantics.md, section 2).
 
 For each branch ``(w, r)`` the sequence is cut into segments of ``w`` tokens,
 each head's selected positions (offset ``o``: ``(p mod w) mod r == o``) are
@@ -123,7 +123,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
 
 
 def combine_branches(results, mode: str, dtype):
-    """The output from every branch's ``(o_i, lse_i)`` (DESIGN.md section 3).
+    """The output from every branch's ``(o_i, lse_i)`` (docs/semantics.md, section 2).
 
     longnet: merged by the softmax denominators (``softmax.merge_partials``, exact
     gradients through the mixing weights); head_groups: the groups' heads side by

@@ -1,4 +1,4 @@
-"""Dilated attention with the sequence sharded over a mesh axis (DESIGN.md section 3).
+"""Dilated attention with the sequence sharded over a mesh axis (docs/semantics.md, section 4).
 
 Inside ``jax.shard_map`` each of the ``P`` devices of ``axis_name`` holds ``n = T / P``
 consecutive tokens. Every branch ``(w, r)`` runs in one of two ways:

@@ -1,4 +1,4 @@
-"""PyTorch references for the parity suite, written from DESIGN.md section 3.
+"""PyTorch references for the parity suite, written from the mathematics of docs/semantics.md.
 
 These are deliberately plain (dense masks, Python loops over branches, heads and
 segments) and share no code with ``jax_dilated``: they are an independent

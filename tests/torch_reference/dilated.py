@@ -1,4 +1,4 @@
-"""Dilated attention (LongNet) in PyTorch, written from DESIGN.md section 3.
+"""Dilated attention (LongNet) in PyTorch, written from docs/semantics.md, section 2.
 
 Notation: sequence length ``T``, branch ``i`` with segment length ``w`` and
 dilation rate ``r``. With offset ``o`` a position ``p`` is *selected* when
