@@ -19,6 +19,8 @@ MODULES = [
     "jax_dilated.ops.ring",
     "jax_dilated.ops.block_sparse",
     "jax_dilated.block_patterns",
+    "jax_dilated.block_patterns.base",
+    "jax_dilated.block_patterns.shapes",
     "jax_dilated.ops.decode",
     "jax_dilated.core.layouts",
     "jax_dilated.ops.sharded",
