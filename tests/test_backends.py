@@ -30,6 +30,7 @@ from _helpers import as_np, assert_close, to_torch
 
 import jax_dilated as jd
 from jax_dilated.backends import KernelArgs, cudnn, registry, selection, xla
+from jax_dilated.backends.base import BlockLists, Kernel
 from jax_dilated.core import softmax
 
 
@@ -95,10 +96,10 @@ CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu",
 
 @CPU_ONLY
 def test_this_machine():
-    """No GPU here: the default is the XLA module, and 'cudnn' is refused at selection."""
+    """No GPU here: the default is the XLA kernel, and 'cudnn' is refused at selection."""
     assert registry.select_implementation(None) == "xla"
-    assert registry.get_kernel(None) is xla
-    assert registry.get_kernel("xla") is xla
+    assert registry.get_kernel(None) is xla.KERNEL
+    assert registry.get_kernel("xla") is xla.KERNEL
     with pytest.raises(ValueError, match="cannot run here"):
         registry.get_kernel("cudnn")
     with pytest.raises(ValueError, match=r"implementation must be.*'flash9'"):
@@ -230,6 +231,125 @@ def test_backend_report_described(device, head_dim, expected):
         assert "backward on XLA" not in by_op[OPERATIONS[1]].reason
     if device is H100 and head_dim == 128:
         assert "widened" in by_op[OPERATIONS[0]].reason
+
+
+# ------------------------------------------- the kernel classes, the module graph
+
+KERNEL_METHODS = sorted(n for n, v in vars(Kernel).items()
+                        if callable(v) and not n.startswith("_"))
+
+
+def _kernels():
+    strict = cudnn.CudnnKernel(ops=cudnn.ReferenceOps(), device=H100)
+    return [xla.KERNEL, strict, registry.AutoKernel(strict)]
+
+
+def test_every_backend_is_one_kernel_class():
+    """Each backend is one class with every entry point of the protocol, defined on the
+    class itself (no attribute fall-through); get_kernel hands out instances."""
+    assert KERNEL_METHODS == ["attention", "backward", "block_sparse_backward",
+                              "block_sparse_forward", "block_sparse_ring_steps", "forward",
+                              "ring_steps"]
+    for kern in _kernels():
+        assert isinstance(kern, Kernel), kern
+        assert not hasattr(type(kern), "__getattr__"), type(kern)
+        assert all(name in vars(type(kern)) for name in KERNEL_METHODS), type(kern)
+    assert isinstance(registry.get_kernel("xla"), xla.XlaKernel)
+
+
+def test_cudnn_kernel_says_what_it_lacks():
+    """cuDNN has no block-sparse kernel and no ring steps: None from the step factories
+    (a ring then calls forward/backward), a ValueError from the block-sparse calls; the
+    automatic kernel sends block-sparse work to the XLA kernel, bit for bit."""
+    xla_kern, strict, auto = _kernels()
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 16, 2, 8)), jnp.bfloat16)
+    args = KernelArgs(scale=0.25, block_q=8, block_k=8)
+    assert strict.ring_steps(q, q, args) is None
+    assert strict.block_sparse_ring_steps(q, q, args) is None
+    blocks = BlockLists(np.array([[0], [1]]), None, np.array([[0], [1]]), None)
+    with pytest.raises(ValueError, match="no block-sparse kernel"):
+        strict.block_sparse_forward(q, q, q, args, blocks=blocks)
+    with pytest.raises(ValueError, match="no block-sparse kernel"):
+        strict.block_sparse_backward(q, q, q, q, q[..., 0], q[..., 0], args, blocks=blocks)
+    for got, want in zip(auto.block_sparse_forward(q, q, q, args, blocks=blocks),
+                         xla_kern.block_sparse_forward(q, q, q, args, blocks=blocks)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(want, np.float32))
+    assert type(auto.block_sparse_ring_steps(q, q, args)) is \
+        type(xla_kern.block_sparse_ring_steps(q, q, args))
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """``{module: modules of jax_dilated it imports}`` from the ``import`` statements of
+    every module under ``jax_dilated/`` (function-level imports included).
+
+    ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
+    ``pkg``; importing ``pkg.mod`` is an edge to ``pkg.mod`` only (not to ``pkg``,
+    whose ``__init__`` Python runs first): a package's re-exports are edges from the
+    package to its modules, never back.
+    """
+    import ast
+    import pathlib
+
+    root = pathlib.Path(jd.__file__).parent
+    paths = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: anchored at this module's package
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths
+                           else base for alias in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in paths and t != name)
+        graph[name] = edges
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path ``[a, b, ..., a]``, or None (depth-first search)."""
+    state = {}  # name -> "open" (on the current path) or "done"
+    path = []
+
+    def visit(node):
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    """No module of jax_dilated imports, directly or through others, one that imports it
+    back (e.g. cudnn and selection share cudnn_probe instead of importing each other)."""
+    graph = _module_graph()
+    assert "jax_dilated.backends.cudnn_probe" in graph["jax_dilated.backends.selection"]
+    assert "jax_dilated.backends.cudnn" not in graph["jax_dilated.backends.selection"]
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+    # the check itself finds a cycle when there is one
+    assert _find_cycle({**graph, "jax_dilated.backends.cudnn_probe": {
+        "jax_dilated.backends.cudnn"}}) is not None
 
 
 # ------------------------------------------------- the cuDNN wrapper, on CPU

@@ -151,14 +151,14 @@ def test_ring_steps_by_head_group_with_per_head_masks(monkeypatch):
 
     monkeypatch.setattr(xla.ring, "_ring_block_budget", lambda: 1)
     groups = []
-    original = xla.ring_steps
+    original = xla.ring.ring_steps
 
     def recording(*args, **kwargs):
         steps = original(*args, **kwargs)
         groups.append(None if steps is None else steps.num_groups)
         return steps
 
-    monkeypatch.setattr(xla, "ring_steps", recording)
+    monkeypatch.setattr(xla.ring, "ring_steps", recording)
     test_sharded_equals_single_device(Case("split_heads", 4, 16, (8, 64), (1, 4),
                                            causal=True, heads=4, kv_heads=2, mask=True))
     assert groups and max(g or 0 for g in groups) > 1, groups

@@ -1,10 +1,13 @@
-"""Attention kernels, one module per backend, all with the interface of :mod:`.base`.
+"""Attention kernels: one class per backend, each a :class:`~.base.Kernel`.
 
-``xla`` (blockwise, every platform), ``cudnn`` (fused attention on NVIDIA GPUs);
-:mod:`.registry` picks one per call at trace time, :mod:`.selection` holds the rules.
+``xla`` (:class:`~.xla.XlaKernel`, blockwise, every platform), ``cudnn``
+(:class:`~.cudnn.CudnnKernel`, fused attention on NVIDIA GPUs); :mod:`.registry`
+picks one per call at trace time (:class:`~.registry.AutoKernel`),
+:mod:`.selection` holds the rules, :mod:`.cudnn_probe` reads what the installed JAX
+offers cuDNN.
 """
 
-from jax_dilated.backends.base import KernelArgs
+from jax_dilated.backends.base import Kernel, KernelArgs
 from jax_dilated.backends.registry import (
            IMPLEMENTATIONS,
            get_kernel,
@@ -12,5 +15,5 @@ from jax_dilated.backends.registry import (
 )
 from jax_dilated.backends.report import KernelChoice, backend_report
 
-__all__ = ["KernelArgs", "IMPLEMENTATIONS", "get_kernel", "select_implementation",
+__all__ = ["Kernel", "KernelArgs", "IMPLEMENTATIONS", "get_kernel", "select_implementation",
            "backend_report", "KernelChoice"]

@@ -45,23 +45,25 @@ natively.
 
 Testing without a GPU: the fused primitive is injectable. :class:`CudnnKernel`
 takes any ``ops`` object with the contract of :class:`FusedOps`;
-:class:`ReferenceOps` is a small dense pure-JAX implementation of exactly that
-contract (float32 stats, backward from given stats and output), used by the CPU
-tests to check everything this module does around the primitive.
+:class:`ReferenceOps` (:mod:`.cudnn_reference`, re-exported here) is a small dense
+pure-JAX implementation of exactly that contract (float32 stats, backward from
+given stats and output), used by the CPU tests to check everything this module
+does around the primitive.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends import selection, xla
-from jax_dilated.backends.base import KernelArgs
+from jax_dilated.backends import cudnn_probe, selection, xla
+from jax_dilated.backends.base import BlockLists, KernelArgs
+from jax_dilated.backends.cudnn_probe import primitive_signature_reason
+from jax_dilated.backends.cudnn_reference import ReferenceOps
 from jax_dilated.core import softmax
 
 __all__ = ["FusedOps", "CudnnOps", "ReferenceOps", "CudnnKernel", "KERNEL", "forward",
@@ -86,49 +88,17 @@ class FusedOps(Protocol):
 
 # ------------------------------------------------------------- the real primitive
 
-# Parameters of the private backward primitive that this module knows how to fill.
-_BWD_ARRAYS = ("query", "key", "value", "activation", "fwd_output", "grad_output")
-_BWD_UNUSED = ("bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
-               "page_table_v")
-_BWD_PARAMS = ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
-               "sliding_window_length")
-
-
-def _fused_module():
-    from jax._src.cudnn import fused_attention_stablehlo as fused
-    return fused
-
-
-@functools.lru_cache(maxsize=None)
-def primitive_signature_reason() -> str | None:
-    """Why this JAX's cuDNN backward primitive cannot be bound here, or None."""
-    try:
-        fused = _fused_module()
-        impl = fused._dot_product_attention_bwd_impl
-        fused._dot_product_attention_bwd_p_wrapper  # noqa: B018 - presence check
-        fused.dot_product_attention  # noqa: B018
-        names = list(inspect.signature(impl).parameters)
-    except Exception as e:
-        return f"this JAX's cuDNN attention internals are not the expected ones ({e})"
-    unknown = [n for n in names if n not in _BWD_ARRAYS + _BWD_UNUSED + _BWD_PARAMS]
-    missing = [n for n in _BWD_ARRAYS if n not in names]
-    if unknown or missing:
-        return (f"this JAX's cuDNN backward primitive has parameters {names}; the cudnn "
-                f"backend does not know {unknown} / misses {missing}")
-    return None
-
-
 class CudnnOps:
     """The cuDNN primitive through JAX (GPU only; traced, not run, anywhere else)."""
 
     name = "cudnn"
 
     def _mask_type(self, causal: bool):
-        fused = _fused_module()
+        fused = cudnn_probe.fused_module()
         return fused.MaskType.CAUSAL if causal else fused.MaskType.NO_MASK
 
     def forward(self, q, k, v, *, scale: float, causal: bool):
-        fused = _fused_module()
+        fused = cudnn_probe.fused_module()
         # The cuDNN-level function keeps the float32 statistics (jax.nn casts them);
         # it is never differentiated here: the custom_vjp below owns the gradient.
         o, stats = fused.dot_product_attention(
@@ -139,70 +109,19 @@ class CudnnOps:
         reason = primitive_signature_reason()
         if reason:
             raise ValueError(f"implementation='cudnn': {reason}; use implementation='xla'.")
-        fused = _fused_module()
-        names = list(inspect.signature(fused._dot_product_attention_bwd_impl).parameters)
+        fused = cudnn_probe.fused_module()
+        names = cudnn_probe.backward_parameters()
         unused = jnp.zeros((0,), q.dtype)
         arrays = dict(query=q, key=k, value=v, activation=stats.astype(jnp.float32),
                       fwd_output=o, grad_output=do)
         params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
                       mask_type=self._mask_type(causal),
                       layout=fused.AttentionLayout.BTNH.value, sliding_window_length=None)
-        first_param = min(names.index(p) for p in _BWD_PARAMS if p in names)
+        first_param = min(names.index(p) for p in cudnn_probe.BWD_PARAMS if p in names)
         positional = [arrays.get(n, unused) for n in names[:first_param]]
         keywords = {n: params[n] for n in names[first_param:]}
         dq, dk, dv = fused._dot_product_attention_bwd_p_wrapper.bind(*positional, **keywords)[:3]
         return dq, dk, dv
-
-
-# ------------------------------------------------- a pure-JAX stand-in for tests
-
-
-class ReferenceOps:
-    """Dense pure-JAX implementation of the :class:`FusedOps` contract.
-
-    Float32 math on the half-precision inputs (like cuDNN: products accumulated in
-    float32, p rounded to the input dtype before ``p v``), causal = top-left
-    diagonal. Used to test the wrapper on CPU; not a kernel to run at scale.
-    """
-
-    name = "reference"
-
-    @staticmethod
-    def _logits(q, k, scale, causal):
-        b, t, n, d = q.shape
-        kv = k.shape[2]
-        qg = q.astype(jnp.float32).reshape(b, t, kv, n // kv, d)
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * scale
-        if causal:
-            mask = jnp.arange(k.shape[1])[None, :] <= jnp.arange(t)[:, None]
-            s = jnp.where(mask, s, -jnp.inf)
-        return s  # [B, Hkv, G, T, S]
-
-    def forward(self, q, k, v, *, scale: float, causal: bool):
-        b, t, n, d = q.shape
-        s = self._logits(q, k, scale, causal)
-        stats = jax.nn.logsumexp(s, axis=-1)
-        p = jnp.exp(s - stats[..., None]).astype(q.dtype).astype(jnp.float32)
-        o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
-        return o.reshape(b, t, n, d).astype(q.dtype), stats.reshape(b, n, t)
-
-    def backward(self, q, k, v, o, stats, do, *, scale: float, causal: bool):
-        b, t, n, d = q.shape
-        kv = k.shape[2]
-        g = n // kv
-        s = self._logits(q, k, scale, causal)
-        st = stats.astype(jnp.float32).reshape(b, kv, g, t)
-        p = jnp.exp(s - st[..., None])
-        do32 = do.astype(jnp.float32).reshape(b, t, kv, g, -1)
-        o32 = o.astype(jnp.float32).reshape(b, t, kv, g, -1)
-        delta = jnp.einsum("btkgd,btkgd->bkgt", do32, o32)
-        dv = jnp.einsum("bkgts,btkgd->bskd", p, do32)
-        dp = jnp.einsum("btkgd,bskd->bkgts", do32, v.astype(jnp.float32))
-        ds = p * (dp - delta[..., None])
-        dq = jnp.einsum("bkgts,bskd->btkgd", ds, k.astype(jnp.float32)) * scale
-        dk = jnp.einsum("bkgts,btkgd->bskd", ds,
-                        q.astype(jnp.float32).reshape(b, t, kv, g, d)) * scale
-        return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
 
 
 # ------------------------------------------------------------------- the kernel
@@ -247,7 +166,13 @@ def _split3(delta, dtype):
 
 
 class CudnnKernel:
-    """The cuDNN backend: ``forward``, ``backward``, ``attention`` of :mod:`.base`.
+    """The cuDNN backend as a :class:`~.base.Kernel`.
+
+    ``forward``, ``backward``, ``attention`` run cuDNN's fused attention. cuDNN has
+    no block-sparse kernel and this backend no ring steps, and it says so:
+    ``block_sparse_forward``/``block_sparse_backward`` raise ``ValueError``, and
+    ``ring_steps``/``block_sparse_ring_steps`` return None (a ring then calls
+    ``forward``/``backward`` per step).
 
     Args:
       ops: the fused primitive (:class:`FusedOps`); default :class:`CudnnOps`.
@@ -329,8 +254,9 @@ class CudnnKernel:
         self._check(q, k, args, q_positions, k_positions, kv_valid)
         d = q.shape[-1]
         if not self.augmented_backward_ok(d):
-            return xla.backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
-                                k_positions=k_positions, kv_valid=kv_valid)
+            return xla.KERNEL.backward(q, k, v, do, lse, delta, args,
+                                       q_positions=q_positions, k_positions=k_positions,
+                                       kv_valid=kv_valid)
         n = q.shape[0]
         width = d + selection.AUGMENT_COLUMNS
         rows_q, rows_k = int(np.prod(q.shape[1:-1])), int(np.prod(k.shape[1:-1]))
@@ -379,6 +305,31 @@ class CudnnKernel:
         del dropout_rng
         self._check(q, k, args, q_positions, k_positions, kv_valid)
         return _attention(self, args, q, k, v)
+
+    # ------------------------------------------- what cuDNN has no kernel for
+
+    def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
+                             q_positions=None, k_positions=None, kv_valid=None):
+        """Always ``ValueError``: cuDNN has no block-sparse attention kernel."""
+        raise ValueError(_NO_BLOCK_SPARSE)
+
+    def block_sparse_backward(self, q, k, v, do, lse, delta, args: KernelArgs, *,
+                              blocks: BlockLists, q_positions=None, k_positions=None,
+                              kv_valid=None):
+        """Always ``ValueError``: cuDNN has no block-sparse attention kernel."""
+        raise ValueError(_NO_BLOCK_SPARSE)
+
+    def ring_steps(self, q, k, args: KernelArgs):
+        """None: no ring steps of its own (a ring calls ``forward``/``backward`` per step)."""
+        return None
+
+    def block_sparse_ring_steps(self, q, k, args: KernelArgs):
+        """None: no block-sparse kernel, hence no block-sparse ring steps."""
+        return None
+
+
+_NO_BLOCK_SPARSE = ("implementation='cudnn' has no block-sparse kernel (cuDNN has no "
+                    "block-sparse attention); use implementation=None or 'xla'.")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

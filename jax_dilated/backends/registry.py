@@ -26,6 +26,7 @@ import functools
 import jax
 
 from jax_dilated.backends import cudnn, selection, xla
+from jax_dilated.backends.base import Kernel
 
 __all__ = ["IMPLEMENTATIONS", "get_kernel", "select_implementation", "AutoKernel",
            "explain_call"]
@@ -92,19 +93,25 @@ def select_implementation(implementation: str | None, *, device=None, dtype=None
 class AutoKernel:
     """cuDNN where a call can use it, the XLA kernel elsewhere (decided per call at trace time).
 
-    Has the whole interface of :mod:`.base`, block-sparse entry points included
-    (those always run on the XLA kernel). ``explain(...)`` says which kernel a
-    call gets and why.
+    A :class:`~.base.Kernel`: ``forward``/``backward``/``attention`` go to cuDNN or
+    XLA per call (``choose``); the block-sparse entry points and
+    ``block_sparse_ring_steps`` always go to the XLA kernel (cuDNN has none);
+    ``ring_steps`` gives the XLA kernel's steps only where cuDNN cannot serve the
+    ring's calls.
     """
 
     name = "auto"
 
-    def __init__(self, cudnn_kernel: cudnn.CudnnKernel):
+    def __init__(self, cudnn_kernel: cudnn.CudnnKernel,
+                 xla_kernel: xla.XlaKernel | None = None):
         self.cudnn = cudnn_kernel
+        self.xla = xla.KERNEL if xla_kernel is None else xla_kernel
 
     def choose(self, q, k, args, q_positions=None, k_positions=None, kv_valid=None):
+        """``(kernel, why not cuDNN)``: the cuDNN kernel and None, or the XLA kernel and
+        the reason cuDNN cannot serve this call."""
         reason = self.cudnn.call_reason(q, k, args, q_positions, k_positions, kv_valid)
-        return (xla, reason) if reason else (self.cudnn, None)
+        return (self.xla, reason) if reason else (self.cudnn, None)
 
     def forward(self, q, k, v, args, *, q_positions=None, k_positions=None, kv_valid=None,
                 dropout_rng=None):
@@ -127,27 +134,34 @@ class AutoKernel:
                                 k_positions=k_positions, kv_valid=kv_valid,
                                 dropout_rng=dropout_rng)
 
-    # block-sparse calls: no cuDNN kernel
-    block_sparse_forward = staticmethod(xla.block_sparse_forward)
-    block_sparse_backward = staticmethod(xla.block_sparse_backward)
+    def block_sparse_forward(self, q, k, v, args, *, blocks, q_positions=None,
+                             k_positions=None, kv_valid=None):
+        """The XLA kernel's (cuDNN has no block-sparse kernel)."""
+        return self.xla.block_sparse_forward(q, k, v, args, blocks=blocks,
+                                             q_positions=q_positions,
+                                             k_positions=k_positions, kv_valid=kv_valid)
+
+    def block_sparse_backward(self, q, k, v, do, lse, delta, args, *, blocks,
+                              q_positions=None, k_positions=None, kv_valid=None):
+        """The XLA kernel's (cuDNN has no block-sparse kernel)."""
+        return self.xla.block_sparse_backward(q, k, v, do, lse, delta, args, blocks=blocks,
+                                              q_positions=q_positions,
+                                              k_positions=k_positions, kv_valid=kv_valid)
 
     def ring_steps(self, q, k, args):
-        """The XLA kernel's fused ring steps (optional entry point of :mod:`.base`), or
-        None where cuDNN can serve a ring step (non-causal: positions do not matter),
-        so that the ring calls ``forward``/``backward`` per step and gets cuDNN."""
+        """The XLA kernel's fused ring steps, or None where cuDNN can serve a ring step
+        (non-causal: positions do not matter), so that the ring calls
+        ``forward``/``backward`` per step and gets cuDNN."""
         spec = cudnn.call_spec(q, k, args, q_positions=None, k_positions=None)
         if args.is_causal:  # ring steps pass traced position arrays
             spec = dataclasses.replace(spec, positions="arbitrary")
         if selection.cudnn_call_reason(self.cudnn.info, spec) is None:
             return None
-        make = getattr(xla, "ring_steps", None)
-        return None if make is None else make(q, k, args)
+        return self.xla.ring_steps(q, k, args)
 
-    def __getattr__(self, name):
-        # optional entry points a backend may grow (base.py) fall through to XLA
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(xla, name)
+    def block_sparse_ring_steps(self, q, k, args):
+        """The XLA kernel's (block-sparse calls always run there)."""
+        return self.xla.block_sparse_ring_steps(q, k, args)
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,18 +175,18 @@ def _cudnn_for(device) -> cudnn.CudnnKernel:
 
 
 def get_kernel(implementation: str | None, *, device=None, dtype=None,
-               head_dim: int | None = None):
-    """The kernel (an object with ``forward``, ``backward``, ``attention``) to use.
+               head_dim: int | None = None) -> Kernel:
+    """The kernel to use: an instance of a :class:`~.base.Kernel` class.
 
-    ``None``: the XLA kernel module on devices without cuDNN, an
+    ``None``: the XLA kernel (:data:`.xla.KERNEL`) on devices without cuDNN, an
     :class:`AutoKernel` (per-call cuDNN or XLA) on those with it. ``"xla"``: the
-    XLA module. ``"cudnn"``: a :class:`~.cudnn.CudnnKernel`, or ``ValueError``.
+    XLA kernel. ``"cudnn"``: a :class:`~.cudnn.CudnnKernel`, or ``ValueError``.
     """
     device = device if device is not None else jax.devices()[0]
     name = select_implementation(implementation, device=device, dtype=dtype,
                                  head_dim=head_dim)
     if name == "xla":
-        return xla
+        return xla.KERNEL
     if implementation is None:
         return _auto_for(device)
     return _cudnn_for(device)

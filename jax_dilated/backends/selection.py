@@ -21,9 +21,11 @@ not; the registry turns that into a fallback (``implementation=None``) or a
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
+
+from jax_dilated.backends import cudnn_probe
+from jax_dilated.backends.cudnn_probe import cudnn_software_reason
 
 __all__ = ["DeviceInfo", "CallSpec", "describe_device", "cudnn_software_reason",
            "cudnn_device_reason", "cudnn_call_reason", "cudnn_max_head_dim",
@@ -103,30 +105,12 @@ def describe_device(device) -> DeviceInfo:
     return DeviceInfo(platform, kind, cc, runtime)
 
 
-@functools.lru_cache(maxsize=None)
-def cudnn_software_reason() -> str | None:
-    """Why this JAX cannot run the cuDNN backend, or None.
-
-    Checks that JAX was built with cuDNN and that its fused-attention module has
-    the public forward and the backward primitive the backend binds, with the
-    parameters it knows (the private signature has changed between releases).
-    """
-    try:
-        from jax._src.cudnn import fused_attention_stablehlo as fused
-    except Exception as e:  # pragma: no cover - jax without the module
-        return f"this JAX has no cuDNN fused-attention module ({type(e).__name__}: {e})"
-    if getattr(fused, "cuda_versions", None) is None:
-        return "this JAX was installed without CUDA/cuDNN (jaxlib CPU-only build)"
-    from jax_dilated.backends import cudnn
-    return cudnn.primitive_signature_reason()
-
-
 def cudnn_device_reason(device, software_reason: str | None = "detect") -> str | None:
     """Why ``device`` cannot run the cuDNN backend, or None if it can.
 
     ``software_reason``: ``"detect"`` checks the installed JAX
-    (:func:`cudnn_software_reason`); tests pass ``None`` (software present) or a
-    string to describe a machine.
+    (:func:`.cudnn_probe.cudnn_software_reason`, re-exported here); tests pass
+    ``None`` (software present) or a string to describe a machine.
     """
     info = describe_device(device)
     if info.platform not in ("gpu", "cuda", "rocm"):
@@ -143,19 +127,11 @@ def cudnn_device_reason(device, software_reason: str | None = "detect") -> str |
     if software_reason == "detect":
         software_reason = cudnn_software_reason()
         if software_reason is None and cc == (10, 3):
-            version = _cudnn_version()
+            version = cudnn_probe.cudnn_version()
             if version is not None and version < 91100:
                 software_reason = (f"compute capability 10.3 needs cuDNN >= 9.11, this JAX "
                                    f"has {version}")
     return software_reason
-
-
-def _cudnn_version() -> int | None:
-    try:
-        from jax._src.lib import cuda_versions
-        return None if cuda_versions is None else int(cuda_versions.cudnn_get_version())
-    except Exception:  # pragma: no cover - informational
-        return None
 
 
 def cudnn_max_head_dim(info: DeviceInfo) -> int:

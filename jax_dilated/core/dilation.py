@@ -11,17 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.core import branch_plans
+from jax_dilated.core.arrays import pad_axis
 
 __all__ = ["gather_dilated", "scatter_dilated", "key_validity", "attend_dilated"]
-
-
-def _pad_seq(x, padded_len: int, value=0):
-    pad = padded_len - x.shape[1]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def gather_dilated(x, branch: branch_plans.Branch, offsets: np.ndarray, heads: np.ndarray):
@@ -40,7 +32,7 @@ def gather_dilated(x, branch: branch_plans.Branch, offsets: np.ndarray, heads: n
     b, t, hx = x.shape[:3]
     w, r = branch.effective_length, branch.rate
     s = branch.num_segments(t)
-    x = _pad_seq(x, s * w).reshape(b, s, w // r, r * hx, *x.shape[3:])
+    x = pad_axis(x, 1, s * w).reshape(b, s, w // r, r * hx, *x.shape[3:])
     flat = np.asarray(offsets) * hx + np.asarray(heads)
     if not np.array_equal(flat, np.arange(r * hx)):
         x = jnp.take(x, flat, axis=3)
@@ -96,7 +88,7 @@ def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.Branc
     valid = key_validity(kv_mask, branch, b, t)
     if valid is not None:
         # broadcast the [B, T] mask to the gathered kv heads: [B, T, Hkv_g]; positions
-        # past T are padding and read False through _pad_seq.
+        # past T are padding and read False through pad_axis.
         per_head = jnp.broadcast_to(valid[:, :, None], (b, t, key.shape[2]))
         valid = gather_dilated(per_head, branch, plan.kv_offsets, plan.kv_heads)
     o, lse = attend(q, k, v, valid)

@@ -4,16 +4,85 @@ One module per job: :mod:`.layout` (block geometry, the blocked layout),
 :mod:`.block_math` (one query block against one key block), :mod:`.dense` (every
 key block: ``forward``/``backward``/``attention``), :mod:`.ring` (blocks kept
 in the kernel's layout around a ring), :mod:`.block_sparse` (listed blocks only).
+:class:`XlaKernel` is the backend as a :class:`~jax_dilated.backends.base.Kernel`;
+the functions of :mod:`.dense` and :mod:`.block_sparse` stay importable from here.
 """
 
+from __future__ import annotations
+
+from jax_dilated.backends.base import BlockLists, KernelArgs
+from jax_dilated.backends.xla import block_sparse, dense, ring
 from jax_dilated.backends.xla.block_sparse import (
            block_sparse_backward,
            block_sparse_forward,
 )
 from jax_dilated.backends.xla.dense import attention, backward, forward
 from jax_dilated.backends.xla.layout import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
-from jax_dilated.backends.xla.ring import block_sparse_ring_steps, ring_steps
 
-__all__ = ["forward", "backward", "attention", "ring_steps", "block_sparse_forward",
-           "block_sparse_backward", "block_sparse_ring_steps", "DEFAULT_BLOCK_Q",
+__all__ = ["XlaKernel", "KERNEL", "forward", "backward", "attention",
+           "block_sparse_forward", "block_sparse_backward", "DEFAULT_BLOCK_Q",
            "DEFAULT_BLOCK_K"]
+
+
+class XlaKernel:
+    """The blockwise XLA kernel, every entry point of :class:`~.base.Kernel`.
+
+    Stateless: the methods look their function up on :mod:`.dense`,
+    :mod:`.block_sparse` and :mod:`.ring` at call time (so a test patching one of
+    those module functions reaches every caller of the kernel).
+    """
+
+    name = "xla"
+
+    def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
+                kv_valid=None, dropout_rng=None):
+        """:func:`.dense.forward`."""
+        return dense.forward(q, k, v, args, q_positions=q_positions,
+                             k_positions=k_positions, kv_valid=kv_valid,
+                             dropout_rng=dropout_rng)
+
+    def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
+                 k_positions=None, kv_valid=None, dropout_rng=None):
+        """:func:`.dense.backward`."""
+        return dense.backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
+                              k_positions=k_positions, kv_valid=kv_valid,
+                              dropout_rng=dropout_rng)
+
+    def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
+                  kv_valid=None, dropout_rng=None):
+        """:func:`.dense.attention`."""
+        return dense.attention(q, k, v, args, q_positions=q_positions,
+                               k_positions=k_positions, kv_valid=kv_valid,
+                               dropout_rng=dropout_rng)
+
+    def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
+                             q_positions=None, k_positions=None, kv_valid=None):
+        """:func:`.block_sparse.block_sparse_forward`."""
+        return block_sparse.block_sparse_forward(q, k, v, args, blocks=blocks,
+                                                 q_positions=q_positions,
+                                                 k_positions=k_positions,
+                                                 kv_valid=kv_valid)
+
+    def block_sparse_backward(self, q, k, v, do, lse, delta, args: KernelArgs, *,
+                              blocks: BlockLists, q_positions=None, k_positions=None,
+                              kv_valid=None):
+        """:func:`.block_sparse.block_sparse_backward`."""
+        return block_sparse.block_sparse_backward(q, k, v, do, lse, delta, args,
+                                                  blocks=blocks, q_positions=q_positions,
+                                                  k_positions=k_positions,
+                                                  kv_valid=kv_valid)
+
+    def ring_steps(self, q, k, args: KernelArgs):
+        """:func:`.ring.ring_steps` (None where the shapes do not allow them)."""
+        return ring.ring_steps(q, k, args)
+
+    def block_sparse_ring_steps(self, q, k, args: KernelArgs):
+        """:func:`.ring.block_sparse_ring_steps` (None where the shapes do not allow them)."""
+        return ring.block_sparse_ring_steps(q, k, args)
+
+    def __repr__(self):
+        return "XlaKernel()"
+
+
+# The one instance the registry hands out (the kernel holds no state).
+KERNEL = XlaKernel()

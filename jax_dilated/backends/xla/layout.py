@@ -15,6 +15,7 @@ import numpy as np
 
 from jax_dilated.backends.base import KernelArgs
 from jax_dilated.core import softmax
+from jax_dilated.core.arrays import pad_axis
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
@@ -54,15 +55,6 @@ def _blocking(len_q: int, len_k: int, args: KernelArgs) -> _Blocking:
                      _balanced_block(len_k, args.block_k or DEFAULT_BLOCK_K))
 
 
-def _pad_axis(x, axis: int, size: int, value=0):
-    pad = size - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def _to_blocks(x, axis: int, block: int):
     """Split ``axis`` (already a multiple of ``block``) into blocks, blocks first."""
     shape = x.shape[:axis] + (x.shape[axis] // block, block) + x.shape[axis + 1:]
@@ -96,27 +88,27 @@ class _Prepared:
         lq, lk = geo.num_q * geo.block_q, geo.num_k * geo.block_k
         # [N, L, H, D] -> [N, Hkv, G, L, D]
         qh = q.reshape(n, q.shape[1], hkv, self.group, d).transpose(0, 2, 3, 1, 4)
-        self.q = _to_blocks(_pad_axis(qh, 3, lq), 3, geo.block_q)
-        self.k = _to_blocks(_pad_axis(k.transpose(0, 2, 1, 3), 2, lk), 2, geo.block_k)
-        self.v = _to_blocks(_pad_axis(v.transpose(0, 2, 1, 3), 2, lk), 2, geo.block_k)
+        self.q = _to_blocks(pad_axis(qh, 3, lq), 3, geo.block_q)
+        self.k = _to_blocks(pad_axis(k.transpose(0, 2, 1, 3), 2, lk), 2, geo.block_k)
+        self.v = _to_blocks(pad_axis(v.transpose(0, 2, 1, 3), 2, lk), 2, geo.block_k)
         qp = jnp.arange(geo.len_q, dtype=jnp.int32) if q_positions is None else q_positions
         kp = jnp.arange(geo.len_k, dtype=jnp.int32) if k_positions is None else k_positions
-        self.q_pos = _pad_axis(qp.astype(jnp.int32), 0, lq, _PAD_Q_POS).reshape(geo.num_q, -1)
-        self.k_pos = _pad_axis(kp.astype(jnp.int32), 0, lk, _PAD_K_POS).reshape(geo.num_k, -1)
+        self.q_pos = pad_axis(qp.astype(jnp.int32), 0, lq, _PAD_Q_POS).reshape(geo.num_q, -1)
+        self.k_pos = pad_axis(kp.astype(jnp.int32), 0, lk, _PAD_K_POS).reshape(geo.num_k, -1)
         if kv_valid is None and lk == geo.len_k:
             self.k_valid = None
         else:
             valid = jnp.ones((n, geo.len_k), bool) if kv_valid is None else kv_valid
             # [N, Lk] or [N, Lk, Hkv] -> [N, Hkv or 1, Lk]
             valid = valid[:, None, :] if valid.ndim == 2 else valid.transpose(0, 2, 1)
-            self.k_valid = _to_blocks(_pad_axis(valid, 2, lk, False), 2, geo.block_k)
+            self.k_valid = _to_blocks(pad_axis(valid, 2, lk, False), 2, geo.block_k)
 
     def q_rows(self, x):
         """[N, L, H, ...] -> blocks [nq, N, Hkv, G, bq, ...] (for do, o, lse)."""
         n, length, h = x.shape[:3]
         x = x.reshape(n, length, h // self.group, self.group, *x.shape[3:])
         x = jnp.moveaxis(x, 1, 3)
-        return _to_blocks(_pad_axis(x, 3, self.geo.num_q * self.geo.block_q), 3,
+        return _to_blocks(pad_axis(x, 3, self.geo.num_q * self.geo.block_q), 3,
                           self.geo.block_q)
 
     def from_q_rows(self, x):
