@@ -6,7 +6,8 @@ Public API only; the semantics are stated in docs/semantics.md.
 from jax_dilated import block_patterns, linen, models, nnx
 from jax_dilated.backends import backend_report
 from jax_dilated.core.layouts import from_layout, to_layout
-from jax_dilated.layers.factory import attention_fn, create_multihead_dilated_attention
+from jax_dilated.layers.factory import (attention_fn, create_multihead_attention,
+                                       create_multihead_dilated_attention)
 from jax_dilated.ops.block_sparse import block_sparse_attention
 from jax_dilated.ops.decode import dilated_attention_decode
 from jax_dilated.ops.dilated import dilated_attention
@@ -23,6 +24,7 @@ __all__ = [
     "block_patterns",
     # Flax layers (jd.nnx.*, jd.linen.*), the drop-in attention_fn, the factory
     "nnx", "linen", "attention_fn", "create_multihead_dilated_attention",
+    "create_multihead_attention",
     # models (jd.models.LongNetLM)
     "models",
     # which kernel (cuDNN / XLA) each operation uses on this machine, and why

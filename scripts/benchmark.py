@@ -42,7 +42,7 @@ Subcommands:
     the memory table only.
 
 ``distributed``
-    ``jd.dilated_attention(axis_name=...)`` over P = 1, 2, 4, 8 simulated CPU
+    ``jd.dilated_attention(seq_axis=...)`` over P = 1, 2, 4, 8 simulated CPU
     devices on one global problem (default n = 65536): per-device compiled
     temp memory of forward+backward against the single-device program, the
     collective-permutes in the compiled HLO, and the key/value bytes each device
@@ -964,7 +964,7 @@ def _ring_memory_jobs(args, libs, ra) -> list[tuple]:
             continue
         if not args.no_prelaid:
             for layout in others:
-                local = functools.partial(attn, axis_name="seq", layout=layout)
+                local = functools.partial(attn, seq_axis="seq", layout=layout)
                 jobs.append((f"P={p} {layout} pre-laid-out", p, layout,
                              jax.shard_map(local, mesh=mesh, in_specs=(P(None, "seq"),) * 3,
                                            out_specs=P(None, "seq")), spec))
@@ -1037,7 +1037,7 @@ def _ring_variants(args, libs, ra, mesh, inputs) -> dict:
                 continue
             order = global_order(args.seq_len, args.devices, layout)
             laid = [jax.device_put(jnp.asarray(x[:, order], dtype), seq) for x in inputs]
-            local = functools.partial(attn, axis_name="seq", layout=layout)
+            local = functools.partial(attn, seq_axis="seq", layout=layout)
             f = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "seq"),) * 3,
                               out_specs=P(None, "seq"))
             back = functools.partial(_undo_order, np.argsort(order))
@@ -1373,7 +1373,7 @@ def run_distributed(args: argparse.Namespace) -> dict:
     for p in args.devices:
         mesh = jax.sharding.Mesh(np.array(devices[:p]), ("seq",))
         sharding = NamedSharding(mesh, P(None, "seq"))
-        local = functools.partial(jd.dilated_attention, axis_name="seq", **cfg)
+        local = functools.partial(jd.dilated_attention, seq_axis="seq", **cfg)
         attn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "seq"),) * 3,
                              out_specs=P(None, "seq"), check_vma=True)
         step = jax.jit(fwd_bwd(attn), in_shardings=sharding)

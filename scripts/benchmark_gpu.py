@@ -128,7 +128,7 @@ def gpu_environment(jax, jd) -> dict:
         info["torch_cuda"] = torch.version.cuda if torch.cuda.is_available() else None
     except ImportError:
         pass
-    info["kernels"] = [dict(r._asdict()) for r in jd.backend_report(file=None)]
+    info["kernels"] = [dict(r._asdict()) for r in jd.backend_report(quiet=True)]
     return info
 
 

@@ -20,7 +20,7 @@ process then
 
 Process 0 compares them with the single-device result computed by itself alone in
 float64 on one of its local devices (exact attention in plain ``jnp`` for the ring,
-``jd.dilated_attention`` without ``axis_name`` for dilated) and prints ``PASS`` or
+``jd.dilated_attention`` without ``seq_axis`` for dilated) and prints ``PASS`` or
 ``FAIL`` with the largest relative error. The exit status is non-zero if any
 process fails, crashes or runs past ``--timeout`` seconds (the launcher then kills
 every child it started).

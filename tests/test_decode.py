@@ -221,7 +221,7 @@ def test_overflow_raises_eagerly_and_nans_under_jit():
 
 
 def test_decode_errors():
-    layer = nnx_layer(dropout=0.2)
+    layer = nnx_layer(dropout_rate=0.2)
     x_t = jnp.ones((1, 1, E))
     with pytest.raises(ValueError, match="init_cache"):
         layer(x_t, decode=True, deterministic=True)

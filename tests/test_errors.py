@@ -202,3 +202,185 @@ def test_errors_raise_under_jit(qkv):
     f = jax.jit(lambda q, k, v: call(q, k, v, segment_lengths=(8, 6), dilation_rates=(1, 4)))
     with pytest.raises(ValueError, match=r"segment length 6 with dilation rate 4"):
         f(*qkv)
+
+
+# ------------------------------------------------ one policy: functions and layers agree
+#
+# TypeError for a wrong type, ValueError for a wrong value, the same class from the
+# function and from the layers for the same bad value (docs/semantics.md, section 1).
+
+
+def _layer(**kw):
+    from flax import nnx
+    return jd.nnx.MultiheadDilatedAttention(16, 2, **CFG, rngs=nnx.Rngs(0), **kw)
+
+
+def _linen_layer(**kw):
+    layer = jd.linen.MultiheadDilatedAttention(embed_dim=16, num_heads=2, **CFG, **kw)
+    return layer.init(jax.random.key(0), jnp.ones((1, T, 16)))
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("scale", "big", TypeError), ("scale", True, TypeError), ("scale", -1.0, ValueError),
+    ("scale", 0.0, ValueError),
+    ("dropout_rate", "0.1", TypeError), ("dropout_rate", True, TypeError),
+    ("dropout_rate", 1.5, ValueError), ("dropout_rate", -0.1, ValueError),
+])
+def test_function_and_layers_raise_the_same_class(qkv, name, value, error):
+    extra = {"dropout_rng": jax.random.key(0)} if name == "dropout_rate" else {}
+    with pytest.raises(error, match=name):
+        call(*qkv, **{name: value}, **extra)
+    with pytest.raises(error, match=name):
+        _layer(**{name: value})
+    with pytest.raises(error, match=name):
+        _linen_layer(**{name: value})
+    with pytest.raises(error, match=name):
+        jd.nnx.DilatedAttention(**CFG, **{name: value})
+
+
+@pytest.mark.parametrize("value, error", [(2.0, TypeError), ("4", TypeError),
+                                          (True, TypeError), (0, ValueError),
+                                          (-4, ValueError)])
+def test_positive_ints_one_policy(qkv, value, error):
+    """Every positive-int option goes through the one check: type -> TypeError,
+    value -> ValueError, the message names the argument and the value."""
+    with pytest.raises(error, match=rf"block_q must be a positive int, got {value!r}"):
+        call(*qkv, block_q=value)
+    with pytest.raises(error, match=rf"num_heads must be a positive int, got {value!r}"):
+        jd.nnx.MultiheadDilatedAttention(16, value, **CFG, rngs=__import__("flax").nnx.Rngs(0))
+    with pytest.raises(error, match=rf"block_size must be a positive int, got {value!r}"):
+        jd.block_sparse_attention(*qkv, block_size=value, pattern=np.ones((1, 1), bool))
+    with pytest.raises(error, match=rf"LongNetConfig.num_layers must be a positive int"):
+        jd.models.LongNetConfig(vocab_size=8, embed_dim=16, num_heads=2, num_layers=value,
+                                **CFG)
+
+
+def test_mesh_checks_are_shared():
+    """jd.sharded, the layers and the model check the mesh axes with one function."""
+    mesh = jax.make_mesh((1,), ("seq",))
+    for build in (lambda: jd.sharded(jd.dilated_attention, mesh, seq_axis="nope"),
+                  lambda: jd.nnx.DilatedAttention(**CFG, mesh=mesh, seq_axis="nope"),
+                  lambda: jd.attention_fn(**CFG, mesh=mesh, seq_axis="nope")):
+        with pytest.raises(ValueError, match=r"seq_axis='nope' is not an axis of the mesh"):
+            build()
+    with pytest.raises(ValueError, match="must be different mesh axes"):
+        jd.nnx.DilatedAttention(**CFG, mesh=mesh, seq_axis="seq", batch_axis="seq")
+
+
+# ---------------------------------------------------------------------- return_lse
+
+
+def test_return_lse_longnet_is_the_merged_log_sum_exp(qkv):
+    q, k, v = (x.astype(jnp.float64) for x in qkv)
+    out, lse = call(q, k, v, is_causal=True, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(call(q, k, v, is_causal=True)))
+    assert lse.shape == (B, T, H) and lse.dtype == jnp.float64
+    # the merged lse is log sum_i exp(lse_i) of the single-branch calls
+    lses = [call(q, k, v, is_causal=True, segment_lengths=(w,), dilation_rates=(r,),
+                 return_lse=True)[1] for w, r in zip(CFG["segment_lengths"],
+                                                       CFG["dilation_rates"])]
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(jnp.logaddexp(*lses)),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_return_lse_head_groups_is_each_heads_branch(qkv):
+    q, k, v = (x.astype(jnp.float64) for x in qkv)
+    _, lse = call(q, k, v, mode="head_groups", return_lse=True)
+    assert lse.shape == (B, T, H)
+    # head group i (heads 2i, 2i + 1) runs branch i alone, every head of it at offset
+    # i mod r: the single-branch longnet lse of head copy number (i mod r) of r copies
+    for i, (w, r) in enumerate(zip(CFG["segment_lengths"], CFG["dilation_rates"])):
+        for head in (2 * i, 2 * i + 1):
+            copies = [jnp.repeat(x[:, :, head:head + 1], r, axis=2) for x in (q, k, v)]
+            _, lse_i = jd.dilated_attention(*copies, segment_lengths=(w,),
+                                            dilation_rates=(r,), return_lse=True)
+            np.testing.assert_allclose(np.asarray(lse[:, :, head]),
+                                       np.asarray(lse_i[:, :, i % r]), rtol=1e-12,
+                                       atol=1e-12)
+
+
+# -------------------------------------------------------- deprecated spellings still work
+
+
+def test_deprecated_axis_name_on_functions(qkv):
+    import functools
+    mesh = jax.make_mesh((1,), ("seq",))
+    new = jd.sharded(functools.partial(jd.dilated_attention, **CFG), mesh, seq_axis="seq")
+    expected = new(*qkv)
+    for fn in (jd.dilated_attention, jd.ring_attention):
+        opts = CFG if fn is jd.dilated_attention else {}
+
+        def old_fn(q, k, v, *, axis_name, kv_mask=None, fn=fn, opts=opts):
+            # written against the old keyword: jd.sharded passes axis_name= (warning),
+            # and the function accepts it (warning)
+            return fn(q, k, v, axis_name=axis_name, kv_mask=kv_mask, **opts)
+
+        with pytest.warns(DeprecationWarning, match="seq_axis"):
+            got = jd.sharded(old_fn, mesh, seq_axis="seq")(*qkv)
+        ref = expected if fn is jd.dilated_attention else jd.sharded(
+            jd.ring_attention, mesh, seq_axis="seq")(*qkv)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    pattern = np.ones((2, 2), bool)
+    bs = functools.partial(jd.block_sparse_attention, block_size=8, pattern=pattern)
+    with pytest.warns(DeprecationWarning, match="seq_axis"):
+        got = jd.sharded(lambda q, k, v, *, axis_name, kv_mask=None: bs(
+            q, k, v, axis_name=axis_name, kv_mask=kv_mask), mesh, seq_axis="seq")(*qkv)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(jd.sharded(bs, mesh, seq_axis="seq")(*qkv)))
+    with pytest.raises(TypeError, match="pass seq_axis= only"):
+        call(*qkv, seq_axis="seq", axis_name="seq")
+
+
+def test_deprecated_dropout_on_layers():
+    from flax import nnx
+    x = _arr((1, T, 16), jnp.float64)
+    new = jd.nnx.MultiheadDilatedAttention(16, 2, **CFG, dropout_rate=0.3,
+                                           param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    with pytest.warns(DeprecationWarning, match="dropout_rate"):
+        old = jd.nnx.MultiheadDilatedAttention(16, 2, **CFG, dropout=0.3,
+                                               param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    assert old.dropout_rate == 0.3
+    np.testing.assert_array_equal(np.asarray(old(x, deterministic=False)),
+                                  np.asarray(new(x, deterministic=False)))
+    lin_new = jd.linen.MultiheadDilatedAttention(embed_dim=16, num_heads=2, **CFG,
+                                                 dropout_rate=0.3)
+    lin_old = jd.linen.MultiheadDilatedAttention(embed_dim=16, num_heads=2, **CFG,
+                                                 dropout=0.3)
+    params = lin_new.init(jax.random.key(0), x, deterministic=True)
+    rngs = {"dropout": jax.random.key(1)}
+    with pytest.warns(DeprecationWarning, match="dropout_rate"):
+        got = lin_old.apply(params, x, deterministic=False, rngs=rngs)
+    np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(lin_new.apply(params, x, deterministic=False, rngs=rngs)))
+
+
+def test_deprecated_longnet_config_dropout():
+    base = dict(vocab_size=8, embed_dim=16, num_heads=2, num_layers=1, **CFG)
+    with pytest.warns(DeprecationWarning, match="dropout_rate"):
+        old = jd.models.LongNetConfig(**base, dropout=0.1)
+    with pytest.warns(DeprecationWarning, match="attention_dropout_rate"):
+        old_attn = jd.models.LongNetConfig(**base, attention_dropout=0.2)
+    assert old == jd.models.LongNetConfig(**base, dropout_rate=0.1)
+    assert old_attn == jd.models.LongNetConfig(**base, attention_dropout_rate=0.2)
+    assert old.replace(num_layers=2).dropout_rate == 0.1   # no second warning
+
+
+def test_deprecated_factory_kind_ring_dilated():
+    from flax import nnx
+    mesh = jax.make_mesh((1,), ("seq",))
+    kw = dict(embed_dim=16, num_heads=2, **CFG, mesh=mesh, seq_axis="seq")
+    with pytest.warns(DeprecationWarning, match="kind='distributed'"):
+        layer, choice = jd.create_multihead_dilated_attention(
+            "ring_dilated", explain=True, rngs=nnx.Rngs(0), **kw)
+    assert choice.kind == "distributed"
+    new = jd.create_multihead_attention("distributed", rngs=nnx.Rngs(0), **kw)
+    x = _arr((1, T, 16))
+    np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(new(x)))
+
+
+def test_deprecated_backend_report_file_stdout(capsys):
+    with pytest.warns(DeprecationWarning, match="file=None"):
+        old = jd.backend_report(file="stdout")
+    printed = capsys.readouterr().out
+    assert jd.backend_report() == old and capsys.readouterr().out == printed
+    assert jd.backend_report(quiet=True) == old and capsys.readouterr().out == ""

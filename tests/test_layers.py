@@ -389,7 +389,7 @@ def test_attention_fn_dropout():
 
 def test_layer_dropout_conventions():
     x = to_jax(_rng(13).standard_normal((1, 16, E)), "float64")
-    layer = make_layer(dropout=0.3)
+    layer = make_layer(dropout_rate=0.3)
     with pytest.raises(ValueError, match="deterministic"):
         layer(x)
     with pytest.raises(ValueError, match="needs random keys"):  # no rngs anywhere
@@ -398,14 +398,14 @@ def test_layer_dropout_conventions():
     plain = call(make_layer(), x)
     np.testing.assert_array_equal(np.asarray(call(layer, x, deterministic=True)),
                                   np.asarray(plain))
-    a = call(make_layer(dropout=0.3, seed=0), x, deterministic=False)
-    b = call(make_layer(dropout=0.3, seed=0), x, deterministic=False)
+    a = call(make_layer(dropout_rate=0.3, seed=0), x, deterministic=False)
+    b = call(make_layer(dropout_rate=0.3, seed=0), x, deterministic=False)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # same stream, same mask
     assert np.max(np.abs(np.asarray(a - plain))) > 1e-3
-    eval_view = nnx.view(make_layer(dropout=0.3, deterministic=False), deterministic=True)
+    eval_view = nnx.view(make_layer(dropout_rate=0.3, deterministic=False), deterministic=True)
     assert eval_view.deterministic is True
 
-    lin = jd.linen.MultiheadDilatedAttention(E, H, **SEGS, dropout=0.3,
+    lin = jd.linen.MultiheadDilatedAttention(E, H, **SEGS, dropout_rate=0.3,
                                              param_dtype=jnp.float64)
     params = params_of(layer)
     apply = jax.jit(lambda key: lin.apply({"params": params}, x, deterministic=False,
@@ -481,7 +481,7 @@ def test_ring_attention_modules():
     assert_close(got, expected, 1e-12, "linen RingAttention")
 
 
-def test_ring_dilated_layer_matches_single_device():
+def test_distributed_layer_matches_single_device():
     """MultiheadDilatedAttention(mesh=..., seq_axis=...) == the single-device layer
     (distributed dilated attention; segments span several devices' shards), and
     jd.attention_fn over the mesh == jd.dilated_attention."""
@@ -509,7 +509,7 @@ def test_factory_explicit_kinds():
     base = dict(embed_dim=E, num_heads=H, rngs=nnx.Rngs(0))
     layer = jd.create_multihead_dilated_attention("dilated", **base, **SEGS)
     assert type(layer) is jd.nnx.MultiheadDilatedAttention and layer.core.mesh is None
-    layer = jd.create_multihead_dilated_attention("ring_dilated", **base, **SEGS, mesh=mesh,
+    layer = jd.create_multihead_dilated_attention("distributed", **base, **SEGS, mesh=mesh,
                                                   seq_axis="seq")
     assert type(layer) is jd.nnx.MultiheadDilatedAttention and layer.core.mesh is mesh
     layer = jd.create_multihead_dilated_attention("ring", **base, mesh=mesh, seq_axis="seq",
@@ -532,9 +532,9 @@ def test_factory_auto_choices_and_reasons():
     assert choice.kind == "dilated" and "no mesh" in choice.reason
     assert "kernel 'xla'" in choice.reason and "cpu" in choice.reason.lower()
     layer, choice = auto(**SEGS, **on_mesh)
-    assert choice.kind == "ring_dilated" and layer.core.mesh is mesh and "8 devices" in str(choice)
+    assert choice.kind == "distributed" and layer.core.mesh is mesh and "8 devices" in str(choice)
     layer, choice = auto(**SEGS, **on_mesh, seq_len=64 * 1024)
-    assert choice.kind == "ring_dilated"
+    assert choice.kind == "distributed"
     layer, choice = auto(**SEGS, **on_mesh, seq_len=1024)  # 128 tokens per device
     assert choice.kind == "dilated" and layer.core.mesh is None
     assert "tokens per device" in choice.reason
@@ -544,7 +544,7 @@ def test_factory_auto_choices_and_reasons():
     assert choice.kind == "dilated" and "one device" in choice.reason
     layer, choice = auto(**on_mesh)
     assert choice.kind == "ring" and type(layer) is jd.nnx.MultiheadRingAttention
-    assert jd.factory.choose_kind(segment_lengths=(4,)).kind == "dilated"
+    assert jd.layers.factory.choose_kind(segment_lengths=(4,)).kind == "dilated"
 
 
 def test_factory_errors():
@@ -561,11 +561,11 @@ def test_factory_errors():
     with pytest.raises(ValueError, match="mesh= and seq_axis="):
         make("ring", **base)
     with pytest.raises(ValueError, match="mesh= and seq_axis="):
-        make("ring_dilated", **base, **SEGS)
+        make("distributed", **base, **SEGS)
     with pytest.raises(ValueError, match="'nope' is not an axis of the mesh"):
         make("auto", **base, **SEGS, mesh=mesh, seq_axis="nope")
     with pytest.raises(ValueError, match="without seq_axis"):
-        make("ring_dilated", **base, **SEGS, mesh=mesh)
+        make("distributed", **base, **SEGS, mesh=mesh)
     with pytest.raises(ValueError, match="runs on one device"):
         make("dilated", **base, **SEGS, mesh=mesh, seq_axis="seq")
     with pytest.raises(ValueError, match="exact attention"):
@@ -597,8 +597,8 @@ def test_layer_errors():
         make_layer(num_heads=1, embed_dim=4, mode="head_groups")
     with pytest.raises(ValueError, match="multiple of its dilation rate"):
         make_layer(segment_lengths=(6,), dilation_rates=(4,))
-    with pytest.raises(ValueError, match="dropout must be a float in"):
-        make_layer(dropout=1.5)
+    with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\)"):
+        make_layer(dropout_rate=1.5)
     with pytest.raises(ValueError, match="mode must be one of"):
         make_layer(mode="sparse")
     layer = make_layer()

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import jax
 
 from jax_dilated.backends import registry, selection
+from jax_dilated.core import validation
 
 __all__ = ["KernelChoice", "backend_report"]
 
@@ -43,9 +44,9 @@ def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice
         row("ring_attention is_causal=False", dense, lse_cotangent=True,
             note="every ring step's backward takes the global lse and delta"),
         row("ring_attention is_causal=True", ring_causal),
-        row("dilated_attention(axis_name=...) local branches", causal, lse_cotangent=True,
+        row("dilated_attention(seq_axis=...) local branches", causal, lse_cotangent=True,
             note="as single-device longnet"),
-        row("dilated_attention(axis_name=...) branches spanning devices", ring_causal),
+        row("dilated_attention(seq_axis=...) branches spanning devices", ring_causal),
         row("block_sparse_attention", spec(dtype, head_dim, block_sparse=True)),
         row("dilated_attention_decode (KV cache)",
             spec(dtype, head_dim, len_q=1, kv_valid=True)),
@@ -53,14 +54,17 @@ def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice
 
 
 def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
-                   file="stdout", software_reason="detect") -> list[KernelChoice]:
+                   file=None, quiet: bool = False,
+                   software_reason="detect") -> list[KernelChoice]:
     """Which kernel each operation would use on ``device`` with ``implementation=None``.
 
     Args:
       device: a ``jax.Device`` (default ``jax.devices()[0]``) or a described device
         (anything with ``platform``, ``device_kind``, ``compute_capability``).
       dtype, head_dim: the inputs to report for (default bfloat16, 128).
-      file: where to print the report (default ``sys.stdout``; None: do not print).
+      file: a text file to print the report to; None (default): ``sys.stdout``.
+        (The string ``"stdout"`` is a deprecated spelling of None.)
+      quiet: do not print, only return the rows.
       software_reason: ``"detect"`` checks the installed JAX for cuDNN; pass None
         (present) or a reason to describe another machine.
 
@@ -69,7 +73,7 @@ def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
 
     Example:
       >>> import jax_dilated as jd
-      >>> rows = jd.backend_report(file=None)      # jd.backend_report() prints it
+      >>> rows = jd.backend_report(quiet=True)     # jd.backend_report() prints it
       >>> rows[0].operation, rows[0].kernel in ("xla", "cudnn", "pallas")
       ("dilated_attention mode='longnet'", True)
     """
@@ -77,9 +81,11 @@ def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
     info = selection.describe_device(device)
     dtype = jax.numpy.dtype(dtype).name
     rows = _rows(info, dtype, head_dim, software_reason)
-    if file == "stdout":
-        file = sys.stdout
-    if file is not None:
+    if isinstance(file, str) and file == "stdout":
+        validation.warn_renamed('file="stdout"', "file=None", "backend_report")
+        file = None
+    if not quiet:
+        file = sys.stdout if file is None else file
         available = selection.cudnn_device_reason(info, software_reason)
         print(f"jax-dilated kernels on {info} with JAX {jax.__version__}; inputs {dtype}, "
               f"head_dim {head_dim}", file=file)

@@ -2,10 +2,72 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["axis_size", "check_qkv", "check_kv_mask", "check_dropout", "check_scale", "default_scale"]
+__all__ = ["axis_size", "check_qkv", "check_kv_mask", "check_dropout", "check_dropout_rate",
+           "check_scale", "check_scale_option", "default_scale", "check_flag",
+           "check_positive_int", "check_positive_float", "check_block_sizes",
+           "check_mesh_axes", "check_mesh_axis", "renamed", "warn_renamed"]
+
+
+# ------------------------------------------------------------------- deprecations
+
+
+def warn_renamed(old: str, new: str, where: str, stacklevel: int = 3):
+    """Warn that ``old`` (an argument or a value) is deprecated in favour of ``new``."""
+    warnings.warn(f"{where}: {old} is deprecated and will be removed in the next release; "
+                  f"use {new} (same meaning).", DeprecationWarning, stacklevel=stacklevel)
+
+
+def renamed(old_value, new_value, *, old: str, new: str, where: str, stacklevel: int = 4):
+    """The value of an argument renamed from ``old`` to ``new``.
+
+    The deprecated spelling defaults to None: when it was given, warn
+    (``DeprecationWarning`` naming ``new``) and return it; giving both is a
+    ``TypeError``. ``stacklevel`` counts from here to the user's call.
+    """
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise TypeError(f"{where} got both {old}= and {new}= ({old}= is the deprecated "
+                        f"spelling of {new}=): pass {new}= only.")
+    warn_renamed(f"{old}=", f"{new}=", where, stacklevel)
+    return old_value
+
+
+# --------------------------------------------------------------------- scalars
+
+
+def check_positive_int(name: str, value) -> int:
+    """``value`` is a Python / NumPy int > 0 (TypeError for another type, ValueError
+    for a value <= 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {value!r} "
+                        f"({type(value).__name__}).")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    return int(value)
+
+
+def check_positive_float(name: str, value) -> float:
+    """``value`` is a Python number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer,
+                                                         np.floating)):
+        raise TypeError(f"{name} must be a positive float, got {value!r} "
+                        f"({type(value).__name__}).")
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive float, got {value!r}.")
+    return float(value)
+
+
+def check_block_sizes(block_q, block_k) -> tuple[int | None, int | None]:
+    """Kernel block sizes: None (the kernel's default) or positive ints."""
+    return tuple(None if b is None else check_positive_int(name, b)
+                 for name, b in (("block_q", block_q), ("block_k", block_k)))
 
 
 def check_qkv(query, key, value) -> tuple[int, int, int, int, int]:
@@ -70,12 +132,18 @@ def check_kv_mask(kv_mask, batch: int, kv_len: int):
     return kv_mask
 
 
+def check_dropout_rate(dropout_rate, name: str = "dropout_rate") -> float:
+    """A dropout rate: a Python float in ``[0, 1)``."""
+    if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float)):
+        raise TypeError(f"{name} must be a Python float in [0, 1), got {dropout_rate!r}.")
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {dropout_rate!r}.")
+    return float(dropout_rate)
+
+
 def check_dropout(dropout_rate, dropout_rng) -> float:
     """Rate in ``[0, 1)``; a key is required when the rate is positive."""
-    if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float)):
-        raise TypeError(f"dropout_rate must be a Python float, got {dropout_rate!r}.")
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}.")
+    dropout_rate = check_dropout_rate(dropout_rate)
     if dropout_rate > 0.0 and dropout_rng is None:
         raise ValueError(
             f"dropout_rate={dropout_rate} needs a dropout_rng (a jax.random key), got None."
@@ -83,15 +151,22 @@ def check_dropout(dropout_rate, dropout_rng) -> float:
     return float(dropout_rate)
 
 
+def check_scale_option(scale) -> float | None:
+    """``scale`` is None (the default ``1/sqrt(head_dim)``) or a positive Python number."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be None or a positive Python float, got {scale!r}.")
+    if not scale > 0:
+        raise ValueError(f"scale must be positive (or None for 1/sqrt(head_dim)), got "
+                         f"{scale!r}.")
+    return float(scale)
+
+
 def check_scale(scale, head_dim: int) -> float:
     """``scale`` is None (``1/sqrt(head_dim)``) or a positive Python number."""
-    if scale is None:
-        return default_scale(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be None or a Python float, got {scale!r}.")
-    if not scale > 0:
-        raise ValueError(f"scale must be positive, got {scale!r}.")
-    return float(scale)
+    scale = check_scale_option(scale)
+    return default_scale(head_dim) if scale is None else scale
 
 
 def default_scale(head_dim: int) -> float:
@@ -104,12 +179,50 @@ def check_flag(name: str, value) -> bool:
     return value
 
 
-def axis_size(axis_name, caller: str) -> int:
-    """Size of the bound mesh axis ``axis_name``; a clear error when it is not bound."""
+# ------------------------------------------------------------------ mesh and axes
+
+
+def axis_size(seq_axis, caller: str) -> int:
+    """Size of the bound mesh axis ``seq_axis``; a clear error when it is not bound."""
     try:
-        return jax.lax.axis_size(axis_name)
+        return jax.lax.axis_size(seq_axis)
     except NameError as err:
         raise ValueError(
-            f"axis_name={axis_name!r} is not bound: call {caller} inside jax.shard_map "
+            f"seq_axis={seq_axis!r} is not bound: call {caller} inside jax.shard_map "
             f"over a mesh with that axis, or use jd.sharded(...) on global arrays ({err})."
         ) from None
+
+
+def check_mesh_axis(mesh, name: str, axis):
+    """``axis`` (the argument ``name``) is None or an axis of ``mesh``."""
+    if axis is not None and axis not in mesh.axis_names:
+        raise ValueError(
+            f"{name}={axis!r} is not an axis of the mesh; its axes are "
+            f"{tuple(mesh.axis_names)}."
+        )
+
+
+def check_mesh_axes(mesh, seq_axis, batch_axis=None, head_axis=None):
+    """A mesh and its sequence axis come together; every named axis exists and they
+    are different axes (``mesh=None`` with no axis named is one device)."""
+    named = (("seq_axis", seq_axis), ("batch_axis", batch_axis), ("head_axis", head_axis))
+    if mesh is None:
+        for name, axis in named:
+            if axis is not None:
+                raise ValueError(f"{name}={axis!r} was given without a mesh: pass mesh= too.")
+        return
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if seq_axis is None:
+        raise ValueError(
+            f"a mesh was given without seq_axis: name the mesh axis to shard the "
+            f"sequence over (one of {tuple(mesh.axis_names)})."
+        )
+    for name, axis in named:
+        check_mesh_axis(mesh, name, axis)
+    axes = [axis for _, axis in named if axis is not None]
+    if len(set(axes)) != len(axes):
+        raise ValueError(
+            f"seq_axis, batch_axis and head_axis must be different mesh axes, got "
+            f"seq_axis={seq_axis!r}, batch_axis={batch_axis!r}, head_axis={head_axis!r}."
+        )

@@ -29,11 +29,10 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_dilated import block_patterns
 from jax_dilated.backends import select_implementation
-from jax_dilated.core import branch_plans, layouts, softmax
+from jax_dilated.core import branch_plans, layouts, softmax, validation
 from jax_dilated.ops import decode as decoding
 from jax_dilated.ops.block_sparse import block_sparse_attention
 from jax_dilated.ops.dilated import dilated_attention
@@ -50,8 +49,6 @@ __all__ = [
     "project_qkv",
     "project_out",
     "check_inputs",
-    "check_dropout_rate",
-    "check_mesh_axes",
     "precision_context",
     "check_qk_transform",
     "apply_qk_transform",
@@ -62,42 +59,6 @@ EMBED, HEADS, KV_HEADS, HEAD_DIM = "embed", "heads", "kv_heads", "head_dim"
 
 
 # ----------------------------------------------------------------------------- checks
-
-
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}.")
-    return int(value)
-
-
-def check_dropout_rate(name: str, rate) -> float:
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
-        raise ValueError(f"{name} must be a float in [0, 1), got {rate!r}.")
-    return float(rate)
-
-
-def check_mesh_axes(mesh, seq_axis, batch_axis=None, head_axis=None):
-    """A mesh and its sequence axis come together; every named axis must exist."""
-    if mesh is None:
-        for name, axis in (("seq_axis", seq_axis), ("batch_axis", batch_axis),
-                           ("head_axis", head_axis)):
-            if axis is not None:
-                raise ValueError(f"{name}={axis!r} was given without a mesh: pass mesh= too.")
-        return
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    if seq_axis is None:
-        raise ValueError(
-            f"a mesh was given without seq_axis: name the mesh axis to shard the "
-            f"sequence over (one of {tuple(mesh.axis_names)})."
-        )
-    for name, axis in (("seq_axis", seq_axis), ("batch_axis", batch_axis),
-                       ("head_axis", head_axis)):
-        if axis is not None and axis not in mesh.axis_names:
-            raise ValueError(
-                f"{name}={axis!r} is not an axis of the mesh; its axes are "
-                f"{tuple(mesh.axis_names)}."
-            )
 
 
 def check_inputs(embed_dim: int, query, key, value):
@@ -187,15 +148,25 @@ class AttentionCore:
         return run(query, key, value, kv_mask=kv_mask)
 
 
+def _block_options(block_q, block_k) -> tuple:
+    """``block_q`` / ``block_k`` options, only those given (a user's drop-in
+    ``attention_fn`` need not take them)."""
+    block_q, block_k = validation.check_block_sizes(block_q, block_k)
+    return tuple((name, b) for name, b in (("block_q", block_q), ("block_k", block_k))
+                 if b is not None)
+
+
 def dilated_core(*, segment_lengths, dilation_rates, mode="longnet", head_offsets="modulo",
                  scale=None, implementation=None, attention_fn=None, mesh=None,
-                 seq_axis=None, batch_axis=None, head_axis=None) -> AttentionCore:
+                 seq_axis=None, batch_axis=None, head_axis=None, block_q=None,
+                 block_k=None) -> AttentionCore:
     """Validated :class:`AttentionCore` for dilated attention.
 
     ``attention_fn`` (default :func:`jax_dilated.dilated_attention`) is called as
     ``attention_fn(q, k, v, segment_lengths=, dilation_rates=, mode=, head_offsets=,
-    scale=, implementation=, is_causal=, kv_mask=, dropout_rate=, dropout_rng=)`` and,
-    with a mesh, also receives ``axis_name=`` inside ``shard_map``.
+    scale=, implementation=, is_causal=, kv_mask=, dropout_rate=, dropout_rng=)``
+    (plus ``block_q=`` / ``block_k=`` when given) and, with a mesh, also receives
+    ``seq_axis=`` inside ``shard_map``.
     """
     branches = branch_plans.validate_branches(segment_lengths, dilation_rates)
     if mode not in branch_plans.MODES:
@@ -203,38 +174,39 @@ def dilated_core(*, segment_lengths, dilation_rates, mode="longnet", head_offset
     if head_offsets not in branch_plans.HEAD_OFFSETS:
         raise ValueError(
             f"head_offsets must be one of {branch_plans.HEAD_OFFSETS}, got {head_offsets!r}.")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or scale <= 0):
-        raise ValueError(f"scale must be None or a positive float, got {scale!r}.")
+    validation.check_scale_option(scale)
     select_implementation(implementation)
-    check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
+    validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
     attention_fn = dilated_attention if attention_fn is None else attention_fn
     options = (("segment_lengths", tuple(w for w, _ in branches)),
                ("dilation_rates", tuple(r for _, r in branches)), ("mode", mode),
                ("head_offsets", head_offsets), ("scale", scale),
-               ("implementation", implementation))
+               ("implementation", implementation)) + _block_options(block_q, block_k)
     return AttentionCore("dilated", attention_fn, options, mesh, seq_axis, batch_axis,
                          head_axis)
 
 
 def ring_core(*, mesh, seq_axis, layout="contiguous", batch_axis=None, head_axis=None,
-              scale=None, implementation=None, attention_fn=None) -> AttentionCore:
+              scale=None, implementation=None, attention_fn=None, block_q=None,
+              block_k=None) -> AttentionCore:
     """Validated :class:`AttentionCore` for ring (exact, sequence-parallel) attention.
 
     ``attention_fn`` (default :func:`jax_dilated.ring_attention`) is called inside
-    ``shard_map`` as ``attention_fn(q, k, v, axis_name=, layout=, kv_mask=, is_causal=,
-    scale=, implementation=)``.
+    ``shard_map`` as ``attention_fn(q, k, v, seq_axis=, layout=, kv_mask=, is_causal=,
+    scale=, implementation=)`` (plus ``block_q=`` / ``block_k=`` when given).
     """
     if mesh is None:
         raise ValueError(
             "ring attention runs the sequence over a device mesh: pass mesh= and "
             "seq_axis= (e.g. mesh=jax.make_mesh((8,), ('seq',)), seq_axis='seq')."
         )
-    check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
+    validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
     layouts.check_layout(layout)
+    validation.check_scale_option(scale)
     select_implementation(implementation)
     attention_fn = ring_attention if attention_fn is None else attention_fn
-    options = (("scale", scale), ("implementation", implementation))
+    options = (("scale", scale), ("implementation", implementation)) + _block_options(
+        block_q, block_k)
     return AttentionCore("ring", attention_fn, options, mesh, seq_axis, batch_axis,
                          head_axis, layout)
 
@@ -247,16 +219,14 @@ def block_sparse_core(*, block_size, pattern, scale=None, implementation=None,
     ``attention_fn`` (default :func:`jax_dilated.block_sparse_attention`) is called as
     ``attention_fn(q, k, v, block_size=, pattern=, scale=, implementation=,
     is_causal=, kv_mask=)`` and, with a mesh (a ring over ``seq_axis`` in
-    ``layout``), also receives ``axis_name=`` and ``layout=`` inside ``shard_map``.
+    ``layout``), also receives ``seq_axis=`` and ``layout=`` inside ``shard_map``.
+    ``block_size`` is the pattern's block and the kernel's block alike.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+    block_size = validation.check_positive_int("block_size", block_size)
     pattern = block_patterns.as_pattern(pattern)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or scale <= 0):
-        raise ValueError(f"scale must be None or a positive float, got {scale!r}.")
+    validation.check_scale_option(scale)
     select_implementation(implementation)
-    check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
+    validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
     layouts.check_layout(layout)
     attention_fn = block_sparse_attention if attention_fn is None else attention_fn
     options = (("block_size", block_size), ("pattern", pattern), ("scale", scale),
@@ -299,9 +269,9 @@ class HeadsConfig:
     @classmethod
     def create(cls, embed_dim, num_heads, num_kv_heads=None, *, use_bias=True,
                layer_norm=True, layer_norm_eps=1e-5, gamma_init=1.0):
-        embed_dim = _check_positive_int("embed_dim", embed_dim)
-        num_heads = _check_positive_int("num_heads", num_heads)
-        num_kv_heads = _check_positive_int(
+        embed_dim = validation.check_positive_int("embed_dim", embed_dim)
+        num_heads = validation.check_positive_int("num_heads", num_heads)
+        num_kv_heads = validation.check_positive_int(
             "num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
         if embed_dim % num_heads:
             raise ValueError(
@@ -311,12 +281,10 @@ class HeadsConfig:
             raise ValueError(
                 f"num_heads must be divisible by num_kv_heads (grouped-query attention), "
                 f"got num_heads={num_heads} and num_kv_heads={num_kv_heads}.")
-        for name, x in (("layer_norm_eps", layer_norm_eps), ("gamma_init", gamma_init)):
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
-                raise ValueError(f"{name} must be a positive float, got {x!r}.")
-        for name, x in (("use_bias", use_bias), ("layer_norm", layer_norm)):
-            if not isinstance(x, bool):
-                raise TypeError(f"{name} must be a bool, got {x!r}.")
+        layer_norm_eps = validation.check_positive_float("layer_norm_eps", layer_norm_eps)
+        gamma_init = validation.check_positive_float("gamma_init", gamma_init)
+        use_bias = validation.check_flag("use_bias", use_bias)
+        layer_norm = validation.check_flag("layer_norm", layer_norm)
         return cls(embed_dim, num_heads, num_kv_heads, use_bias, layer_norm,
                    float(layer_norm_eps), float(gamma_init))
 

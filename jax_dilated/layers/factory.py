@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends import select_implementation
+from jax_dilated.core import validation
 from jax_dilated.layers import common
 from jax_dilated.layers import linen as linen_layers
 from jax_dilated.layers import nnx as nnx_layers
 
-__all__ = ["attention_fn", "create_multihead_dilated_attention", "choose_kind", "Choice",
-           "KINDS", "MIN_TOKENS_PER_DEVICE"]
+__all__ = ["attention_fn", "create_multihead_dilated_attention", "create_multihead_attention",
+           "choose_kind", "Choice", "KINDS", "MIN_TOKENS_PER_DEVICE"]
 
 
 # ------------------------------------------------------------------------ attention_fn
@@ -67,7 +68,8 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
                  head_offsets: str = "modulo", scale: float | None = None,
                  is_causal: bool | None = None, implementation: str | None = None,
                  mesh=None, seq_axis: str | None = None, batch_axis: str | None = None,
-                 head_axis: str | None = None):
+                 head_axis: str | None = None, block_q: int | None = None,
+                 block_k: int | None = None):
     """A drop-in ``attention_fn`` running dilated attention inside Flax attention layers.
 
     One line turns a Flax layer into dilated attention::
@@ -100,8 +102,8 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
     (``lax.cond``); pass ``is_causal`` to compile one.
 
     Args:
-      segment_lengths, dilation_rates, mode, head_offsets, scale, implementation: as
-        in :func:`jax_dilated.dilated_attention`.
+      segment_lengths, dilation_rates, mode, head_offsets, scale, implementation,
+        block_q, block_k: as in :func:`jax_dilated.dilated_attention`.
       is_causal: True / False to fix causality, None to infer it from the mask.
       mesh, seq_axis, batch_axis, head_axis: run sequence-parallel over ``mesh``.
 
@@ -128,7 +130,8 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
     core = common.dilated_core(
         segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
         head_offsets=head_offsets, scale=scale, implementation=implementation,
-        mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis)
+        mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
+        block_q=block_q, block_k=block_k)
     if is_causal not in (None, True, False):
         raise TypeError(f"is_causal must be None, True or False, got {is_causal!r}.")
     fixed_causal = is_causal
@@ -225,13 +228,16 @@ def _with_concrete_mask(mask: np.ndarray, causal, b: int, t: int, run):
 # ---------------------------------------------------------------------------- factory
 
 
-KINDS = ("auto", "dilated", "ring", "ring_dilated", "block_sparse", "block_sparse_ring")
+KINDS = ("auto", "dilated", "ring", "distributed", "block_sparse", "block_sparse_ring")
+# deprecated kind names -> their new names
+_RENAMED_KINDS = {"ring_dilated": "distributed"}
 
 # Below this many tokens per device, sharding the sequence costs more in
 # communication than it saves; "auto" keeps such sequences on one device.
 MIN_TOKENS_PER_DEVICE = 1024
 
-_DILATED_ONLY = ("segment_lengths", "dilation_rates", "mode", "head_offsets", "dropout")
+_DILATED_ONLY = ("segment_lengths", "dilation_rates", "mode", "head_offsets", "dropout_rate",
+                 "dropout")
 _MESH_KEYS = ("mesh", "seq_axis", "batch_axis", "head_axis")
 
 
@@ -259,7 +265,8 @@ def choose_kind(*, segment_lengths=None, mesh=None, seq_axis: str | None = None,
       ``"block_sparse"`` by the same mesh rules as dilated attention below;
     * no ``segment_lengths``: exact attention, ``"ring"`` over the mesh (a mesh is
       then required);
-    * a mesh whose ``seq_axis`` has ``P > 1`` devices: ``"ring_dilated"``, unless
+    * a mesh whose ``seq_axis`` has ``P > 1`` devices: ``"distributed"`` (distributed
+      dilated attention), unless
       ``seq_len`` is known and not divisible by ``P`` or shorter than
       ``P * MIN_TOKENS_PER_DEVICE`` tokens - then ``"dilated"`` on one device;
     * otherwise ``"dilated"``.
@@ -271,7 +278,7 @@ def choose_kind(*, segment_lengths=None, mesh=None, seq_axis: str | None = None,
                              seq_len=seq_len, device=device)
         kind = "block_sparse" if choice.kind == "dilated" else "block_sparse_ring"
         return Choice(kind, f"a block pattern: block-sparse attention; {choice.reason}")
-    common.check_mesh_axes(mesh, seq_axis)
+    validation.check_mesh_axes(mesh, seq_axis)
     note = _kernel_note(device if device is not None or mesh is None
                         else mesh.devices.flat[0])
     if segment_lengths is None:
@@ -296,8 +303,8 @@ def choose_kind(*, segment_lengths=None, mesh=None, seq_axis: str | None = None,
                                      f"{MIN_TOKENS_PER_DEVICE} tokens per device on "
                                      f"{devices} devices: one device is faster; {note}")
     length = "" if seq_len is None else f"seq_len={seq_len}, "
-    return Choice("ring_dilated", f"{length}sequence sharded over mesh axis {seq_axis!r} "
-                                  f"({devices} devices); {note}")
+    return Choice("distributed", f"{length}distributed dilated attention, sequence sharded over mesh axis {seq_axis!r} "
+                                 f"({devices} devices); {note}")
 
 
 def _layer_classes(api: str):
@@ -306,7 +313,7 @@ def _layer_classes(api: str):
         raise ValueError(f"api must be 'nnx' or 'linen', got {api!r}.")
     layers = apis[api]
     return {"dilated": layers.MultiheadDilatedAttention,
-            "ring_dilated": layers.MultiheadDilatedAttention,
+            "distributed": layers.MultiheadDilatedAttention,
             "ring": layers.MultiheadRingAttention,
             "block_sparse": layers.MultiheadBlockSparseAttention,
             "block_sparse_ring": layers.MultiheadBlockSparseAttention}
@@ -315,11 +322,14 @@ def _layer_classes(api: str):
 def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
                                        seq_len: int | None = None, explain: bool = False,
                                        **config):
-    """Build a multi-head attention layer of the given ``kind``.
+    """Build a multi-head attention layer of the given ``kind``: the factory of every
+    multi-head layer (dilated, distributed dilated, ring and block-sparse), also
+    available as :func:`create_multihead_attention`.
 
     Args:
-      kind: ``"dilated"`` (one device), ``"ring_dilated"`` (dilated attention with the
-        sequence sharded over ``mesh`` / ``seq_axis``), ``"ring"`` (exact attention
+      kind: ``"dilated"`` (one device), ``"distributed"`` (distributed dilated
+        attention: the sequence sharded over ``mesh`` / ``seq_axis``; ``"ring_dilated"``
+        is its deprecated name), ``"ring"`` (exact attention
         over the mesh; no ``segment_lengths``), ``"block_sparse"`` /
         ``"block_sparse_ring"`` (``block_size`` and ``pattern``; one device / a ring
         over ``mesh``), or ``"auto"`` (see :func:`choose_kind`).
@@ -346,11 +356,16 @@ def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
       >>> choice.kind, type(layer).__name__
       ('dilated', 'MultiheadDilatedAttention')
     """
+    if kind in _RENAMED_KINDS:
+        validation.warn_renamed(f"kind={kind!r}", f"kind={_RENAMED_KINDS[kind]!r}",
+                                "create_multihead_dilated_attention")
+        kind = _RENAMED_KINDS[kind]
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
     classes = _layer_classes(api)
     mesh, seq_axis = config.get("mesh"), config.get("seq_axis")
-    common.check_mesh_axes(mesh, seq_axis, config.get("batch_axis"), config.get("head_axis"))
+    validation.check_mesh_axes(mesh, seq_axis, config.get("batch_axis"),
+                               config.get("head_axis"))
     if kind == "auto":
         choice = choose_kind(segment_lengths=config.get("segment_lengths"), mesh=mesh,
                              seq_axis=seq_axis, seq_len=seq_len,
@@ -359,11 +374,11 @@ def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
             config = {k: v for k, v in config.items() if k not in _MESH_KEYS}
     else:
         choice = Choice(kind, "requested")
-    if choice.kind in ("ring", "ring_dilated", "block_sparse_ring") and mesh is None:
+    if choice.kind in ("ring", "distributed", "block_sparse_ring") and mesh is None:
         raise ValueError(f"kind={choice.kind!r} shards the sequence over a mesh: pass "
                          f"mesh= and seq_axis=.")
     if choice.kind in ("dilated", "block_sparse") and config.get("mesh") is not None:
-        parallel = "ring_dilated" if choice.kind == "dilated" else "block_sparse_ring"
+        parallel = "distributed" if choice.kind == "dilated" else "block_sparse_ring"
         raise ValueError(f"kind={choice.kind!r} runs on one device; with a mesh use "
                          f"kind={parallel!r} (or 'auto').")
     if choice.kind == "ring":
@@ -371,6 +386,14 @@ def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
         if given:
             raise ValueError(
                 f"kind='ring' is exact attention: {given} do not apply (use "
-                f"kind='ring_dilated' for dilated attention over a mesh).")
+                f"kind='distributed' for dilated attention over a mesh).")
     layer = classes[choice.kind](**config)
     return (layer, choice) if explain else layer
+
+
+def create_multihead_attention(kind: str = "auto", *, api: str = "nnx",
+                               seq_len: int | None = None, explain: bool = False, **config):
+    """:func:`create_multihead_dilated_attention` under the name of what it builds:
+    any multi-head layer (dilated, distributed dilated, ring, block-sparse)."""
+    return create_multihead_dilated_attention(kind, api=api, seq_len=seq_len,
+                                              explain=explain, **config)

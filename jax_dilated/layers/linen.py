@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jax_dilated.core import validation
 from jax_dilated.layers import common
 from jax_dilated.ops import decode as decoding
 
@@ -69,6 +70,8 @@ class DilatedAttention(nn.Module):
     batch_axis: str | None = None
     head_axis: str | None = None
     deterministic: bool | None = None
+    block_q: int | None = None
+    block_k: int | None = None
 
     @nn.compact
     def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
@@ -78,8 +81,8 @@ class DilatedAttention(nn.Module):
             mode=self.mode, head_offsets=self.head_offsets, scale=self.scale,
             implementation=self.implementation, attention_fn=self.attention_fn,
             mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis,
-            head_axis=self.head_axis)
-        rate = common.check_dropout_rate("dropout_rate", self.dropout_rate)
+            head_axis=self.head_axis, block_q=self.block_q, block_k=self.block_k)
+        rate = validation.check_dropout_rate(self.dropout_rate)
         key_ = _dropout_key(self, rate, deterministic, dropout_rng)
         return core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
                     dropout_rate=rate if key_ is not None else 0.0, dropout_rng=key_)
@@ -107,13 +110,16 @@ class RingAttention(nn.Module):
     scale: float | None = None
     implementation: str | None = None
     attention_fn: Callable | None = None
+    block_q: int | None = None
+    block_k: int | None = None
 
     @nn.compact
     def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None):
         core = common.ring_core(mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
                                 batch_axis=self.batch_axis, head_axis=self.head_axis,
                                 scale=self.scale, implementation=self.implementation,
-                                attention_fn=self.attention_fn)
+                                attention_fn=self.attention_fn, block_q=self.block_q,
+                                block_k=self.block_k)
         return core(query, key, value, is_causal=is_causal, kv_mask=kv_mask)
 
 
@@ -137,7 +143,7 @@ class _Multihead(nn.Module):
     num_heads: int
     num_kv_heads: int | None = None
     scale: float | None = None
-    dropout: float = 0.0
+    dropout_rate: float = 0.0
     use_bias: bool = True
     layer_norm: bool = True
     layer_norm_eps: float = 1e-5
@@ -154,6 +160,16 @@ class _Multihead(nn.Module):
     deterministic: bool | None = None
     decode: bool = False
     qk_transform: Callable | None = None
+    block_q: int | None = None
+    block_k: int | None = None
+    dropout: float | None = None  # deprecated spelling of dropout_rate
+
+    def _rate(self) -> float:
+        """``dropout_rate``, or the deprecated ``dropout`` field (with a warning)."""
+        rate = validation.renamed(
+            self.dropout, None if self.dropout_rate == 0.0 else self.dropout_rate,
+            old="dropout", new="dropout_rate", where=type(self).__name__)
+        return validation.check_dropout_rate(0.0 if rate is None else rate)
 
     def _core(self) -> common.AttentionCore:
         raise NotImplementedError  # defined by every public subclass
@@ -175,7 +191,7 @@ class _Multihead(nn.Module):
         if not initialized:  # the initialising call: an ordinary causal forward pass
             with common.precision_context(self.precision):
                 return core(q, k, v, is_causal=True, kv_mask=kv_mask,
-                            dropout_rate=self.dropout if dropout_rng is not None else 0.0,
+                            dropout_rate=self._rate() if dropout_rng is not None else 0.0,
                             dropout_rng=dropout_rng)
         cache = decoding.KVCache(cached_key.value, cached_value.value, cache_index.value)
         attn, cache = common.layer_decode_step(core, cache, q, k, v, kv_mask=kv_mask,
@@ -199,11 +215,11 @@ class _Multihead(nn.Module):
         core = self._core()
         heads.check_core(core)
         common.check_qk_transform(self.qk_transform)
-        rate = common.check_dropout_rate("dropout", self.dropout)
+        rate = self._rate()
         if rate and not core.has_dropout:
             raise ValueError(
-                f"dropout={rate}: ring attention has no attention dropout; use dropout=0.0 "
-                f"(or dilated attention).")
+                f"dropout_rate={rate}: {core.kind} attention has no attention dropout; use "
+                f"dropout_rate=0.0 (or dilated attention).")
         query, key, value = common.check_inputs(heads.embed_dim, query, key, value)
         params = {group: _ParamGroup(specs, self.param_dtype, name=group)()
                   for group, specs in common.param_specs(heads).items()}
@@ -248,7 +264,7 @@ class MultiheadDilatedAttention(_Multihead):
             mode=self.mode, head_offsets=self.head_offsets, scale=self.scale,
             implementation=self.implementation, attention_fn=self.attention_fn,
             mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis,
-            head_axis=self.head_axis)
+            head_axis=self.head_axis, block_q=self.block_q, block_k=self.block_k)
 
 
 class MultiheadRingAttention(_Multihead):
@@ -271,7 +287,8 @@ class MultiheadRingAttention(_Multihead):
         return common.ring_core(mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
                                 batch_axis=self.batch_axis, head_axis=self.head_axis,
                                 scale=self.scale, implementation=self.implementation,
-                                attention_fn=self.attention_fn)
+                                attention_fn=self.attention_fn, block_q=self.block_q,
+                                block_k=self.block_k)
 
 
 class MultiheadBlockSparseAttention(_Multihead):
@@ -295,6 +312,11 @@ class MultiheadBlockSparseAttention(_Multihead):
     layout: str = "contiguous"
 
     def _core(self):
+        if self.block_q is not None or self.block_k is not None:
+            raise ValueError(
+                f"block-sparse attention runs the kernel in blocks of block_size="
+                f"{self.block_size}: block_q / block_k do not apply, got block_q="
+                f"{self.block_q}, block_k={self.block_k}.")
         return common.block_sparse_core(
             block_size=self.block_size, pattern=self.pattern, scale=self.scale,
             implementation=self.implementation, attention_fn=self.attention_fn,

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_dilated.core import validation
 from jax_dilated.layers import common
 from jax_dilated.ops import decode as decoding
 
@@ -86,8 +87,8 @@ class DilatedAttention(_DropoutMixin, nnx.Module):
     """:func:`jax_dilated.dilated_attention` as an NNX module (no parameters).
 
     Args:
-      segment_lengths, dilation_rates, mode, head_offsets, scale, implementation: as in
-        :func:`jax_dilated.dilated_attention`.
+      segment_lengths, dilation_rates, mode, head_offsets, scale, implementation,
+        block_q, block_k: as in :func:`jax_dilated.dilated_attention`.
       dropout_rate: attention-probability dropout.
       attention_fn: a drop-in with the signature of :func:`jax_dilated.dilated_attention`.
       mesh, seq_axis: run sequence-parallel over ``mesh`` (the sequence sharded on
@@ -114,13 +115,14 @@ class DilatedAttention(_DropoutMixin, nnx.Module):
                  implementation: str | None = None, attention_fn: Callable | None = None,
                  mesh=None, seq_axis: str | None = None, batch_axis: str | None = None,
                  head_axis: str | None = None, deterministic: bool | None = None,
+                 block_q: int | None = None, block_k: int | None = None,
                  rngs: nnx.Rngs | None = None):
         self.core = common.dilated_core(
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
             head_offsets=head_offsets, scale=scale, implementation=implementation,
             attention_fn=attention_fn, mesh=mesh, seq_axis=seq_axis,
-            batch_axis=batch_axis, head_axis=head_axis)
-        self.dropout_rate = common.check_dropout_rate("dropout_rate", dropout_rate)
+            batch_axis=batch_axis, head_axis=head_axis, block_q=block_q, block_k=block_k)
+        self.dropout_rate = validation.check_dropout_rate(dropout_rate)
         self.deterministic = deterministic
         self.rngs = _fork_dropout_rngs(rngs, self.dropout_rate)
 
@@ -144,7 +146,8 @@ class RingAttention(nnx.Module):
       mesh, seq_axis: the mesh and the axis of the ring.
       layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"``.
       batch_axis, head_axis: optional mesh axes for batch and heads.
-      scale, implementation, attention_fn: as for :func:`jax_dilated.ring_attention`.
+      scale, implementation, attention_fn, block_q, block_k: as for
+        :func:`jax_dilated.ring_attention`.
 
     Call: ``(query, key, value, *, is_causal=False, kv_mask=None) -> [B, T, H, D]``.
 
@@ -159,11 +162,13 @@ class RingAttention(nnx.Module):
     def __init__(self, *, mesh, seq_axis: str, layout: str = "contiguous",
                  batch_axis: str | None = None, head_axis: str | None = None,
                  scale: float | None = None, implementation: str | None = None,
-                 attention_fn: Callable | None = None):
+                 attention_fn: Callable | None = None, block_q: int | None = None,
+                 block_k: int | None = None):
         self.core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
                                      batch_axis=batch_axis, head_axis=head_axis,
                                      scale=scale, implementation=implementation,
-                                     attention_fn=attention_fn)
+                                     attention_fn=attention_fn, block_q=block_q,
+                                     block_k=block_k)
 
     def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None):
         return self.core(query, key, value, is_causal=is_causal, kv_mask=kv_mask)
@@ -173,7 +178,7 @@ class _Multihead(_DropoutMixin, nnx.Module):
     """Projections + attention core + sub-LayerNorm + output projection (shared body)."""
 
     def __init__(self, embed_dim, num_heads, core: common.AttentionCore, *, num_kv_heads,
-                 dropout, use_bias, layer_norm, layer_norm_eps, gamma_init, dtype,
+                 dropout_rate, use_bias, layer_norm, layer_norm_eps, gamma_init, dtype,
                  param_dtype, precision, deterministic, decode, rngs: nnx.Rngs,
                  qk_transform=None):
         self.heads = common.HeadsConfig.create(
@@ -181,11 +186,11 @@ class _Multihead(_DropoutMixin, nnx.Module):
             layer_norm_eps=layer_norm_eps, gamma_init=gamma_init)
         self.heads.check_core(core)
         self.core = core
-        self.dropout = common.check_dropout_rate("dropout", dropout)
-        if self.dropout and not core.has_dropout:
+        self.dropout_rate = validation.check_dropout_rate(dropout_rate)
+        if self.dropout_rate and not core.has_dropout:
             raise ValueError(
-                f"dropout={dropout}: ring attention has no attention dropout; use "
-                f"dropout=0.0 (or dilated attention).")
+                f"dropout_rate={dropout_rate}: {core.kind} attention has no attention "
+                f"dropout; use dropout_rate=0.0 (or dilated attention).")
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
         self.deterministic, self.decode = deterministic, decode
         self.qk_transform = common.check_qk_transform(qk_transform)
@@ -198,7 +203,7 @@ class _Multihead(_DropoutMixin, nnx.Module):
                 s.name: nnx.Param(s.init(rngs.params(), s.shape, param_dtype),
                                   out_sharding=s.axes, eager_sharding=False)
                 for s in specs}))
-        self.rngs = _fork_dropout_rngs(rngs, self.dropout)
+        self.rngs = _fork_dropout_rngs(rngs, self.dropout_rate)
         self.cached_key = nnx.data(None)
         self.cached_value = nnx.data(None)
         self.cache_index = nnx.data(None)
@@ -247,7 +252,8 @@ class _Multihead(_DropoutMixin, nnx.Module):
         """
         query, key, value = common.check_inputs(self.heads.embed_dim, query, key, value)
         params = self._params()
-        dropout_rng = self._dropout_key(self.dropout, deterministic, rngs, type(self).__name__)
+        dropout_rng = self._dropout_key(self.dropout_rate, deterministic, rngs,
+                                        type(self).__name__)
         q, k, v = common.project_qkv(params, query, key, value, dtype=self.dtype,
                                      precision=self.precision)
         if self.decode if decode is None else decode:
@@ -267,7 +273,8 @@ class _Multihead(_DropoutMixin, nnx.Module):
             q, k = common.apply_qk_transform(self.qk_transform, q, k)
             with common.precision_context(self.precision):
                 attn = self.core(q, k, v, is_causal=is_causal, kv_mask=kv_mask,
-                                 dropout_rate=self.dropout if dropout_rng is not None else 0.0,
+                                 dropout_rate=(self.dropout_rate if dropout_rng is not None
+                                               else 0.0),
                                  dropout_rng=dropout_rng)
         return common.project_out(params, self.heads, attn, dtype=self.dtype,
                                   precision=self.precision)
@@ -284,11 +291,12 @@ class MultiheadDilatedAttention(_Multihead):
     Args:
       embed_dim: ``E``, divisible by ``num_heads``.
       num_heads: query heads ``H``.
-      segment_lengths, dilation_rates, mode, head_offsets, scale, implementation: the
-        dilated attention (see :func:`jax_dilated.dilated_attention`).
+      segment_lengths, dilation_rates, mode, head_offsets, scale, implementation,
+        block_q, block_k: the dilated attention (see :func:`jax_dilated.dilated_attention`).
       num_kv_heads: key/value heads (grouped-query attention), dividing ``H``;
         default ``H``.
-      dropout: attention-probability dropout rate.
+      dropout_rate: attention-probability dropout rate (``dropout=`` is its deprecated
+        spelling).
       use_bias: biases on the four projections.
       layer_norm: the sub-LayerNorm before the output projection (MAGNETO).
       layer_norm_eps: its epsilon.
@@ -328,7 +336,7 @@ class MultiheadDilatedAttention(_Multihead):
     def __init__(self, embed_dim: int, num_heads: int, *, segment_lengths: Sequence[int],
                  dilation_rates: Sequence[int], num_kv_heads: int | None = None,
                  mode: str = "longnet", head_offsets: str = "modulo",
-                 scale: float | None = None, dropout: float = 0.0, use_bias: bool = True,
+                 scale: float | None = None, dropout_rate: float = 0.0, use_bias: bool = True,
                  layer_norm: bool = True, layer_norm_eps: float = 1e-5,
                  gamma_init: float = 1.0, dtype: Any = None, param_dtype: Any = jnp.float32,
                  precision: Any = None, implementation: str | None = None,
@@ -336,14 +344,19 @@ class MultiheadDilatedAttention(_Multihead):
                  seq_axis: str | None = None, batch_axis: str | None = None,
                  head_axis: str | None = None, deterministic: bool | None = None,
                  decode: bool = False, qk_transform: Callable | None = None,
-                 rngs: nnx.Rngs):
+                 block_q: int | None = None, block_k: int | None = None,
+                 dropout: float | None = None, rngs: nnx.Rngs):
+        dropout_rate = validation.renamed(
+            dropout, None if dropout_rate == 0.0 else dropout_rate, old="dropout",
+            new="dropout_rate", where=type(self).__name__)
         core = common.dilated_core(
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
             head_offsets=head_offsets, scale=scale, implementation=implementation,
             attention_fn=attention_fn, mesh=mesh, seq_axis=seq_axis,
-            batch_axis=batch_axis, head_axis=head_axis)
+            batch_axis=batch_axis, head_axis=head_axis, block_q=block_q, block_k=block_k)
         super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
-                         dropout=dropout, use_bias=use_bias, layer_norm=layer_norm,
+                         dropout_rate=0.0 if dropout_rate is None else dropout_rate,
+                         use_bias=use_bias, layer_norm=layer_norm,
                          layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
                          param_dtype=param_dtype, precision=precision,
                          deterministic=deterministic, decode=decode, rngs=rngs,
@@ -355,8 +368,8 @@ class MultiheadRingAttention(_Multihead):
 
     The layer of :class:`MultiheadDilatedAttention` (same parameters, sub-LayerNorm,
     options) with :func:`jax_dilated.ring_attention` as its attention: ``mesh`` and
-    ``seq_axis`` are required, ``layout`` picks the ring layout. Ring attention has no
-    dropout and no decoding.
+    ``seq_axis`` are required, ``layout`` picks the ring layout, ``block_q`` /
+    ``block_k`` the kernel blocks. Ring attention has no dropout and no decoding.
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -375,11 +388,14 @@ class MultiheadRingAttention(_Multihead):
                  param_dtype: Any = jnp.float32, precision: Any = None,
                  implementation: str | None = None, attention_fn: Callable | None = None,
                  batch_axis: str | None = None, head_axis: str | None = None,
-                 qk_transform: Callable | None = None, rngs: nnx.Rngs):
+                 qk_transform: Callable | None = None, block_q: int | None = None,
+                 block_k: int | None = None, rngs: nnx.Rngs):
         core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
                                 batch_axis=batch_axis, head_axis=head_axis, scale=scale,
-                                implementation=implementation, attention_fn=attention_fn)
-        super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads, dropout=0.0,
+                                implementation=implementation, attention_fn=attention_fn,
+                                block_q=block_q, block_k=block_k)
+        super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
+                         dropout_rate=0.0,
                          use_bias=use_bias, layer_norm=layer_norm,
                          layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
                          param_dtype=param_dtype, precision=precision, deterministic=None,
@@ -420,7 +436,8 @@ class MultiheadBlockSparseAttention(_Multihead):
             block_size=block_size, pattern=pattern, scale=scale,
             implementation=implementation, attention_fn=attention_fn, mesh=mesh,
             seq_axis=seq_axis, layout=layout, batch_axis=batch_axis, head_axis=head_axis)
-        super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads, dropout=0.0,
+        super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
+                         dropout_rate=0.0,
                          use_bias=use_bias, layer_norm=layer_norm,
                          layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
                          param_dtype=param_dtype, precision=precision, deterministic=None,

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_dilated.core import branch_plans
+from jax_dilated.core import branch_plans, validation
 from jax_dilated.layers import common
 from jax_dilated.layers import nnx as jd_nnx
 from jax_dilated.models.positions import Rotary, XPos
@@ -52,11 +52,6 @@ __all__ = ["LongNetConfig", "LongNetLM", "cross_entropy"]
 POSITIONS = ("rotary", "xpos", "none")
 NORMS = ("pre", "sub")
 FFNS = ("gelu", "swiglu")
-
-
-def _positive_int(name, x):
-    if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
-        raise ValueError(f"LongNetConfig.{name} must be a positive int, got {x!r}.")
 
 
 def _choice(name, x, allowed):
@@ -87,14 +82,17 @@ class LongNetConfig:
       ffn: ``"gelu"`` or ``"swiglu"``.
       tie_embeddings: output head = transposed token embedding.
       use_bias: biases in the attention projections and the feed-forward.
-      dropout: dropout on the embeddings and the residual branches.
-      attention_dropout: dropout on the attention probabilities.
+      dropout_rate: dropout on the embeddings and the residual branches.
+      attention_dropout_rate: dropout on the attention probabilities.
       layer_norm_eps: epsilon of every LayerNorm.
       remat: rematerialise every block in the backward pass.
       dtype: computation dtype (None: that of the parameters); logits are at
         least float32 whatever it is.
       param_dtype: parameter dtype.
       implementation: attention kernel (None: chosen by device kind).
+      dropout, attention_dropout: deprecated spellings of ``dropout_rate`` and
+        ``attention_dropout_rate`` (accepted on creation with a DeprecationWarning,
+        then stored under the new names; these fields read None).
 
     Example:
       >>> import jax_dilated as jd
@@ -123,20 +121,30 @@ class LongNetConfig:
     ffn: str = "gelu"
     tie_embeddings: bool = True
     use_bias: bool = True
-    dropout: float = 0.0
-    attention_dropout: float = 0.0
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
     layer_norm_eps: float = 1e-5
     remat: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
     implementation: str | None = None
+    dropout: float | None = dataclasses.field(default=None, repr=False, compare=False)
+    attention_dropout: float | None = dataclasses.field(default=None, repr=False,
+                                                        compare=False)
 
     def __post_init__(self):
+        for old in ("dropout", "attention_dropout"):  # deprecated spellings
+            new = old + "_rate"
+            value = validation.renamed(
+                getattr(self, old), None if getattr(self, new) == 0.0 else getattr(self, new),
+                old=old, new=new, where="LongNetConfig", stacklevel=6)
+            object.__setattr__(self, new, 0.0 if value is None else value)
+            object.__setattr__(self, old, None)
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "max_len"):
-            _positive_int(name, getattr(self, name))
+            validation.check_positive_int(f"LongNetConfig.{name}", getattr(self, name))
         for name in ("num_kv_heads", "ffn_dim"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+                validation.check_positive_int(f"LongNetConfig.{name}", getattr(self, name))
         object.__setattr__(self, "segment_lengths", tuple(self.segment_lengths))
         object.__setattr__(self, "dilation_rates", tuple(self.dilation_rates))
         branch_plans.validate_branches(self.segment_lengths, self.dilation_rates)
@@ -151,12 +159,10 @@ class LongNetConfig:
             raise ValueError(
                 f"positions={self.positions!r} rotates pairs of features: head_dim = "
                 f"embed_dim / num_heads must be even, got {self.head_dim}.")
-        for name in ("dropout", "attention_dropout"):
-            common.check_dropout_rate(f"LongNetConfig.{name}", getattr(self, name))
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            validation.check_dropout_rate(getattr(self, name), f"LongNetConfig.{name}")
         for name in ("tie_embeddings", "use_bias", "remat"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"LongNetConfig.{name} must be a bool, got "
-                                f"{getattr(self, name)!r}.")
+            validation.check_flag(f"LongNetConfig.{name}", getattr(self, name))
         if self.positions == "xpos":
             XPos(self.rotary_base, self.xpos_scale_base)
         elif self.positions == "rotary":
@@ -240,7 +246,7 @@ class _Block(nnx.Module):
         self.attn = jd_nnx.MultiheadDilatedAttention(
             cfg.embed_dim, cfg.num_heads, segment_lengths=cfg.segment_lengths,
             dilation_rates=cfg.dilation_rates, num_kv_heads=cfg.num_kv_heads, mode=cfg.mode,
-            head_offsets=cfg.head_offsets, dropout=cfg.attention_dropout,
+            head_offsets=cfg.head_offsets, dropout_rate=cfg.attention_dropout_rate,
             use_bias=cfg.use_bias, layer_norm=cfg.norm == "sub",
             layer_norm_eps=cfg.layer_norm_eps, gamma_init=cfg.gamma, dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, implementation=cfg.implementation, mesh=mesh,
@@ -248,7 +254,7 @@ class _Block(nnx.Module):
             deterministic=False, rngs=rngs)
         self.ln_ffn = ln()
         self.ffn = _FeedForward(cfg, rngs)
-        self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
 
     def __call__(self, x, *, kv_mask=None, decode=False, deterministic=None):
         h = self.attn(self.ln_attn(x), is_causal=True, kv_mask=kv_mask, decode=decode,
@@ -309,14 +315,14 @@ class LongNetLM(nnx.Module):
                  batch_axis: str | None = None, rngs: nnx.Rngs):
         if not isinstance(config, LongNetConfig):
             raise TypeError(f"config must be a LongNetConfig, got {type(config).__name__}.")
-        common.check_mesh_axes(mesh, seq_axis, batch_axis)
+        validation.check_mesh_axes(mesh, seq_axis, batch_axis)
         self.config = config
         e, v = config.embed_dim, config.vocab_size
         init = jax.nn.initializers.normal(e ** -0.5)
         self.embed = nnx.Embed(v, e, dtype=config.dtype, param_dtype=config.param_dtype,
                                embedding_init=init, embedding_metadata=_meta("vocab", "embed"),
                                rngs=rngs)
-        self.embed_dropout = nnx.Dropout(config.dropout, rngs=rngs)
+        self.embed_dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
         self.blocks = nnx.List([_Block(config, mesh=mesh, seq_axis=seq_axis,
                                        batch_axis=batch_axis, rngs=rngs)
                                 for _ in range(config.num_layers)])

@@ -53,8 +53,7 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
     """An empty cache for ``max_len`` tokens."""
     for name, n in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim)):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
-            raise ValueError(f"{name} must be a positive int, got {n!r}.")
+        validation.check_positive_int(name, n)
     shape = (batch, max_len, num_kv_heads, head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                    jnp.zeros((), jnp.int32))
@@ -83,7 +82,8 @@ def _branch_decode(kernel, plan: branch_plans.BranchPlan, query, key_cache, valu
 def dilated_attention_decode(query, key_cache, value_cache, position, *, segment_lengths,
                              dilation_rates, mode: str = "longnet",
                              head_offsets: str = "modulo", scale: float | None = None,
-                             implementation: str | None = None):
+                             implementation: str | None = None, block_q: int | None = None,
+                             block_k: int | None = None):
     """Causal dilated attention of the token at ``position`` over a key/value cache.
 
     Args:
@@ -94,6 +94,9 @@ def dilated_attention_decode(query, key_cache, value_cache, position, *, segment
       position: int scalar (may be traced), ``0 <= position < max_len``.
       segment_lengths, dilation_rates, mode, head_offsets, scale, implementation: as
         in :func:`jax_dilated.dilated_attention`.
+      block_q, block_k: kernel block sizes, as in :func:`jax_dilated.dilated_attention`
+        (``block_k`` tiles the at most ``w / r`` keys a branch reads; with one query
+        ``block_q`` has no effect and is accepted so that the same options serve both).
 
     Returns:
       [batch, 1, num_heads, head_dim] in the dtype of ``query``: equal to
@@ -125,11 +128,13 @@ def dilated_attention_decode(query, key_cache, value_cache, position, *, segment
     plans = branch_plans.plan_branches(branches, seq_len=key_cache.shape[1], num_heads=h,
                                    num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
     kernel = get_kernel(implementation)
-    args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]))
+    block_q, block_k = validation.check_block_sizes(block_q, block_k)
+    args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
+                      block_q=block_q, block_k=block_k)
     p = jnp.asarray(position, jnp.int32)
     results = [_branch_decode(kernel, plan, query, key_cache, value_cache, p, args, h)
                for plan in plans]
-    return combine_branches(results, mode, query.dtype)
+    return combine_branches(results, mode, query.dtype)[0]
 
 
 def _write(cache_array, x, slot, keep_old):

@@ -33,9 +33,10 @@ def _kernel_attend(kernel, args, rng, q, k, v, valid):
 def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
                       mode: str = "longnet", head_offsets: str = "modulo",
                       is_causal: bool = False, scale: float | None = None, kv_mask=None,
-                      dropout_rate: float = 0.0, dropout_rng=None, axis_name=None,
+                      dropout_rate: float = 0.0, dropout_rng=None, seq_axis=None,
                       implementation: str | None = None, block_q: int | None = None,
-                      block_k: int | None = None):
+                      block_k: int | None = None, return_lse: bool = False,
+                      axis_name=None):
     """LongNet dilated attention, on one device or with the sequence sharded over a mesh axis.
 
     Args:
@@ -55,7 +56,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
       dropout_rate: attention-probability dropout rate (the denominators see no
         dropout); needs ``dropout_rng``. Deterministic for a given key.
       dropout_rng: a ``jax.random`` key.
-      axis_name: None on one device. Inside ``jax.shard_map``: the mesh axis the
+      seq_axis: None on one device. Inside ``jax.shard_map``: the mesh axis the
         sequence is sharded over, contiguously (device ``d`` of ``P`` holds tokens
         ``[d n, (d+1) n)``; query/key/value/kv_mask are the local shards). The result
         equals single-device attention on the global sequence. Segments that fit in
@@ -64,10 +65,20 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
         and runs a ring over its ``g`` devices (:mod:`jax_dilated.ops.distributed`).
       implementation: kernel; None chooses by device kind (``"xla"`` on CPU).
       block_q, block_k: kernel block sizes (None: the kernel's defaults).
+      return_lse: also return the log-sum-exp ``[batch, seq, num_heads]`` (float32;
+        float64 for float64 inputs; ``-inf`` where a position has no key). longnet:
+        the merged ``LSE = log sum_i exp(LSE_i)`` over all branches, the log of the
+        denominator of the equivalent dense softmax (so ``(out, lse)`` is a partial
+        that :func:`jax_dilated.core.softmax.merge_partials` can merge).
+        head_groups: head ``j``'s ``LSE_i`` of the one branch ``i`` its group runs;
+        the output there is that branch's softmax output divided by the number of
+        branches, so ``(out, lse)`` is *not* a mergeable partial.
+      axis_name: deprecated spelling of ``seq_axis`` (DeprecationWarning).
 
     Returns:
-      [batch, seq, num_heads, head_dim] in the dtype of ``query``. Positions with
-      no key to attend to in any branch are zero.
+      [batch, seq, num_heads, head_dim] in the dtype of ``query`` (with
+      ``return_lse``: ``(out, lse)``). Positions with no key to attend to in any
+      branch are zero.
 
     The math: for branch ``i`` a selected query attends to the selected keys of
     its segment; ``O_i`` and ``LSE_i`` are that softmax's output and log-sum-exp.
@@ -83,6 +94,8 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
       >>> attn(q, k, v).shape
       (1, 64, 4, 8)
     """
+    seq_axis = validation.renamed(axis_name, seq_axis, old="axis_name", new="seq_axis",
+                                  where="dilated_attention")
     b, t, h, hkv, tk = validation.check_qkv(query, key, value)
     if tk != t:
         raise ValueError(
@@ -94,15 +107,17 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
     is_causal = validation.check_flag("is_causal", is_causal)
     kv_mask = validation.check_kv_mask(kv_mask, b, t)
     dropout_rate = validation.check_dropout(dropout_rate, dropout_rng)
+    return_lse = validation.check_flag("return_lse", return_lse)
+    block_q, block_k = validation.check_block_sizes(block_q, block_k)
     args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
                       is_causal=is_causal, dropout_rate=dropout_rate,
                       block_q=block_q, block_k=block_k)
-    num_devices = 1 if axis_name is None else validation.axis_size(
-        axis_name, "dilated_attention(axis_name=...)")
+    num_devices = 1 if seq_axis is None else validation.axis_size(
+        seq_axis, "dilated_attention(seq_axis=...)")
     plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
                                    num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
     rng = dropout_rng if dropout_rate > 0.0 else None
-    if axis_name is None:
+    if seq_axis is None:
         kernel = get_kernel(implementation)
         results = []
         for i, plan in enumerate(plans):
@@ -117,23 +132,27 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
                                                       num_devices=num_devices)
         results = distributed.branch_partials(
             plans, sharded_branches, query, key, value, kv_mask, args,
-            axis_name=axis_name, num_devices=num_devices, implementation=implementation,
+            axis_name=seq_axis, num_devices=num_devices, implementation=implementation,
             dropout_rng=rng)
-    return combine_branches(results, mode, query.dtype)
+    o, lse = combine_branches(results, mode, query.dtype)
+    return (o, lse) if return_lse else o
 
 
 def combine_branches(results, mode: str, dtype):
-    """The output from every branch's ``(o_i, lse_i)`` (docs/semantics.md, section 2).
+    """``(out, lse)`` from every branch's ``(o_i, lse_i)`` (docs/semantics.md, section 2).
 
     longnet: merged by the softmax denominators (``softmax.merge_partials``, exact
-    gradients through the mixing weights); head_groups: the groups' heads side by
-    side (contiguous and in order), divided by the number of branches.
+    gradients through the mixing weights), ``lse = log sum_i exp(lse_i)``;
+    head_groups: the groups' heads side by side (contiguous and in order), the
+    output divided by the number of branches, each head's ``lse`` that of its branch.
+    ``out`` is in ``dtype``, ``lse`` [batch, seq, heads] in the statistics dtype.
     """
     if mode == "longnet":
         stats = softmax.stats_dtype(dtype)
         o, lse = results[0][0].astype(stats), results[0][1]
         for o_i, lse_i in results[1:]:
             o, lse = softmax.merge_partials(o, lse, o_i.astype(stats), lse_i)
-        return o.astype(dtype)
+        return o.astype(dtype), lse
     o = jnp.concatenate([o_i for o_i, _ in results], axis=2)
-    return (o / len(results)).astype(dtype)
+    lse = jnp.concatenate([lse_i for _, lse_i in results], axis=2)
+    return (o / len(results)).astype(dtype), lse

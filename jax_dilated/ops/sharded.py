@@ -23,14 +23,6 @@ from jax_dilated.core import layouts, validation
 __all__ = ["sharded"]
 
 
-def _check_axis(mesh, name, what):
-    if name is not None and name not in mesh.axis_names:
-        raise ValueError(
-            f"{what}={name!r} is not an axis of the mesh; its axes are "
-            f"{tuple(mesh.axis_names)}."
-        )
-
-
 def _name(fn) -> str:
     inner = getattr(fn, "func", fn)  # functools.partial
     return getattr(inner, "__name__", repr(inner))
@@ -42,6 +34,17 @@ def _accepts(fn, name: str) -> bool:
     except (TypeError, ValueError):
         return True  # cannot tell: let the call decide
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _axis_keyword(fn) -> str:
+    """``"seq_axis"``, or ``"axis_name"`` (deprecated, with a warning) for an operation
+    written against the old spelling only."""
+    if _accepts(fn, "seq_axis") or not _accepts(fn, "axis_name"):
+        return "seq_axis"
+    validation.warn_renamed(
+        "an operation taking axis_name= and not seq_axis=", "seq_axis=",
+        f"jd.sharded({_name(fn)})", stacklevel=4)
+    return "axis_name"
 
 
 def _place(x, mesh, spec):
@@ -59,8 +62,10 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
 
     Args:
       fn: a sequence-parallel operation called as ``fn(query, key, value, *,
-        axis_name, kv_mask)`` on the local shards (plus ``layout=`` when ``layout``
+        seq_axis, kv_mask)`` on the local shards (plus ``layout=`` when ``layout``
         is not ``"contiguous"``); bind its other options with ``functools.partial``.
+        An ``fn`` that takes ``axis_name=`` but not ``seq_axis=`` (the old spelling)
+        still gets the axis as ``axis_name=``, with a DeprecationWarning.
       mesh: a ``jax.sharding.Mesh``.
       seq_axis: mesh axis to shard the sequence over.
       batch_axis, head_axis: optional mesh axes to shard batch and heads over (heads
@@ -82,16 +87,9 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
       >>> attn(x, x, x).shape
       (1, 64, 2, 8)
     """
-    _check_axis(mesh, seq_axis, "seq_axis")
-    _check_axis(mesh, batch_axis, "batch_axis")
-    _check_axis(mesh, head_axis, "head_axis")
-    named = [a for a in (seq_axis, batch_axis, head_axis) if a is not None]
-    if len(set(named)) != len(named):
-        raise ValueError(
-            f"seq_axis, batch_axis and head_axis must be different mesh axes, got "
-            f"seq_axis={seq_axis!r}, batch_axis={batch_axis!r}, head_axis={head_axis!r}."
-        )
+    validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
     layouts.check_layout(layout)
+    axis_kw = _axis_keyword(fn)
     # Only the ring takes a layout; dilated attention shards contiguously.
     layout_kw = {} if layout == "contiguous" else {"layout": layout}
     if layout_kw and not _accepts(fn, "layout"):
@@ -148,7 +146,7 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                 q, k, v, mask = (None if x is None else
                                  layouts.shard_to_layout(x, seq_axis, num, layout)
                                  for x in (q, k, v, mask))
-            out = fn(q, k, v, axis_name=seq_axis, kv_mask=mask, **layout_kw)
+            out = fn(q, k, v, kv_mask=mask, **{axis_kw: seq_axis}, **layout_kw)
             return layouts.shard_from_layout(out, seq_axis, num, layout) if in_shard else out
 
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,
