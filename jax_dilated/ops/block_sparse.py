@@ -27,7 +27,7 @@ How the work follows the density (everything below is decided at trace time):
   entry, whether the ``lax.cond`` computes it. The result is the same; the time
   saved is only the skipped blocks' compute (the loop still visits every block),
   and per-head traced masks run head by head.
-* Over a ring (``axis_name=`` inside ``shard_map``, or ``jd.sharded``) the lists
+* Over a ring (``seq_axis=`` inside ``shard_map``, or ``jd.sharded``) the lists
   are tabulated for every (device, visiting shard) pair and picked by device
   index; a ring step in which no block of the visiting shard is active (for any
   head) is skipped with ``lax.cond``, forward and backward, and the steps' partial
@@ -386,16 +386,18 @@ _local.defvjp(_local_fwd, _local_bwd)
 
 def block_sparse_attention(query, key, value, *, block_size: int, pattern,
                            is_causal: bool = False, scale: float | None = None,
-                           kv_mask=None, axis_name: str | None = None,
+                           kv_mask=None, seq_axis: str | None = None,
                            layout: str = "contiguous", implementation: str | None = None,
-                           return_lse: bool = False):
+                           return_lse: bool = False, axis_name: str | None = None):
     """Attention over the active blocks of a block mask, exact over their union.
 
     Args:
       query: [batch, q_len, num_heads, head_dim].
       key, value: [batch, kv_len, num_kv_heads, head_dim] (``num_heads %
         num_kv_heads == 0``: grouped-query attention).
-      block_size: tokens per block (queries and keys). On one device the lengths
+      block_size: tokens per block (queries and keys): the block of the pattern, which
+        is also the kernel's block (``block_q = block_k = block_size``; there are no
+        separate kernel block sizes here). On one device the lengths
         need not be multiples of it (the last block is short); over a ring it must
         divide the shard length (the zigzag chunk length for ``layout="zigzag"``).
       pattern: a :class:`~jax_dilated.block_patterns.BlockPattern`, or a bool array
@@ -412,7 +414,7 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
       scale: logit scale, default ``1 / sqrt(head_dim)``.
       kv_mask: bool [batch, kv_len] (this shard's, inside ``shard_map``), True = may
         be attended to.
-      axis_name: inside ``jax.shard_map``, the mesh axis the sequence is sharded
+      seq_axis: inside ``jax.shard_map``, the mesh axis the sequence is sharded
         over: the computation becomes a ring (key/value shards travel with
         ``ppermute``) equal to the single-device result. Prefer ``jd.sharded``.
       layout: ring layout, ``"contiguous"`` or ``"zigzag"`` (``"striped"`` shards
@@ -420,6 +422,7 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
       implementation: kernel; None chooses by device kind.
       return_lse: also return the log-sum-exp [batch, q_len, num_heads] (float32;
         float64 for float64 inputs), ``-inf`` for rows without keys.
+      axis_name: deprecated spelling of ``seq_axis`` (DeprecationWarning).
 
     Returns:
       [batch, q_len, num_heads, head_dim] in the input dtype. A query whose block
@@ -446,11 +449,10 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
       ...                           is_causal=True).shape
       (1, 64, 2, 8)
     """
+    seq_axis = validation.renamed(axis_name, seq_axis, old="axis_name", new="seq_axis",
+                                  where="block_sparse_attention")
     b, tq, h, hkv, tk = validation.check_qkv(query, key, value)
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
-            or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
-    block_size = int(block_size)
+    block_size = validation.check_positive_int("block_size", block_size)
     is_causal = validation.check_flag("is_causal", is_causal)
     kv_mask = validation.check_kv_mask(kv_mask, b, tk)
     scale = validation.check_scale(scale, query.shape[-1])
@@ -462,11 +464,11 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
     args = KernelArgs(scale=scale, is_causal=is_causal, block_q=block_size,
                       block_k=block_size)
 
-    if axis_name is None:
+    if seq_axis is None:
         if layout != "contiguous":
             raise ValueError(
-                f"layout={layout!r} only applies over a ring (axis_name=...); got "
-                f"axis_name=None.")
+                f"layout={layout!r} only applies over a ring (seq_axis=...); got "
+                f"seq_axis=None.")
         nq, nk = -(-tq // block_size), -(-tk // block_size)
         gq, gk = np.arange(nq, dtype=np.int32)[None], np.arange(nk, dtype=np.int32)[None]
         mask = _resolve_mask(pattern, nq, nk, h)
@@ -474,7 +476,7 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
         step = _Step(kernel, args, classes, h, gq, gk)
         o, lse = _local(query, key, value, kv_mask, step, aux)
     else:
-        num_devices = validation.axis_size(axis_name, "block_sparse_attention")
+        num_devices = validation.axis_size(seq_axis, "block_sparse_attention")
         if tk != tq:
             raise ValueError(
                 f"over a ring, query and key/value shards must have the same length, got "
@@ -484,7 +486,7 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
         mask = _resolve_mask(pattern, nb, nb, h)
         classes, aux = _head_classes(mask, h, hkv, gq, gq, is_causal)
         step = _Step(kernel, args, classes, h, gq, gq)
-        cfg = RingConfig(axis_name, num_devices, num_devices, layout, args, implementation,
+        cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
                          step=step)
         o, lse = ring_partials(query, key, value, kv_mask, None, cfg, aux)
     o = o.astype(query.dtype)

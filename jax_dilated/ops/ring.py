@@ -346,16 +346,18 @@ def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
+def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
                    scale: float | None = None, layout: str = "contiguous", kv_mask=None,
-                   implementation: str | None = None, return_lse: bool = False):
-    """Exact attention over a sequence sharded on ``axis_name`` (inside ``shard_map``).
+                   implementation: str | None = None, return_lse: bool = False,
+                   block_q: int | None = None, block_k: int | None = None,
+                   axis_name=None):
+    """Exact attention over a sequence sharded on ``seq_axis`` (inside ``shard_map``).
 
     Args:
       query: [batch, n, num_heads, head_dim], this device's shard of the sequence.
       key, value: [batch, n, num_kv_heads, head_dim], the matching shards
         (``num_heads % num_kv_heads == 0``; the compact kv heads travel).
-      axis_name: the mesh axis the sequence is sharded over (``P`` devices).
+      seq_axis: the mesh axis the sequence is sharded over (``P`` devices); required.
       is_causal: global causal mask (by global position, whatever the layout).
       scale: logit scale, default ``1 / sqrt(head_dim)``.
       layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"``: which global tokens
@@ -366,6 +368,11 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
       implementation: kernel; None chooses by device kind.
       return_lse: also return the global log-sum-exp [batch, n, num_heads] (float32;
         float64 for float64 inputs).
+      block_q, block_k: kernel block sizes (None: the kernel's defaults; with
+        ``layout="zigzag"`` the largest divisor of the chunk length ``n / 2`` up to
+        512). With ``"zigzag"`` each must divide ``n / 2``, so that no block
+        straddles the two chunks of a shard.
+      axis_name: deprecated spelling of ``seq_axis`` (DeprecationWarning).
 
     Returns:
       [batch, n, num_heads, head_dim] in the input dtype: softmax attention of the
@@ -383,19 +390,24 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
       >>> from jax.sharding import PartitionSpec as P
       >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("seq",))
       >>> ring = jax.shard_map(
-      ...     lambda q, k, v: jd.ring_attention(q, k, v, axis_name="seq", is_causal=True),
+      ...     lambda q, k, v: jd.ring_attention(q, k, v, seq_axis="seq", is_causal=True),
       ...     mesh=mesh, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
       >>> x = jax.random.normal(jax.random.key(0), (1, 64, 2, 8))
       >>> ring(x, x, x).shape
       (1, 64, 2, 8)
     """
+    seq_axis = validation.renamed(axis_name, seq_axis, old="axis_name", new="seq_axis",
+                                  where="ring_attention")
+    if seq_axis is None:
+        raise TypeError("ring_attention needs seq_axis=: the mesh axis the sequence is "
+                        "sharded over (call it inside jax.shard_map, or use jd.sharded).")
     b, n, h, hkv, nk = validation.check_qkv(query, key, value)
     if nk != n:
         raise ValueError(
             f"ring attention needs query and key/value shards of the same length, got "
             f"query {tuple(query.shape)} and key {tuple(key.shape)}."
         )
-    num_devices = validation.axis_size(axis_name, "ring_attention")
+    num_devices = validation.axis_size(seq_axis, "ring_attention")
     layouts.check_layout(layout)
     if layout == "zigzag" and n % 2:
         raise ValueError(
@@ -405,11 +417,19 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
         )
     is_causal = validation.check_flag("is_causal", is_causal)
     kv_mask = validation.check_kv_mask(kv_mask, b, n)
-    block = _aligned_block(n // 2) if layout == "zigzag" else None
+    block_q, block_k = validation.check_block_sizes(block_q, block_k)
+    if layout == "zigzag":
+        for name, size in (("block_q", block_q), ("block_k", block_k)):
+            if size is not None and (n // 2) % size:
+                raise ValueError(
+                    f'{name}={size} must divide the zigzag chunk length {n // 2} (half the '
+                    f'shard length {n}) with layout="zigzag".')
+        block = _aligned_block(n // 2)
+        block_q, block_k = block_q or block, block_k or block
     args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
-                      is_causal=is_causal, block_q=block, block_k=block)
+                      is_causal=is_causal, block_q=block_q, block_k=block_k)
     get_kernel(implementation)  # validate the name now, at trace time
-    cfg = RingConfig(axis_name, num_devices, num_devices, layout, args, implementation)
+    cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation)
     o, lse = _ring(query, key, value, kv_mask, None, cfg)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o
