@@ -201,8 +201,8 @@ def test_this_gpu(capsys):
 
 OPERATIONS = ("dilated_attention mode='longnet'", "dilated_attention mode='head_groups'",
               "ring_attention is_causal=False", "ring_attention is_causal=True",
-              "dilated_attention(axis_name=...) local branches",
-              "dilated_attention(axis_name=...) branches spanning devices",
+              "dilated_attention(seq_axis=...) local branches",
+              "dilated_attention(seq_axis=...) branches spanning devices",
               "block_sparse_attention", "dilated_attention_decode (KV cache)")
 
 
@@ -223,7 +223,7 @@ def test_backend_report(capsys):
     (H100, 512, ["xla"] * 8),
 ])
 def test_backend_report_described(device, head_dim, expected):
-    rows = jd.backend_report(device, head_dim=head_dim, file=None, software_reason=None)
+    rows = jd.backend_report(device, head_dim=head_dim, quiet=True, software_reason=None)
     assert [r.kernel for r in rows] == expected
     by_op = {r.operation: r for r in rows}
     if device is A100:  # longnet's lse-carrying backward does not fit 128 + 8 there
@@ -687,7 +687,7 @@ def test_layer_refuses_cudnn_when_built():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_distributed_dilated_on_described_gpu(described_gpu, causal):
-    """dilated_attention(axis_name=...) over 2 devices: local branches (w=16) and a branch
+    """dilated_attention(seq_axis=...) over 2 devices: local branches (w=16) and a branch
     spanning both devices (w=64, a ring) with the default kernel; equals float64 XLA."""
     ops = described_gpu
     b, t, h, d = 1, 64, 4, 16
