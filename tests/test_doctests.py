@@ -25,6 +25,7 @@ MODULES = [
     "jax_dilated.core.layouts",
     "jax_dilated.ops.sharded",
     "jax_dilated.layers.factory",
+    "jax_dilated.layers.flax_adapter",
     "jax_dilated.layers.nnx",
     "jax_dilated.layers.linen",
     "jax_dilated.models.longnet",

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
 import jax_dilated as jd
 
 B, T, H, D = 2, 16, 4, 8
@@ -211,7 +213,6 @@ def test_errors_raise_under_jit(qkv):
 
 
 def _layer(**kw):
-    from flax import nnx
     return jd.nnx.MultiheadDilatedAttention(16, 2, **CFG, rngs=nnx.Rngs(0), **kw)
 
 
@@ -247,10 +248,10 @@ def test_positive_ints_one_policy(qkv, value, error):
     with pytest.raises(error, match=rf"block_q must be a positive int, got {value!r}"):
         call(*qkv, block_q=value)
     with pytest.raises(error, match=rf"num_heads must be a positive int, got {value!r}"):
-        jd.nnx.MultiheadDilatedAttention(16, value, **CFG, rngs=__import__("flax").nnx.Rngs(0))
+        jd.nnx.MultiheadDilatedAttention(16, value, **CFG, rngs=nnx.Rngs(0))
     with pytest.raises(error, match=rf"block_size must be a positive int, got {value!r}"):
         jd.block_sparse_attention(*qkv, block_size=value, pattern=np.ones((1, 1), bool))
-    with pytest.raises(error, match=rf"LongNetConfig.num_layers must be a positive int"):
+    with pytest.raises(error, match=r"LongNetConfig.num_layers must be a positive int"):
         jd.models.LongNetConfig(vocab_size=8, embed_dim=16, num_heads=2, num_layers=value,
                                 **CFG)
 
@@ -332,7 +333,6 @@ def test_deprecated_axis_name_on_functions(qkv):
 
 
 def test_deprecated_dropout_on_layers():
-    from flax import nnx
     x = _arr((1, T, 16), jnp.float64)
     new = jd.nnx.MultiheadDilatedAttention(16, 2, **CFG, dropout_rate=0.3,
                                            param_dtype=jnp.float64, rngs=nnx.Rngs(0))
@@ -366,7 +366,6 @@ def test_deprecated_longnet_config_dropout():
 
 
 def test_deprecated_factory_kind_ring_dilated():
-    from flax import nnx
     mesh = jax.make_mesh((1,), ("seq",))
     kw = dict(embed_dim=16, num_heads=2, **CFG, mesh=mesh, seq_axis="seq")
     with pytest.warns(DeprecationWarning, match="kind='distributed'"):

@@ -27,63 +27,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jax_dilated.core import validation
-from jax_dilated.layers import common
+from jax_dilated.layers import common, nnx_rngs
 from jax_dilated.ops import decode as decoding
 
 __all__ = ["DilatedAttention", "RingAttention", "MultiheadDilatedAttention",
            "MultiheadRingAttention", "MultiheadBlockSparseAttention"]
 
 
-def _fork_dropout_rngs(rngs, rate: float):
-    """The dropout stream a module keeps (None without dropout or without rngs)."""
-    if rate == 0.0 or rngs is None:
-        return nnx.data(None)
-    if isinstance(rngs, nnx.Rngs):
-        return rngs.dropout.fork()
-    if isinstance(rngs, nnx.RngStream):
-        return rngs.fork()
-    raise TypeError(f"rngs must be an nnx.Rngs, nnx.RngStream or None, got {type(rngs).__name__}.")
-
-
-class _DropoutMixin:
-    """``deterministic`` / ``rngs`` resolution as in ``nnx.Dropout``."""
-
-    def _dropout_key(self, rate: float, deterministic, rngs, who: str):
-        if rate == 0.0:
-            return None
-        deterministic = self.deterministic if deterministic is None else deterministic
-        if deterministic is None:
-            raise ValueError(
-                f"{who} has dropout rate {rate}: pass deterministic=True/False to the "
-                f"constructor or the call (or use nnx.view(model, deterministic=...)).")
-        if deterministic:
-            return None
-        rngs = self.rngs if rngs is None else rngs
-        if rngs is None:
-            raise ValueError(
-                f"{who}: deterministic=False needs random keys: pass rngs= (an nnx.Rngs "
-                f"with a 'dropout' stream) to the constructor or the call.")
-        if isinstance(rngs, nnx.Rngs):
-            return rngs.dropout()
-        if isinstance(rngs, nnx.RngStream):
-            return rngs()
-        if isinstance(rngs, jax.Array):
-            return rngs
-        raise TypeError(
-            f"rngs must be an nnx.Rngs, nnx.RngStream or a key, got {type(rngs).__name__}.")
-
-    def set_view(self, deterministic: bool | None = None):
-        """Used by ``nnx.view(model, deterministic=...)``."""
-        if deterministic is not None:
-            self.deterministic = deterministic
-
-
-class DilatedAttention(_DropoutMixin, nnx.Module):
+class DilatedAttention(nnx_rngs.DropoutMixin, nnx.Module):
     """:func:`jax_dilated.dilated_attention` as an NNX module (no parameters).
 
     Args:
@@ -124,7 +79,7 @@ class DilatedAttention(_DropoutMixin, nnx.Module):
             batch_axis=batch_axis, head_axis=head_axis, block_q=block_q, block_k=block_k)
         self.dropout_rate = validation.check_dropout_rate(dropout_rate)
         self.deterministic = deterministic
-        self.rngs = _fork_dropout_rngs(rngs, self.dropout_rate)
+        self.rngs = nnx_rngs.fork_dropout_rngs(rngs, self.dropout_rate)
 
     def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
                  deterministic: bool | None = None, rngs=None):
@@ -174,7 +129,7 @@ class RingAttention(nnx.Module):
         return self.core(query, key, value, is_causal=is_causal, kv_mask=kv_mask)
 
 
-class _Multihead(_DropoutMixin, nnx.Module):
+class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
     """Projections + attention core + sub-LayerNorm + output projection (shared body)."""
 
     def __init__(self, embed_dim, num_heads, core: common.AttentionCore, *, num_kv_heads,
@@ -203,7 +158,7 @@ class _Multihead(_DropoutMixin, nnx.Module):
                 s.name: nnx.Param(s.init(rngs.params(), s.shape, param_dtype),
                                   out_sharding=s.axes, eager_sharding=False)
                 for s in specs}))
-        self.rngs = _fork_dropout_rngs(rngs, self.dropout_rate)
+        self.rngs = nnx_rngs.fork_dropout_rngs(rngs, self.dropout_rate)
         self.cached_key = nnx.data(None)
         self.cached_value = nnx.data(None)
         self.cache_index = nnx.data(None)

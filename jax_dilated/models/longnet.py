@@ -400,9 +400,7 @@ class LongNetLM(nnx.Module):
                                                                           jnp.integer):
             raise ValueError(f"prompt must be an int array [batch, prompt_len >= 1], got "
                              f"{prompt.dtype} {tuple(prompt.shape)}.")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+        max_new_tokens = validation.check_positive_int("max_new_tokens", max_new_tokens)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
                 or temperature < 0:
             raise ValueError(f"temperature must be a float >= 0, got {temperature!r}.")
