@@ -6,12 +6,19 @@
   1, 2, 4 and 8 devices (single-device tests use device 0 as usual).
 * ``tests/`` is put on ``sys.path`` so ``torch_reference`` and ``_helpers``
   import the same way however pytest was invoked.
+* A FutureWarning or DeprecationWarning that our code causes is an error (see
+  ``_fail_on_our_warnings``); ``pytest.warns`` still catches the deliberate ones.
 """
 
+import contextlib
 import os
 import sys
+import warnings
 
 import jax
+import pytest
+
+import jax_dilated
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_num_cpu_devices", 8)
@@ -27,3 +34,97 @@ except ImportError:
     # PyTorch references cannot be imported; the others still run.
     collect_ignore = ["test_parity.py", "test_kernel.py", "test_softmax.py",
                       "test_backends.py"]
+
+
+# ------------------------------------------------- warnings caused by our code fail
+#
+# pyproject's ``filterwarnings`` makes the warnings *issued* by jax_dilated errors, but
+# a filter only sees the module of the warning's ``stacklevel`` frame: JAX issues its
+# FutureWarnings (e.g. "scatter inputs have incompatible types ... will result in an
+# error") and its deprecations from its own modules even when our call caused them.
+# So the stack is inspected when such a warning is shown: the innermost frames belong
+# to the package that issued it; the first frame outside that package is the caller
+# that caused it. If that caller, the issuing frame or the stacklevel frame is ours
+# (jax_dilated/ or tests/), the warning is raised (the test fails there, as under
+# ``-W error``) instead of recorded. A warning that a third party causes inside its
+# own code (flax calling a deprecated JAX function) is only recorded. Inside
+# ``pytest.warns`` / ``pytest.deprecated_call`` warnings are recorded by them and
+# never reach this hook, so the deliberate ones keep working.
+
+_OURS = (os.path.dirname(os.path.abspath(jax_dilated.__file__)) + os.sep, _TESTS + os.sep)
+_STRICT = (FutureWarning, DeprecationWarning)
+
+
+def _package(frame) -> str:
+    top = (frame.f_globals.get("__name__") or "").partition(".")[0]
+    return "jax" if top == "jaxlib" else top
+
+
+def _ours(filename) -> bool:
+    return bool(filename) and os.path.abspath(filename).startswith(_OURS)
+
+
+def _culprit(filename, frame):
+    """``file:line`` of ours that caused the warning, or None.
+
+    ``filename``: the warning's stacklevel frame; ``frame``: the frame that called
+    ``showwarning`` (the ``warnings`` machinery, then the issuer)."""
+    if _ours(filename):
+        return filename
+    while frame is not None and _package(frame) == "warnings":
+        frame = frame.f_back
+    issuer = None if frame is None else _package(frame)
+    while frame is not None:
+        if _ours(frame.f_code.co_filename):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        if _package(frame) != issuer:   # a third party called the issuer: not ours
+            return None
+        frame = frame.f_back
+    return None
+
+
+@contextlib.contextmanager
+def _our_warnings_fail():
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        __tracebackhide__ = True
+        if issubclass(category, _STRICT):
+            where = _culprit(filename, sys._getframe(1))
+            if where is not None:
+                if not isinstance(message, Warning):
+                    message = category(message)
+                message.add_note(f"caused by {where}: tests/conftest.py turns "
+                                 f"{category.__name__}s caused by our code into errors")
+                raise message
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _our_warnings_fail():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _our_warnings_fail():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    with _our_warnings_fail():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    with _our_warnings_fail():   # module-level code of the test files
+        return (yield)

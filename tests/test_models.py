@@ -96,7 +96,7 @@ def test_generate_equals_greedy_full_forward(kw):
         full = forward(model, seq)[:, 9 + i]
         np.testing.assert_allclose(np.asarray(logits[:, i]), np.asarray(full), rtol=0,
                                    atol=1e-5, err_msg=f"step {i}")
-        seq = seq.at[:, 10 + i].set(jnp.argmax(full, -1))
+        seq = seq.at[:, 10 + i].set(jnp.argmax(full, -1).astype(seq.dtype))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(seq))
     # the model is unchanged (no cache left behind) and decodes a prompt at once too
     assert all(b.attn.cache_index is None for b in model.blocks)
