@@ -30,15 +30,20 @@ How the work follows the density (everything below is decided at trace time):
 * Over a ring (``seq_axis=`` inside ``shard_map``, or ``jd.sharded``) the lists
   are tabulated for every (device, visiting shard) pair and picked by device
   index; a ring step in which no block of the visiting shard is active (for any
-  head) is skipped with ``lax.cond``, forward and backward, and the steps' partial
-  results are merged by :func:`jax_dilated.core.softmax.merge_partials` in the ring core
-  (:func:`jax_dilated.ops.ring.ring_partials`). Where all heads share one set of lists
-  and the kernel has block-sparse ring steps (``block_sparse_ring_steps``, see
-  :mod:`jax_dilated.backends.base`), the ring uses those instead: keys and values
+  head) is skipped with ``lax.cond``, forward and backward. The ring is the one
+  of :func:`jax_dilated.ops.ring.ring_partials`; what a step computes is a
+  :class:`~jax_dilated.backends.base.RingSteps` made by :class:`_Plan`. Where all
+  heads share one set of lists and the kernel has block-sparse ring steps
+  (``block_sparse_ring_steps``), those (:class:`_ListedSteps`): keys and values
   travel in the kernel's blocked layout and each step folds its listed blocks into
   accumulators carried in place (o/lse forward; dq and blocked dk/dv backward), so
-  a device holds a few shard-sized buffers rather than per-step copies. The
-  key/value transfer itself is not skipped: see :func:`block_sparse_attention`.
+  a device holds a few shard-sized buffers rather than per-step copies. Otherwise
+  (several head classes, or no such steps) :class:`_ClassSteps`: every class calls
+  the block-sparse kernel on its heads and the step's partial is merged in with
+  :func:`jax_dilated.core.softmax.merge_partials`. The key/value transfer itself is
+  not skipped: see :func:`block_sparse_attention`.
+
+Planning (mask -> lists, head classes) is :mod:`jax_dilated.ops.block_sparse_plan`.
 """
 
 from __future__ import annotations
@@ -50,331 +55,175 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.backends.base import BlockLists
-from jax_dilated.block_patterns import BlockPattern
+from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads
 from jax_dilated.core import layouts, softmax, validation
+from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
+from jax_dilated.ops.block_sparse_plan import (
+    HeadClass,
+    block_lists,
+    head_classes,
+    resolve_mask,
+    ring_blocks,
+)
 from jax_dilated.ops.ring import RingConfig, ring_partials
+from jax_dilated.ops.ring_steps import KernelSteps, PartialSteps
 
-__all__ = ["block_sparse_attention", "block_lists"]
-
-
-# ----------------------------------------------------------------- mask -> lists
+__all__ = ["block_lists", "block_sparse_attention"]
 
 
-def block_lists(mask: np.ndarray) -> BlockLists:
-    """Padded block lists of a bool mask ``[..., num_q_blocks, num_k_blocks]``.
-
-    Active blocks come first, in increasing order; padding entries repeat a valid
-    index and are marked False in ``rows_ok``/``cols_ok`` (None when there is none).
-    """
-    mask = np.asarray(mask, bool)
-
-    def lists(m):
-        width = int(m.sum(-1).max(initial=0))
-        order = np.argsort(~m, axis=-1, kind="stable")[..., :width].astype(np.int32)
-        ok = np.take_along_axis(m, order, axis=-1)
-        return order, (None if ok.all() else ok)
-
-    rows, rows_ok = lists(mask)
-    cols, cols_ok = lists(np.swapaxes(mask, -1, -2))
-    return BlockLists(rows, rows_ok, cols, cols_ok)
+# ------------------------------------------------------------------- ring steps
 
 
-def _pick(x, me, src):
-    """``x[me, src]``: static when both indices are Python ints, else a gather."""
-    if x is None:
-        return None
-    if isinstance(me, int) and isinstance(src, int):
-        return x[me, src]
-    return jnp.asarray(x)[me, src]
+def _heads(x, idx):
+    return x if idx is None else jnp.take(x, jnp.asarray(idx), axis=2)
 
 
-class _HeadClass:
-    """Query heads sharing one block mask, with their kv heads and block lists.
+class _Plan:
+    """The head classes of one call and their lists; as ``RingConfig.steps`` it makes
+    the ring steps of a trace (:meth:`__call__`). The identity is the hash: a fresh
+    object per trace, never compared by value.
 
-    q_heads: query-head indices (None: all heads, in order).
-    kv_heads: kv-head indices fed to the kernel (None: all kv heads): whole GQA
-      groups when the class is made of whole groups, else one per query head
-      (the kernel then sees group size 1).
-    tables: BlockLists over [P, P, ...] (device, visiting shard) and ``active``
-      bool [P, P] (static masks); or None with ``mask_head`` the head of the traced
-      mask (``aux``) to read.
-    """
-
-    def __init__(self, q_heads, kv_heads, tables=None, active=None, mask_head=None):
-        self.q_heads, self.kv_heads = q_heads, kv_heads
-        self.tables, self.active, self.mask_head = tables, active, mask_head
-
-
-class _Step:
-    """One ring step (or the whole single-device call) of block-sparse attention.
-
-    Implements the ``RingConfig.step`` protocol of :mod:`jax_dilated.ops.ring`. The
-    identity is the hash: a fresh object per trace, never compared by value.
+    kernel: the call's kernel (the single-device call uses it; a ring passes its own).
+    gq, gk: global block index of every local query / key block, [P, n_blocks].
     """
 
     def __init__(self, kernel, args: KernelArgs, classes, num_heads: int, gq, gk):
-        self.kernel, self.args, self.classes = kernel, args, classes
-        self.num_heads = num_heads
-        self.gq, self.gk = gq, gk  # global block index of each local block, [P, n_blocks]
+        self.kernel, self.args, self.classes, self.gq, self.gk = kernel, args, classes, gq, gk
         order = np.concatenate([np.arange(num_heads) if c.q_heads is None else c.q_heads
                                 for c in classes])
         self.inverse = None if np.array_equal(order, np.arange(num_heads)) else np.argsort(order)
 
-    # lists and activity of one class for (this device, visiting shard)
-    def _lists(self, c: _HeadClass, me, src, aux):
-        if c.tables is not None:
-            lists = BlockLists(*(_pick(x, me, src) for x in c.tables))
-            if c.active.all() or not c.active.any():  # the same for every pair: static
-                return lists, bool(c.active.any())
-            active = _pick(c.active, me, src)
-            return lists, (bool(active) if isinstance(active, np.bool_) else active)
-        sub = aux[c.mask_head]
-        gq, gk = _pick_row(self.gq, me), _pick_row(self.gk, src)
-        sub = jnp.take(jnp.take(sub, gq, axis=0), gk, axis=1)  # [nbq, nbk]
-        nbq, nbk = sub.shape
-        rows = np.broadcast_to(np.arange(nbk, dtype=np.int32), (nbq, nbk))
-        cols = np.broadcast_to(np.arange(nbq, dtype=np.int32), (nbk, nbq))
-        return BlockLists(rows, sub, cols, sub.T), jnp.any(sub)
+    def need(self, c: HeadClass, query: QuerySide, keys: KeySide, aux):
+        """(lists, active) of class ``c`` for this step (see :meth:`HeadClass.need`)."""
+        return c.need(query.index, keys.index, aux, self.gq, self.gk, keys.valid)
 
-    @staticmethod
-    def _heads(x, idx):
-        return x if idx is None else jnp.take(x, jnp.asarray(idx), axis=2)
+    def __call__(self, kernel, q, k, aux) -> RingSteps:
+        """The kernel's block-sparse ring steps where all heads share one class (one
+        set of lists) and the kernel has them for these shapes: keys and values then
+        travel in the kernel's layout and every step folds its listed blocks into
+        accumulators carried in place. Else the steps of :class:`_ClassSteps`."""
+        make = getattr(kernel, "block_sparse_ring_steps", None)
+        if make is not None and len(self.classes) == 1 and self.classes[0].q_heads is None:
+            steps = make(q, k, self.args)
+            if steps is not None:
+                return _ListedSteps(steps, self, aux)
+        return _ClassSteps(kernel, self, aux)
 
-    def _run(self, need, compute, skip):
-        if need is True or need is None:
-            return compute()
-        if need is False:
-            return skip()
-        return jax.lax.cond(need, compute, skip)
 
-    def _need(self, c, me, src, aux, kv_valid):
-        lists, active = self._lists(c, me, src, aux)
-        if kv_valid is not None and active is not False:
-            active = jnp.any(kv_valid) if active is True else active & jnp.any(kv_valid)
-        return lists, active
+class _ListedSteps:
+    """The kernel's block-sparse ring steps with the lists of the (one) head class
+    of each step filled in (``keys.blocks``); a step is needed where any of its
+    listed blocks is active and a key is valid."""
+
+    def __init__(self, steps: RingSteps, plan: _Plan, aux):
+        self.steps, self.plan, self.aux = steps, plan, aux
+        self.keep_packed = steps.keep_packed
+        self.pack_kv, self.unpack_kv = steps.pack_kv, steps.unpack_kv
+
+    def _listed(self, query: QuerySide, keys: KeySide):
+        lists, need = self.plan.need(self.plan.classes[0], query, keys, self.aux)
+        return keys._replace(blocks=lists), need
+
+    def needed(self, query: QuerySide, keys: KeySide):
+        return self._listed(query, keys)[1]
+
+    def forward(self, query: QuerySide, keys: KeySide, acc):
+        return self.steps.forward(query, self._listed(query, keys)[0], acc)
+
+    def backward(self, query: QuerySide, keys: KeySide, rows: RowGrads, acc):
+        return self.steps.backward(query, self._listed(query, keys)[0], rows, acc)
+
+
+class _ClassSteps(PartialSteps):
+    """Block-sparse steps head class by head class, over the kernel's
+    ``block_sparse_forward``/``backward`` (:class:`KernelSteps` per class): each
+    class reads its own query heads and kv heads and skips on its own, so the step
+    as a whole is always run. Also the single-device call (one step, index 0)."""
+
+    def __init__(self, kernel, plan: _Plan, aux):
+        self.kernel_steps, self.plan, self.aux = KernelSteps(kernel, plan.args), plan, aux
+
+    def needed(self, query: QuerySide, keys: KeySide):
+        return None  # every class skips on its own
+
+    def _classes(self, query: QuerySide, keys: KeySide):
+        """Per class: its queries, its keys (with its lists) and whether it is needed."""
+        k, v = keys.kv
+        for c in self.plan.classes:
+            lists, need = self.plan.need(c, query, keys, self.aux)
+            yield c, query._replace(q=_heads(query.q, c.q_heads)), keys._replace(
+                kv=(_heads(k, c.kv_heads), _heads(v, c.kv_heads)), blocks=lists), need
 
     def _assemble(self, parts):
         out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
-        return out if self.inverse is None else jnp.take(out, jnp.asarray(self.inverse), axis=2)
+        inverse = self.plan.inverse
+        return out if inverse is None else jnp.take(out, jnp.asarray(inverse), axis=2)
 
-    def forward(self, q, k, v, kv_valid, q_pos, k_pos, me, src, aux):
-        stats = softmax.stats_dtype(q.dtype)
-        outs, lses = [], []
-        for c in self.classes:
-            qc, kc, vc = self._heads(q, c.q_heads), self._heads(k, c.kv_heads), \
-                self._heads(v, c.kv_heads)
-            lists, need = self._need(c, me, src, aux, kv_valid)
+    def _partial(self, qc: QuerySide, kc: KeySide, need, stats):
+        def empty(_):
+            return varying_like(softmax.empty_partial(qc.q.shape, stats), (qc.q, kc.kv))
 
-            def compute(qc=qc, kc=kc, vc=vc, lists=lists):
-                o, lse = self.kernel.block_sparse_forward(
-                    qc, kc, vc, self.args, blocks=lists, q_positions=q_pos,
-                    k_positions=k_pos, kv_valid=kv_valid)
-                return o.astype(stats), lse.astype(stats)
+        return maybe_skip(need, lambda _: self.kernel_steps.partial(qc, kc), None, empty)
 
-            def skip(qc=qc, kc=kc):
-                return varying_like((jnp.zeros(qc.shape, stats),
-                                     jnp.full(qc.shape[:3], -jnp.inf, stats)), (qc, kc))
+    def _grads(self, qc: QuerySide, kc: KeySide, rc: RowGrads, need, stats):
+        def zeros(_):
+            shapes = (qc.q.shape, kc.kv[0].shape, kc.kv[1].shape)
+            return varying_like(tuple(jnp.zeros(z, stats) for z in shapes),
+                                (qc.q, kc.kv, rc.do))
 
-            o, lse = self._run(need, compute, skip)
-            outs.append(o)
-            lses.append(lse)
-        return self._assemble(outs), self._assemble(lses)
+        return maybe_skip(need, lambda _: self.kernel_steps.grads(qc, kc, rc), None, zeros)
 
-    # --- the kernel's ring steps (RingConfig.step protocol of jax_dilated.ops.ring)
+    def partial(self, query: QuerySide, keys: KeySide):
+        stats = softmax.stats_dtype(query.q.dtype)
+        parts = [self._partial(qc, kc, need, stats)
+                 for _, qc, kc, need in self._classes(query, keys)]
+        return tuple(self._assemble(list(x)) for x in zip(*parts))
 
-    def ring_steps(self, kernel, q, k):
-        """The kernel's block-sparse ring steps, or None (then forward/backward).
-
-        Used when all heads share one class (one set of lists): keys and values
-        then travel in the kernel's layout and every step folds its listed blocks
-        into accumulators carried in place. Several head classes keep the
-        per-step path.
-        """
-        make = getattr(kernel, "block_sparse_ring_steps", None)
-        if make is None or len(self.classes) != 1 or self.classes[0].q_heads is not None:
-            return None
-        return make(q, k, self.args)
-
-    @staticmethod
-    def _fold(need, compute, acc):
-        if need is True or need is None:
-            return compute(acc)
-        if need is False:
-            return acc
-        return jax.lax.cond(need, compute, lambda a: a, acc)
-
-    def fold_forward(self, steps, q, kv, kv_valid, acc, q_pos, k_pos, me, src, aux):
-        lists, need = self._need(self.classes[0], me, src, aux, kv_valid)
-
-        def compute(acc):
-            return steps.forward(q, kv, *acc, blocks=lists, q_positions=q_pos,
-                                 k_positions=k_pos, kv_valid=kv_valid)
-
-        return self._fold(need, compute, acc)
-
-    def fold_backward(self, steps, q, kv, kv_valid, do, lse, delta, acc, q_pos, k_pos, me,
-                      src, aux):
-        lists, need = self._need(self.classes[0], me, src, aux, kv_valid)
-
-        def compute(acc):
-            return steps.backward(q, kv, do, lse, delta, *acc, blocks=lists,
-                                  q_positions=q_pos, k_positions=k_pos, kv_valid=kv_valid)
-
-        return self._fold(need, compute, acc)
-
-    def backward(self, q, k, v, kv_valid, do, lse, delta, q_pos, k_pos, me, src, aux):
-        stats = softmax.stats_dtype(q.dtype)
-        dqs = []
-        dk = dv = None
-        for c in self.classes:
-            qc, kc, vc = self._heads(q, c.q_heads), self._heads(k, c.kv_heads), \
-                self._heads(v, c.kv_heads)
-            doc, lsec, deltac = (self._heads(x, c.q_heads) for x in (do, lse, delta))
-            lists, need = self._need(c, me, src, aux, kv_valid)
-
-            def compute(qc=qc, kc=kc, vc=vc, doc=doc, lsec=lsec, deltac=deltac, lists=lists):
-                grads = self.kernel.block_sparse_backward(
-                    qc, kc, vc, doc, lsec, deltac, self.args, blocks=lists,
-                    q_positions=q_pos, k_positions=k_pos, kv_valid=kv_valid)
-                return tuple(g.astype(stats) for g in grads)
-
-            def skip(qc=qc, kc=kc, doc=doc):
-                return varying_like((jnp.zeros(qc.shape, stats), jnp.zeros(kc.shape, stats),
-                                     jnp.zeros(kc.shape, stats)), (qc, kc, doc))
-
-            dqc, dkc, dvc = self._run(need, compute, skip)
+    def grads(self, query: QuerySide, keys: KeySide, rows: RowGrads):
+        stats = softmax.stats_dtype(query.q.dtype)
+        k = keys.kv[0]
+        dqs, dk, dv = [], None, None
+        for c, qc, kc, need in self._classes(query, keys):
+            rc = RowGrads(*(_heads(x, c.q_heads) for x in rows))
+            dqc, dkc, dvc = self._grads(qc, kc, rc, need, stats)
             dqs.append(dqc)
             if c.kv_heads is None:
                 dk = dkc if dk is None else dk + dkc
                 dv = dvc if dv is None else dv + dvc
             else:
-                zeros = varying_like(jnp.zeros(k.shape, stats), (k, dkc))
-                dk = zeros if dk is None else dk
-                dv = zeros if dv is None else dv
+                zero = varying_like(jnp.zeros(k.shape, stats), (k, dkc))
                 idx = jnp.asarray(c.kv_heads)
-                dk = dk.at[:, :, idx].add(dkc)
-                dv = dv.at[:, :, idx].add(dvc)
+                dk = (zero if dk is None else dk).at[:, :, idx].add(dkc)
+                dv = (zero if dv is None else dv).at[:, :, idx].add(dvc)
         return self._assemble(dqs), dk, dv
-
-
-def _pick_row(x, i):
-    return x[i] if isinstance(i, int) else jnp.take(jnp.asarray(x), i, axis=0)
-
-
-# --------------------------------------------------------------------- planning
-
-
-def _resolve_mask(pattern, nq: int, nk: int, num_heads: int):
-    """The block mask, [1 or num_heads, nq, nk]: NumPy when static, else traced."""
-    if isinstance(pattern, BlockPattern):
-        mask = pattern.to_mask(nq, nk, num_heads if pattern.per_head else None)
-    elif isinstance(pattern, (np.ndarray, jax.Array)):
-        dtype = pattern.dtype
-        if dtype != np.bool_:
-            raise TypeError(
-                f"pattern as an array must be bool [q_blocks, k_blocks] or [heads, "
-                f"q_blocks, k_blocks], got dtype {dtype}.")
-        mask = pattern
-        if not isinstance(pattern, jax.core.Tracer):
-            mask = np.asarray(pattern)
-    else:
-        raise TypeError(
-            f"pattern must be a jax_dilated.block_patterns.BlockPattern or a bool array "
-            f"[q_blocks, k_blocks] / [heads, q_blocks, k_blocks], got "
-            f"{type(pattern).__name__}.")
-    want = f"({nq}, {nk}) or ({num_heads}, {nq}, {nk})"
-    given = tuple(mask.shape)
-    if mask.ndim == 2:
-        mask = mask[None]
-    if mask.ndim != 3 or tuple(mask.shape[1:]) != (nq, nk) or mask.shape[0] not in (1, num_heads):
-        raise ValueError(
-            f"pattern mask has shape {given} but the call has {nq} query blocks, {nk} key blocks and {num_heads} heads: "
-            f"expected shape {want} (sequence lengths divided by block_size, rounded up; "
-            f"with heads sharded, the heads of one shard).")
-    return mask
-
-
-def _head_classes(mask, num_heads: int, num_kv_heads: int, gq, gk, is_causal: bool):
-    """Head classes of a resolved mask, with their block lists (see :class:`_HeadClass`)."""
-    nq, nk = mask.shape[1:]
-    causal = np.arange(nk)[None, :] <= np.arange(nq)[:, None]
-    group = num_heads // num_kv_heads
-    static = isinstance(mask, np.ndarray)
-    if static:
-        if is_causal:  # whole blocks above the diagonal hold no allowed pair
-            mask = mask & causal
-        groups: dict[bytes, list[int]] = {}
-        for h in range(mask.shape[0]):
-            groups.setdefault(np.packbits(mask[h]).tobytes(), []).append(h)
-        members = list(groups.values())
-    else:
-        if is_causal:
-            mask = mask & jnp.asarray(causal)
-        members = [[h] for h in range(mask.shape[0])]
-    if len(members) == 1:
-        members = [list(range(num_heads))]
-
-    classes = []
-    for heads in members:
-        heads = np.asarray(heads)
-        if len(heads) == num_heads:
-            q_heads = kv_heads = None
-        else:
-            q_heads = heads
-            kv = np.unique(heads // group)
-            whole = len(heads) == len(kv) * group and np.array_equal(
-                heads, (kv[:, None] * group + np.arange(group)).reshape(-1))
-            kv_heads = kv if whole else heads // group
-        if static:
-            m = mask[heads[0] if mask.shape[0] > 1 else 0]
-            sub = m[gq[:, None, :, None], gk[None, :, None, :]]  # [P, P, nbq, nbk]
-            tables = block_lists(sub)
-            classes.append(_HeadClass(q_heads, kv_heads, tables=tables,
-                                      active=sub.any(axis=(-1, -2))))
-        else:
-            classes.append(_HeadClass(q_heads, kv_heads, mask_head=int(heads[0])))
-    return classes, (None if static else mask)
-
-
-def _ring_blocks(n: int, num_devices: int, layout: str, block_size: int):
-    """Global block index of every local block, [P, n / block_size], for a ring layout."""
-    if layout == "striped":
-        raise ValueError(
-            'block_sparse_attention does not support layout="striped": a striped shard '
-            "holds every P-th token, so its blocks are not blocks of the global sequence; "
-            'use "contiguous" or "zigzag".')
-    piece = n // 2 if layout == "zigzag" else n
-    if n % block_size or piece % block_size:
-        raise ValueError(
-            f"block_size={block_size} must divide the "
-            f"{'zigzag chunk' if layout == 'zigzag' else 'shard'} length {piece} (shard "
-            f"length {n} on {num_devices} devices, layout={layout!r}) so that no block "
-            f"straddles two devices.")
-    order = layouts.global_order(n * num_devices, num_devices, layout)
-    return (order.reshape(num_devices, n // block_size, block_size)[:, :, 0]
-            // block_size).astype(np.int32)
 
 
 # ------------------------------------------------------------------ single device
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _local(q, k, v, kv_valid, step, aux):
-    return step.forward(q, k, v, kv_valid, None, None, 0, 0, aux)
+def _local(q, k, v, kv_valid, plan, aux):
+    return _local_fwd(q, k, v, kv_valid, plan, aux)[0]
 
 
-def _local_fwd(q, k, v, kv_valid, step, aux):
-    o, lse = step.forward(q, k, v, kv_valid, None, None, 0, 0, aux)
+def _local_steps(q, k, v, kv_valid, plan, aux):
+    steps = _ClassSteps(plan.kernel, plan, aux)
+    return steps, QuerySide(q), KeySide((k, v), valid=kv_valid)
+
+
+def _local_fwd(q, k, v, kv_valid, plan, aux):
+    steps, query, keys = _local_steps(q, k, v, kv_valid, plan, aux)
+    o, lse = steps.partial(query, keys)
     return (o, lse), (q, k, v, kv_valid, aux, o, lse)
 
 
-def _local_bwd(step, res, cotangents):
+def _local_bwd(plan, res, cotangents):
     q, k, v, kv_valid, aux, o, lse = res
     do, dlse = cotangents
-    delta = softmax.backward_delta(do, o, dlse)
-    dq, dk, dv = step.backward(q, k, v, kv_valid, do, lse, delta, None, None, 0, 0, aux)
+    steps, query, keys = _local_steps(q, k, v, kv_valid, plan, aux)
+    rows = RowGrads(do, lse, softmax.backward_delta(do, o, dlse))
+    dq, dk, dv = steps.grads(query, keys, rows)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
@@ -471,23 +320,23 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
                 f"seq_axis=None.")
         nq, nk = -(-tq // block_size), -(-tk // block_size)
         gq, gk = np.arange(nq, dtype=np.int32)[None], np.arange(nk, dtype=np.int32)[None]
-        mask = _resolve_mask(pattern, nq, nk, h)
-        classes, aux = _head_classes(mask, h, hkv, gq, gk, is_causal)
-        step = _Step(kernel, args, classes, h, gq, gk)
-        o, lse = _local(query, key, value, kv_mask, step, aux)
+        mask = resolve_mask(pattern, nq, nk, h)
+        classes, aux = head_classes(mask, h, hkv, gq, gk, is_causal)
+        plan = _Plan(kernel, args, classes, h, gq, gk)
+        o, lse = _local(query, key, value, kv_mask, plan, aux)
     else:
         num_devices = validation.axis_size(seq_axis, "block_sparse_attention")
         if tk != tq:
             raise ValueError(
                 f"over a ring, query and key/value shards must have the same length, got "
                 f"query {tuple(query.shape)} and key {tuple(key.shape)}.")
-        gq = _ring_blocks(tq, num_devices, layout, block_size)
+        gq = ring_blocks(tq, num_devices, layout, block_size)
         nb = gq.size
-        mask = _resolve_mask(pattern, nb, nb, h)
-        classes, aux = _head_classes(mask, h, hkv, gq, gq, is_causal)
-        step = _Step(kernel, args, classes, h, gq, gq)
+        mask = resolve_mask(pattern, nb, nb, h)
+        classes, aux = head_classes(mask, h, hkv, gq, gq, is_causal)
+        plan = _Plan(kernel, args, classes, h, gq, gq)
         cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
-                         step=step)
+                         steps=plan)
         o, lse = ring_partials(query, key, value, kv_mask, None, cfg, aux)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

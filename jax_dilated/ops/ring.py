@@ -3,40 +3,45 @@
 Inside ``jax.shard_map`` every device holds ``n = T / P`` queries, keys and values
 (in one of the layouts of :mod:`jax_dilated.core.layouts`). Key/value blocks (compact kv
 heads, with their padding mask) travel around the ring with ``jax.lax.ppermute``;
-at every step the local queries attend to the visiting block through the kernel
-interface, and the partial results are folded together with
-:func:`jax_dilated.core.softmax.merge_partials`. The next block is sent before the
-current one is computed on, so transfer and compute can overlap.
+at every step the local queries attend to the visiting block, and the step's
+result is folded into accumulators carried through the ring. The next block is
+sent before the current one is computed on, so transfer and compute can overlap.
 
-Where the kernel offers the optional ring steps (``ring_steps``, see
-:mod:`jax_dilated.backends.base`), key/value blocks travel in the kernel's own
-layout (converted once per ring) and every step folds into accumulators that are
-carried through the ring and updated in place, so a device holds a handful of
-shard-sized buffers instead of fresh copies and outputs at every step.
+What a step computes is a :class:`~jax_dilated.backends.base.RingSteps`: the
+kernel's fused ring steps where it has them (keys and values travel in the
+kernel's own layout, converted once per ring, and every step folds into
+accumulators updated in place, so a device holds a handful of shard-sized buffers
+instead of fresh copies and outputs at every step), else the generic adapter over
+the kernel's plain forward/backward (:mod:`jax_dilated.ops.ring_steps`), or the
+block-sparse steps of :mod:`jax_dilated.ops.block_sparse`. There is one ring loop
+per pass for all of them.
 
 The backward is a ring too (``jax.custom_vjp``): with the global output and
-log-sum-exp saved, key, value and their gradient accumulators travel together; after
+log-sum-exp saved, key/value blocks and their gradient accumulators travel; after
 ``P`` hops the accumulators are back with their owners. Nothing of global length is
 ever materialised: memory per device is O(T / P).
 
 Steps whose visiting block is entirely masked (causal, or padding) are skipped with
-``lax.cond``; inside a step the kernel skips masked blocks, and its blocks are
-aligned to the zigzag chunks so that every device does the same work at every step.
+``lax.cond`` (:meth:`RingSteps.needed`); inside a step the kernel skips masked
+blocks, and its blocks are aligned to the zigzag chunks so that every device does
+the same work at every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.backends.base import any_pair_allowed
+from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads
 from jax_dilated.core import layouts, softmax, validation
+from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
+from jax_dilated.ops.ring_steps import kernel_steps
 
 __all__ = ["ring_attention"]
 
@@ -50,27 +55,12 @@ class RingConfig:
     for ring attention; the devices sharing a segment for distributed dilated
     attention). ``layout`` is the layout of the sequence inside a ring.
 
-    ``step`` (None: the kernel's dense step) replaces what one ring step computes
-    (block-sparse attention uses it), with ``me``/``src`` the ring indices of this
-    device and of the visiting block and ``aux`` the extra operand of
-    :func:`ring_partials`; it does its own skipping::
-
-        step.forward(q, k, v, kv_valid, q_pos, k_pos, me, src, aux) -> (o, lse)
-        step.backward(q, k, v, kv_valid, do, lse, delta, q_pos, k_pos, me, src, aux)
-            -> (dq, dk, dv)
-
-    all in the stats dtype. A step may also use the kernel's ring steps (keys and
-    values in the kernel's layout, accumulators carried in place; see
-    :mod:`jax_dilated.backends.base`)::
-
-        step.ring_steps(kernel, q, k) -> steps or None (None: forward/backward above)
-        step.fold_forward(steps, q, kv, kv_valid, (o, lse), q_pos, k_pos, me, src, aux)
-            -> (o, lse)
-        step.fold_backward(steps, q, kv, kv_valid, do, lse, delta, (dq, dkv), q_pos,
-                           k_pos, me, src, aux) -> (dq, dkv)
-
-    which fold the visiting block into the accumulators as ``steps.forward`` /
-    ``steps.backward`` do (and skip it themselves).
+    ``steps`` (None: the kernel's dense ring steps, see
+    :func:`jax_dilated.ops.ring_steps.kernel_steps`) makes what one ring step
+    computes, ``steps(kernel, q, k, aux) -> RingSteps``, with ``aux`` the extra
+    operand of :func:`ring_partials` (block-sparse attention uses it). It is called
+    once in the forward and once in the backward and must return steps of the same
+    kind both times (the backward reads what the forward's ``keep_packed`` kept).
     """
 
     axis_name: str
@@ -79,7 +69,7 @@ class RingConfig:
     layout: str
     args: KernelArgs
     implementation: str | None
-    step: Any = None
+    steps: Callable[..., RingSteps] | None = None
 
     def perm(self):
         """ppermute pairs: every device sends to the next device of its ring."""
@@ -105,99 +95,83 @@ def _aligned_block(chunk: int, target: int = 512) -> int:
     return best if best >= min(64, chunk) else chunk
 
 
-def _cond(pred, compute, skip):
-    return compute() if pred is None else jax.lax.cond(pred, compute, skip)
+def _setup(cfg: RingConfig, q, k, aux):
+    """The ring's steps, this device's :class:`QuerySide` and the keys of a step."""
+    kernel = get_kernel(cfg.implementation)
+    steps = (kernel_steps(kernel, q, k, cfg.args) if cfg.steps is None
+             else cfg.steps(kernel, q, k, aux))
+    p, n = cfg.ring_size, q.shape[1]
+    me = cfg.ring_index()
+    query = QuerySide(q, layouts.local_positions(cfg.layout, me, p, n), me)
+
+    def keys(block, src, rng):
+        kv, valid = block
+        return KeySide(kv, layouts.local_positions(cfg.layout, src, p, n), valid, src,
+                       cfg.step_rng(rng, src))
+
+    return steps, query, keys
 
 
-def _ring_steps(kernel, cfg: RingConfig, q, k):
-    """The kernel's optional ring entry points for these shapes, or None.
+def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = False):
+    """Global (o, lse) of the local queries: o [B, n, H, D] (stats dtype), lse [B, n, H].
 
-    None (no ``ring_steps`` in the backend, it declines these shapes, or the ring's
-    own ``cfg.step`` declines them) means the plain ``forward``/``backward`` interface.
-    """
-    make = getattr(kernel, "ring_steps", None)
-    if make is None:
-        return None
-    if cfg.step is not None:
-        return getattr(cfg.step, "ring_steps", lambda *_: None)(kernel, q, k)
-    return make(q, k, cfg.args)
-
-
-def _fold(pred, compute, acc):
-    """``compute(acc)``, skipped (``acc`` unchanged) where ``pred`` is False."""
-    return compute(acc) if pred is None else jax.lax.cond(pred, compute, lambda a: a, acc)
-
-
-def _forward_steps(steps, q, k, v, kv_valid, rng, cfg: RingConfig, me, q_pos,
-                   keep_kv: bool = False, aux=None):
-    """:func:`_forward` through the kernel's ring steps: keys and values travel in the
-    kernel's layout and every step folds into one (o, lse) updated in place.
+    With ``keep_kv`` returns ``(o, lse, packed)``: ``packed`` this device's keys and
+    values as the steps packed them (None where ``steps.keep_packed`` is False), for
+    :func:`_backward`.
 
     Every step sends the visiting block on before folding it in (so that transfer
     overlaps compute), the last step too: after P hops every device's own block is
     home, and with ``keep_kv`` it is returned (packed) for the backward. Packing k
-    and v again in the backward would not do: XLA merges the two identical
-    conversions and keeps the forward's copy alive through the whole forward.
-    Without ``keep_kv`` the last hop is not needed, but one loop over all P steps is
-    what XLA:CPU schedules best: with the first and last step outside the loop it
-    held six shard-sized key/value buffers instead of four (forward only, P=8,
-    n=32768, 8 heads: 50.5 vs 34.5 MiB), and at P=2, where no loop was left, it
-    issued every transfer at the start (forward+backward 259 vs 133 MiB).
+    and v again in the backward would not do for the kernel's fused steps: XLA
+    merges the two identical conversions and keeps the forward's copy alive through
+    the whole forward. Without ``keep_kv`` the last hop is not needed, but one loop
+    over all P steps is what XLA:CPU schedules best: with the first and last step
+    outside the loop it held six shard-sized key/value buffers instead of four
+    (forward only, P=8, n=32768, 8 heads: 50.5 vs 34.5 MiB), and at P=2, where no
+    loop was left, it issued every transfer at the start (forward+backward 259 vs
+    133 MiB).
     """
-    p, n = cfg.ring_size, q.shape[1]
-    stats = softmax.stats_dtype(q.dtype)
+    steps, query, keys = _setup(cfg, q, k, aux)
+    p, me = cfg.ring_size, query.index
 
     def fold(acc, block, src):
-        kv, valid = block
-        k_pos = layouts.local_positions(cfg.layout, src, p, n)
-        if cfg.step is not None:
-            return cfg.step.fold_forward(steps, q, kv, valid, acc, q_pos, k_pos, me, src, aux)
+        step_keys = keys(block, src, rng)
+        return maybe_skip(steps.needed(query, step_keys),
+                          lambda acc: steps.forward(query, step_keys, acc), acc)
 
-        def compute(acc):
-            return steps.forward(q, kv, *acc, q_positions=q_pos, k_positions=k_pos,
-                                 kv_valid=valid, dropout_rng=cfg.step_rng(rng, src))
-
-        return _fold(any_pair_allowed(cfg.args.is_causal, q_pos, k_pos, valid), compute, acc)
-
-    acc = varying_like((jnp.zeros(q.shape, stats), jnp.full(q.shape[:3], -jnp.inf, stats)),
-                       (q, k))
+    acc = varying_like(softmax.empty_partial(q.shape, softmax.stats_dtype(q.dtype)), (q, k))
     block = (steps.pack_kv(k, v), kv_valid)
     if p == 1:
         acc = fold(acc, block, me)
-        return (*acc, block[0]) if keep_kv else acc
+    else:
+        def step(carry, s):
+            acc, block = carry
+            nxt = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())  # send first, then compute
+            return (fold(acc, block, (me - s) % p), nxt), None
 
-    def step(carry, s):
-        acc, block = carry
-        nxt = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())  # send first, then compute
-        return (fold(acc, block, (me - s) % p), nxt), None
-
-    (acc, block), _ = jax.lax.scan(step, (acc, block), jnp.arange(p))
-    return (*acc, block[0]) if keep_kv else acc
+        (acc, block), _ = jax.lax.scan(step, (acc, block), jnp.arange(p))
+    if not keep_kv:
+        return acc
+    return (*acc, block[0] if steps.keep_packed else None)
 
 
-def _backward_steps(steps, q, k, v, kv_valid, rng, lse, do, delta, cfg: RingConfig, me,
-                    q_pos, packed_kv, aux=None):
-    """:func:`_backward` through the kernel's ring steps: dq and the blocked dk/dv are
-    accumulated in place; the blocks and their accumulators travel separately (so
-    that only one of them is in flight at a time)."""
-    p, n = cfg.ring_size, q.shape[1]
+def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig, aux=None,
+              packed_kv=None):
+    """(dq, dk, dv) of the local shards: dq and the packed dk/dv are accumulated in
+    place; the blocks and their accumulators travel separately (so that only one of
+    them is in flight at a time)."""
+    steps, query, keys = _setup(cfg, q, k, aux)
+    p, me = cfg.ring_size, query.index
+    rows = RowGrads(do, lse, softmax.backward_delta(do, o, dlse))
     stats = softmax.stats_dtype(q.dtype)
 
     def grads(acc, block, src):
-        kv, valid = block
-        k_pos = layouts.local_positions(cfg.layout, src, p, n)
-        if cfg.step is not None:
-            return cfg.step.fold_backward(steps, q, kv, valid, do, lse, delta, acc, q_pos,
-                                          k_pos, me, src, aux)
+        step_keys = keys(block, src, rng)
+        return maybe_skip(steps.needed(query, step_keys),
+                          lambda acc: steps.backward(query, step_keys, rows, acc), acc)
 
-        def compute(acc):
-            return steps.backward(q, kv, do, lse, delta, *acc, q_positions=q_pos,
-                                  k_positions=k_pos, kv_valid=valid,
-                                  dropout_rng=cfg.step_rng(rng, src))
-
-        return _fold(any_pair_allowed(cfg.args.is_causal, q_pos, k_pos, valid), compute, acc)
-
-    block = (packed_kv, kv_valid)  # from the forward (see _forward_steps)
+    # the forward's packed block (see _forward), or packed again where that is free
+    block = (steps.pack_kv(k, v) if packed_kv is None else packed_kv, kv_valid)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, stats), (q, block[0]))
     dq, dkv = grads(varying_like(zeros, (q, k, do)), block, me)
     if p > 1:
@@ -212,107 +186,6 @@ def _backward_steps(steps, q, k, v, kv_valid, rng, lse, do, delta, cfg: RingConf
         # after P - 1 hops each accumulator sits one device short of its owner
         dkv = jax.lax.ppermute(dkv, cfg.axis_name, cfg.perm())
     dk, dv = steps.unpack_kv(dkv)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = False):
-    """Global (o, lse) of the local queries: o [B, n, H, D] (stats dtype), lse [B, n, H].
-
-    With ``keep_kv`` returns ``(o, lse, packed)``: ``packed`` this device's keys and
-    values in the kernel's ring layout (None without ring steps), for :func:`_backward`.
-    """
-    kernel = get_kernel(cfg.implementation)
-    p, n = cfg.ring_size, q.shape[1]
-    stats = softmax.stats_dtype(q.dtype)
-    me = cfg.ring_index()
-    q_pos = layouts.local_positions(cfg.layout, me, p, n)
-    steps = _ring_steps(kernel, cfg, q, k)
-    if steps is not None:
-        return _forward_steps(steps, q, k, v, kv_valid, rng, cfg, me, q_pos, keep_kv, aux)
-    if keep_kv:
-        return (*_forward(q, k, v, kv_valid, rng, cfg, aux), None)
-
-    def partial(block, src):
-        k_blk, v_blk, valid_blk = block
-        k_pos = layouts.local_positions(cfg.layout, src, p, n)
-        if cfg.step is not None:
-            return cfg.step.forward(q, k_blk, v_blk, valid_blk, q_pos, k_pos, me, src, aux)
-
-        def compute():
-            o, lse = kernel.forward(q, k_blk, v_blk, cfg.args, q_positions=q_pos,
-                                    k_positions=k_pos, kv_valid=valid_blk,
-                                    dropout_rng=cfg.step_rng(rng, src))
-            return o.astype(stats), lse
-
-        def skip():
-            return varying_like((jnp.zeros(q.shape, stats),
-                                 jnp.full(q.shape[:3], -jnp.inf, stats)), (q, k_blk))
-
-        return _cond(any_pair_allowed(cfg.args.is_causal, q_pos, k_pos, valid_blk), compute, skip)
-
-    block = (k, v, kv_valid)
-    if p == 1:
-        return partial(block, me)
-
-    def step(carry, s):
-        o, lse, block = carry
-        src = (me - s) % p
-        nxt = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())  # send first, then compute
-        o, lse = softmax.merge_partials(o, lse, *partial(block, src))
-        return (o, lse, nxt), None
-
-    o, lse = partial(block, me)
-    nxt = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())
-    (o, lse, block), _ = jax.lax.scan(step, (o, lse, nxt), jnp.arange(1, p - 1))
-    return softmax.merge_partials(o, lse, *partial(block, (me - (p - 1)) % p))
-
-
-def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig, aux=None,
-              packed_kv=None):
-    kernel = get_kernel(cfg.implementation)
-    p, n = cfg.ring_size, q.shape[1]
-    stats = softmax.stats_dtype(q.dtype)
-    me = cfg.ring_index()
-    q_pos = layouts.local_positions(cfg.layout, me, p, n)
-    delta = softmax.backward_delta(do, o, dlse)
-    steps = _ring_steps(kernel, cfg, q, k)
-    if steps is not None:
-        return _backward_steps(steps, q, k, v, kv_valid, rng, lse, do, delta, cfg, me, q_pos,
-                               packed_kv, aux)
-
-    def grads(block, src):
-        k_blk, v_blk, valid_blk = block
-        k_pos = layouts.local_positions(cfg.layout, src, p, n)
-        if cfg.step is not None:
-            return cfg.step.backward(q, k_blk, v_blk, valid_blk, do, lse, delta, q_pos, k_pos,
-                                     me, src, aux)
-
-        def compute():
-            dq, dk, dv = kernel.backward(q, k_blk, v_blk, do, lse, delta, cfg.args,
-                                         q_positions=q_pos, k_positions=k_pos,
-                                         kv_valid=valid_blk,
-                                         dropout_rng=cfg.step_rng(rng, src))
-            return dq.astype(stats), dk.astype(stats), dv.astype(stats)
-
-        def skip():
-            return varying_like((jnp.zeros(q.shape, stats), jnp.zeros(k_blk.shape, stats),
-                                 jnp.zeros(v_blk.shape, stats)), (q, k_blk, do))
-
-        return _cond(any_pair_allowed(cfg.args.is_causal, q_pos, k_pos, valid_blk), compute, skip)
-
-    block = (k, v, kv_valid)
-    dq, dk, dv = grads(block, me)
-    if p > 1:
-        def step(carry, s):
-            dq, block, dkv = carry
-            # the block and its gradient accumulators travel together
-            block, dkv = jax.lax.ppermute((block, dkv), cfg.axis_name, cfg.perm())
-            dq_s, dk_s, dv_s = grads(block, (me - s) % p)
-            return (dq + dq_s, block, (dkv[0] + dk_s, dkv[1] + dv_s)), None
-
-        (dq, _, (dk, dv)), _ = jax.lax.scan(step, (dq, block, (dk, dv)), jnp.arange(1, p))
-        # after P - 1 hops each accumulator sits one device short of its owner
-        dk, dv = jax.lax.ppermute((dk, dv), cfg.axis_name, cfg.perm())
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -338,7 +211,7 @@ def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None):
 
     The ring core shared by :func:`ring_attention`, distributed dilated attention
     and block-sparse attention; ``rng`` is the dropout key (None without dropout),
-    ``aux`` an extra (non-differentiable) operand handed to ``cfg.step``.
+    ``aux`` an extra (non-differentiable) operand handed to ``cfg.steps``.
     """
     return _ring(q, k, v, kv_valid, rng, cfg, aux)
 

@@ -7,7 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends.base import KernelArgs, any_pair_allowed
+from jax_dilated.backends.base import (
+    KernelArgs,
+    KeySide,
+    QuerySide,
+    RowGrads,
+    any_pair_allowed,
+)
 from jax_dilated.backends.xla.block_math import (
     _backward_block,
     _block_mask,
@@ -15,7 +21,6 @@ from jax_dilated.backends.xla.block_math import (
     _dropout_keep,
     _forward_block,
     _listed,
-    _maybe_cond,
 )
 from jax_dilated.backends.xla.dense import _BLOCK_ELEMENTS, _batch_chunk
 from jax_dilated.backends.xla.layout import (
@@ -28,10 +33,11 @@ from jax_dilated.backends.xla.layout import (
     _to_blocks,
 )
 from jax_dilated.core import softmax
+from jax_dilated.core.skip import maybe_skip
 
 
 class _RingSteps:
-    """The optional ring entry points (see :mod:`.base`) for one geometry.
+    """The XLA kernel's :class:`~jax_dilated.backends.base.RingSteps` for one geometry.
 
     Keys and values travel in the kernel's blocked layout ``[nk, N, Hkv, bk, D]``
     (converted once per ring by :meth:`pack_kv`), and every step folds its block
@@ -41,8 +47,8 @@ class _RingSteps:
     are cut into blocks one query block at a time, so no shard-sized copy of
     ``q``, ``do``, ``o`` or ``dq`` is made per step.
 
-    With ``blocks=`` (a :class:`~.base.BlockLists`) a step visits only the listed key
-    blocks of each query block (block-sparse attention over a ring); the backward,
+    With ``keys.blocks`` (a :class:`~.base.BlockLists`) a step visits only the listed
+    key blocks of each query block (block-sparse attention over a ring); the backward,
     query blocks outermost, needs only the row lists.
 
     Heads are visited in groups of ``heads`` kv heads (with their query heads): the
@@ -52,6 +58,8 @@ class _RingSteps:
     buffers, which is what a ring at many devices is left with (see
     :func:`_ring_head_group`).
     """
+
+    keep_packed = True  # packing again in the backward would keep two copies alive
 
     def __init__(self, geo: _Blocking, group: int, kv_heads: int, heads: int,
                  args: KernelArgs):
@@ -162,10 +170,16 @@ class _RingSteps:
         ok = None if blocks.rows_ok is None else jnp.asarray(blocks.rows_ok, bool)
         return jnp.asarray(blocks.rows, jnp.int32), ok
 
-    def forward(self, q, kv, o, lse, *, q_positions=None, k_positions=None, kv_valid=None,
-                dropout_rng=None, blocks=None):
+    def needed(self, query: QuerySide, keys: KeySide):
+        return any_pair_allowed(self.args.is_causal, query.positions, keys.positions,
+                                keys.valid)
+
+    def forward(self, query: QuerySide, keys: KeySide, acc):
         args = self.args
-        k_b, v_b = kv
+        q, q_positions = query.q, query.positions
+        k_positions, kv_valid, dropout_rng = keys.positions, keys.valid, keys.dropout_rng
+        k_b, v_b = keys.kv
+        o, lse = acc
         stats = o.dtype
         q_pos_b = self._q_pos(q_positions)
         k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
@@ -195,20 +209,23 @@ class _RingSteps:
                                           post_scale, stats)
 
                 need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid))
-                return _maybe_cond(need, compute, lambda st: st, state), None
+                return maybe_skip(need, compute, state), None
 
             state, _ = jax.lax.scan(k_block, state, (row, row_ok))
             o_blk, lse_blk = softmax.finalize_state(state)
             return (self._put(o, self._unrows(o_blk), i, h),
                     self._put(lse, self._unrows(lse_blk), i, h)), None
 
-        (o, lse), _ = jax.lax.scan(q_block, (o, lse), self._items(blocks))
+        (o, lse), _ = jax.lax.scan(q_block, (o, lse), self._items(keys.blocks))
         return o, lse
 
-    def backward(self, q, kv, do, lse, delta, dq, dkv, *, q_positions=None,
-                 k_positions=None, kv_valid=None, dropout_rng=None, blocks=None):
+    def backward(self, query: QuerySide, keys: KeySide, rows: RowGrads, acc):
         args = self.args
-        k_b, v_b = kv
+        q, q_positions = query.q, query.positions
+        k_positions, kv_valid, dropout_rng = keys.positions, keys.valid, keys.dropout_rng
+        do, lse, delta = rows
+        k_b, v_b = keys.kv
+        dq, dkv = acc
         stats = dq.dtype
         q_pos_b = self._q_pos(q_positions)
         k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
@@ -245,20 +262,22 @@ class _RingSteps:
 
                 # the real entries of a row are distinct key blocks; padding is skipped
                 need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid))
-                return _maybe_cond(need, compute, lambda c: c, carry), None
+                return maybe_skip(need, compute, carry), None
 
             (dqt, dk_b, dv_b), _ = jax.lax.scan(k_block, (dqt, dk_b, dv_b), (row, row_ok))
             dq = self._put(dq, self._unrows(jnp.moveaxis(dqt, 2, -1)), i, h)
             return (dq, (dk_b, dv_b)), None
 
-        (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), self._items(blocks))
+        (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), self._items(keys.blocks))
         return dq, dkv
 
 
 def ring_steps(q, k, args: KernelArgs):
-    """The ring entry points for queries like ``q`` and keys like ``k`` (see :mod:`.base`).
+    """The ring steps for queries like ``q`` and keys like ``k`` (a
+    :class:`~jax_dilated.backends.base.RingSteps`).
 
-    None (the ring then uses :func:`forward` / :func:`backward`) when the lengths
+    None (the ring then uses the generic adapter over :func:`forward` /
+    :func:`backward`, :mod:`jax_dilated.ops.ring_steps`) when the lengths
     are not whole blocks or the batch would be cut into chunks.
     """
     geo = _blocking(q.shape[1], k.shape[1], args)
@@ -303,8 +322,8 @@ def _ring_head_group(batch: int, kv_heads: int, group: int, geo: _Blocking,
 
 
 def block_sparse_ring_steps(q, k, args: KernelArgs):
-    """Ring steps (as :func:`ring_steps`) whose ``forward``/``backward`` take
-    ``blocks=`` lists in blocks of exactly ``args.block_q`` x ``args.block_k``;
+    """Ring steps (as :func:`ring_steps`) whose ``forward``/``backward`` read
+    ``keys.blocks`` lists in blocks of exactly ``args.block_q`` x ``args.block_k``;
     None where the shapes do not allow them."""
     steps = ring_steps(q, k, args)
     if steps is None or (steps.geo.block_q, steps.geo.block_k) != (args.block_q, args.block_k):
