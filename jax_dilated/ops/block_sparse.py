@@ -57,7 +57,6 @@ import numpy as np
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads
 from jax_dilated.core import layouts, softmax, validation
-from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
 from jax_dilated.ops.block_sparse_plan import (
     HeadClass,
@@ -67,7 +66,12 @@ from jax_dilated.ops.block_sparse_plan import (
     ring_blocks,
 )
 from jax_dilated.ops.ring import RingConfig, ring_partials
-from jax_dilated.ops.ring_steps import KernelSteps, PartialSteps
+from jax_dilated.ops.ring_steps import (
+    KernelSteps,
+    PartialSteps,
+    empty_unless,
+    zeros_unless,
+)
 
 __all__ = ["block_lists", "block_sparse_attention"]
 
@@ -138,14 +142,12 @@ class _ListedSteps:
 class _ClassSteps(PartialSteps):
     """Block-sparse steps head class by head class, over the kernel's
     ``block_sparse_forward``/``backward`` (:class:`KernelSteps` per class): each
-    class reads its own query heads and kv heads and skips on its own, so the step
-    as a whole is always run. Also the single-device call (one step, index 0)."""
+    class reads its own query heads and kv heads and skips on its own (``needed`` is
+    None: the step as a whole always runs). Also the single-device call (one step,
+    index 0)."""
 
     def __init__(self, kernel, plan: _Plan, aux):
         self.kernel_steps, self.plan, self.aux = KernelSteps(kernel, plan.args), plan, aux
-
-    def needed(self, query: QuerySide, keys: KeySide):
-        return None  # every class skips on its own
 
     def _classes(self, query: QuerySide, keys: KeySide):
         """Per class: its queries, its keys (with its lists) and whether it is needed."""
@@ -160,33 +162,20 @@ class _ClassSteps(PartialSteps):
         inverse = self.plan.inverse
         return out if inverse is None else jnp.take(out, jnp.asarray(inverse), axis=2)
 
-    def _partial(self, qc: QuerySide, kc: KeySide, need, stats):
-        def empty(_):
-            return varying_like(softmax.empty_partial(qc.q.shape, stats), (qc.q, kc.kv))
-
-        return maybe_skip(need, lambda _: self.kernel_steps.partial(qc, kc), None, empty)
-
-    def _grads(self, qc: QuerySide, kc: KeySide, rc: RowGrads, need, stats):
-        def zeros(_):
-            shapes = (qc.q.shape, kc.kv[0].shape, kc.kv[1].shape)
-            return varying_like(tuple(jnp.zeros(z, stats) for z in shapes),
-                                (qc.q, kc.kv, rc.do))
-
-        return maybe_skip(need, lambda _: self.kernel_steps.grads(qc, kc, rc), None, zeros)
-
     def partial(self, query: QuerySide, keys: KeySide):
-        stats = softmax.stats_dtype(query.q.dtype)
-        parts = [self._partial(qc, kc, need, stats)
+        compute = self.kernel_steps.compute_partial
+        parts = [empty_unless(need, lambda qc=qc, kc=kc: compute(qc, kc), qc, kc)
                  for _, qc, kc, need in self._classes(query, keys)]
         return tuple(self._assemble(list(x)) for x in zip(*parts))
 
     def grads(self, query: QuerySide, keys: KeySide, rows: RowGrads):
         stats = softmax.stats_dtype(query.q.dtype)
-        k = keys.kv[0]
+        compute, k = self.kernel_steps.compute_grads, keys.kv[0]
         dqs, dk, dv = [], None, None
         for c, qc, kc, need in self._classes(query, keys):
             rc = RowGrads(*(_heads(x, c.q_heads) for x in rows))
-            dqc, dkc, dvc = self._grads(qc, kc, rc, need, stats)
+            dqc, dkc, dvc = zeros_unless(
+                need, lambda qc=qc, kc=kc, rc=rc: compute(qc, kc, rc), qc, kc, rc)
             dqs.append(dqc)
             if c.kv_heads is None:
                 dk = dkc if dk is None else dk + dkc
