@@ -238,8 +238,9 @@ class RingSteps(Protocol):
 
     def needed(self, query: QuerySide, keys: KeySide):
         """Whether the step has any allowed (query, key) pair: None (statically
-        always), a Python bool, or a traced bool; the ring skips the step (forward
-        and backward) where it is False."""
+        always, or steps that skip inside ``forward``/``backward`` themselves), a
+        Python bool, or a traced bool; the ring skips the step (forward and backward,
+        accumulators unchanged) where it is False."""
 
     def forward(self, query: QuerySide, keys: KeySide, acc):
         """Fold the visiting block into the running normalised partial ``acc = (o,
