@@ -611,3 +611,40 @@ def test_layer_errors():
     lin = jd.linen.MultiheadDilatedAttention(E, 3, **SEGS)
     with pytest.raises(ValueError, match="embed_dim must be divisible by num_heads"):
         lin.init(jax.random.key(0), jnp.zeros((1, 8, E)))
+
+
+# ------------------------------------------------------------ kernel block sizes
+
+
+def test_block_sizes_pass_through_layers_and_attention_fn():
+    """block_q / block_k reach the kernel from every dilated and ring entry point and
+    change no result (they only tile the computation)."""
+    x = to_jax(_rng(31).standard_normal((2, 16, E)), "float64")
+    plain, tiled = make_layer(), make_layer(block_q=2, block_k=4)
+    assert dict(tiled.core.options)["block_q"] == 2 and "block_q" not in dict(plain.core.options)
+    assert_close(call(tiled, x, is_causal=True), call(plain, x, is_causal=True), 1e-12,
+                 "nnx layer with block sizes")
+    lin = jd.linen.MultiheadDilatedAttention(E, H, **SEGS, block_q=2, block_k=4,
+                                             param_dtype=jnp.float64)
+    got = lin.apply({"params": params_of(plain)}, x, is_causal=True)
+    assert_close(got, call(plain, x, is_causal=True), 1e-12, "linen layer with block sizes")
+    q = to_jax(_rng(32).standard_normal((2, 16, 4, 8)), "float64")
+    fn = jd.attention_fn(**SEGS, block_q=2, block_k=4)
+    assert_close(jitted(fn, q, q, q, is_causal=True),
+                 jd.dilated_attention(q, q, q, **SEGS, is_causal=True), 1e-12,
+                 "attention_fn with block sizes")
+    mesh = seq_mesh(4)
+    ring = jd.nnx.RingAttention(mesh=mesh, seq_axis="seq", layout="zigzag", block_q=1,
+                                block_k=2)
+    exact = jd.nnx.RingAttention(mesh=mesh, seq_axis="seq", layout="zigzag")
+    assert_close(ring(q, q, q, is_causal=True), exact(q, q, q, is_causal=True), 1e-12,
+                 "ring layer with block sizes")
+    with pytest.raises(ValueError, match="block_q=3 must divide the zigzag chunk length 2"):
+        jd.nnx.RingAttention(mesh=mesh, seq_axis="seq", layout="zigzag", block_q=3)(q, q, q)
+    # decoding takes the same options
+    tiled.init_cache((2, 16, E))
+    plain.init_cache((2, 16, E))
+    step = nnx.jit(lambda layer, x: layer(x, decode=True))
+    for t in range(3):
+        assert_close(step(tiled, x[:, t:t + 1]), step(plain, x[:, t:t + 1]), 1e-12,
+                     f"decode step {t} with block sizes")

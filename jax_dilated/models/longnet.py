@@ -90,6 +90,7 @@ class LongNetConfig:
         least float32 whatever it is.
       param_dtype: parameter dtype.
       implementation: attention kernel (None: chosen by device kind).
+      block_q, block_k: the attention kernel's block sizes (None: its defaults).
       dropout, attention_dropout: deprecated spellings of ``dropout_rate`` and
         ``attention_dropout_rate`` (accepted on creation with a DeprecationWarning,
         then stored under the new names; these fields read None).
@@ -128,6 +129,8 @@ class LongNetConfig:
     dtype: Any = None
     param_dtype: Any = jnp.float32
     implementation: str | None = None
+    block_q: int | None = None
+    block_k: int | None = None
     dropout: float | None = dataclasses.field(default=None, repr=False, compare=False)
     attention_dropout: float | None = dataclasses.field(default=None, repr=False,
                                                         compare=False)
@@ -142,7 +145,7 @@ class LongNetConfig:
             object.__setattr__(self, old, None)
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "max_len"):
             validation.check_positive_int(f"LongNetConfig.{name}", getattr(self, name))
-        for name in ("num_kv_heads", "ffn_dim"):
+        for name in ("num_kv_heads", "ffn_dim", "block_q", "block_k"):
             if getattr(self, name) is not None:
                 validation.check_positive_int(f"LongNetConfig.{name}", getattr(self, name))
         object.__setattr__(self, "segment_lengths", tuple(self.segment_lengths))
@@ -249,7 +252,8 @@ class _Block(nnx.Module):
             head_offsets=cfg.head_offsets, dropout_rate=cfg.attention_dropout_rate,
             use_bias=cfg.use_bias, layer_norm=cfg.norm == "sub",
             layer_norm_eps=cfg.layer_norm_eps, gamma_init=cfg.gamma, dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype, implementation=cfg.implementation, mesh=mesh,
+            param_dtype=cfg.param_dtype, implementation=cfg.implementation,
+            block_q=cfg.block_q, block_k=cfg.block_k, mesh=mesh,
             seq_axis=seq_axis, batch_axis=batch_axis, qk_transform=cfg.qk_transform(),
             deterministic=False, rngs=rngs)
         self.ln_ffn = ln()
