@@ -11,7 +11,7 @@
   parameters sharded over a "model" mesh axis give the same output.
 * ``jd.attention_fn`` inside ``nnx.MultiHeadAttention`` and
   ``nn.MultiHeadDotProductAttention``: causal / padding / combined masks, eager and jit.
-* Dropout conventions; ring and ring-dilated layers on 8 simulated devices against
+* Dropout conventions; ring and distributed dilated layers on 8 simulated devices against
   the single-device layer; the factory; input errors.
 """
 
