@@ -24,7 +24,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 
-__all__ = ["KernelArgs", "BlockLists", "any_pair_allowed", "Kernel"]
+__all__ = ["KernelArgs", "BlockLists", "any_pair_allowed", "Kernel", "RingSteps", "QuerySide",
+           "KeySide", "RowGrads"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,13 +36,6 @@ def _block_mask_t(args: KernelArgs, q_pos, k_pos, k_valid):
     return mask
 
 
-def _maybe_cond(pred, compute, skip, operand):
-    """``lax.cond`` that is skipped entirely when the predicate is statically True."""
-    if pred is None:
-        return compute(operand)
-    return jax.lax.cond(pred, compute, skip, operand)
-
-
 def _dropout_keep(args: KernelArgs, rng, i, j, shape, dtype):
     """Scaled keep mask ``z / (1 - rate)`` of block (i, j), or None without dropout.
 

@@ -12,11 +12,11 @@ from jax_dilated.backends.xla.block_math import (
     _block_mask_t,
     _forward_block,
     _listed,
-    _maybe_cond,
 )
 from jax_dilated.backends.xla.dense import _batch_chunk, _chunked
 from jax_dilated.backends.xla.layout import _Blocking, _matmul_inputs, _Prepared, _take
 from jax_dilated.core import softmax
+from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
 
 
@@ -65,7 +65,7 @@ def _sparse_forward_core(q, k, v, kv_valid, args: KernelArgs, *, blocks: BlockLi
 
             need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, _take(prep.k_pos, j),
                                                 _take(prep.k_valid, j)))
-            return _maybe_cond(need, compute, lambda st: st, state), None
+            return maybe_skip(need, compute, state), None
 
         state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v, row))
         state, _ = jax.lax.scan(k_step, state, (row, row_ok))
@@ -111,7 +111,7 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *
                 return carry, varying_like(jnp.zeros(dq_t_shape, stats), like)
 
             need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid))
-            return _maybe_cond(need, compute, skip, carry)
+            return maybe_skip(need, compute, carry, skip)
 
         zeros_kv = varying_like(jnp.zeros(k_blk.shape, stats), like)
         (dk_blk, dv_blk), dq_parts = jax.lax.scan(q_step, (zeros_kv, zeros_kv), (col, col_ok))

@@ -21,10 +21,10 @@ from jax_dilated.backends.xla.block_math import (
     _block_mask_t,
     _dropout_keep,
     _forward_block,
-    _maybe_cond,
 )
 from jax_dilated.backends.xla.layout import _blocking, _matmul_inputs, _Prepared
 from jax_dilated.core import softmax
+from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
 
 
@@ -53,7 +53,7 @@ def _forward_core(q, k, v, kv_valid, args: KernelArgs, *, q_positions=None,
                                       prep.post_scale, stats)
 
             need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
-            return _maybe_cond(need, compute, lambda st: st, state), None
+            return maybe_skip(need, compute, state), None
 
         state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v))
         ys = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
@@ -97,7 +97,7 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
                 return carry, varying_like(jnp.zeros(dq_t_shape, stats), (q, k, v, do))
 
             need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
-            return _maybe_cond(need, compute, skip, carry)
+            return maybe_skip(need, compute, carry, skip)
 
         n_, h_, g_, bq_, d_ = prep.q.shape[1:]
         dq_t_shape = (n_, h_, d_, g_, bq_)
