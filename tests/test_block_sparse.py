@@ -427,7 +427,7 @@ def test_ring_parity(case):
 
 
 def test_ring_shard_map_return_lse():
-    """Inside shard_map directly (axis_name=), zigzag, with the global lse."""
+    """Inside shard_map directly (seq_axis=), zigzag, with the global lse."""
     p, t, bs = 4, 32, 4
     q, k, v, g, gl, mask = make_inputs(2, t, t, 4, 2, 8, "random", 5)
     pattern = bp.LocalWindow(1, after=0) | bp.Strided(3)
@@ -436,7 +436,7 @@ def test_ring_shard_map_return_lse():
 
     def local(q, k, v, mask):
         return jd.block_sparse_attention(q, k, v, block_size=bs, pattern=pattern,
-                                         is_causal=True, kv_mask=mask, axis_name="seq",
+                                         is_causal=True, kv_mask=mask, seq_axis="seq",
                                          layout="zigzag", return_lse=True)
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec),
@@ -467,7 +467,7 @@ def test_ring_traced_mask(per_head):
 
     def local(q, k, v, mask, bm):
         return jd.block_sparse_attention(q, k, v, block_size=bs, pattern=bm, is_causal=True,
-                                         kv_mask=mask, axis_name="seq", return_lse=True)
+                                         kv_mask=mask, seq_axis="seq", return_lse=True)
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4 + (P(),),
                          out_specs=(spec, spec), check_vma=True)
@@ -583,7 +583,7 @@ def test_errors():
     with pytest.raises(ValueError, match="only applies over a ring"):
         bsa(block_size=4, pattern=bp.AllBlocks(), layout="zigzag")
     with pytest.raises(ValueError, match="not bound"):
-        bsa(block_size=4, pattern=bp.AllBlocks(), axis_name="seq")
+        bsa(block_size=4, pattern=bp.AllBlocks(), seq_axis="seq")
     with pytest.raises(ValueError, match="implementation"):
         bsa(block_size=4, pattern=bp.AllBlocks(), implementation="nope")
     mesh = build_mesh((2,), ("seq",), "explicit")

@@ -1,4 +1,4 @@
-"""Distributed dilated attention: ``dilated_attention(axis_name=...)`` equals one device.
+"""Distributed dilated attention: ``dilated_attention(seq_axis=...)`` equals one device.
 
 The single-device ``jd.dilated_attention`` is itself checked against the PyTorch
 references (test_parity.py); here every sharded configuration, forward and the
@@ -166,7 +166,7 @@ def test_ring_steps_by_head_group_with_per_head_masks(monkeypatch):
 
 def _shard_map_fn(mesh, config, axis="seq"):
     spec = P(None, axis)
-    local = functools.partial(jd.dilated_attention, axis_name=axis, **config)
+    local = functools.partial(jd.dilated_attention, seq_axis=axis, **config)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
                          check_vma=True)
 
@@ -321,9 +321,9 @@ def test_error_unshardable_segments(segments, rates, match):
 
 def test_error_axis_not_bound():
     x = jnp.zeros((1, 8, 2, 4))
-    with pytest.raises(ValueError, match=r"axis_name='seq' is not bound"):
+    with pytest.raises(ValueError, match=r"seq_axis='seq' is not bound"):
         jd.dilated_attention(x, x, x, segment_lengths=(4,), dilation_rates=(1,),
-                             axis_name="seq")
+                             seq_axis="seq")
 
 
 def test_error_layout_for_dilated():

@@ -302,7 +302,7 @@ def test_shard_map_return_lse(p, layout, causal, mask_kind, dtype, mesh_kind):
     spec = P(None, "seq")
 
     def local(q, k, v, mask):
-        return jd.ring_attention(q, k, v, axis_name="seq", is_causal=causal, layout=layout,
+        return jd.ring_attention(q, k, v, seq_axis="seq", is_causal=causal, layout=layout,
                                  kv_mask=mask, return_lse=True)
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec),
@@ -494,17 +494,17 @@ def _qkv(t=16, b=1, h=2, d=8, tk=None):
 
 
 def test_error_axis_not_bound():
-    with pytest.raises(ValueError, match="axis_name"):
-        jd.ring_attention(*_qkv(), axis_name="seq")
-    with pytest.raises(ValueError, match="axis_name"):
-        jax.jit(lambda q, k, v: jd.ring_attention(q, k, v, axis_name="seq"))(*_qkv())
+    with pytest.raises(ValueError, match="seq_axis"):
+        jd.ring_attention(*_qkv(), seq_axis="seq")
+    with pytest.raises(ValueError, match="seq_axis"):
+        jax.jit(lambda q, k, v: jd.ring_attention(q, k, v, seq_axis="seq"))(*_qkv())
 
 
 def test_error_axis_not_bound_inside_other_shard_map():
     mesh = build_mesh((2,), ("data",), "auto")
-    f = jax.shard_map(lambda q, k, v: jd.ring_attention(q, k, v, axis_name="seq"),
+    f = jax.shard_map(lambda q, k, v: jd.ring_attention(q, k, v, seq_axis="seq"),
                       mesh=mesh, in_specs=(P(None, "data"),) * 3, out_specs=P(None, "data"))
-    with pytest.raises(ValueError, match="axis_name='seq'"):
+    with pytest.raises(ValueError, match="seq_axis='seq'"):
         f(*_qkv())
 
 
@@ -525,7 +525,7 @@ def test_error_not_divisible(layout, t, p, parts):
 def test_error_zigzag_odd_shard_direct():
     mesh = build_mesh((2,), ("seq",), "auto")
     f = jax.shard_map(
-        lambda q, k, v: jd.ring_attention(q, k, v, axis_name="seq", layout="zigzag"),
+        lambda q, k, v: jd.ring_attention(q, k, v, seq_axis="seq", layout="zigzag"),
         mesh=mesh, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
     with pytest.raises(ValueError, match="zigzag"):
         f(*_qkv(10))  # shards of 5
@@ -537,7 +537,7 @@ def test_error_unknown_layout():
         jd.sharded(jd.ring_attention, mesh, seq_axis="seq", layout="spiral")
     auto = build_mesh((2,), ("seq",), "auto")
     f = jax.shard_map(
-        lambda q, k, v: jd.ring_attention(q, k, v, axis_name="seq", layout="spiral"),
+        lambda q, k, v: jd.ring_attention(q, k, v, seq_axis="seq", layout="spiral"),
         mesh=auto, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
     with pytest.raises(ValueError, match="spiral"):
         f(*_qkv())
@@ -549,7 +549,7 @@ def test_error_mismatched_shard_lengths():
     with pytest.raises(ValueError, match="same length"):
         _ring_fn(4, False)(*_qkv(16, tk=24))
     auto = build_mesh((2,), ("seq",), "auto")
-    f = jax.shard_map(lambda q, k, v: jd.ring_attention(q, k, v, axis_name="seq"),
+    f = jax.shard_map(lambda q, k, v: jd.ring_attention(q, k, v, seq_axis="seq"),
                       mesh=auto, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
     with pytest.raises(ValueError, match="same length"):
         f(*_qkv(8, tk=12))
