@@ -46,7 +46,7 @@ right after step ``N`` (a crash test: no final checkpoint or summary).
 
 Usage::
 
-    python scripts/train_longnet.py                      # ~7 CPU-minutes (README: figures)
+    python scripts/train_longnet.py                      # ~7 CPU-minutes (figures: docs/benchmarks.md)
     python scripts/train_longnet.py --attention window   # the local-attention baseline
     python scripts/train_longnet.py --quick              # ~1 minute smoke run (2K tokens)
     python scripts/train_longnet.py --resume             # after a kill: continue exactly
