@@ -6,8 +6,10 @@ Public API only; the semantics are stated in docs/semantics.md.
 from jax_dilated import block_patterns, linen, models, nnx
 from jax_dilated.backends import backend_report
 from jax_dilated.core.layouts import from_layout, to_layout
-from jax_dilated.layers.factory import (create_multihead_attention,
-                                       create_multihead_dilated_attention)
+from jax_dilated.layers.factory import (
+                                       create_multihead_attention,
+                                       create_multihead_dilated_attention,
+)
 from jax_dilated.layers.flax_adapter import attention_fn
 from jax_dilated.ops.block_sparse import block_sparse_attention
 from jax_dilated.ops.decode import dilated_attention_decode

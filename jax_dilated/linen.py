@@ -5,10 +5,10 @@ Defined in :mod:`jax_dilated.layers.linen`.
 
 from jax_dilated.layers.linen import (  # noqa: F401
     DilatedAttention,
-    RingAttention,
+    MultiheadBlockSparseAttention,
     MultiheadDilatedAttention,
     MultiheadRingAttention,
-    MultiheadBlockSparseAttention,
+    RingAttention,
 )
 
 __all__ = ["DilatedAttention", "RingAttention", "MultiheadDilatedAttention", "MultiheadRingAttention", "MultiheadBlockSparseAttention"]

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
 from flax import nnx
 
 import jax_dilated as jd
@@ -321,18 +320,18 @@ def _layer(**kw):
 def test_qk_transform_hook():
     """The layer with qk_transform = projections, the transform at positions 0..T-1,
     dilated attention, sub-LN and output projection composed by hand; NNX == Linen."""
-    from jax_dilated.layers import common
+    from jax_dilated.layers import projections
 
     xp = XPos(scale_base=8.0)
     layer = _layer(qk_transform=xp)
     x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 20, E)))
     got = nnx.jit(lambda m, x: m(x, is_causal=True))(layer, x)
     params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
-    q, k, v = common.project_qkv(params, x, x, x)
+    q, k, v = projections.project_qkv(params, x, x, x)
     q, k = xp(q, k, jnp.arange(20))
     attn = jd.dilated_attention(q, k, v, segment_lengths=(4, 8), dilation_rates=(1, 2),
                                 is_causal=True)
-    want = common.project_out(params, layer.heads, attn)
+    want = projections.project_out(params, layer.heads, attn)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-12)
     plain = nnx.jit(lambda m, x: m(x, is_causal=True))(_layer(), x)
     assert not np.allclose(np.asarray(plain), np.asarray(got))

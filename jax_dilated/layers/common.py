@@ -1,23 +1,13 @@
-"""What the NNX and Linen layers share: configuration, validation, parameters, math.
+"""What the NNX and Linen layers share: the attention core and decoding.
 
 The layers in :mod:`jax_dilated.nnx` and :mod:`jax_dilated.linen` differ only in
 how they hold parameters, caches and random keys. Everything else lives here, once:
 
 * :class:`AttentionCore` - the static attention configuration of a layer (dilated or
   ring, on one device or sequence-parallel over a mesh) and the call that runs it;
-* :class:`HeadsConfig` - the multi-head options, their validation and the table of
-  parameters (:func:`param_specs`: shapes, initialisers, logical sharding axes);
-* the functional forward pass: :func:`project_qkv`, :func:`project_out`.
+* decoding through a layer (:func:`layer_decode_step`).
 
-Logical axis names of the parameters (map them to mesh axes with
-``nnx.logical_axis_rules`` / ``flax.linen.logical_axis_rules``):
-
-=============  ===============================================================
-``"embed"``     the model (embedding) dimension ``embed_dim``
-``"heads"``     query heads (shard over a tensor-parallel axis, e.g. ``"model"``)
-``"kv_heads"``  key/value heads (``num_kv_heads``; must divide by that axis too)
-``"head_dim"``  features per head
-=============  ===============================================================
+Parameters and projections: :mod:`jax_dilated.layers.projections`.
 """
 
 from __future__ import annotations
@@ -25,14 +15,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 from jax_dilated import block_patterns
 from jax_dilated.backends import select_implementation
-from jax_dilated.core import branch_plans, layouts, softmax, validation
+from jax_dilated.core import branch_plans, layouts, validation
 from jax_dilated.ops import decode as decoding
 from jax_dilated.ops.block_sparse import block_sparse_attention
 from jax_dilated.ops.dilated import dilated_attention
@@ -41,21 +30,13 @@ from jax_dilated.ops.sharded import sharded
 
 __all__ = [
     "AttentionCore",
-    "HeadsConfig",
-    "ParamSpec",
     "dilated_core",
     "ring_core",
-    "param_specs",
-    "project_qkv",
-    "project_out",
+    "block_sparse_core",
     "check_inputs",
     "precision_context",
-    "check_qk_transform",
-    "apply_qk_transform",
     "layer_decode_step",
 ]
-
-EMBED, HEADS, KV_HEADS, HEAD_DIM = "embed", "heads", "kv_heads", "head_dim"
 
 
 # ----------------------------------------------------------------------------- checks
@@ -233,187 +214,6 @@ def block_sparse_core(*, block_size, pattern, scale=None, implementation=None,
                ("implementation", implementation))
     return AttentionCore("block_sparse", attention_fn, options, mesh, seq_axis, batch_axis,
                          head_axis, layout)
-
-
-# ----------------------------------------------------------------------- heads, params
-
-
-def xavier_normal(gain: float, in_axis, out_axis):
-    """Xavier (Glorot) normal with ``gain``: std ``gain * sqrt(2 / (fan_in + fan_out))``."""
-    return jax.nn.initializers.variance_scaling(gain ** 2, "fan_avg", "normal",
-                                                in_axis=in_axis, out_axis=out_axis)
-
-
-class ParamSpec(NamedTuple):
-    """One parameter: ``name`` inside its group, ``shape``, ``init(key, shape, dtype)``,
-    logical sharding ``axes`` (one name per dimension)."""
-
-    name: str
-    shape: tuple
-    init: Callable
-    axes: tuple
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadsConfig:
-    """Validated multi-head options (see the layers' docstrings)."""
-
-    embed_dim: int
-    num_heads: int
-    num_kv_heads: int
-    use_bias: bool = True
-    layer_norm: bool = True
-    layer_norm_eps: float = 1e-5
-    gamma_init: float = 1.0
-
-    @classmethod
-    def create(cls, embed_dim, num_heads, num_kv_heads=None, *, use_bias=True,
-               layer_norm=True, layer_norm_eps=1e-5, gamma_init=1.0):
-        embed_dim = validation.check_positive_int("embed_dim", embed_dim)
-        num_heads = validation.check_positive_int("num_heads", num_heads)
-        num_kv_heads = validation.check_positive_int(
-            "num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
-        if embed_dim % num_heads:
-            raise ValueError(
-                f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim} "
-                f"and num_heads={num_heads}.")
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads must be divisible by num_kv_heads (grouped-query attention), "
-                f"got num_heads={num_heads} and num_kv_heads={num_kv_heads}.")
-        layer_norm_eps = validation.check_positive_float("layer_norm_eps", layer_norm_eps)
-        gamma_init = validation.check_positive_float("gamma_init", gamma_init)
-        use_bias = validation.check_flag("use_bias", use_bias)
-        layer_norm = validation.check_flag("layer_norm", layer_norm)
-        return cls(embed_dim, num_heads, num_kv_heads, use_bias, layer_norm,
-                   float(layer_norm_eps), float(gamma_init))
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
-
-    def check_core(self, core: AttentionCore):
-        """Combinations of heads and attention that cannot work, caught at construction."""
-        opts = dict(core.options)
-        if opts.get("mode") == "head_groups":
-            branch_plans.head_groups(self.num_heads, len(opts["segment_lengths"]))
-        if core.head_axis is not None:
-            size = core.mesh.shape[core.head_axis]
-            if self.num_heads % size or self.num_kv_heads % size:
-                raise ValueError(
-                    f"head_axis={core.head_axis!r} has {size} devices: num_heads "
-                    f"({self.num_heads}) and num_kv_heads ({self.num_kv_heads}) must both "
-                    f"be divisible by it.")
-
-
-def param_specs(cfg: HeadsConfig) -> dict[str, tuple[ParamSpec, ...]]:
-    """The parameters of a multi-head layer, by group (``query``, ``key``, ``value``,
-    ``out``, ``sub_ln``), in creation order.
-
-    Projections are Xavier-normal with gain 1 (query, key) or ``gamma_init`` (value,
-    out), as LongNet / MAGNETO prescribe; biases are zero; the sub-LayerNorm starts at
-    scale 1, bias 0. Kernel shapes: ``query`` [embed, heads, head_dim], ``key`` /
-    ``value`` [embed, kv_heads, head_dim], ``out`` [heads, head_dim, embed].
-    """
-    e, h, hkv, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    zeros, ones = jax.nn.initializers.zeros, jax.nn.initializers.ones
-
-    def proj(heads, heads_axis, gain):
-        specs = [ParamSpec("kernel", (e, heads, d), xavier_normal(gain, 0, (1, 2)),
-                           (EMBED, heads_axis, HEAD_DIM))]
-        if cfg.use_bias:
-            specs.append(ParamSpec("bias", (heads, d), zeros, (heads_axis, HEAD_DIM)))
-        return tuple(specs)
-
-    out = [ParamSpec("kernel", (h, d, e), xavier_normal(cfg.gamma_init, (0, 1), 2),
-                     (HEADS, HEAD_DIM, EMBED))]
-    if cfg.use_bias:
-        out.append(ParamSpec("bias", (e,), zeros, (EMBED,)))
-    groups = {"query": proj(h, HEADS, 1.0), "key": proj(hkv, KV_HEADS, 1.0),
-              "value": proj(hkv, KV_HEADS, cfg.gamma_init)}
-    if cfg.layer_norm:
-        groups["sub_ln"] = (ParamSpec("scale", (h, d), ones, (HEADS, HEAD_DIM)),
-                            ParamSpec("bias", (h, d), zeros, (HEADS, HEAD_DIM)))
-    groups["out"] = tuple(out)
-    return groups
-
-
-# ---------------------------------------------------------------------- forward pass
-
-
-def _promote(dtype, *xs):
-    """Cast arrays to ``dtype`` (default: their common result type), as flax does."""
-    dtype = jnp.result_type(*xs) if dtype is None else dtype
-    return [jnp.asarray(x, dtype) for x in xs]
-
-
-def _dense(group, x, subscripts, dtype, precision):
-    kernel = group["kernel"]
-    bias = group.get("bias")
-    if bias is None:
-        x, kernel = _promote(dtype, x, kernel)
-    else:
-        x, kernel, bias = _promote(dtype, x, kernel, bias)
-    y = jnp.einsum(subscripts, x, kernel, precision=precision)
-    return y if bias is None else y + bias
-
-
-def project_qkv(params, query, key, value, *, dtype=None, precision=None):
-    """``[B, T, E]`` inputs -> q ``[B, T, H, D]``, k / v ``[B, T, Hkv, D]``."""
-    sub = "bte,ehd->bthd"
-    return (_dense(params["query"], query, sub, dtype, precision),
-            _dense(params["key"], key, sub, dtype, precision),
-            _dense(params["value"], value, sub, dtype, precision))
-
-
-def _sub_layer_norm(group, x, eps, dtype):
-    """LayerNorm over the joint (heads, head_dim) features of ``x`` [B, T, H, D]."""
-    x, scale, bias = _promote(dtype, x, group["scale"], group["bias"])
-    stats = softmax.stats_dtype(x.dtype)
-    xs = x.astype(stats)
-    mean = jnp.mean(xs, axis=(-2, -1), keepdims=True)
-    var = jnp.mean(jnp.square(xs - mean), axis=(-2, -1), keepdims=True)
-    y = ((xs - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-    return y * scale + bias
-
-
-def project_out(params, cfg: HeadsConfig, attn, *, dtype=None, precision=None):
-    """Attention output ``[B, T, H, D]`` -> (sub-LayerNorm) -> ``[B, T, E]``."""
-    if cfg.layer_norm:
-        attn = _sub_layer_norm(params["sub_ln"], attn, cfg.layer_norm_eps, dtype)
-    return _dense(params["out"], attn, "bthd,hde->bte", dtype, precision)
-
-
-# ------------------------------------------------------------------ q/k transform
-
-
-def check_qk_transform(fn):
-    """``qk_transform`` is None or a callable ``(q, k, positions) -> (q, k)``."""
-    if fn is not None and not callable(fn):
-        raise TypeError(
-            f"qk_transform must be None or a callable (q, k, positions) -> (q, k), got "
-            f"{type(fn).__name__}.")
-    return fn
-
-
-def apply_qk_transform(fn, q, k, start=0):
-    """``fn(q, k, positions)`` for the projected ``q`` [B, T, H, D] and ``k``
-    [B, T, Hkv, D] of tokens at absolute positions ``start + arange(T)`` (int32
-    [T]; ``start`` is the cache index when decoding), e.g. rotary embeddings.
-    Returns ``(q, k)`` unchanged when ``fn`` is None."""
-    if fn is None:
-        return q, k
-    positions = jnp.asarray(start, jnp.int32) + jnp.arange(q.shape[1], dtype=jnp.int32)
-    out = fn(q, k, positions)
-    if not (isinstance(out, (tuple, list)) and len(out) == 2
-            and tuple(out[0].shape) == tuple(q.shape)
-            and tuple(out[1].shape) == tuple(k.shape)):
-        got = ([tuple(getattr(x, "shape", ())) for x in out]
-               if isinstance(out, (tuple, list)) else type(out).__name__)
-        raise ValueError(
-            f"qk_transform must return (q, k) with the shapes it received, "
-            f"{tuple(q.shape)} and {tuple(k.shape)}, got {got}.")
-    return tuple(out)
 
 
 # ---------------------------------------------------------------------------- decoding

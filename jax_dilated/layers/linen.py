@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jax_dilated.core import validation
-from jax_dilated.layers import common
+from jax_dilated.layers import common, projections
 from jax_dilated.ops import decode as decoding
 
 __all__ = ["DilatedAttention", "RingAttention", "MultiheadDilatedAttention",
@@ -186,7 +186,7 @@ class _Multihead(nn.Module):
         cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
         cache_index = self.variable("cache", "cache_index",
                                     lambda: jnp.zeros((), jnp.int32))
-        q, k = common.apply_qk_transform(self.qk_transform, q, k,
+        q, k = projections.apply_qk_transform(self.qk_transform, q, k,
                                          cache_index.value if initialized else 0)
         if not initialized:  # the initialising call: an ordinary causal forward pass
             with common.precision_context(self.precision):
@@ -208,13 +208,13 @@ class _Multihead(nn.Module):
         default to it) -> [batch, seq, embed_dim]. Arguments as in
         :meth:`jax_dilated.nnx.MultiheadDilatedAttention.__call__`; ``dropout_rng``
         overrides the ``"dropout"`` rng collection."""
-        heads = common.HeadsConfig.create(
+        heads = projections.HeadsConfig.create(
             self.embed_dim, self.num_heads, self.num_kv_heads, use_bias=self.use_bias,
             layer_norm=self.layer_norm, layer_norm_eps=self.layer_norm_eps,
             gamma_init=self.gamma_init)
         core = self._core()
         heads.check_core(core)
-        common.check_qk_transform(self.qk_transform)
+        projections.check_qk_transform(self.qk_transform)
         rate = self._rate()
         if rate and not core.has_dropout:
             raise ValueError(
@@ -222,19 +222,19 @@ class _Multihead(nn.Module):
                 f"dropout_rate=0.0 (or dilated attention).")
         query, key, value = common.check_inputs(heads.embed_dim, query, key, value)
         params = {group: _ParamGroup(specs, self.param_dtype, name=group)()
-                  for group, specs in common.param_specs(heads).items()}
+                  for group, specs in projections.param_specs(heads).items()}
         dropout_rng = _dropout_key(self, rate, deterministic, dropout_rng)
-        q, k, v = common.project_qkv(params, query, key, value, dtype=self.dtype,
+        q, k, v = projections.project_qkv(params, query, key, value, dtype=self.dtype,
                                      precision=self.precision)
         if self.decode if decode is None else decode:
             attn = self._decode(core, q, k, v, kv_mask, dropout_rng)
         else:
-            q, k = common.apply_qk_transform(self.qk_transform, q, k)
+            q, k = projections.apply_qk_transform(self.qk_transform, q, k)
             with common.precision_context(self.precision):
                 attn = core(q, k, v, is_causal=is_causal, kv_mask=kv_mask,
                             dropout_rate=rate if dropout_rng is not None else 0.0,
                             dropout_rng=dropout_rng)
-        return common.project_out(params, heads, attn, dtype=self.dtype,
+        return projections.project_out(params, heads, attn, dtype=self.dtype,
                                   precision=self.precision)
 
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_dilated.core import validation
-from jax_dilated.layers import common, nnx_rngs
+from jax_dilated.layers import common, nnx_rngs, projections
 from jax_dilated.ops import decode as decoding
 
 __all__ = ["DilatedAttention", "RingAttention", "MultiheadDilatedAttention",
@@ -136,7 +136,7 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
                  dropout_rate, use_bias, layer_norm, layer_norm_eps, gamma_init, dtype,
                  param_dtype, precision, deterministic, decode, rngs: nnx.Rngs,
                  qk_transform=None):
-        self.heads = common.HeadsConfig.create(
+        self.heads = projections.HeadsConfig.create(
             embed_dim, num_heads, num_kv_heads, use_bias=use_bias, layer_norm=layer_norm,
             layer_norm_eps=layer_norm_eps, gamma_init=gamma_init)
         self.heads.check_core(core)
@@ -148,10 +148,10 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
                 f"dropout; use dropout_rate=0.0 (or dilated attention).")
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
         self.deterministic, self.decode = deterministic, decode
-        self.qk_transform = common.check_qk_transform(qk_transform)
+        self.qk_transform = projections.check_qk_transform(qk_transform)
         if not isinstance(rngs, nnx.Rngs):
             raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}.")
-        groups = common.param_specs(self.heads)
+        groups = projections.param_specs(self.heads)
         self.param_groups = tuple(groups)
         for group, specs in groups.items():
             setattr(self, group, nnx.Dict({
@@ -209,7 +209,7 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
         params = self._params()
         dropout_rng = self._dropout_key(self.dropout_rate, deterministic, rngs,
                                         type(self).__name__)
-        q, k, v = common.project_qkv(params, query, key, value, dtype=self.dtype,
+        q, k, v = projections.project_qkv(params, query, key, value, dtype=self.dtype,
                                      precision=self.precision)
         if self.decode if decode is None else decode:
             if self.cache_index is None:
@@ -218,20 +218,20 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
                     "max_len, embed_dim)) first.")
             cache = decoding.KVCache(self.cached_key[...], self.cached_value[...],
                                      self.cache_index[...])
-            q, k = common.apply_qk_transform(self.qk_transform, q, k, cache.index)
+            q, k = projections.apply_qk_transform(self.qk_transform, q, k, cache.index)
             attn, cache = common.layer_decode_step(self.core, cache, q, k, v,
                                                    kv_mask=kv_mask, dropout_rng=dropout_rng,
                                                    precision=self.precision)
             self.cached_key[...], self.cached_value[...] = cache.key, cache.value
             self.cache_index[...] = cache.index
         else:
-            q, k = common.apply_qk_transform(self.qk_transform, q, k)
+            q, k = projections.apply_qk_transform(self.qk_transform, q, k)
             with common.precision_context(self.precision):
                 attn = self.core(q, k, v, is_causal=is_causal, kv_mask=kv_mask,
                                  dropout_rate=(self.dropout_rate if dropout_rng is not None
                                                else 0.0),
                                  dropout_rng=dropout_rng)
-        return common.project_out(params, self.heads, attn, dtype=self.dtype,
+        return projections.project_out(params, self.heads, attn, dtype=self.dtype,
                                   precision=self.precision)
 
 
