@@ -158,6 +158,11 @@ def test_pattern_errors():
         bp.MaskPattern(np.ones((3, 4), bool)).to_mask(4)
     with pytest.raises(TypeError, match="BlockPattern"):
         bp.LocalWindow(1) | [[True]]
+    # one policy (core.validation): TypeError for a wrong type, ValueError for a value
+    with pytest.raises(ValueError, match=r"RandomBlocks.seed must be a non-negative int, got -1"):
+        bp.RandomBlocks(0.5, seed=-1)
+    with pytest.raises(TypeError, match=r"RandomBlocks.seed must be a non-negative int"):
+        bp.RandomBlocks(0.5, seed="1")
 
 
 def test_patterns_hashable_and_draw():

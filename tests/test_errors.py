@@ -383,3 +383,18 @@ def test_deprecated_backend_report_file_stdout(capsys):
     printed = capsys.readouterr().out
     assert jd.backend_report() == old and capsys.readouterr().out == printed
     assert jd.backend_report(quiet=True) == old and capsys.readouterr().out == ""
+
+
+def test_position_encodings_type_vs_value():
+    """Rotary / XPos follow the one validation policy: TypeError for a wrong type,
+    ValueError for a wrong value, both naming the argument."""
+    from jax_dilated.models import Rotary, XPos
+
+    with pytest.raises(TypeError, match="Rotary base must be a positive float"):
+        Rotary("1e4")
+    with pytest.raises(ValueError, match=r"Rotary base must be a float > 1, got 0.5"):
+        Rotary(0.5)
+    with pytest.raises(TypeError, match="XPos gamma must be a positive float"):
+        XPos(gamma=None)
+    with pytest.raises(ValueError, match=r"XPos scale_base must be a positive float, got -3"):
+        XPos(scale_base=-3.0)

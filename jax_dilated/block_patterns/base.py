@@ -8,16 +8,16 @@ import zlib
 
 import numpy as np
 
+from jax_dilated.core import validation
+
 
 def _nonneg_int(name: str, value, *, positive: bool = False, allow_none: bool = False):
+    """The library's integer checks (core.validation), with None allowed where a
+    pattern reads it as "unbounded"."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}.")
-    if value < (1 if positive else 0):
-        raise ValueError(
-            f"{name} must be {'positive' if positive else 'non-negative'}, got {value!r}.")
-    return int(value)
+    check = validation.check_positive_int if positive else validation.check_nonnegative_int
+    return check(name, value)
 
 
 def _density(density, sparsity_ratio, what: str) -> float:

@@ -182,12 +182,6 @@ class AllBlocks(BlockPattern):
         return np.ones((1, nq, nk), bool)
 
 
-def _seed(name: str, seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise TypeError(f"{name} must be a non-negative int, got {seed!r}.")
-    return int(seed)
-
-
 @dataclasses.dataclass(frozen=True)
 class RandomBlocks(BlockPattern):
     """Random key blocks per query block.
@@ -227,7 +221,7 @@ class RandomBlocks(BlockPattern):
             raise TypeError(f"RandomBlocks.per_head must be a bool, got {per_head!r}.")
         object.__setattr__(self, "density", dens)
         object.__setattr__(self, "num_blocks", None if num_blocks is None else int(num_blocks))
-        object.__setattr__(self, "seed", _seed("RandomBlocks.seed", seed))
+        object.__setattr__(self, "seed", _nonneg_int("RandomBlocks.seed", seed))
         object.__setattr__(self, "per_head", per_head)
         object.__setattr__(self, "within", None if within is None else as_pattern(within))
         if self.within is not None and self.within.per_head and not per_head:

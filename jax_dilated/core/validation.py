@@ -53,6 +53,17 @@ def check_positive_int(name: str, value) -> int:
     return int(value)
 
 
+def check_nonnegative_int(name: str, value) -> int:
+    """``value`` is a Python / NumPy int >= 0 (TypeError for another type, ValueError
+    for a negative value)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a non-negative int, got {value!r} "
+                        f"({type(value).__name__}).")
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}.")
+    return int(value)
+
+
 def check_positive_float(name: str, value) -> float:
     """``value`` is a Python number > 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer,

@@ -27,6 +27,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jax_dilated.core import validation
+
 __all__ = ["Rotary", "XPos", "rotate"]
 
 
@@ -93,8 +95,8 @@ class Rotary:
     base: float = 10000.0
 
     def __post_init__(self):
-        if isinstance(self.base, bool) or not isinstance(self.base, (int, float)) \
-                or not self.base > 1:
+        validation.check_positive_float("Rotary base", self.base)
+        if not self.base > 1:
             raise ValueError(f"Rotary base must be a float > 1, got {self.base!r}.")
 
     def __call__(self, q, k, positions):
@@ -131,9 +133,7 @@ class XPos:
     def __post_init__(self):
         Rotary(self.base)
         for name in ("scale_base", "gamma"):
-            x = getattr(self, name)
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
-                raise ValueError(f"XPos {name} must be a positive float, got {x!r}.")
+            validation.check_positive_float(f"XPos {name}", getattr(self, name))
 
     def scales(self, positions, head_dim: int, dtype=jnp.float32):
         """The query scale ``zeta^((n - c)/B)`` [T, head_dim] (keys use its inverse)."""
