@@ -398,3 +398,27 @@ def test_position_encodings_type_vs_value():
         XPos(gamma=None)
     with pytest.raises(ValueError, match=r"XPos scale_base must be a positive float, got -3"):
         XPos(scale_base=-3.0)
+
+
+def test_generate_sampling_options_type_vs_value():
+    """generate's temperature / top_k: TypeError for a wrong type, ValueError for a
+    wrong value (they raised ValueError for both)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_dilated.models import LongNetConfig, LongNetLM
+
+    cfg = LongNetConfig(vocab_size=16, embed_dim=8, num_heads=2, num_layers=1, max_len=16,
+                        segment_lengths=(4,), dilation_rates=(1,))
+    model = LongNetLM(cfg, rngs=nnx.Rngs(0))
+    prompt = jnp.asarray([[1, 2, 3]], jnp.int32)
+    with pytest.raises(TypeError, match=r"temperature must be a float >= 0, got '1'"):
+        model.generate(prompt, max_new_tokens=1, temperature="1")
+    with pytest.raises(ValueError, match=r"temperature must be a float >= 0, got -0.5"):
+        model.generate(prompt, max_new_tokens=1, temperature=-0.5)
+    with pytest.raises(TypeError, match=r"top_k must be a positive int, got 2.0"):
+        model.generate(prompt, max_new_tokens=1, temperature=1.0, top_k=2.0)
+    with pytest.raises(ValueError, match=r"top_k must be a positive int, got 0"):
+        model.generate(prompt, max_new_tokens=1, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match=r"top_k must be None or an int in \[1, vocab_size=16\], got 17"):
+        model.generate(prompt, max_new_tokens=1, temperature=1.0, top_k=17)

@@ -251,14 +251,16 @@ class LongNetLM(nnx.Module):
             raise ValueError(f"prompt must be an int array [batch, prompt_len >= 1], got "
                              f"{prompt.dtype} {tuple(prompt.shape)}.")
         max_new_tokens = validation.check_positive_int("max_new_tokens", max_new_tokens)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or temperature < 0:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"temperature must be a float >= 0, got {temperature!r}.")
+        if not temperature >= 0:
             raise ValueError(f"temperature must be a float >= 0, got {temperature!r}.")
         sample = temperature > 0
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
-                                  or not 1 <= top_k <= self.config.vocab_size):
-            raise ValueError(f"top_k must be None or an int in [1, vocab_size="
-                             f"{self.config.vocab_size}], got {top_k!r}.")
+        if top_k is not None:
+            top_k = validation.check_positive_int("top_k", top_k)
+            if top_k > self.config.vocab_size:
+                raise ValueError(f"top_k must be None or an int in [1, vocab_size="
+                                 f"{self.config.vocab_size}], got {top_k!r}.")
         if top_k is not None and not sample:
             raise ValueError("top_k is for sampling: pass a temperature > 0.")
         if sample and rng is None:
