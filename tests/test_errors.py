@@ -6,6 +6,9 @@ useful, the value received), as docs/semantics.md, section 1 requires.
 
 from __future__ import annotations
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -422,3 +425,200 @@ def test_generate_sampling_options_type_vs_value():
         model.generate(prompt, max_new_tokens=1, temperature=1.0, top_k=0)
     with pytest.raises(ValueError, match=r"top_k must be None or an int in \[1, vocab_size=16\], got 17"):
         model.generate(prompt, max_new_tokens=1, temperature=1.0, top_k=17)
+
+
+# ------------------------------------------- issue 20: inputs that gave a silent wrong
+# answer or an error from inside JAX / Python arithmetic (each failed before the fix)
+
+from jax_dilated.ops import decode as decoding  # noqa: E402
+
+
+def _decode_inputs():
+    x = _arr((1, 8, 2, 4), jnp.float64, seed=3)
+    return x[:, 3:4], x, x
+
+
+@pytest.mark.parametrize("position, error, match", [
+    (8, ValueError, r"position must be in \[0, 8\).*got 8"),       # past the cache
+    (-1, ValueError, r"position must be in \[0, 8\).*got -1"),      # wrapped to slot 7
+    (np.int32(9), ValueError, r"position must be in \[0, 8\)"),
+    (jnp.array([1, 2]), ValueError, r"position must be a scalar.*\(2,\)"),
+    (jnp.array([[3]]), ValueError, r"position must be a scalar.*\(1, 1\)"),
+    (2.5, TypeError, r"position must be an int scalar"),
+    (jnp.array(2.0), TypeError, r"position must have an integer dtype"),
+    (True, TypeError, r"position must be an int scalar"),
+])
+def test_decode_position_checked_at_trace_time(position, error, match):
+    q, k, v = _decode_inputs()
+    with pytest.raises(error, match=match):
+        jd.dilated_attention_decode(q, k, v, position, **CFG)
+
+
+def test_decode_non_scalar_position_never_mixes_heads():
+    """A [heads]-shaped position broadcast against the heads (it used to return a
+    result mixing positions across heads) is refused, traced or not."""
+    q, k, v = _decode_inputs()
+    step = jax.jit(lambda p: jd.dilated_attention_decode(q, k, v, p, **CFG))
+    with pytest.raises(ValueError, match=r"position must be a scalar.*\(2,\)"):
+        step(jnp.array([3, 5]))
+
+
+def test_decode_traced_position_out_of_range_is_nan():
+    q, k, v = _decode_inputs()
+    step = jax.jit(lambda p: jd.dilated_attention_decode(q, k, v, p, **CFG))
+    for p in (8, 100, -1):
+        assert np.all(np.isnan(np.asarray(step(jnp.int32(p))))), p
+    full = jd.dilated_attention(k, k, k, is_causal=True, **CFG)
+    np.testing.assert_allclose(np.asarray(step(jnp.int32(3))), np.asarray(full[:, 3:4]),
+                               atol=1e-12)
+
+
+def test_decode_step_negative_index():
+    """A negative cache index: ValueError when concrete; traced, NaN and the cache
+    left unchanged (as for a full cache)."""
+    cache = decoding.init_kv_cache(1, 4, 2, 4, jnp.float64)
+    x = _arr((1, 1, 2, 4), jnp.float64)
+    bad = cache._replace(index=jnp.int32(-1))
+    with pytest.raises(ValueError, match=r"cache.index must be >= 0 .*got -1"):
+        decoding.decode_step(bad, x, x, x, **CFG)
+    with pytest.raises(ValueError, match=r"cache.index must be >= 0"):
+        decoding.decode_tokens(bad, jnp.tile(x, (1, 2, 1, 1)), jnp.tile(x, (1, 2, 1, 1)),
+                               jnp.tile(x, (1, 2, 1, 1)), **CFG)
+    out, after = jax.jit(lambda c: decoding.decode_step(c, x, x, x, **CFG))(bad)
+    assert np.all(np.isnan(np.asarray(out)))
+    np.testing.assert_array_equal(np.asarray(after.key), np.asarray(cache.key))
+    assert int(after.index) == -1
+    with pytest.raises(TypeError, match=r"cache.index must be an int array of shape \(\)"):
+        decoding.decode_step(cache._replace(index=jnp.zeros((2,), jnp.int32)), x, x, x,
+                             **CFG)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), -float("inf")])
+def test_non_finite_scale_rejected_everywhere(qkv, scale):
+    """scale=inf made every output NaN; the Linen layer accepted NaN until its call."""
+    with pytest.raises(ValueError, match=r"scale must be positive and finite"):
+        call(*qkv, scale=scale)
+    with pytest.raises(ValueError, match=r"scale must be positive and finite"):
+        jd.dilated_attention_decode(*_decode_inputs(), 3, scale=scale, **CFG)
+    with pytest.raises(ValueError, match=r"scale must be positive and finite"):
+        _layer(scale=scale)
+    with pytest.raises(ValueError, match=r"scale must be positive and finite"):
+        # construction alone, before init or any call
+        jd.linen.MultiheadDilatedAttention(embed_dim=16, num_heads=2, scale=scale, **CFG)
+    with pytest.raises(ValueError, match=r"scale must be positive and finite"):
+        jd.linen.DilatedAttention(**CFG, scale=scale)
+    with pytest.raises(ValueError, match=r"scale must be positive and finite"):
+        jd.attention_fn(**CFG, scale=scale)
+
+
+def test_linen_layers_validate_on_construction():
+    mesh = jax.make_mesh((1,), ("seq",))
+    with pytest.raises(ValueError, match=r"block_q must be a positive int, got -4"):
+        jd.linen.MultiheadDilatedAttention(embed_dim=16, num_heads=2, block_q=-4, **CFG)
+    with pytest.raises(TypeError, match=r"block_k must be a positive int, got 7.5"):
+        jd.linen.RingAttention(mesh=mesh, seq_axis="seq", block_k=7.5)
+    with pytest.raises(ValueError, match=r'mode="head_groups" needs at least as many heads'):
+        jd.linen.MultiheadDilatedAttention(embed_dim=16, num_heads=1, mode="head_groups",
+                                           **CFG)
+    with pytest.raises(ValueError, match=r"embed_dim"):
+        jd.linen.MultiheadRingAttention(embed_dim=15, num_heads=2, mesh=mesh,
+                                        seq_axis="seq")
+
+
+@pytest.mark.parametrize("value, error", [(-4, ValueError), (7.5, TypeError),
+                                          ("64", TypeError), (0, ValueError)])
+@pytest.mark.parametrize("name", ["block_q", "block_k"])
+def test_block_sizes_rejected_wherever_they_enter(qkv, name, value, error):
+    """block_q / block_k of -4, 7.5, "64" and 0 (0 used to mean the default) are
+    refused with a message naming the argument, in every entry point."""
+    mesh = jax.make_mesh((1,), ("seq",))
+    match = rf"{name} must be a positive int, got {value!r}"
+    builds = [
+        lambda: call(*qkv, **{name: value}),
+        lambda: jd.sharded(functools.partial(jd.ring_attention, **{name: value}), mesh,
+                           seq_axis="seq")(*qkv),
+        lambda: jd.dilated_attention_decode(*_decode_inputs(), 3, **CFG, **{name: value}),
+        lambda: jd.attention_fn(**CFG, **{name: value}),
+        lambda: _layer(**{name: value}),
+        lambda: jd.nnx.RingAttention(mesh=mesh, seq_axis="seq", **{name: value}),
+        lambda: jd.linen.DilatedAttention(**CFG, **{name: value}),
+    ]
+    for build in builds:
+        with pytest.raises(error, match=match):
+            build()
+    with pytest.raises(error, match=rf"LongNetConfig.{match}"):
+        jd.models.LongNetConfig(vocab_size=8, embed_dim=16, num_heads=2, **CFG,
+                                **{name: value})
+
+
+@pytest.mark.parametrize("shape, dim", [((2, 16, 4, 0), "head_dim"), ((0, 16, 4, 8), "batch"),
+                                        ((2, 0, 4, 8), "seq"), ((2, 16, 0, 8), "heads")])
+def test_empty_dimensions_one_policy(shape, dim):
+    """Zero-size dimensions ended in ZeroDivisionError (or JAX's scan/slice errors);
+    every entry point now raises the same ValueError (docs/semantics.md, section 1)."""
+    z = jnp.zeros(shape, jnp.float32)
+    mesh = jax.make_mesh((1,), ("seq",))
+    match = rf"query has an empty {dim} dimension: shape {re.escape(str(shape))}"
+    builds = [
+        lambda: call(z, z, z),
+        lambda: jd.block_sparse_attention(z, z, z, block_size=4,
+                                          pattern=np.ones((4, 4), bool)),
+        lambda: jd.sharded(jd.ring_attention, mesh, seq_axis="seq")(z, z, z),
+        lambda: jd.sharded(functools.partial(jd.dilated_attention, **CFG), mesh,
+                           seq_axis="seq")(z, z, z),
+        lambda: jd.attention_fn(**CFG)(z, z, z),
+    ]
+    for build in builds:
+        with pytest.raises(ValueError, match=match):
+            build()
+    # decoding: a cache with an empty dimension (seq: max_len 0)
+    with pytest.raises(ValueError, match=rf"key has an empty {dim} dimension"):
+        jd.dilated_attention_decode(_arr((2, 1, 4, 8)), z, z, 0, **CFG)
+
+
+def test_sharded_checks_global_shapes():
+    mesh = jax.make_mesh((2,), ("seq",))
+    x = _arr((2, 16, 4, 8))
+    attn = jd.sharded(jd.ring_attention, mesh, seq_axis="seq")
+    with pytest.raises(ValueError, match=r"key/value length must equal query length.*"
+                                         r"\(2, 16, 4, 8\).*\(2, 8, 4, 8\)"):
+        attn(x, x[:, :8], x[:, :8])
+    mesh2 = jax.make_mesh((2, 2), ("b", "seq"))
+    x3 = _arr((3, 16, 4, 8))
+    with pytest.raises(ValueError, match=r"batch_axis='b' has 2 devices: the batch size "
+                                         r"must be divisible by it.*\(3, 16, 4, 8\)"):
+        jd.sharded(jd.ring_attention, mesh2, seq_axis="seq", batch_axis="b")(x3, x3, x3)
+    for not_a_mesh in ("mesh", {"seq": 2}, mesh.devices):
+        with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh"):
+            jd.sharded(jd.ring_attention, not_a_mesh, seq_axis="seq")
+
+
+@pytest.mark.parametrize("seq_len, error", [("big", TypeError), (0, ValueError),
+                                            (-8, ValueError), (8.0, TypeError)])
+def test_factory_seq_len_checked(seq_len, error):
+    with pytest.raises(error, match=rf"seq_len must be a positive int, got {seq_len!r}"):
+        jd.create_multihead_dilated_attention("auto", seq_len=seq_len, embed_dim=16,
+                                              num_heads=2, rngs=nnx.Rngs(0), **CFG)
+    with pytest.raises(error, match=r"seq_len must be a positive int"):
+        jd.create_multihead_dilated_attention("dilated", seq_len=seq_len, embed_dim=16,
+                                              num_heads=2, rngs=nnx.Rngs(0), **CFG)
+
+
+@pytest.mark.parametrize("changes, error, match", [
+    (dict(num_heads=1, mode="head_groups"), ValueError, r"needs at least as many heads"),
+    (dict(implementation="foo"), ValueError, r"LongNetConfig.implementation must be one"),
+    (dict(implementation=1), ValueError, r"LongNetConfig.implementation must be one"),
+    (dict(param_dtype=jnp.int32), TypeError, r"LongNetConfig.param_dtype must be a "
+                                             r"floating dtype"),
+    (dict(dtype="big"), TypeError, r"LongNetConfig.dtype must be a floating dtype"),
+])
+def test_longnet_config_refuses_what_the_model_would(changes, error, match):
+    base = dict(vocab_size=8, embed_dim=16, num_heads=2, num_layers=1, **CFG)
+    with pytest.raises(error, match=match):
+        jd.models.LongNetConfig(**{**base, **changes})
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", np.bool_(True)])
+def test_attention_fn_is_causal_is_a_flag(value):
+    with pytest.raises(TypeError, match=rf"is_causal must be a Python bool, got"):
+        jd.attention_fn(**CFG, is_causal=value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import jax
@@ -11,7 +12,8 @@ import numpy as np
 __all__ = ["axis_size", "check_qkv", "check_kv_mask", "check_dropout", "check_dropout_rate",
            "check_scale", "check_scale_option", "default_scale", "check_flag",
            "check_positive_int", "check_positive_float", "check_block_sizes",
-           "check_mesh_axes", "check_mesh_axis", "renamed", "warn_renamed"]
+           "check_nonnegative_int", "check_position", "check_mesh_axes", "check_mesh_axis",
+           "renamed", "warn_renamed"]
 
 
 # ------------------------------------------------------------------- deprecations
@@ -96,6 +98,15 @@ def check_qkv(query, key, value) -> tuple[int, int, int, int, int]:
             )
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{name} must be a floating array, got dtype {x.dtype}.")
+        empty = [dim for dim, n in zip(("batch", "seq", "heads", "head_dim"), x.shape)
+                 if n == 0]
+        if empty:
+            # One policy for every entry point (docs/semantics.md, section 1): an empty
+            # dimension is an error, never an empty or NaN result.
+            raise ValueError(
+                f"{name} has an empty {' and '.join(empty)} dimension: shape "
+                f"{tuple(x.shape)} [batch, seq, heads, head_dim]; every dimension must "
+                f"be at least 1.")
     if key.shape != value.shape:
         raise ValueError(
             f"key and value must have the same shape, got key {tuple(key.shape)} and "
@@ -163,14 +174,16 @@ def check_dropout(dropout_rate, dropout_rng) -> float:
 
 
 def check_scale_option(scale) -> float | None:
-    """``scale`` is None (the default ``1/sqrt(head_dim)``) or a positive Python number."""
+    """``scale`` is None (the default ``1/sqrt(head_dim)``) or a positive, finite
+    Python number (``inf`` would turn every logit into ``inf`` or NaN)."""
     if scale is None:
         return None
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer,
+                                                         np.floating)):
         raise TypeError(f"scale must be None or a positive Python float, got {scale!r}.")
-    if not scale > 0:
-        raise ValueError(f"scale must be positive (or None for 1/sqrt(head_dim)), got "
-                         f"{scale!r}.")
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be positive and finite (or None for "
+                         f"1/sqrt(head_dim)), got {scale!r}.")
     return float(scale)
 
 
@@ -182,6 +195,35 @@ def check_scale(scale, head_dim: int) -> float:
 
 def default_scale(head_dim: int) -> float:
     return float(head_dim) ** -0.5
+
+
+def check_position(position, length: int, name: str = "position"):
+    """A token position ``0 <= position < length``: an int scalar, concrete or traced.
+
+    Returns ``(p, bad)``: ``p`` the position as an int32 scalar, clipped into
+    ``[0, length)`` so that it can index; ``bad`` None when the position was checked
+    here (a Python int or a concrete array: out of range is a ``ValueError``), or,
+    for a traced position, a bool scalar that is True when it is out of range (the
+    caller turns its result into NaN rather than a silently wrong number).
+    A float or bool position is a ``TypeError``, a non-scalar one a ``ValueError``.
+    """
+    if isinstance(position, bool) or not isinstance(position, (int, np.integer,
+                                                               np.ndarray, jax.Array)):
+        raise TypeError(f"{name} must be an int scalar (Python int or int array of "
+                        f"shape ()), got {position!r} ({type(position).__name__}).")
+    if isinstance(position, (np.ndarray, jax.Array)):
+        if position.ndim != 0:
+            raise ValueError(f"{name} must be a scalar (one position for the whole "
+                             f"batch), got shape {tuple(position.shape)}.")
+        if not jnp.issubdtype(position.dtype, jnp.integer):
+            raise TypeError(f"{name} must have an integer dtype, got {position.dtype}.")
+    if isinstance(position, jax.core.Tracer):
+        p = position.astype(jnp.int32)
+        return jnp.clip(p, 0, length - 1), (p < 0) | (p >= length)
+    if not 0 <= int(position) < length:
+        raise ValueError(f"{name} must be in [0, {length}) (the cache holds {length} "
+                         f"slots), got {int(position)}.")
+    return jnp.asarray(int(position), jnp.int32), None
 
 
 def check_flag(name: str, value) -> bool:

@@ -70,6 +70,8 @@ def choose_kind(*, segment_lengths=None, mesh=None, seq_axis: str | None = None,
 
     The reason also names the kernel the device kind selects.
     """
+    if seq_len is not None:
+        validation.check_positive_int("seq_len", seq_len)
     if pattern is not None:
         choice = choose_kind(segment_lengths=(), mesh=mesh, seq_axis=seq_axis,
                              seq_len=seq_len, device=device)
@@ -141,6 +143,7 @@ def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
       The layer, or ``(layer, choice)`` with ``explain=True``.
 
     Raises:
+      TypeError / ValueError: for a ``seq_len`` that is not a positive int.
       ValueError: for an unknown kind, a ring kind without a mesh,
         a mesh without the named axis, ``"dilated"`` with a mesh, ``"ring"`` with
         dilated-attention options.
@@ -161,6 +164,8 @@ def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
     classes = _layer_classes(api)
+    if seq_len is not None:
+        validation.check_positive_int("seq_len", seq_len)
     mesh, seq_axis = config.get("mesh"), config.get("seq_axis")
     validation.check_mesh_axes(mesh, seq_axis, config.get("batch_axis"),
                                config.get("head_axis"))

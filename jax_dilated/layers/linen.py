@@ -73,15 +73,22 @@ class DilatedAttention(nn.Module):
     block_q: int | None = None
     block_k: int | None = None
 
-    @nn.compact
-    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
-                 deterministic: bool | None = None, dropout_rng=None):
-        core = common.dilated_core(
+    def __post_init__(self):
+        super().__post_init__()
+        self._core()  # validate the fields on construction, as the NNX layers do
+
+    def _core(self):
+        return common.dilated_core(
             segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates,
             mode=self.mode, head_offsets=self.head_offsets, scale=self.scale,
             implementation=self.implementation, attention_fn=self.attention_fn,
             mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis,
             head_axis=self.head_axis, block_q=self.block_q, block_k=self.block_k)
+
+    @nn.compact
+    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
+                 deterministic: bool | None = None, dropout_rng=None):
+        core = self._core()
         rate = validation.check_dropout_rate(self.dropout_rate)
         key_ = _dropout_key(self, rate, deterministic, dropout_rng)
         return core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
@@ -113,14 +120,20 @@ class RingAttention(nn.Module):
     block_q: int | None = None
     block_k: int | None = None
 
-    @nn.compact
-    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None):
-        core = common.ring_core(mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
+    def __post_init__(self):
+        super().__post_init__()
+        self._core()  # validate the fields on construction, as the NNX layers do
+
+    def _core(self):
+        return common.ring_core(mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
                                 batch_axis=self.batch_axis, head_axis=self.head_axis,
                                 scale=self.scale, implementation=self.implementation,
                                 attention_fn=self.attention_fn, block_q=self.block_q,
                                 block_k=self.block_k)
-        return core(query, key, value, is_causal=is_causal, kv_mask=kv_mask)
+
+    @nn.compact
+    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None):
+        return self._core()(query, key, value, is_causal=is_causal, kv_mask=kv_mask)
 
 
 class _ParamGroup(nn.Module):
@@ -173,6 +186,16 @@ class _Multihead(nn.Module):
 
     def _core(self) -> common.AttentionCore:
         raise NotImplementedError  # defined by every public subclass
+
+    def __post_init__(self):
+        super().__post_init__()
+        # validate the fields on construction, as the NNX layers do (scale, branches,
+        # block sizes, mesh, heads); the call checks them again
+        if type(self) is not _Multihead:
+            projections.HeadsConfig.create(
+                self.embed_dim, self.num_heads, self.num_kv_heads, use_bias=self.use_bias,
+                layer_norm=self.layer_norm, layer_norm_eps=self.layer_norm_eps,
+                gamma_init=self.gamma_init).check_core(self._core())
 
     def _decode(self, core, q, k, v, kv_mask, dropout_rng):
         """Decoding through the ``cache`` collection (created by the first call)."""

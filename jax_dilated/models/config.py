@@ -9,6 +9,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jax_dilated.backends.registry import IMPLEMENTATIONS
 from jax_dilated.core import branch_plans, validation
 from jax_dilated.layers import projections
 from jax_dilated.models.positions import Rotary, XPos
@@ -122,6 +123,22 @@ class LongNetConfig:
         _choice("ffn", self.ffn, FFNS)
         _choice("mode", self.mode, branch_plans.MODES)
         _choice("head_offsets", self.head_offsets, branch_plans.HEAD_OFFSETS)
+        if self.mode == "head_groups":  # each branch needs a head group of its own
+            branch_plans.head_groups(self.num_heads, len(self.segment_lengths))
+        # the kernel's name (whether it can run is a property of the device, checked
+        # when the model is built there)
+        _choice("implementation", self.implementation, (None,) + IMPLEMENTATIONS)
+        for name in ("dtype", "param_dtype"):
+            dtype = getattr(self, name)
+            if dtype is None and name == "dtype":
+                continue
+            try:
+                floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+            except TypeError:
+                floating = False
+            if not floating:
+                raise TypeError(f"LongNetConfig.{name} must be a floating dtype"
+                                f"{' or None' if name == 'dtype' else ''}, got {dtype!r}.")
         projections.HeadsConfig.create(self.embed_dim, self.num_heads, self.num_kv_heads,
                                   layer_norm_eps=self.layer_norm_eps)
         if self.positions != "none" and self.head_dim % 2:

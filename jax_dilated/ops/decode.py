@@ -91,7 +91,9 @@ def dilated_attention_decode(query, key_cache, value_cache, position, *, segment
       key_cache, value_cache: [batch, max_len, num_kv_heads, head_dim]; slots
         ``0..position`` hold the keys/values of tokens ``0..position`` (the current
         token's included); later slots are never read.
-      position: int scalar (may be traced), ``0 <= position < max_len``.
+      position: int scalar (may be traced), ``0 <= position < max_len``. A float or
+        non-scalar position, or a concrete one out of range, raises at trace time;
+        a traced one out of range gives a NaN output (never a wrong number).
       segment_lengths, dilation_rates, mode, head_offsets, scale, implementation: as
         in :func:`jax_dilated.dilated_attention`.
       block_q, block_k: kernel block sizes, as in :func:`jax_dilated.dilated_attention`
@@ -131,10 +133,12 @@ def dilated_attention_decode(query, key_cache, value_cache, position, *, segment
     block_q, block_k = validation.check_block_sizes(block_q, block_k)
     args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
                       block_q=block_q, block_k=block_k)
-    p = jnp.asarray(position, jnp.int32)
+    # a concrete position out of [0, max_len) raises here; a traced one gives NaN
+    p, bad = validation.check_position(position, key_cache.shape[1])
     results = [_branch_decode(kernel, plan, query, key_cache, value_cache, p, args, h)
                for plan in plans]
-    return combine_branches(results, mode, query.dtype)[0]
+    out = combine_branches(results, mode, query.dtype)[0]
+    return out if bad is None else jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)
 
 
 def _write(cache_array, x, slot, keep_old):
@@ -144,6 +148,19 @@ def _write(cache_array, x, slot, keep_old):
     old = jax.lax.dynamic_slice(cache_array, start, x.shape)
     x = jnp.where(keep_old, old, x.astype(cache_array.dtype))
     return jax.lax.dynamic_update_slice(cache_array, x, start)
+
+
+def _check_index(index):
+    """``cache.index``: an int scalar, >= 0 when concrete (a traced negative index is an
+    overflow: NaN output, cache unchanged)."""
+    if getattr(index, "ndim", None) != 0 or not jnp.issubdtype(index.dtype, jnp.integer):
+        raise TypeError(
+            f"cache.index must be an int array of shape () (the number of tokens "
+            f"written), got {index!r}.")
+    if not isinstance(index, jax.core.Tracer) and int(index) < 0:
+        raise ValueError(f"cache.index must be >= 0 (the number of tokens written), got "
+                         f"{int(index)}.")
+    return index
 
 
 def decode_step(cache: KVCache, query, key, value, **config):
@@ -160,9 +177,10 @@ def decode_step(cache: KVCache, query, key, value, **config):
 
     Raises:
       ValueError: on a shape mismatch with the cache, and - when ``cache.index`` is
-        concrete (eager code) - when the cache is full. Under ``jax.jit`` the index is
-        traced and cannot raise: a step past the end leaves the cache unchanged and
-        returns NaN, so an overflow is never a silently wrong number.
+        concrete (eager code) - when the cache is full or the index negative. Under
+        ``jax.jit`` the index is traced and cannot raise: a step past the end (or at a
+        negative index) leaves the cache unchanged and returns NaN, so an overflow is
+        never a silently wrong number.
     """
     b, max_len, hkv, d = cache.key.shape
     want = (b, 1, hkv, d)
@@ -171,13 +189,13 @@ def decode_step(cache: KVCache, query, key, value, **config):
             f"the new key/value must be [batch, 1, num_kv_heads, head_dim] = {want} to "
             f"match the cache {tuple(cache.key.shape)}, got key {tuple(key.shape)} and "
             f"value {tuple(value.shape)}.")
-    index = cache.index
+    index = _check_index(cache.index)
     if not isinstance(index, jax.core.Tracer) and int(index) >= max_len:
         raise ValueError(
             f"KV cache overflow: the cache holds max_len={max_len} tokens and all are "
             f"used (index {int(index)}); initialise a longer cache.")
-    overflow = index >= max_len
-    slot = jnp.minimum(index, max_len - 1)
+    overflow = (index >= max_len) | (index < 0)
+    slot = jnp.clip(index, 0, max_len - 1)
     new = KVCache(_write(cache.key, key, slot, overflow),
                   _write(cache.value, value, slot, overflow),
                   index + jnp.where(overflow, 0, 1).astype(index.dtype))
@@ -224,7 +242,7 @@ def decode_tokens(cache: KVCache, query, key, value, **config):
     if n > max_len:
         raise ValueError(
             f"KV cache overflow: {n} tokens do not fit a cache of max_len={max_len}.")
-    index = cache.index
+    index = _check_index(cache.index)
     concrete = not isinstance(index, jax.core.Tracer)
     if concrete and int(index) + n > max_len:
         raise ValueError(

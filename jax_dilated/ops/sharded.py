@@ -102,22 +102,26 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
     mask_spec = P(batch_axis, seq_axis)
 
     def run(query, key, value, *, kv_mask=None):
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            if getattr(x, "ndim", None) != 4:
-                raise ValueError(
-                    f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape "
-                    f"{getattr(x, 'shape', None)}."
-                )
-        layouts.check_divisible(query.shape[1], num, layout)
-        # check the mask against the global shapes here: inside shard_map a mistake
-        # would be reported with shard shapes
+        # check the global shapes here: inside shard_map a mistake would be reported
+        # with shard shapes, or by JAX's sharding machinery
+        b, t, h, hkv, tk = validation.check_qkv(query, key, value)
+        if tk != t:
+            raise ValueError(
+                f"jd.sharded shards query and key/value over the same sequence axis: key/"
+                f"value length must equal query length, got query {tuple(query.shape)} "
+                f"and key {tuple(key.shape)}.")
+        if batch_axis is not None and b % mesh.shape[batch_axis]:
+            raise ValueError(
+                f"batch_axis={batch_axis!r} has {mesh.shape[batch_axis]} devices: the "
+                f"batch size must be divisible by it, got query {tuple(query.shape)}.")
+        layouts.check_divisible(t, num, layout)
         validation.check_kv_mask(kv_mask, query.shape[0], key.shape[1])
         if head_axis is not None:
             hsize = mesh.shape[head_axis]
-            if query.shape[2] % hsize or key.shape[2] % hsize:
+            if h % hsize or hkv % hsize:
                 raise ValueError(
                     f"head_axis={head_axis!r} has {hsize} devices: num_heads "
-                    f"({query.shape[2]}) and num_kv_heads ({key.shape[2]}) must both be "
+                    f"({h}) and num_kv_heads ({hkv}) must both be "
                     f"divisible by it."
                 )
         # Re-layout inside shard_map (O(T / P) moved per device) when the shards allow
