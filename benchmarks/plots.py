@@ -76,7 +76,8 @@ def dilated(payload, ax_pair):
                 t = run["variants"].get(v, {}).get(p)
                 groups[v].append(None if t is None else t["median_s"] * 1e3)
                 errors[v].append(None if t is None else (t["min_s"] * 1e3, t["max_s"] * 1e3))
-    _bars(ax_t, labels, groups, "ms (median, min..max)", errors)
+    _bars(ax_t, labels, groups, "ms (median, min..max; log scale)", errors)
+    ax_t.set_yscale("log")
     ax_t.set_title(f"time at n={cfg['seq_len']}", fontsize=9)
     memory = payload.get("memory", {})
     for key, mem in memory.items():
