@@ -35,6 +35,7 @@ import numpy as np
 from benchmarks import devices as dev
 from benchmarks import harness
 from benchmarks.baselines import ringattention as ra_peer
+from benchmarks.dilated import CHECK_RTOL
 from benchmarks.harness import fmt_bytes, fmt_ms, fmt_spread, int_list, str_list
 
 DEFAULTS = dict(seq_len=16384, memory_seq_len=32768)
@@ -42,8 +43,6 @@ QUICK = dict(seq_len=2048, memory_seq_len=4096)
 LAYOUTS = ("contiguous", "zigzag", "striped")
 SINGLE = "single device"
 RINGATTENTION = ra_peer.NAME
-# agreement threshold of the cross-checks, max |diff| relative to max |reference|
-CHECK_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
