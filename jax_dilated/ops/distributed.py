@@ -21,7 +21,7 @@ Ring rather than all-gather: a ring step sends one ``n / r`` block and overlaps 
 compute, and memory stays one block; an all-gather would hold all ``g`` blocks
 (``w / r`` tokens) at once and, for the backward, needs a reduce-scatter of the same
 size. Both send ``(g - 1) n / r`` tokens per device in total. Measured
-(``scripts/benchmark.py distributed --allgather``: global n=65536, 8 heads, head_dim
+(``python -m benchmarks distributed --allgather``: global n=65536, 8 heads, head_dim
 64, float32, causal, the branch (65536, 16) alone at P=8): compiled forward+backward
 temp memory per device 40.1 MiB as a ring, 65.1 MiB as an all-gather.
 
