@@ -166,8 +166,9 @@ def distributed(payload, ax_pair):
                                  [t["max_s"] * 1e3 - m for m, (_, t) in zip(med, timed)]],
                   fmt="o-", capsize=2)
     _log2x(ax_t, xs, "devices P")
-    ax_t.set_ylabel("fwd+bwd ms (whole simulated mesh; median, min..max)")
-    ax_t.set_title("time (the simulated devices share the cores)", fontsize=9)
+    ax_t.set_ylabel("fwd+bwd ms (median, min..max)")
+    ax_t.set_title("time of the whole simulated mesh (its devices share the cores)",
+                   fontsize=9)
 
 
 # ----------------------------------------------------------------- block_sparse

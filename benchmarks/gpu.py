@@ -1,0 +1,472 @@
+"""``python -m benchmarks gpu``: the kernels on one accelerator.
+
+Usage (on a GPU machine; docs/benchmarks.md has the exact commands)::
+
+    python -m benchmarks gpu                     # n = 16K, 64K, 256K, 1M
+    python -m benchmarks gpu --sizes 16384,65536 --ops dilated,segments
+    python -m benchmarks gpu --quick --allow-cpu  # tiny sizes, checks the op
+
+Measured per sequence length ``n`` (batch 1, 16 heads, head_dim 128, bfloat16,
+segments 2048/4096/8192/16384, rates 1/2/4/8 by default), forward and
+forward+backward (the gradient of ``sum(out * g)``), each a jitted function:
+
+``dilated/<mode>``
+    ``jd.dilated_attention`` with ``implementation=--implementation`` (default
+    None: by device kind), modes head_groups and longnet.
+``segments/<mode>``
+    Only the kernel calls dilated attention makes: for every branch ``(w, r)`` the
+    chosen kernel's differentiable attention on a batch of dense dilated segments
+    ``[B n / w, w / r, heads of the branch, D]`` (cut from the inputs inside the
+    program; segments are whole: ``n`` a multiple of every ``w``) - no gather,
+    scatter or merge. The TFLOP/s ratio dilated / segments is the "at least 70%"
+    target.
+``ring_device``
+    One device's share of a ``--ring-devices`` P ring (default 8) over the whole
+    sequence, contiguous layout: ``n / P`` queries of the last device against the
+    ``P`` key/value blocks - ``P - 1`` full blocks and the causal diagonal when
+    ``--causal`` (every step's mask kind static), merged with
+    ``softmax.merge_partials``. Communication is not included.
+``dense``
+    Exact attention over the whole sequence through the kernel (cuDNN on a GPU),
+    up to ``--dense-max-n`` (default 65536; it is O(n^2)).
+``torch/head_groups``
+    The PyTorch dilated-attention library's approach
+    (``benchmarks/baselines/torch_sdpa.py``: ``F.scaled_dot_product_attention`` per
+    dilated segment batch) on the same device (CUDA when available). Its longnet
+    mode uses CPU-only aten ops, so on CUDA only head_groups runs.
+
+Reported: median time and spread of ``--repeats`` calls after ``--warmup``
+(``harness.time_calls``; cells run one after another, each holding the device
+alone), tokens/s, achieved TFLOP/s from the attention FLOPs the sparse pattern
+needs (``dilated_flops``: ``4 D`` per attended (query, key) pair forward;
+forward+backward counted as 3.5x forward, the FlashAttention convention: the
+backward's four matmuls plus the recomputed ``QK^T``), compiled memory
+(``harness.compiled_memory``) and the device's ``memory_stats`` (bytes in use
+before, process peak after). Errors (e.g. out of memory) are recorded per cell.
+The table is printed twice: aligned, and as the Markdown table that
+docs/benchmarks.md's "## The GPU table" section holds (also written next to the
+JSON as ``<json stem>.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import subprocess
+from pathlib import Path
+
+from benchmarks import harness
+from benchmarks.harness import fmt_bytes, fmt_ms, int_list, str_list
+
+DEFAULTS = dict(sizes=(16384, 65536, 262144, 1048576), segments=(2048, 4096, 8192, 16384),
+                rates=(1, 2, 4, 8))
+QUICK = dict(sizes=(512, 1024), segments=(64, 128, 256, 512), rates=(1, 2, 4, 8))
+OPS = ("dilated", "segments", "ring_device", "dense", "torch")
+BACKWARD_FLOP_FACTOR = 3.5  # forward+backward / forward (FlashAttention convention)
+HEADERS = ["op", "n", "pass", "ms", "spread", "tokens/s", "TFLOP/s", "temp / torch peak",
+           "device peak (process)"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=int_list, default=None,
+                   help="sequence lengths (default 16384,65536,262144,1048576; --quick 512,1024)")
+    p.add_argument("--segments", type=int_list, default=None,
+                   help="segment lengths (default 2048,4096,8192,16384; --quick 64..512)")
+    p.add_argument("--rates", type=int_list, default=None, help="dilation rates (1,2,4,8)")
+    p.add_argument("--modes", type=str_list, default=("head_groups", "longnet"))
+    p.add_argument("--ops", type=str_list, default=OPS,
+                   help=f"subset of {','.join(OPS)} (default all)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--causal", action="store_true", help="causal attention")
+    p.add_argument("--implementation", default=None,
+                   help="kernel for the JAX rows (default: by device kind)")
+    p.add_argument("--ring-devices", type=int, default=8)
+    p.add_argument("--dense-max-n", type=int, default=65536)
+    p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--allow-cpu", action="store_true",
+                   help="run on a machine without a GPU (tiny sizes make sense only)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ------------------------------------------------------------------ environment
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_environment() -> dict:
+    """Accelerator facts added to ``harness.environment``: device kind, compute
+    capability, nvidia-smi's name/driver/memory, cuDNN, torch's CUDA, and
+    ``jd.backend_report()`` (which kernel each implementation resolves to)."""
+    import jax
+
+    import jax_dilated as jd
+    dev = jax.devices()[0]
+    info = {
+        "device_kind": dev.device_kind,
+        "compute_capability": getattr(dev, "compute_capability", None),
+        "platform_version": getattr(dev.client, "platform_version", None),
+        "nvidia_smi": _driver(),
+    }
+    try:
+        from jax._src.lib import cuda_versions
+        if cuda_versions is not None:
+            info["cudnn"] = cuda_versions.cudnn_get_version()
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    try:
+        import torch
+        info["torch_cuda"] = torch.version.cuda if torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    info["kernels"] = [dict(r._asdict()) for r in jd.backend_report(quiet=True)]
+    return info
+
+
+# --------------------------------------------------------------------- helpers
+
+def _memory_stats() -> dict | None:
+    import jax
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend has them
+        return None
+    if not stats:
+        return None
+    return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+
+
+def _error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".splitlines()[0]
+    return text[:300]
+
+
+def _measure_jax(fn, inputs, args) -> dict:
+    """Compile ``jax.jit(fn)`` at ``inputs`` (its memory), then time it."""
+    import time
+
+    import jax
+    before = _memory_stats()
+    t0 = time.perf_counter()
+    memory = harness.compiled_memory(fn, *inputs)
+    compile_s = time.perf_counter() - t0
+    # the same function and inputs: JAX's cache serves the executable compiled above
+    compiled = jax.jit(fn).lower(*inputs).compile()
+    timing = harness.time_calls(functools.partial(compiled, *inputs), repeats=args.repeats,
+                                warmup=args.warmup)
+    return {**timing.to_json(), "compile_s": compile_s, "compiled_memory": memory.to_json(),
+            "device_memory_before": before, "device_memory_after": _memory_stats()}
+
+
+def _with_rates(res: dict, flops: float, tokens: int) -> dict:
+    t = res["median_s"]
+    res.update(flops=flops, tflops=flops / t / 1e12, tokens_per_s=tokens / t)
+    return res
+
+
+def branch_runs(heads: int, segments, rates, mode: str) -> list[int]:
+    """Per branch, the number of heads that run it (longnet: all; head_groups: the group)."""
+    if mode == "longnet":
+        return [heads] * len(segments)
+    base, extra = divmod(heads, len(segments))
+    return [base + (i < extra) for i in range(len(segments))]
+
+
+# ------------------------------------------------------------------- the runs
+
+@harness.register("gpu", "dilated (both modes), ring (one device's share), its segment "
+                         "kernels, dense cuDNN and torch SDPA per segment on one GPU: time, "
+                         "tokens/s, TFLOP/s, memory (--quick --allow-cpu checks it without "
+                         "a GPU)", add_arguments, repeats=5, quick_repeats=2)
+def run(args: argparse.Namespace) -> dict:
+    """The ``gpu`` benchmark; returns the JSON-able results."""
+    for name, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if len(args.segments) != len(args.rates):
+        raise SystemExit(f"--segments {args.segments} and --rates {args.rates} differ")
+    unknown = set(args.ops) - set(OPS)
+    if unknown:
+        raise SystemExit(f"--ops: unknown {sorted(unknown)} (choose from {OPS})")
+
+    import jax
+    import jax.numpy as jnp
+
+    import jax_dilated as jd
+    from benchmarks.dilated import dilated_flops
+    from jax_dilated.backends import KernelArgs, get_kernel
+    from jax_dilated.core import softmax
+
+    if jax.default_backend() != "gpu" and not args.allow_cpu:
+        raise SystemExit(f"no GPU (JAX backend {jax.default_backend()!r}); pass --allow-cpu "
+                         f"to check the op with tiny sizes (--quick)")
+    b, heads, d = args.batch, args.heads, args.head_dim
+    scale = d ** -0.5
+    config = {k: getattr(args, k) for k in (
+        "sizes", "segments", "rates", "modes", "ops", "batch", "heads", "head_dim", "dtype",
+        "causal", "implementation", "ring_devices", "dense_max_n", "repeats", "warmup",
+        "no_backward", "quick", "seed", "threads")}
+    jd.backend_report()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    print(f"device: {jax.devices()[0].device_kind} | driver: {_driver()} | JAX "
+          f"{jax.__version__} | {started}", flush=True)
+
+    passes = ("forward",) if args.no_backward else ("forward", "forward_backward")
+    results: list[dict] = []
+
+    def record(op, n, pass_name, fn, inputs, flops):
+        cell = {"op": op, "n": n, "pass": pass_name}
+        try:
+            res = _measure_jax(fn, inputs, args)
+            cell.update(_with_rates(res, flops, b * n))
+            print(f"  {op:<22} n={n:<8} {pass_name:<16} {res['median_s'] * 1e3:10.2f} ms "
+                  f"{cell['tflops']:8.2f} TFLOP/s", flush=True)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, run goes on
+            cell["error"] = _error(e)
+            print(f"  {op:<22} n={n:<8} {pass_name:<16} ERROR {cell['error']}", flush=True)
+        results.append(cell)
+
+    def fwd_bwd(f):
+        def run(q, k, v, g):
+            out, vjp = jax.vjp(f, q, k, v)
+            return out, vjp(g.astype(out.dtype))
+        return run
+
+    dtype = jnp.dtype(args.dtype)
+    kernel = get_kernel(args.implementation)
+    kargs = KernelArgs(scale=scale, is_causal=args.causal)
+    for n in args.sizes:
+        shape = (b, n, heads, d)
+        # drawn on the device (4 x 4 GiB at n = 1M: host-side numpy would take minutes)
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(args.seed), n), 4)
+        q, k, v, g = (jax.random.normal(key, shape, dtype) for key in keys)
+        segs = tuple(min(w, n) for w in args.segments)
+        for mode in args.modes:
+            fw = dilated_flops(batch=b, seq_len=n, heads=heads, head_dim=d, segments=segs,
+                               rates=args.rates, mode=mode, causal=args.causal)
+            flops = {"forward": fw, "forward_backward": BACKWARD_FLOP_FACTOR * fw}
+            if "dilated" in args.ops:
+                attn = functools.partial(jd.dilated_attention, segment_lengths=segs,
+                                         dilation_rates=args.rates, mode=mode,
+                                         is_causal=args.causal,
+                                         implementation=args.implementation)
+                for p in passes:
+                    fn = attn if p == "forward" else fwd_bwd(attn)
+                    ins = (q, k, v) if p == "forward" else (q, k, v, g)
+                    record(f"dilated/{mode}", n, p, fn, ins, flops[p])
+            if "segments" in args.ops:
+                counts = branch_runs(heads, segs, args.rates, mode)
+
+                def segment_batches(*xs, counts=counts):
+                    # per branch, the dense dilated-segment batch a kernel call sees,
+                    # cut (inside the program, like the gather) from the inputs
+                    for (w, r), hb in zip(zip(segs, args.rates), counts):
+                        yield tuple(x[:, :(n // w) * (w // r), :hb].reshape(
+                            b * (n // w), w // r, hb, d) for x in xs)
+
+                def segments_fwd(q, k, v):
+                    return [kernel.attention(sq, sk, sv, kargs)[0]
+                            for sq, sk, sv in segment_batches(q, k, v)]
+
+                def segments_fwd_bwd(q, k, v, g):
+                    outs = []
+                    for sq, sk, sv, sg in segment_batches(q, k, v, g):
+                        o, vjp = jax.vjp(lambda a, b_, c: kernel.attention(a, b_, c, kargs)[0],
+                                         sq, sk, sv)
+                        outs.append((o, vjp(sg)))
+                    return outs
+
+                for p in passes:
+                    fn = segments_fwd if p == "forward" else segments_fwd_bwd
+                    ins = (q, k, v) if p == "forward" else (q, k, v, g)
+                    record(f"segments/{mode}", n, p, fn, ins, flops[p])
+        if "ring_device" in args.ops:
+            P = args.ring_devices
+            if n % P:
+                print(f"  ring_device n={n}: skipped (n % {P} != 0)")
+            else:
+                nl = n // P
+                ql = q[:, n - nl:]  # the last device's queries
+
+                def ring_device(ql, k, v):
+                    o = jnp.zeros(ql.shape, jnp.float32)
+                    lse = jnp.full(ql.shape[:3], -jnp.inf, jnp.float32)
+                    for s in range(P):
+                        kb, vb = k[:, s * nl:(s + 1) * nl], v[:, s * nl:(s + 1) * nl]
+                        step_args = KernelArgs(scale=scale,
+                                               is_causal=args.causal and s == P - 1)
+                        o_s, lse_s = kernel.attention(ql, kb, vb, step_args)
+                        o, lse = softmax.merge_partials(o, lse, o_s.astype(jnp.float32),
+                                                        lse_s)
+                    return o.astype(ql.dtype)
+
+                pairs = nl * nl * (P - 1) + (nl * (nl + 1) // 2 if args.causal else nl * nl)
+                fw = 4 * d * heads * b * pairs
+                for p in passes:
+                    fn = ring_device if p == "forward" else fwd_bwd(ring_device)
+                    ins = (ql, k, v) if p == "forward" else (ql, k, v, g[:, n - nl:])
+                    record(f"ring_device/P={P}", n, p, fn, ins,
+                           fw if p == "forward" else BACKWARD_FLOP_FACTOR * fw)
+        if "dense" in args.ops:
+            if n > args.dense_max_n:
+                print(f"  dense n={n}: skipped (above --dense-max-n {args.dense_max_n})")
+            else:
+                def dense(q, k, v):
+                    return kernel.attention(q, k, v, kargs)[0]
+
+                pairs = n * (n + 1) // 2 if args.causal else n * n
+                fw = 4 * d * heads * b * pairs
+                for p in passes:
+                    fn = dense if p == "forward" else fwd_bwd(dense)
+                    ins = (q, k, v) if p == "forward" else (q, k, v, g)
+                    record("dense", n, p, fn, ins,
+                           fw if p == "forward" else BACKWARD_FLOP_FACTOR * fw)
+        if "torch" in args.ops:
+            fw = dilated_flops(batch=b, seq_len=n, heads=heads, head_dim=d, segments=segs,
+                               rates=args.rates, mode="head_groups", causal=args.causal)
+            results.extend(_torch_rows(args, n, segs, passes, fw))
+        del q, k, v, g
+
+    env = harness.environment(args.threads, args.load)
+    env.update(gpu_environment())
+    payload = {"benchmark": "gpu", "config": config, "environment": env, "results": results}
+    print_summary(payload)
+    md = Path(args.json).with_suffix(".md")
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(markdown_table(payload) + "\n")
+    print(f"Markdown table for docs/benchmarks.md's \"## The GPU table\" written to {md}")
+    return payload
+
+
+def _torch_rows(args, n, segs, passes, flops_forward: int) -> list[dict]:
+    """The torch SDPA-per-segment baseline (head_groups) at length ``n``, one cell per pass."""
+    torch = harness.torch_threads(args.threads)
+    if torch is None:
+        return [{"op": "torch/head_groups", "n": n, "error": "torch not installed"}]
+    from benchmarks.baselines import torch_sdpa
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    shape = (args.batch, n, args.heads, args.head_dim)
+    gen = torch.Generator(device=device).manual_seed(args.seed + n)
+    # q, k, v (requiring gradients) and the output cotangent g; cleared before returning
+    # so that empty_cache can give their memory back
+    x = {name: torch.randn(shape, generator=gen, device=device, dtype=dtype)
+         for name in "qkvg"}
+    x["qkv"] = tuple(x[name].requires_grad_(True) for name in "qkv")
+    attn = functools.partial(torch_sdpa.head_groups_attention, segment_lengths=segs,
+                             dilation_rates=args.rates, is_causal=args.causal)
+
+    def block(result):  # CUDA kernels run asynchronously; CPU torch results are ready
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return result
+
+    def forward():
+        with torch.no_grad():
+            return attn(*x["qkv"])
+
+    def forward_backward():
+        return torch.autograd.grad(attn(*x["qkv"]), x["qkv"], grad_outputs=x["g"])
+
+    rows = []
+    for p in passes:
+        fn = forward if p == "forward" else forward_backward
+        cell = {"op": f"torch/head_groups ({device})", "n": n, "pass": p}
+        try:
+            torch_sdpa.check_config(n, segs, args.rates)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            timing = harness.time_calls(fn, repeats=args.repeats, warmup=args.warmup,
+                                        block=block)
+            cell.update(timing.to_json())
+            if device == "cuda":
+                cell["torch_peak_bytes"] = torch.cuda.max_memory_allocated()
+            _with_rates(cell, flops_forward if p == "forward"
+                        else BACKWARD_FLOP_FACTOR * flops_forward, args.batch * n)
+            print(f"  {cell['op']:<22} n={n:<8} {p:<16} {cell['median_s'] * 1e3:10.2f} ms "
+                  f"{cell['tflops']:8.2f} TFLOP/s", flush=True)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory
+            cell["error"] = _error(e)
+            print(f"  {cell['op']:<22} n={n:<8} {p:<16} ERROR {cell['error']}", flush=True)
+        rows.append(cell)
+    x.clear()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------ tables
+
+def _rows(payload: dict) -> list[list[str]]:
+    rows = []
+    for c in payload["results"]:
+        mem = (c.get("compiled_memory") or {}).get("temp") if "compiled_memory" in c else \
+            c.get("torch_peak_bytes")
+        peak = (c.get("device_memory_after") or {}).get("peak_bytes_in_use")
+        rows.append([c["op"], str(c["n"]), c.get("pass", "-"),
+                     fmt_ms(c.get("median_s")) if "error" not in c else "error",
+                     f"{100 * c['spread']:.1f}%" if "spread" in c else "-",
+                     f"{c['tokens_per_s']:.3g}" if "tokens_per_s" in c else "-",
+                     f"{c['tflops']:.2f}" if "tflops" in c else "-",
+                     fmt_bytes(mem), fmt_bytes(peak)])
+    return rows
+
+
+def markdown_table(payload: dict) -> str:
+    """The run as the Markdown table of docs/benchmarks.md's "## The GPU table": a
+    dated line naming the device, commit and versions, then one ``|`` row per cell
+    (notebooks/03_scaling.ipynb prints the ``|`` lines of that section)."""
+    env, cfg = payload["environment"], payload["config"]
+    lines = [(f"Recorded {env.get('date_utc')} at commit {str(env.get('git_commit'))[:7]}"
+             f"{' (dirty)' if env.get('git_dirty') else ''} on {env.get('device_kind')} "
+             f"({env.get('nvidia_smi') or 'nvidia-smi unavailable'}), JAX {env.get('jax')}, "
+             f"cuDNN {env.get('cudnn', '?')}, torch {env.get('torch') or '-'}: "
+             f"`python -m benchmarks gpu` B={cfg['batch']}, {cfg['heads']} heads x "
+             f"{cfg['head_dim']}, {cfg['dtype']}, segments {list(cfg['segments'])}, rates "
+             f"{list(cfg['rates'])}, causal={cfg['causal']}, median of {cfg['repeats']}."),
+             ""]
+    warning = env.get("load", {}).get("warning")
+    if warning:
+        lines += [warning, ""]
+    lines.append("| " + " | ".join(HEADERS) + " |")
+    lines.append("|" + "|".join("---" for _ in HEADERS) + "|")
+    lines += ["| " + " | ".join(r) + " |" for r in _rows(payload)]
+    return "\n".join(lines)
+
+
+def print_summary(payload: dict) -> None:
+    """The cell table and the targets of a ``gpu`` run."""
+    env = payload["environment"]
+    print()
+    harness.print_table(
+        f"one accelerator: {env.get('device_kind')} ({env.get('nvidia_smi') or '-'}), commit "
+        f"{str(env.get('git_commit'))[:8]}, {env.get('date_utc')}",
+        HEADERS, _rows(payload), env=env)
+    # the targets, where the cells exist
+    by = {(c["op"], c["n"], c.get("pass")): c for c in payload["results"] if "tflops" in c}
+    for (op, n, p), c in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if op.startswith("dilated/") and p == "forward_backward":
+            mode = op.split("/")[1]
+            seg = by.get((f"segments/{mode}", n, p))
+            if seg:
+                print(f"n={n} {mode}: dilated fwd+bwd reaches "
+                      f"{c['tflops'] / seg['tflops']:.0%} of the segment kernels' TFLOP/s "
+                      f"(target >= 70%)")
+            torch_cell = next((t for (o, tn, tp), t in by.items()
+                               if o.startswith("torch/") and tn == n and tp == p), None)
+            if torch_cell and mode == "head_groups":
+                print(f"n={n} head_groups: torch / JAX time = "
+                      f"{torch_cell['median_s'] / c['median_s']:.2f}x (target >= 2x)")
+    print()
+    print(markdown_table(payload))
