@@ -7,7 +7,20 @@ Ops (``python -m benchmarks <op> --help`` lists each one's options):
                 jax.nn.dot_product_attention and tokamax per dilated segment; forward and
                 forward+backward, GFLOP/s against an attention-shaped block matmul timed in
                 the same set, compiled temp memory against n.
-  ring, distributed, block_sparse, gpu, lm   (see their modules)
+  ring          ring attention over 8 simulated CPU devices: per-device compiled memory
+                for P = 1, 2, 4, 8; the contiguous, zigzag and striped layouts and the
+                ringattention peer timed interleaved and checked against one device; the
+                critical path real devices would see, from each distinct ring step.
+  distributed   jd.dilated_attention(seq_axis=...) over P = 1, 2, 4, 8 simulated devices:
+                per-device memory, collectives in the HLO, k/v bytes per ring step, time;
+                --allgather compares a spanning branch as a ring and as an all-gather.
+  block_sparse  jd.block_sparse_attention against density next to exact attention: time
+                (one interleaved set), compiled memory on one device and per ring device.
+  gpu           the kernels on one accelerator: dilated (both modes), its segment
+                kernels, one ring device's share, dense, torch SDPA per segment; time,
+                tokens/s, TFLOP/s, memory, and the Markdown table of docs/benchmarks.md.
+  lm            LongNetLM: training-step compiled memory against n and step time;
+                KV-cache decoding time per token at a short and a long context.
 
 Every op shares (``benchmarks/harness.py``): ``--threads N`` (default 2) pins the process
 to N CPUs before JAX and torch start and gives torch N threads; ``--repeats`` interleaved
