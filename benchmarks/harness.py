@@ -311,6 +311,7 @@ class LoadMonitor:
         self._getloadavg = getloadavg
         self.before = self._read()
         self.after: tuple[float, float, float] | None = None
+        self._stopped = False
 
     def _read(self):
         try:
@@ -321,6 +322,7 @@ class LoadMonitor:
     def stop(self) -> None:
         """Record the load now as the run's end (a later call records again)."""
         self.after = self._read()
+        self._stopped = True
 
     @property
     def threshold(self) -> float:
@@ -329,7 +331,7 @@ class LoadMonitor:
     @property
     def worst(self) -> float | None:
         """Highest 1-minute load seen (the current one when :meth:`stop` was not called)."""
-        after = self.after if self.after is not None else self._read()
+        after = self.after if self._stopped else self._read()
         loads = [x[0] for x in (self.before, after) if x is not None]
         return max(loads) if loads else None
 

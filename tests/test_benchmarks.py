@@ -1,0 +1,315 @@
+"""The benchmark harness (benchmarks/harness.py) and the dilated op's baselines.
+
+No peer is needed: the torch baselines are skipped without torch, tokamax without
+tokamax. The baselines are compared with ``jd.dilated_attention`` on random float32
+inputs (output and the gradient of a random-weighted sum) at 1e-5 relative to the
+largest magnitude, in both modes, causal and not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_dilated as jd
+from benchmarks import dilated, harness
+from benchmarks.baselines import jax_per_segment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RTOL = 1e-5
+# uneven head groups (5 heads, 3 branches), a rate larger than some groups' heads
+B, N, H, D = 2, 64, 5, 8
+CFG = {"segment_lengths": (8, 16, 32), "dilation_rates": (1, 2, 4)}
+MODES = ("head_groups", "longnet")
+
+
+# ------------------------------------------------------------------------- timing
+
+def test_time_interleaved_rotates_the_order_and_blocks_every_call():
+    log, blocked = [], []
+
+    def call(name):
+        def fn():
+            log.append(name)
+            return name
+        return fn
+
+    timings = harness.time_interleaved({n: call(n) for n in "abc"}, repeats=4, warmup=1,
+                                       block=blocked.append)
+    assert log == list("abc" "abc" "bca" "cab" "abc")  # warm-up, then rotating rounds
+    assert blocked == log
+    assert set(timings) == set("abc")
+    assert all(len(t.samples) == 4 and min(t.samples) >= 0 for t in timings.values())
+    with pytest.raises(ValueError, match="repeats"):
+        harness.time_interleaved({"a": call("a")}, repeats=0)
+
+
+def test_time_calls_blocks_jax_results_by_default():
+    x = jnp.arange(4.0, dtype=jnp.float32)
+    t = harness.time_calls(lambda: x * 2, repeats=3, warmup=0)
+    assert len(t.samples) == 3
+
+
+def test_timing_statistics():
+    t = harness.Timing([3.0, 1.0, 2.0, 10.0])
+    assert t.median == 2.5 and t.min == 1.0 and t.max == 10.0
+    assert t.spread == pytest.approx((10.0 - 1.0) / 2.5)
+    assert t.iqr == pytest.approx(np.percentile(t.samples, 75) - np.percentile(t.samples, 25))
+    js = t.to_json()
+    assert js["median_s"] == 2.5 and js["samples_s"] == [3.0, 1.0, 2.0, 10.0]
+    assert js["spread"] == pytest.approx(3.6)
+    with pytest.raises(ValueError):
+        harness.Timing([])
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    a, b = harness.Timing([2.0, 4.0, 6.0]), harness.Timing([1.0, 1.0, 2.0])
+    assert harness.paired_ratio(a, b) == 3.0           # ratios 2, 4, 3
+    with pytest.raises(ValueError, match="same rounds"):
+        harness.paired_ratio(a, harness.Timing([1.0]))
+
+
+# --------------------------------------------------------------------------- load
+
+def _loads(*values):
+    it = iter(values)
+
+    def getloadavg():
+        value = next(it)
+        if isinstance(value, Exception):
+            raise value
+        return (value, value, value)
+    return getloadavg
+
+
+def test_load_monitor_quiet_run_has_no_warning():
+    load = harness.LoadMonitor(2, getloadavg=_loads(0.3, 0.9))
+    load.stop()
+    assert load.before[0] == 0.3 and load.after[0] == 0.9
+    assert load.quiet and load.warning() is None
+
+
+@pytest.mark.parametrize("before,after,worst", [(0.3, 1.7, 1.7), (2.5, 0.2, 2.5),
+                                                (1.0, 0.1, 1.0)])
+def test_load_monitor_warns_above_half_the_cores(before, after, worst):
+    load = harness.LoadMonitor(2, getloadavg=_loads(before, after))
+    load.stop()
+    assert not load.quiet
+    warning = load.warning()
+    assert warning.startswith("WARNING") and f"{worst:.2f}" in warning
+    assert "half of 2 cores" in warning and "not publishable" in warning
+    # every table of the run carries it, given the LoadMonitor or the environment's record
+    for env in (load, {"load": load.to_json()}):
+        out = io.StringIO()
+        harness.print_table("t", ["a", "b"], [["1", "22"]], env=env, file=out)
+        assert warning in out.getvalue()
+
+
+def test_load_monitor_threshold_follows_the_pinned_cores_and_missing_load():
+    load = harness.LoadMonitor(8, getloadavg=_loads(3.9, 3.9))
+    load.stop()
+    assert load.quiet
+    load = harness.LoadMonitor(2, getloadavg=_loads(OSError(), OSError()))
+    load.stop()
+    assert not load.quiet and "unavailable" in load.warning()
+    # not stopped: the load now stands in for the end of the run
+    load = harness.LoadMonitor(2, getloadavg=_loads(0.1, 0.2, 1.5))
+    out = io.StringIO()
+    harness.print_table("t", ["a"], [["1"]], env=load, file=out)
+    assert "WARNING" not in out.getvalue() and load.after is None
+    assert "1.50" in load.warning()
+
+
+def test_environment_records_machine_versions_commit_and_load():
+    load = harness.LoadMonitor(2, getloadavg=_loads(0.2, 0.4))
+    env = harness.environment(2, load)
+    for key in ("date_utc", "cpu", "logical_cores", "threads", "python", "platform", "jax",
+                "jaxlib", "jax_backend", "jax_devices", "torch", "peers", "git_commit",
+                "git_dirty", "load"):
+        assert key in env, key
+    assert env["jax"] == jax.__version__ and env["threads"] == 2
+    assert env["load"]["before_1_5_15"][0] == 0.2 and env["load"]["after_1_5_15"][0] == 0.4
+    assert env["load"]["quiet"] and env["load"]["warning"] is None
+    assert env["git_commit"] is None or len(env["git_commit"]) == 40
+    assert env["date_utc"].endswith("Z")
+
+
+def test_pin_threads_and_light_imports_in_a_fresh_process():
+    code = ("import os, sys; from benchmarks.harness import pin_threads; "
+            "heavy = [m for m in ('jax', 'torch', 'matplotlib') if m in sys.modules]; "
+            "n = pin_threads(1); "
+            "print(n, len(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'], heavy)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip().split(maxsplit=3)
+    assert out == ["1", "1", "1", "[]"]
+
+
+# ------------------------------------------------------------------------- memory
+
+def test_compiled_memory_against_hand_computed_buffers():
+    """Two sorts whose [256, 256] float32 results are live together (1 row is returned):
+    the temp buffers hold at least both (2 x 256 KiB); argument and output are exact."""
+    def fn(x):
+        y = jnp.sort(x, axis=0)
+        z = jnp.sort(y * 2 + 1, axis=1)
+        return jnp.sort(z + y, axis=0)[0]
+
+    full = 256 * 256 * 4
+    spec = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    stats = harness.compiled_memory(fn, spec)
+    assert stats.argument == full and stats.output == 256 * 4
+    assert stats.temp >= 2 * full
+    assert harness.temp_bytes(fn, jnp.ones((256, 256), jnp.float32)) == stats.temp
+    assert stats.to_json()["temp"] == stats.temp
+
+
+# ---------------------------------------------------------------- options, flops
+
+def test_registered_op_gets_the_common_options():
+    op = harness.OPS["dilated"]
+    parser = argparse.ArgumentParser()
+    op.add_arguments(parser)
+    harness.add_common_arguments(parser, op)
+    for argv, repeats in (([], 7), (["--quick"], 3), (["--repeats", "5"], 5)):
+        args = parser.parse_args(argv)
+        harness.resolve_common(args, op)
+        assert args.repeats == repeats and args.threads == 2
+    args = parser.parse_args(["--causal"])
+    assert args.causal == "yes"
+    assert parser.parse_args([]).causal == "both"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dilated_flops_count_the_allowed_pairs(mode, causal):
+    """4 D flops per (query, key) pair the selection rule of docs/semantics.md allows."""
+    n, h, segs, rates = 40, 5, (8, 16, 64), (1, 2, 4)   # a short last segment, w > n
+    p = np.arange(n)
+    pairs = 0
+    groups = [(0, 2), (2, 4), (4, 5)]
+    for i, (w, r) in enumerate(zip(segs, rates)):
+        heads = range(*groups[i]) if mode == "head_groups" else range(h)
+        for j in heads:
+            o = i % r if mode == "head_groups" else j % r
+            sel = (p % w) % r == o
+            ok = sel[:, None] & sel[None, :] & (p[:, None] // w == p[None, :] // w)
+            if causal:
+                ok &= p[None, :] <= p[:, None]
+            pairs += int(ok.sum())
+    assert dilated.dilated_flops(batch=3, seq_len=n, heads=h, head_dim=D, segments=segs,
+                                 rates=rates, mode=mode, causal=causal) == 3 * 4 * D * pairs
+
+
+# ----------------------------------------------------------------------- baselines
+
+@functools.cache
+def _inputs():
+    """q, k, v and the weights c of the loss sum(out * c): [B, N, H, D] float32."""
+    rng = np.random.default_rng(0)
+    return tuple(rng.standard_normal((B, N, H, D)).astype(np.float32) for _ in range(4))
+
+
+def _jax_result(fn):
+    """Output and gradient of sum(fn(q, k, v) * c), in one compiled program."""
+    def both(q, k, v, c):
+        out = fn(q, k, v)
+        return out, jax.grad(lambda *a: jnp.sum(fn(*a) * c), argnums=(0, 1, 2))(q, k, v)
+
+    out, grads = jax.jit(both)(*(jnp.asarray(x, jnp.float32) for x in _inputs()))
+    return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+@functools.cache
+def _reference(mode, causal):
+    return _jax_result(lambda q, k, v: jd.dilated_attention(q, k, v, mode=mode,
+                                                            is_causal=causal, **CFG))
+
+
+def _assert_close(got, want, what):
+    assert got.dtype == np.float32 and got.shape == want.shape, what
+    err = np.max(np.abs(got.astype(np.float64) - want)) / np.max(np.abs(want))
+    assert err < RTOL, f"{what}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_sdpa_baseline_matches_jax_dilated(mode, causal):
+    torch = pytest.importorskip("torch")
+    from benchmarks.baselines import torch_sdpa
+    inputs = _inputs()
+    want_out, want_grads = _reference(mode, causal)
+    q, k, v = (torch.tensor(x, requires_grad=True) for x in inputs[:3])
+    out = torch_sdpa.dilated_attention(q, k, v, mode=mode, is_causal=causal, **CFG)
+    grads = torch.autograd.grad(out, (q, k, v), grad_outputs=torch.tensor(inputs[3]))
+    _assert_close(out.detach().numpy(), want_out, "output")
+    for name, g, w in zip("qkv", grads, want_grads):
+        _assert_close(g.numpy(), w, f"d{name}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_per_segment_baseline_matches_jax_dilated(mode, causal):
+    want_out, want_grads = _reference(mode, causal)
+    exact_grads = mode == "head_groups" or jax_per_segment.lse_has_gradient()
+    out, grads = _jax_result(lambda q, k, v: jax_per_segment.dilated_attention(
+        q, k, v, mode=mode, is_causal=causal, **CFG))
+    _assert_close(out, want_out, "output")
+    if exact_grads:
+        for name, g, w in zip("qkv", grads, want_grads):
+            _assert_close(g, w, f"d{name}")
+    else:
+        # jax.nn's log-sum-exp carries no gradient here, so the branch mixing weights are
+        # constants to autodiff and the gradient is not LongNet's: why the op times the
+        # longnet forward only
+        assert np.max(np.abs(grads[0] - want_grads[0])) > 1e-3 * np.max(np.abs(want_grads[0]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tokamax_per_segment_baseline_matches_jax_dilated(causal):
+    pytest.importorskip("tokamax")
+    from benchmarks.baselines import tokamax_per_segment
+    want_out, want_grads = _reference("head_groups", causal)
+    out, grads = _jax_result(lambda q, k, v: tokamax_per_segment.dilated_attention(
+        q, k, v, mode="head_groups", is_causal=causal, **CFG))
+    _assert_close(out, want_out, "output")
+    for name, g, w in zip("qkv", grads, want_grads):
+        _assert_close(g, w, f"d{name}")
+    with pytest.raises(NotImplementedError, match="log-sum-exp"):
+        tokamax_per_segment.dilated_attention(*(jnp.asarray(x) for x in _inputs()[:3]),
+                                              mode="longnet", **CFG)
+
+
+def test_per_segment_baselines_reject_configurations_they_cannot_run():
+    with pytest.raises(ValueError, match="seq_len % segment"):
+        jax_per_segment.check_config(60, (8, 16), (1, 2))
+    with pytest.raises(ValueError, match="differ in length"):
+        jax_per_segment.check_config(64, (8, 16), (1,))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_xformers_shim_is_softmax_attention(causal):
+    """The CPU stand-in for xformers.ops.memory_efficient_attention ([B, L, H, D])."""
+    torch = pytest.importorskip("torch")
+    from benchmarks.baselines import dilated_attention_pytorch as dap
+    dap.install_xformers_shim()
+    import xformers.ops as xops
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 12, 3, 8)) for _ in range(3))
+    bias = xops.LowerTriangularMask() if causal else None
+    got = xops.memory_efficient_attention(*(torch.tensor(x, dtype=torch.float64)
+                                            for x in (q, k, v)), attn_bias=bias).numpy()
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8)
+    if causal:
+        s = np.where(np.tril(np.ones((12, 12), bool)), s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bkhd->bqhd", w / w.sum(-1, keepdims=True), v)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
