@@ -5,7 +5,8 @@
 * 8 simulated CPU devices, so that ring / distributed tests can build meshes of
   1, 2, 4 and 8 devices (single-device tests use device 0 as usual).
 * ``tests/`` is put on ``sys.path`` so ``torch_reference`` and ``_helpers``
-  import the same way however pytest was invoked.
+  import the same way however pytest was invoked (and the repository root, for
+  ``benchmarks``).
 * A FutureWarning or DeprecationWarning that our code causes is an error (see
   ``_fail_on_our_warnings``); ``pytest.warns`` still catches the deliberate ones.
 """
@@ -26,6 +27,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+# the repository root too, for the `benchmarks` package (harness helpers, baselines)
+# when pytest is started by its own script rather than `python -m pytest`
+_ROOT = os.path.dirname(_TESTS)
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 try:
     import torch  # noqa: F401
