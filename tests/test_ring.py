@@ -741,13 +741,14 @@ def test_ring_compiled_memory_per_device():
     """
     from jax.sharding import PartitionSpec as PS
 
+    from benchmarks.harness import temp_bytes
     from jax_dilated.backends import KernelArgs, xla
 
     shape, dtype = (1, 32768, 8, 64), jnp.float32
 
     def temp(f, specs):
         grad = jax.grad(lambda q, k, v, c: jnp.sum(f(q, k, v) * c), argnums=(0, 1, 2))
-        return jax.jit(grad).lower(*specs).compile().memory_analysis().temp_size_in_bytes
+        return temp_bytes(grad, *specs)
 
     args = KernelArgs(scale=64 ** -0.5, is_causal=True)
     single = temp(lambda q, k, v: xla.attention(q, k, v, args)[0],
