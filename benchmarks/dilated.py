@@ -17,8 +17,9 @@ forward+backward of
   segment (head_groups: it returns no log-sum-exp);
 * ``block matmul``: the attention-block matmuls ``[N, L, D] x [N, L, D]`` (QK^T) and
   ``[N, L, L] x [N, L, D]`` (PV) with ``L = --matmul-block``, ``N`` the best of a short
-  scan, so the forward's GFLOP/s is a fraction of what plain matmuls of the kernel's
-  block shape reach in the same rounds.
+  scan (one timed call runs enough pairs to last about 50 ms), so the forward's GFLOP/s
+  is a fraction of what plain matmuls of the kernel's block shape reach in the same
+  rounds.
 
 Forward+backward is the gradient of ``sum(out * c)`` (``c`` random) with respect to
 q, k and v. GFLOP/s count the flops dilated attention needs (:func:`dilated_flops`;
@@ -52,6 +53,7 @@ CHECK_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}
 MODES = ("head_groups", "longnet")
 PASSES = ("forward", "forward_backward")
 INSTALL = "bash benchmarks/setup.sh"
+MATMUL_CALL_S = 0.05  # seconds one timed block-matmul call lasts (many pairs)
 
 JAX_DILATED = "jax-dilated"
 TORCH_SDPA = "torch SDPA/seg"
@@ -218,7 +220,13 @@ def _torch_variant(name, fn, inputs, torch, *, dtype, checked=True, note=None) -
 
 
 def _block_matmul(args, dtype, progress) -> tuple[dict, Callable[[], object]]:
-    """Scan N for the attention-block matmuls; return the scan and the timed callable."""
+    """Scan N for the attention-block matmuls; return the scan and the timed callable.
+
+    One pair (QK^T then PV of ``N`` blocks) takes a millisecond or two, too short to
+    time reliably once per round; the callable that joins the timed set runs
+    ``reps`` pairs back to back, ``reps`` chosen so that it lasts about
+    ``MATMUL_CALL_S`` (its flops count all of them).
+    """
     import jax
     import jax.numpy as jnp
     L, D = args.matmul_block, args.head_dim
@@ -228,26 +236,31 @@ def _block_matmul(args, dtype, progress) -> tuple[dict, Callable[[], object]]:
                                          preferred_element_type=jnp.float32))
     keys = jax.random.split(jax.random.key(1), 3)
 
-    def pair(n):
+    def pairs(n, reps=1):
         a = jax.random.normal(keys[0], (n, L, D), dtype)
         b = jax.random.normal(keys[1], (n, L, D), dtype)
         p = jax.random.normal(keys[2], (n, L, L), dtype)
 
-        def call():  # QK^T then PV, as one attention block does them
-            jax.block_until_ready(qk(a, b))
-            return pv(p, b)
+        def call():  # QK^T then PV, as one attention block does them, reps times
+            for _ in range(reps):
+                jax.block_until_ready(qk(a, b))
+                out = jax.block_until_ready(pv(p, b))
+            return out
         return call
 
-    scan = {}
+    scan, pair_s = {}, {}
     for n in args.matmul_batches:
-        t = harness.time_calls(pair(n), repeats=max(3, args.repeats), warmup=2)
+        t = harness.time_calls(pairs(n), repeats=max(10, 2 * args.repeats), warmup=2)
+        pair_s[n] = t.median
         scan[n] = 4 * n * L * L * D / t.median / 1e9
     best = max(scan, key=scan.get)
+    reps = max(1, round(MATMUL_CALL_S / pair_s[best]))
     progress.write(f"block matmul L={L} D={D}: GFLOP/s by N "
-                   + ", ".join(f"{n}: {g:.1f}" for n, g in scan.items()) + f"; timed N={best}")
+                   + ", ".join(f"{n}: {g:.1f}" for n, g in scan.items())
+                   + f"; timed: N={best}, {reps} pairs per call")
     info = {"block": L, "head_dim": D, "scan_gflops": scan, "batch": best,
-            "flops": 4 * best * L * L * D}
-    return info, pair(best)
+            "pairs_per_call": reps, "flops": 4 * best * L * L * D * reps}
+    return info, pairs(best, reps)
 
 
 def _variants(args, mode, causal, inputs, libs, notes) -> list[Variant]:
@@ -521,7 +534,8 @@ def print_summary(payload: dict) -> None:
                                              f"{check['worst_rel']:.0e}"
                                              + ("" if check["agree"] else " DISAGREE"))])
         bm = run["block_matmul"]
-        rows.append([f"{BLOCK_MATMUL} N={payload['block_matmul']['batch']}",
+        mm = payload["block_matmul"]
+        rows.append([f"{BLOCK_MATMUL} N={mm['batch']} x{mm['pairs_per_call']}",
                      fmt_ms(bm["median_s"]), fmt_spread(bm["spread"]), "-", "-", "-", "-",
                      f"{bm['gflops']:.1f}", "100%", "-", "-"])
         print_title = (f"{run['mode']}, {'causal' if run['causal'] else 'non-causal'}: "

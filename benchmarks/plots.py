@@ -80,6 +80,10 @@ def dilated(payload, ax_pair):
     ax_t.set_yscale("log")
     ax_t.set_title(f"time at n={cfg['seq_len']}", fontsize=9)
     memory = payload.get("memory", {})
+    if not memory:
+        ax_m.set_axis_off()
+        ax_m.text(0.5, 0.5, "memory not measured", ha="center", va="center")
+        return
     for key, mem in memory.items():
         lens = sorted(int(n) for n in mem["by_seq_len"])
         for label, style in (("forward_backward", "o-"), ("forward", "s--")):
