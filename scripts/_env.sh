@@ -41,7 +41,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # pytest-xdist: scripts/test.sh runs the tests on several processes (the test extra
   # lists it too; the extra itself is not installed here: its unpinned torch could
   # pull CUDA packages)
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench,train]" pytest "pytest-xdist>=3" matplotlib \
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench,train]" pytest "pytest-xdist>=3" "hypothesis>=6" matplotlib \
     nbclient nbformat ipykernel
   echo "$want" > "$stamp"
 fi

@@ -430,7 +430,7 @@ def test_generate_sampling_options_type_vs_value():
 # ------------------------------------------- issue 20: inputs that gave a silent wrong
 # answer or an error from inside JAX / Python arithmetic (each failed before the fix)
 
-from jax_dilated.ops import decode as decoding  # noqa: E402
+from jax_dilated.ops import decode as decoding
 
 
 def _decode_inputs():
@@ -608,8 +608,7 @@ def test_factory_seq_len_checked(seq_len, error):
     (dict(num_heads=1, mode="head_groups"), ValueError, r"needs at least as many heads"),
     (dict(implementation="foo"), ValueError, r"LongNetConfig.implementation must be one"),
     (dict(implementation=1), ValueError, r"LongNetConfig.implementation must be one"),
-    (dict(param_dtype=jnp.int32), TypeError, r"LongNetConfig.param_dtype must be a "
-                                             r"floating dtype"),
+    (dict(param_dtype=jnp.int32), TypeError, r"LongNetConfig.param_dtype must be a float"),
     (dict(dtype="big"), TypeError, r"LongNetConfig.dtype must be a floating dtype"),
 ])
 def test_longnet_config_refuses_what_the_model_would(changes, error, match):
@@ -620,5 +619,23 @@ def test_longnet_config_refuses_what_the_model_would(changes, error, match):
 
 @pytest.mark.parametrize("value", [1, 0, "yes", np.bool_(True)])
 def test_attention_fn_is_causal_is_a_flag(value):
-    with pytest.raises(TypeError, match=rf"is_causal must be a Python bool, got"):
+    with pytest.raises(TypeError, match=r"is_causal must be a Python bool, got"):
         jd.attention_fn(**CFG, is_causal=value)
+
+
+def test_found_by_the_property_tests():
+    """Inputs tests/test_properties.py found reaching the user as AttributeError or
+    accepted until the first call."""
+    q, k, v = _decode_inputs()
+    with pytest.raises(TypeError, match=r"query must be an array, got list"):
+        jd.dilated_attention_decode(np.asarray(q).tolist(), k, v, 3, **CFG)
+    with pytest.raises(TypeError, match=r"key must be an array, got list"):
+        jd.dilated_attention_decode(q, np.asarray(k).tolist(), v, 3, **CFG)
+    with pytest.raises(TypeError, match=r"key_cache must be a floating array, got dtype int32"):
+        jd.dilated_attention_decode(q, k.astype(jnp.int32), v, 3, **CFG)
+    for rate in (1.0, "x"):
+        with pytest.raises((TypeError, ValueError), match=r"dropout_rate"):
+            jd.linen.MultiheadDilatedAttention(embed_dim=16, num_heads=2, dropout_rate=rate,
+                                               **CFG)
+        with pytest.raises((TypeError, ValueError), match=r"dropout_rate"):
+            jd.linen.DilatedAttention(**CFG, dropout_rate=rate)

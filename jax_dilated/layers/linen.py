@@ -75,7 +75,9 @@ class DilatedAttention(nn.Module):
 
     def __post_init__(self):
         super().__post_init__()
-        self._core()  # validate the fields on construction, as the NNX layers do
+        # validate the fields on construction, as the NNX layers do
+        self._core()
+        validation.check_dropout_rate(self.dropout_rate)
 
     def _core(self):
         return common.dilated_core(
@@ -191,6 +193,9 @@ class _Multihead(nn.Module):
         super().__post_init__()
         # validate the fields on construction, as the NNX layers do (scale, branches,
         # block sizes, mesh, heads); the call checks them again
+        validation.check_dropout_rate(self.dropout_rate)
+        if self.dropout is not None:  # the deprecated spelling (warns at the call)
+            validation.check_dropout_rate(self.dropout, "dropout")
         if type(self) is not _Multihead:
             projections.HeadsConfig.create(
                 self.embed_dim, self.num_heads, self.num_kv_heads, use_bias=self.use_bias,

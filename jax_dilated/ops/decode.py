@@ -119,9 +119,15 @@ def dilated_attention_decode(query, key_cache, value_cache, position, *, segment
       >>> bool(jnp.allclose(step, full[:, 20:21], atol=1e-5))
       True
     """
-    # the cache may be stored in another dtype than the query: check shapes only
-    as_query = [jax.ShapeDtypeStruct(x.shape, query.dtype) for x in (key_cache, value_cache)]
-    b, one, h, hkv, _ = validation.check_qkv(query, *as_query)
+    # the cache may be stored in another (floating) dtype than the query: check shapes
+    # only (check_qkv names whichever is not an array)
+    for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if hasattr(x, "dtype") and not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating array, got dtype {x.dtype}.")
+    as_query = [jax.ShapeDtypeStruct(x.shape, query.dtype)
+                if hasattr(x, "shape") and hasattr(query, "dtype") else x
+                for x in (key_cache, value_cache)]
+    _, one, h, hkv, _ = validation.check_qkv(query, *as_query)
     if one != 1:
         raise ValueError(
             f"decoding attends one token at a time: query must be [batch, 1, heads, "
