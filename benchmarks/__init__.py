@@ -34,4 +34,18 @@ Method: figures are published only from a quiet machine, where the 1-minute load
 stays below half the pinned cores before and after the run; otherwise every table of the
 run carries a warning. Peers are optional: ``bash benchmarks/setup.sh`` installs them into
 the benchmark's virtual environment; an op skips a missing peer and says how to get it.
+
+The dilated op, as issue 16 measures it (float32, B=1, n=16384, 8 heads x 64, segments
+2048/4096/8192, rates 1/2/4, head_groups and longnet, non-causal and causal, 2 pinned
+threads, median of 7 interleaved rounds; all of these are the defaults)::
+
+    bash benchmarks/setup.sh                  # once: tokamax, dilated-attention-pytorch, ...
+    python -m benchmarks dilated --quick      # n=4096, 3 rounds: checks that everything runs
+    python -m benchmarks dilated              # the measurement (JSON + PNG in results/)
+    python -m benchmarks dilated --modes head_groups --causal no   # one table only
+
+Every peer's output and gradients are checked against jax-dilated's before it is timed
+(except dilated-attention-pytorch, whose normalisation differs: timed only); a table
+whose run was not quiet ends with the load warning, and the JSON records the commit
+(and whether the tree was dirty), so a published figure can be traced to its run.
 """
