@@ -339,7 +339,8 @@ def _load_peers(args, progress, notes) -> dict:
         try:
             jax_per_segment.check_config(args.seq_len, args.segments, args.rates)
         except ValueError as err:
-            notes.add(f"{JAX_NN} and {TOKAMAX} skipped: {err}")
+            names = [PEERS[p] for p in ("jax_nn", "tokamax") if p in peers]
+            notes.add(f"{' and '.join(names)} skipped: {err}")
             peers -= {"jax_nn", "tokamax"}
     if "jax_nn" in peers:
         libs["jax_nn"] = jax_per_segment
