@@ -247,7 +247,7 @@ def _kernels():
 def test_every_backend_is_one_kernel_class():
     """Each backend is one class with every entry point of the protocol, defined on the
     class itself (no attribute fall-through); get_kernel hands out instances."""
-    assert KERNEL_METHODS == ["attention", "backward", "block_sparse_backward",
+    assert KERNEL_METHODS == ["attention", "backward", "batch_chunk", "block_sparse_backward",
                               "block_sparse_forward", "block_sparse_ring_steps", "forward",
                               "ring_steps"]
     for kern in _kernels():

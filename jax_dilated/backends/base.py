@@ -116,6 +116,11 @@ class Kernel(Protocol):
         """:meth:`forward`, differentiable in ``q``, ``k``, ``v`` through both outputs
         ``(o, lse)``."""
 
+    def batch_chunk(self, n: int, q, k, args: KernelArgs) -> int:
+        """How many of ``n`` batched items (``q``/``k`` shaped as in :meth:`forward`,
+        arrays or ``jax.ShapeDtypeStruct``) one call should take, for a caller that
+        loops over a long batch itself (e.g. dilated segments, chunk by chunk)."""
+
     def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
                              q_positions=None, k_positions=None, kv_valid=None):
         """As :meth:`forward`, over the blocks listed in ``blocks`` only.

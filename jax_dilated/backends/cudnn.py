@@ -308,6 +308,10 @@ class CudnnKernel:
 
     # ------------------------------------------- what cuDNN has no kernel for
 
+    def batch_chunk(self, n: int, q, k, args: KernelArgs) -> int:
+        """All of them: one fused call per batch is fastest on a GPU."""
+        return n
+
     def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
                              q_positions=None, k_positions=None, kv_valid=None):
         """Always ``ValueError``: cuDNN has no block-sparse attention kernel."""

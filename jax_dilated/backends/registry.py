@@ -134,6 +134,11 @@ class AutoKernel:
                                 k_positions=k_positions, kv_valid=kv_valid,
                                 dropout_rng=dropout_rng)
 
+    def batch_chunk(self, n, q, k, args):
+        """That of the kernel a call shaped like ``q``/``k`` goes to."""
+        kernel, _ = self.choose(q, k, args)
+        return kernel.batch_chunk(n, q, k, args)
+
     def block_sparse_forward(self, q, k, v, args, *, blocks, q_positions=None,
                              k_positions=None, kv_valid=None):
         """The XLA kernel's (cuDNN has no block-sparse kernel)."""

@@ -7,6 +7,7 @@ segment into ``w / r`` rows of ``r`` columns; a head with offset ``o`` selects c
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,7 +35,12 @@ def gather_dilated(x, branch: branch_plans.Branch, offsets: np.ndarray, heads: n
     s = branch.num_segments(t)
     x = pad_axis(x, 1, s * w).reshape(b, s, w // r, r * hx, *x.shape[3:])
     flat = np.asarray(offsets) * hx + np.asarray(heads)
-    if not np.array_equal(flat, np.arange(r * hx)):
+    if np.array_equal(flat, np.arange(flat[0], flat[0] + len(flat))):
+        # one run of columns (a head group at one offset, or everything): a slice,
+        # which XLA fuses into the copies around it, where a gather would not be
+        if len(flat) != r * hx:
+            x = jax.lax.slice_in_dim(x, int(flat[0]), int(flat[0]) + len(flat), axis=3)
+    else:
         x = jnp.take(x, flat, axis=3)
     return x.reshape(b * s, w // r, len(flat), *x.shape[4:])
 
@@ -43,7 +49,9 @@ def scatter_dilated(y, branch: branch_plans.Branch, offsets: np.ndarray, batch: 
                      seq_len: int, fill):
     """Inverse of :func:`gather_dilated` for one set of heads: [B*S, w/r, Hs, ...] -> [B, T, Hs, ...].
 
-    Positions a head does not select get ``fill`` (0 for outputs, -inf for lse).
+    Positions a head does not select get ``fill``: a scalar (0 for outputs, -inf for
+    lse), or an array [B, S w, Hs, ...] whose entries there are kept (writing ``y``
+    into an existing array).
     """
     w, r = branch.effective_length, branch.rate
     s = y.shape[0] // batch
@@ -52,7 +60,11 @@ def scatter_dilated(y, branch: branch_plans.Branch, offsets: np.ndarray, batch: 
     if r > 1:
         selected = np.arange(r)[:, None] == np.asarray(offsets)[None, :]  # [r, Hs]
         selected = selected.reshape((1, 1, 1) + selected.shape + (1,) * (len(head_and_rest) - 1))
-        y = jnp.where(selected, jnp.expand_dims(y, 3), jnp.asarray(fill, y.dtype))
+        if np.ndim(fill):
+            fill = fill.reshape(batch, s, w // r, r, *head_and_rest).astype(y.dtype)
+        else:
+            fill = jnp.asarray(fill, y.dtype)
+        y = jnp.where(selected, jnp.expand_dims(y, 3), fill)
     y = y.reshape(batch, s * w, *head_and_rest)
     return y[:, :seq_len]
 

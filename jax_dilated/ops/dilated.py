@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, dilation, softmax, validation
-from jax_dilated.ops import distributed
+from jax_dilated.ops import dilated_local, distributed
 
 __all__ = ["dilated_attention"]
 
@@ -119,6 +119,13 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
     rng = dropout_rng if dropout_rate > 0.0 else None
     if seq_axis is None:
         kernel = get_kernel(implementation)
+        if kernel.name == "xla":
+            # The blockwise kernel streams chunks of segments into the output in place
+            # (ops/dilated_local.py); cuDNN keeps one batched call per branch and its
+            # own fused backward, which is what is fast on a GPU.
+            o, lse = dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
+                                                 kv_mask, rng)
+            return (o, lse) if return_lse else o
         results = []
         for i, plan in enumerate(plans):
             attend = functools.partial(

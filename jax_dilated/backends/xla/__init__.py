@@ -55,6 +55,11 @@ class XlaKernel:
                                k_positions=k_positions, kv_valid=kv_valid,
                                dropout_rng=dropout_rng)
 
+    def batch_chunk(self, n: int, q, k, args: KernelArgs) -> int:
+        """Items whose logits blocks together stay near the cache-friendly size
+        (:func:`.dense.batch_chunk`)."""
+        return dense.batch_chunk(n, q, k, args)
+
     def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
                              q_positions=None, k_positions=None, kv_valid=None):
         """:func:`.block_sparse.block_sparse_forward`."""

@@ -13,7 +13,7 @@ from jax_dilated.backends.xla.block_math import (
     _forward_block,
     _listed,
 )
-from jax_dilated.backends.xla.dense import _batch_chunk, _chunked
+from jax_dilated.backends.xla.dense import batch_chunk, _chunked
 from jax_dilated.backends.xla.layout import _Blocking, _matmul_inputs, _Prepared, _take
 from jax_dilated.core import softmax
 from jax_dilated.core.skip import maybe_skip
@@ -135,7 +135,7 @@ def block_sparse_forward(q, k, v, args: KernelArgs, *, blocks: BlockLists, q_pos
     to the keys of blocks ``blocks.rows[i]`` (entries with ``rows_ok`` False
     skipped); the cost is proportional to the number of listed blocks.
     """
-    chunk = _batch_chunk(q.shape[0], q, k, args)
+    chunk = batch_chunk(q.shape[0], q, k, args)
     return _chunked(_sparse_forward_core, (q, k, v, kv_valid),
                     dict(q_positions=q_positions, k_positions=k_positions, blocks=blocks),
                     args, None, chunk)
@@ -145,7 +145,7 @@ def block_sparse_backward(q, k, v, do, lse, delta, args: KernelArgs, *, blocks: 
                           q_positions=None, k_positions=None, kv_valid=None):
     """Backward of :func:`block_sparse_forward` (as :func:`backward`; ``lse``/``delta``
     may be global statistics). dk/dv loop over ``blocks.cols``, the transposed lists."""
-    chunk = _batch_chunk(q.shape[0], q, k, args)
+    chunk = batch_chunk(q.shape[0], q, k, args)
     return _chunked(_sparse_backward_core, (q, k, v, do, lse, delta, kv_valid),
                     dict(q_positions=q_positions, k_positions=k_positions, blocks=blocks),
                     args, None, chunk)

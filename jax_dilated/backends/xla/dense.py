@@ -126,7 +126,8 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
 _BLOCK_ELEMENTS = 1 << 21
 
 
-def _batch_chunk(n: int, q, k, args: KernelArgs) -> int:
+def batch_chunk(n: int, q, k, args: KernelArgs) -> int:
+    """Items of a batched call [n, L, H, D] processed at once (see ``_BLOCK_ELEMENTS``)."""
     geo = _blocking(q.shape[1], k.shape[1], args)
     per_item = q.shape[2] * geo.block_q * geo.block_k
     return max(1, min(n, _BLOCK_ELEMENTS // per_item))
@@ -176,7 +177,7 @@ def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
       (float32, or float64 for float64 inputs); ``o = 0``, ``lse = -inf`` for rows
       with no allowed key.
     """
-    chunk = _batch_chunk(q.shape[0], q, k, args)
+    chunk = batch_chunk(q.shape[0], q, k, args)
     return _chunked(_forward_core, (q, k, v, kv_valid),
                     dict(q_positions=q_positions, k_positions=k_positions), args,
                     dropout_rng, chunk)
@@ -203,7 +204,7 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
     Returns:
       ``dq`` [N, Lq, H, D], ``dk``/``dv`` [N, Lk, Hkv, D], in the input dtypes.
     """
-    chunk = _batch_chunk(q.shape[0], q, k, args)
+    chunk = batch_chunk(q.shape[0], q, k, args)
     return _chunked(_backward_core, (q, k, v, do, lse, delta, kv_valid),
                     dict(q_positions=q_positions, k_positions=k_positions), args,
                     dropout_rng, chunk)

@@ -22,7 +22,7 @@ from jax_dilated.backends.xla.block_math import (
     _forward_block,
     _listed,
 )
-from jax_dilated.backends.xla.dense import _BLOCK_ELEMENTS, _batch_chunk
+from jax_dilated.backends.xla.dense import _BLOCK_ELEMENTS, batch_chunk
 from jax_dilated.backends.xla.layout import (
     _Blocking,
     _blocking,
@@ -282,7 +282,7 @@ def ring_steps(q, k, args: KernelArgs):
     """
     geo = _blocking(q.shape[1], k.shape[1], args)
     if (geo.num_q * geo.block_q != geo.len_q or geo.num_k * geo.block_k != geo.len_k
-            or _batch_chunk(q.shape[0], q, k, args) < q.shape[0]):
+            or batch_chunk(q.shape[0], q, k, args) < q.shape[0]):
         return None
     group, kv_heads = q.shape[2] // k.shape[2], k.shape[2]
     return _RingSteps(geo, group, kv_heads, _ring_head_group(q.shape[0], kv_heads, group,

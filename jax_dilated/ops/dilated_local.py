@@ -1,0 +1,337 @@
+"""Dilated attention on one device, streamed: branch by branch, a few segments at a time,
+accumulating into the output in place (docs/semantics.md, section 2).
+
+The plain way to run a branch is to gather every dilated segment of the whole
+sequence into one array, run the kernel over all of them, scatter the result back
+to a full-size array and merge the branches afterwards. Each of those steps makes
+a sequence-sized temporary, and on CPU the temporaries cost more than their
+copies: every run touches fresh pages of them (page faults), a quarter of the
+forward's time at 16K tokens. Here instead one loop per branch walks over chunks
+of segments; a chunk's queries, keys and values are sliced and dilated into a
+kernel-sized buffer, the kernel runs on it, and its result goes straight into the
+accumulators (the output and the log-sum-exp, carried through every branch and
+updated in place). Temporaries stay the size of one chunk.
+
+The accumulated pair ``(O, LSE)`` is, per mode:
+
+* longnet: the partials of all branches merged with
+  :func:`~jax_dilated.core.softmax.merge_partials` as they arrive, so ``O`` and
+  ``LSE`` are those of the equivalent dense softmax (Eq. 10);
+* head_groups: head ``j``'s branch output divided by the number of branches, and
+  that branch's ``LSE`` (the groups' heads are disjoint).
+
+The backward (a ``jax.custom_vjp``) walks the same chunks. Both modes
+differentiate through the *global* statistics: with ``P = exp(s - LSE)`` over a
+branch's keys, branch ``i`` contributes ``P v`` to ``O`` in longnet mode (its
+mixing weight ``exp(LSE_i - LSE)`` times its own ``exp(s - LSE_i)``), so the
+kernel's backward with ``lse = LSE`` and ``delta = rowsum(dO * O) - dLSE`` is the
+exact gradient of the merged result, mixing weights included. In head_groups
+mode the same holds with the output cotangent divided by the number of branches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated.backends.base import Kernel, KernelArgs
+from jax_dilated.core import branch_plans, dilation, softmax
+from jax_dilated.core.arrays import pad_axis
+from jax_dilated.core.vma import varying_like
+
+__all__ = ["dilated_local"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    """Static description of one call (identity-hashed: it holds NumPy plans)."""
+
+    kernel: Kernel
+    args: KernelArgs
+    plans: tuple[branch_plans.BranchPlan, ...]
+    mode: str
+
+
+def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key, value,
+                  kv_mask, dropout_rng):
+    """All branches of dilated attention on one device: ``(out, lse)``.
+
+    Args:
+      kernel: the attention kernel (its ``forward``/``backward`` run on chunks of
+        dilated segments ``[N, w/r, H_g, D]``; ``batch_chunk`` sizes the chunks).
+      args: static kernel arguments.
+      plans: the :class:`~jax_dilated.core.branch_plans.BranchPlan` of every branch.
+      mode: ``"longnet"`` or ``"head_groups"``.
+      query: [B, T, H, D]; key, value: [B, T, H_kv, D]; kv_mask: None or [B, T] bool.
+      dropout_rng: None or a key (branch ``i`` folds in ``i``, its chunk ``c`` then ``c``).
+
+    Returns:
+      ``out`` [B, T, H, D] in query's dtype and ``lse`` [B, T, H] in the stats dtype,
+      as :func:`jax_dilated.ops.dilated.combine_branches` defines them; differentiable
+      in query, key and value through both.
+    """
+    call = _Call(kernel, args, tuple(plans), mode)
+    return _attend(call, query, key, value, kv_mask, dropout_rng)
+
+
+# --------------------------------------------------------------------------- chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunks:
+    """How a branch's ``items`` dilated segments are walked: ``full`` chunks of
+    ``size`` in a loop, then one static chunk of ``rest`` (0: none)."""
+
+    size: int
+    full: int
+    rest: int
+
+    @property
+    def count(self) -> int:
+        return self.full + (1 if self.rest else 0)
+
+
+def _chunks(items: int, target: int) -> _Chunks:
+    """Chunks of about ``target`` items; a divisor of ``items`` when one is close."""
+    target = max(1, min(items, target))
+    for size in range(target, (target + 1) // 2 - 1, -1):
+        if size >= 1 and items % size == 0:
+            return _Chunks(size, items // size, 0)
+    return _Chunks(target, items // target, items % target)
+
+
+def _branch_rng(rng, i: int):
+    return None if rng is None else jax.random.fold_in(rng, i)
+
+
+def _chunk_rng(rng, c):
+    return None if rng is None else jax.random.fold_in(rng, c)
+
+
+class _Branch:
+    """One branch's static geometry and its views of the call's arrays.
+
+    Arrays of the call, ``[B, T, ...]``, are seen as ``[B * S, w, ...]`` (``S``
+    segments of ``w`` tokens; a free reshape when ``w`` divides ``T``, else the
+    sequence is padded to ``S w`` first).
+    """
+
+    def __init__(self, call: _Call, i: int, query, key):
+        self.plan = call.plans[i]
+        self.branch = self.plan.branch
+        b, t, h, d = query.shape
+        self.batch, self.seq_len, self.heads = b, t, h
+        self.kv_heads = key.shape[2]
+        self.w = self.branch.effective_length
+        self.segments = self.branch.num_segments(t)
+        self.padded = self.segments * self.w
+        self.items = b * self.segments
+        heads = self.plan.query_heads
+        self.h0, self.hs = int(heads[0]), len(heads)
+        if not np.array_equal(heads, np.arange(self.h0, self.h0 + self.hs)):
+            raise AssertionError("branch plans give contiguous head ranges")  # pragma: no cover
+        rate = self.branch.rate
+        d_shape = (self.w // rate, self.hs, d)
+        k_shape = (self.w // rate, len(self.plan.kv_heads), d)
+        target = call.kernel.batch_chunk(
+            self.items, jax.ShapeDtypeStruct((self.items, *d_shape), query.dtype),
+            jax.ShapeDtypeStruct((self.items, *k_shape), key.dtype), call.args)
+        self.chunks = _chunks(self.items, target)
+        # gathered kv head g is kv head kv_heads[g]: the kv heads' contributions
+        # are sums over the gathered heads that read them
+        self.kv_sources = [np.flatnonzero(self.plan.kv_heads == j) for j in range(self.kv_heads)]
+
+    def view(self, x, fill=0):
+        """[B, T, ...] -> [B S, w, ...]."""
+        x = pad_axis(x, 1, self.padded, fill)
+        return x.reshape(self.items, self.w, *x.shape[2:])
+
+    def unview(self, x):
+        """Inverse of :meth:`view`: [B S, w, ...] -> [B, T, ...]."""
+        x = x.reshape(self.batch, self.padded, *x.shape[2:])
+        return jax.lax.slice_in_dim(x, 0, self.seq_len, axis=1)
+
+    def gather_q(self, x):
+        """Chunk [n, w, H, ...] -> its dilated query heads [n, w/r, H_b, ...]."""
+        return dilation.gather_dilated(x, self.branch, self.plan.offsets, self.plan.query_heads)
+
+    def gather_kv(self, x):
+        """Chunk [n, w, H_kv, ...] -> the branch's gathered kv heads [n, w/r, H_g, ...]."""
+        return dilation.gather_dilated(x, self.branch, self.plan.kv_offsets, self.plan.kv_heads)
+
+    def scatter_q(self, y, fill):
+        """[n, w/r, H_b, ...] -> [n, w, H_b, ...] (``fill`` where a head selects nothing)."""
+        return dilation.scatter_dilated(y, self.branch, self.plan.offsets, y.shape[0], self.w,
+                                        fill)
+
+    def scatter_kv(self, y):
+        """Gathered kv-head gradients [n, w/r, H_g, D] -> [n, w, H_kv, D] (summed per kv head)."""
+        y = dilation.scatter_dilated(y, self.branch, self.plan.kv_offsets, y.shape[0], self.w, 0)
+        parts = []
+        for sources in self.kv_sources:
+            if len(sources) == 0:
+                parts.append(jnp.zeros_like(y[:, :, 0]))
+            else:
+                parts.append(functools.reduce(jnp.add, [y[:, :, g] for g in sources]))
+        return jnp.stack(parts, axis=2)
+
+    def valid(self, kv_mask):
+        """Key validity [B S, w, H_kv] or None (every key of every segment exists)."""
+        valid = dilation.key_validity(kv_mask, self.branch, self.batch, self.seq_len)
+        if valid is None:
+            return None
+        valid = jnp.broadcast_to(valid[:, :, None], (self.batch, self.seq_len, self.kv_heads))
+        return self.view(valid, False)
+
+
+def _loop(chunks: _Chunks, body, carry):
+    """``body(carry, start, size, c)`` over every chunk ``c`` (traced start in the loop)."""
+    if chunks.full == 1:
+        carry = body(carry, 0, chunks.size, 0)
+    elif chunks.full > 1:
+        carry = jax.lax.fori_loop(
+            0, chunks.full, lambda c, acc: body(acc, c * chunks.size, chunks.size, c), carry)
+    if chunks.rest:
+        carry = body(carry, chunks.full * chunks.size, chunks.rest, chunks.full)
+    return carry
+
+
+def _slice(x, start, size):
+    return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
+
+
+def _update(acc, part, start, head0: int):
+    """``acc`` [B S, w, H, ...] with ``part`` [n, w, H_b, ...] written at item ``start``, head ``head0``."""
+    idx = (start, 0, head0) + (0,) * (acc.ndim - 3)
+    return jax.lax.dynamic_update_slice(acc, part.astype(acc.dtype), idx)
+
+
+def _read(acc, start, size: int, head0: int, heads: int):
+    """The ``[size, w, heads, ...]`` slice of ``acc`` that :func:`_update` writes."""
+    idx = (start, 0, head0) + (0,) * (acc.ndim - 3)
+    return jax.lax.dynamic_slice(acc, idx, (size, acc.shape[1], heads) + acc.shape[3:])
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _forward(call: _Call, query, key, value, kv_mask, rng):
+    b, t, h, d = query.shape
+    stats = softmax.stats_dtype(query.dtype)
+    longnet = call.mode == "longnet"
+    o_dtype = stats if longnet else query.dtype
+    nb = len(call.plans)
+    o = jnp.zeros((b, t, h, d), o_dtype)
+    lse = jnp.full((b, t, h), -jnp.inf, stats)
+    o, lse = varying_like((o, lse), (query, key, value))
+    # Last branch first: a single-chunk branch (typically the longest segments) is then
+    # not the last write, and XLA keeps the accumulator in the output buffer instead of
+    # copying it there at the end (a sequence-sized temporary less).
+    for n_done, i in enumerate(reversed(range(nb))):
+        br = _Branch(call, i, query, key)
+        q_v, k_v, v_v = br.view(query), br.view(key), br.view(value)
+        valid_v = br.valid(kv_mask)
+        rng_i = _branch_rng(rng, i)
+
+        def body(acc, start, size, c, br=br, q_v=q_v, k_v=k_v, v_v=v_v, valid_v=valid_v,
+                 rng_i=rng_i, first=n_done == 0):
+            o_acc, lse_acc = acc
+            valid = _slice(valid_v, start, size)
+            o_c, lse_c = call.kernel.forward(
+                br.gather_q(_slice(q_v, start, size)), br.gather_kv(_slice(k_v, start, size)),
+                br.gather_kv(_slice(v_v, start, size)), call.args,
+                kv_valid=None if valid is None else br.gather_kv(valid),
+                dropout_rng=_chunk_rng(rng_i, c))
+            if not longnet:
+                o_c = br.scatter_q(o_c / jnp.asarray(nb, o_c.dtype), 0)
+                lse_c = br.scatter_q(lse_c, -jnp.inf)
+            elif first:  # merging into nothing is the identity
+                o_c, lse_c = br.scatter_q(o_c.astype(stats), 0), br.scatter_q(lse_c, -jnp.inf)
+            else:
+                # merge at the positions this branch selects only, then write them back
+                o_old = _read(o_acc, start, size, br.h0, br.hs)
+                lse_old = _read(lse_acc, start, size, br.h0, br.hs)
+                o_m, lse_m = softmax.merge_partials(br.gather_q(o_old), br.gather_q(lse_old),
+                                                    o_c.astype(stats), lse_c)
+                o_c, lse_c = br.scatter_q(o_m, o_old), br.scatter_q(lse_m, lse_old)
+            return _update(o_acc, o_c, start, br.h0), _update(lse_acc, lse_c, start, br.h0)
+
+        o_v, lse_v = _loop(br.chunks, body, (br.view(o), br.view(lse, -jnp.inf)))
+        o, lse = br.unview(o_v), br.unview(lse_v)
+    return o.astype(query.dtype), lse
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _backward(call: _Call, query, key, value, kv_mask, rng, o, lse, do, dlse):
+    stats = softmax.stats_dtype(query.dtype)
+    nb = len(call.plans)
+    delta = softmax.backward_delta(do, o, dlse)
+    if call.mode == "head_groups":
+        # O_j = O_branch / nb: the branch's output cotangent is dO / nb, and
+        # rowsum(dO_branch * O_branch) = rowsum(dO * O_j), so delta is unchanged.
+        do = (do.astype(stats) / nb).astype(do.dtype)
+    lse_k = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: see dense.backward
+    dq = jnp.zeros(query.shape, stats)
+    dk = jnp.zeros(key.shape, stats)
+    dv = jnp.zeros(value.shape, stats)
+    dq, dk, dv = varying_like((dq, dk, dv), (query, key, value, do))
+    for n_done, i in enumerate(reversed(range(nb))):  # order: as in _forward
+        br = _Branch(call, i, query, key)
+        q_v, k_v, v_v, do_v = br.view(query), br.view(key), br.view(value), br.view(do)
+        lse_v, delta_v = br.view(lse_k), br.view(delta)
+        valid_v = br.valid(kv_mask)
+        rng_i = _branch_rng(rng, i)
+
+        def body(acc, start, size, c, br=br, q_v=q_v, k_v=k_v, v_v=v_v, do_v=do_v,
+                 lse_v=lse_v, delta_v=delta_v, valid_v=valid_v, rng_i=rng_i,
+                 first=n_done == 0):
+            dq_acc, dk_acc, dv_acc = acc
+            valid = _slice(valid_v, start, size)
+            dq_c, dk_c, dv_c = call.kernel.backward(
+                br.gather_q(_slice(q_v, start, size)), br.gather_kv(_slice(k_v, start, size)),
+                br.gather_kv(_slice(v_v, start, size)), br.gather_q(_slice(do_v, start, size)),
+                br.gather_q(_slice(lse_v, start, size)),
+                br.gather_q(_slice(delta_v, start, size)), call.args,
+                kv_valid=None if valid is None else br.gather_kv(valid),
+                dropout_rng=_chunk_rng(rng_i, c))
+            dq_c = br.scatter_q(dq_c.astype(stats), 0)
+            dk_c, dv_c = br.scatter_kv(dk_c.astype(stats)), br.scatter_kv(dv_c.astype(stats))
+            if not first:  # the accumulators start at zero
+                dq_c = dq_c + _read(dq_acc, start, size, br.h0, br.hs)
+                dk_c = dk_c + _slice(dk_acc, start, size)
+                dv_c = dv_c + _slice(dv_acc, start, size)
+            return (_update(dq_acc, dq_c, start, br.h0), _update(dk_acc, dk_c, start, 0),
+                    _update(dv_acc, dv_c, start, 0))
+
+        dq_v, dk_v, dv_v = _loop(br.chunks, body, (br.view(dq), br.view(dk), br.view(dv)))
+        dq, dk, dv = br.unview(dq_v), br.unview(dk_v), br.unview(dv_v)
+    return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
+
+
+# --------------------------------------------------------------------------- custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(call, query, key, value, kv_mask, rng):
+    return _forward(call, query, key, value, kv_mask, rng)
+
+
+def _attend_fwd(call, query, key, value, kv_mask, rng):
+    o, lse = _forward(call, query, key, value, kv_mask, rng)
+    return (o, lse), (query, key, value, kv_mask, rng, o, lse)
+
+
+def _attend_bwd(call, res, cotangents):
+    query, key, value, kv_mask, rng, o, lse = res
+    do, dlse = cotangents
+    dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, o, lse, do, dlse)
+    return dq, dk, dv, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
