@@ -355,8 +355,9 @@ def test_attention_fn_errors():
     # traced, it cannot raise: NaN rather than a silently wrong result
     out = jax.jit(lambda m: fn(q, k, v, mask=m))(jnp.asarray(band))
     assert np.all(np.isnan(np.asarray(out)))
-    with pytest.raises(ValueError, match="per-head masks"):
-        fn(q, k, v, mask=jnp.ones((1, 2, 8, 8), bool))
+    with pytest.raises(ValueError, match="per-head masks"):  # heads differ
+        fn(q, k, v, mask=jnp.asarray(np.stack([np.tril(np.ones((8, 8), bool)),
+                                               np.ones((8, 8), bool)])[None]))
     with pytest.raises(ValueError, match="no additive bias"):
         fn(q, k, v, bias=jnp.zeros((1, 1, 8, 8)))
     with pytest.raises(ValueError, match="broadcast_dropout=False"):

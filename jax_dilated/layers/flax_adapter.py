@@ -3,21 +3,78 @@
 :func:`attention_fn` returns dilated attention with the call signature of
 ``flax.nnx.dot_product_attention`` / ``flax.linen.dot_product_attention``, for
 ``nnx.MultiHeadAttention(attention_fn=...)`` and
-``nn.MultiHeadDotProductAttention(attention_fn=...)``; Flax's mask is split into
+``nn.MultiHeadDotProductAttention(attention_fn=...)``. It takes Flax's shapes
+(``[batch..., length, heads, head_dim]``, any number of leading batch dimensions or
+none: they are flattened into one and restored), and splits Flax's mask into
 causality and key/query padding (anything else is refused).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dilated.core.validation import check_flag
 from jax_dilated.layers import common
 
 __all__ = ["attention_fn"]
+
+
+# ------------------------------------------------------------- Flax's shape convention
+
+
+def _batch_shape(query, key, value) -> tuple:
+    """The leading batch dimensions of Flax's ``[batch..., length, heads, head_dim]``
+    query/key/value (possibly ``()``), after checking that the three agree."""
+    shapes = tuple(tuple(getattr(x, "shape", ())) for x in (query, key, value))
+    described = f"query {shapes[0]}, key {shapes[1]}, value {shapes[2]}"
+    for name, x in zip(("query", "key", "value"), (query, key, value)):
+        if not hasattr(x, "shape") or x.ndim < 3:
+            raise ValueError(
+                f"{name} must be [batch..., length, heads, head_dim] (rank 3 or more), "
+                f"got {described}.")
+    if not query.ndim == key.ndim == value.ndim:
+        raise ValueError(f"query, key and value must have the same rank, got {described}.")
+    if not shapes[0][:-3] == shapes[1][:-3] == shapes[2][:-3]:
+        raise ValueError(f"query, key and value batch dims must match, got {described}.")
+    if shapes[1][-3] != shapes[2][-3]:
+        raise ValueError(f"key and value lengths must match, got {described}.")
+    if shapes[0][-1] != shapes[1][-1]:
+        raise ValueError(f"query and key depths must match, got {described}.")
+    return shapes[0][:-3]
+
+
+def _flatten(x, batch: int):
+    """``[batch..., length, heads, d]`` -> ``[batch, length, heads, d]``."""
+    return x.reshape((batch,) + tuple(x.shape[-3:]))
+
+
+def _flatten_mask(mask, batch_shape: tuple, heads: int, seq_len: int):
+    """Flax's mask, broadcastable to ``[batch..., heads, q_len, kv_len]``, as
+    ``[batch or 1, heads or 1, q_len or 1, kv_len or 1]`` (numpy if it is concrete)."""
+    shape = tuple(getattr(mask, "shape", ()))
+    full = batch_shape + (heads, seq_len, seq_len)
+    padded = (1,) * (len(full) - len(shape)) + shape
+    if not (hasattr(mask, "shape") and len(shape) <= len(full)
+            and all(m in (1, n) for m, n in zip(padded, full))):
+        raise ValueError(
+            f"mask must broadcast to [batch..., heads, q_len, kv_len] = {list(full)}, "
+            f"got shape {shape}.")
+    concrete = not isinstance(mask, jax.core.Tracer)
+    xp = np if concrete else jnp
+    mask = xp.reshape(xp.asarray(mask), padded)
+    nb = len(batch_shape)
+    if any(m != 1 for m in padded[:nb]):
+        mask = xp.broadcast_to(mask, batch_shape + padded[nb:])
+    return mask.reshape((math.prod(mask.shape[:nb]),) + padded[nb:])
+
+
+# ---------------------------------------------------------------------- mask structure
 
 
 class _MaskParts(NamedTuple):
@@ -25,14 +82,18 @@ class _MaskParts(NamedTuple):
     q_valid: jax.Array   # [B, T] queries with at least one key
     has_future: jax.Array  # scalar: some query may attend to a later key
     mask: jax.Array      # [B, T, T] the mask itself (bool)
+    same_heads: jax.Array  # scalar: every head has the same mask
 
 
 def _mask_parts(mask, batch: int, seq_len: int, xp):
-    """Split a bool flax mask into key padding, query padding and causality (``xp``: np
-    for a mask known at trace time, jnp for a traced one)."""
+    """Split a bool [B or 1, heads or 1, T or 1, T or 1] mask into key padding, query
+    padding and causality (``xp``: np for a mask known at trace time, jnp for a traced
+    one)."""
     m = xp.broadcast_to(mask[:, 0], (batch, seq_len, seq_len))
     future = xp.triu(xp.ones((seq_len, seq_len), bool), 1)
-    return _MaskParts(xp.any(m, axis=1), xp.any(m, axis=2), xp.any(m & future), m)
+    same_heads = xp.all(mask == mask[:, :1])
+    return _MaskParts(xp.any(m, axis=1), xp.any(m, axis=2), xp.any(m & future), m,
+                      same_heads)
 
 
 def _expected(parts: _MaskParts, causal, xp):
@@ -43,16 +104,7 @@ def _expected(parts: _MaskParts, causal, xp):
     return m
 
 
-def _check_mask_shape(mask, batch: int, seq_len: int):
-    shape = tuple(getattr(mask, "shape", ()))
-    ok = (len(shape) == 4 and shape[0] in (1, batch) and shape[1] == 1
-          and shape[2] in (1, seq_len) and shape[3] == seq_len)
-    if not ok:
-        raise ValueError(
-            f"jd.attention_fn takes a mask of shape [batch or 1, 1, q_len or 1, kv_len] = "
-            f"[{batch}, 1, {seq_len}, {seq_len}] (e.g. from nnx.make_causal_mask, "
-            f"nnx.make_attention_mask or their combine_masks), got {shape}: per-head "
-            f"masks and other ranks are not supported.")
+# -------------------------------------------------------------------------- the adapter
 
 
 def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
@@ -69,43 +121,51 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
             segment_lengths=(2048, 4096), dilation_rates=(1, 2)))
         nn.MultiHeadDotProductAttention(..., attention_fn=jd.attention_fn(...))
 
-    The layer's projected ``query`` / ``key`` / ``value`` [batch, seq, heads,
-    head_dim] go through :func:`jax_dilated.dilated_attention` (sequence-parallel
-    with ``mesh`` / ``seq_axis``), so the layer's output equals dilated attention on
-    its projections.
+    The layer's projected ``query`` / ``key`` / ``value`` go through
+    :func:`jax_dilated.dilated_attention` (sequence-parallel with ``mesh`` /
+    ``seq_axis``), so the layer's output equals dilated attention on its projections.
+
+    Shapes follow Flax: ``[batch..., length, heads, head_dim]`` with any number of
+    leading batch dimensions, or none (an unbatched ``[length, heads, head_dim]``).
+    The batch dimensions are flattened into one for dilated attention (which attends
+    along ``length`` only) and restored on the output; ``length`` is the sequence.
 
     Masks. Dilated attention takes causality and a key padding mask, not arbitrary
-    masks, so the layer's ``mask`` must be one of, shaped [batch or 1, 1, q_len or 1,
-    kv_len] (bool or 0/1 float):
+    masks, so the layer's ``mask`` (broadcastable to ``[batch..., heads, q_len,
+    kv_len]``, bool or 0/1 float) must be one of:
 
     * a causal mask (``make_causal_mask``) -> ``is_causal=True``;
     * a padding mask (``make_attention_mask(q_valid, kv_valid)``) -> ``kv_mask``;
-    * both combined (``combine_masks``).
+    * both combined (``combine_masks``), the same for every head.
 
     Key padding is read as "some query may attend to the key", query padding as
     "the query may attend to some key"; padded query rows output zeros. Causality is
     ``is_causal`` if given here, else inferred from the mask (no query may attend to
     a later key); the layer's ``is_causal=True`` overlays a causal mask, as in Flax.
-    A mask of any other structure (sliding window, per-head, block masks) cannot be
-    represented: eagerly that raises ``ValueError``; under ``jax.jit`` (mask traced)
-    the output is NaN instead of a silently wrong number. With an inferred causality
-    and a traced mask both variants are compiled and the mask picks one at run time
-    (``lax.cond``); pass ``is_causal`` to compile one.
+    A mask of any other structure (sliding window, masks that differ between heads,
+    block masks) cannot be represented: eagerly that raises ``ValueError``; under
+    ``jax.jit`` (mask traced) the output is NaN instead of a silently wrong number.
+    With an inferred causality and a traced mask both variants are compiled and the
+    mask picks one at run time (``lax.cond``); pass ``is_causal`` to compile one.
 
     Args:
       segment_lengths, dilation_rates, mode, head_offsets, scale, implementation,
         block_q, block_k: as in :func:`jax_dilated.dilated_attention`.
       is_causal: True / False to fix causality, None to infer it from the mask.
-      mesh, seq_axis, batch_axis, head_axis: run sequence-parallel over ``mesh``.
+      mesh, seq_axis, batch_axis, head_axis: run sequence-parallel over ``mesh``
+        (``batch_axis`` shards the flattened batch).
 
     Returns:
       ``fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
       dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
-      precision=None, module=None, is_causal=False, ...)`` returning [batch, seq,
-      heads, head_dim]. Not supported, with a ``ValueError``: ``bias``, ``module``
-      (``sow_weights``), custom einsums, broadcast dropout (build the Flax layer with
-      ``broadcast_dropout=False`` to use dropout), and Flax's ``decode`` cache (use
-      :class:`jax_dilated.nnx.MultiheadDilatedAttention` for decoding).
+      precision=None, module=None, is_causal=False, promote_dtype=None, ...)`` returning
+      ``[batch..., length, heads, head_dim]``. ``query``, ``key`` and ``value`` are
+      promoted to one dtype (``dtype``, else their common type), as in Flax. Not
+      supported, with a ``ValueError``: ``bias``, ``module`` (``sow_weights``), custom
+      einsums, key length != query length (cross-attention, Flax's ``decode`` cache:
+      decode with :class:`jax_dilated.nnx.MultiheadDilatedAttention`), a value depth
+      other than the key's, and broadcast dropout (build the Flax layer with
+      ``broadcast_dropout=False`` to use dropout).
 
     Example:
       >>> import jax, jax.numpy as jnp, jax_dilated as jd
@@ -117,92 +177,122 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
       >>> run = nnx.jit(lambda m, x: m(x, mask=nnx.make_causal_mask(jnp.ones((1, 32)))))
       >>> run(mha, x).shape
       (1, 32, 16)
+      >>> mha(jnp.ones((3, 2, 32, 16))).shape   # two batch dims (or none) also work
+      (3, 2, 32, 16)
     """
     core = common.dilated_core(
         segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
         head_offsets=head_offsets, scale=scale, implementation=implementation,
         mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
         block_q=block_q, block_k=block_k)
-    if is_causal not in (None, True, False):
-        raise TypeError(f"is_causal must be None, True or False, got {is_causal!r}.")
-    fixed_causal = is_causal
+    fixed_causal = None if is_causal is None else check_flag("is_causal", is_causal)
 
     def dilated_attention_fn(query, key, value, bias=None, mask=None,
                              broadcast_dropout: bool = True, dropout_rng=None,
                              dropout_rate: float = 0.0, deterministic: bool = False,
                              dtype=None, precision=None, module=None,
                              is_causal: bool = False, force_fp32_for_softmax: bool = False,
-                             qk_attn_weights_einsum=None, attn_weights_value_einsum=None):
+                             einsum_dot_general=None, qk_attn_weights_einsum=None,
+                             attn_weights_value_einsum=None, promote_dtype=None):
         """Dilated attention with Flax's ``attention_fn`` signature.
 
-        query, key, value: [batch, seq, heads, head_dim] (kv heads may be fewer);
-        mask: None or [batch or 1, 1, seq or 1, seq] causal and/or padding mask (see
-        :func:`jax_dilated.attention_fn`). Returns [batch, seq, heads, head_dim].
+        query, key, value: [batch..., length, heads, head_dim] (kv heads may be
+        fewer; no batch dimension also works); mask: None or a causal and/or padding
+        mask broadcastable to [batch..., heads, length, length] (see
+        :func:`jax_dilated.attention_fn`). Returns [batch..., length, heads, head_dim].
         """
         del force_fp32_for_softmax  # softmax statistics are always float32 or wider
+        for name, flag in (("is_causal", is_causal), ("deterministic", deterministic),
+                           ("broadcast_dropout", broadcast_dropout)):
+            check_flag(name, flag)
         if bias is not None:
             raise ValueError("jd.attention_fn takes no additive bias (got bias of shape "
                              f"{tuple(bias.shape)}); express padding and causality as a mask.")
         if module is not None:
             raise ValueError("jd.attention_fn cannot sow attention weights (sow_weights=True): "
                              "dilated attention never materialises them.")
-        if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
-            raise ValueError("jd.attention_fn does not take custom attention einsums.")
-        for name, x in (("query", query), ("key", key)):
-            if getattr(x, "ndim", None) != 4:
-                raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape "
-                                 f"{getattr(x, 'shape', None)}.")
-        b, t = query.shape[:2]
-        if key.shape[1] != t:
+        einsums = (einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum)
+        if any(e is not None for e in einsums):
+            raise ValueError("jd.attention_fn does not take custom attention einsums "
+                             "(einsum_dot_general, qk_attn_weights_einsum, "
+                             "attn_weights_value_einsum).")
+        batch_shape = _batch_shape(query, key, value)
+        t, heads = query.shape[-3:-1]
+        if key.shape[-3] != t:
             hint = (" (this looks like Flax's decode cache: decode with "
-                    "jd.nnx.MultiheadDilatedAttention instead)" if t == 1 else "")
+                    "jd.nnx.MultiheadDilatedAttention or jd.linen.MultiheadDilatedAttention "
+                    "instead)" if t == 1 else "")
             raise ValueError(
                 f"dilated attention is self-attention over one sequence: query length {t} "
-                f"!= key length {key.shape[1]}{hint}.")
+                f"!= key length {key.shape[-3]}{hint}.")
         dropout_on = dropout_rate > 0.0 and not deterministic
         if dropout_on and broadcast_dropout:
             raise ValueError(
                 "jd.attention_fn draws dropout independently per batch row and head: build "
                 "the Flax layer with broadcast_dropout=False to use attention dropout.")
-        if dtype is not None:
-            query, key, value = (x.astype(dtype) for x in (query, key, value))
+        # one dtype, as in Flax: `dtype` if given, else the common type (NNX's
+        # `promote_dtype` hook, given, decides instead)
+        if promote_dtype is not None:
+            query, key, value = promote_dtype((query, key, value), dtype=dtype)
+        dtype = jnp.result_type(query, key, value) if dtype is None else dtype
+        b = math.prod(batch_shape)
+        query, key, value = (_flatten(x, b).astype(dtype) for x in (query, key, value))
+        if mask is not None:
+            mask = _flatten_mask(mask, batch_shape, heads, t)
         causal = True if (is_causal or fixed_causal) else fixed_causal  # None = infer
 
         def run(causal_flag, kv_mask):
             with common.precision_context(precision):
-                return core(query, key, value, is_causal=causal_flag, kv_mask=kv_mask,
-                            dropout_rate=dropout_rate if dropout_on else 0.0,
-                            dropout_rng=dropout_rng if dropout_on else None)
+                return _run_core(query, key, value, kv_mask, dropout_rng if dropout_on else None,
+                                 core=core, is_causal=causal_flag,
+                                 dropout_rate=float(dropout_rate) if dropout_on else 0.0)
 
-        if mask is None:
-            return run(bool(causal), None)
-        _check_mask_shape(mask, b, t)
-        concrete = not isinstance(mask, jax.core.Tracer)
-        xp = np if concrete else jnp
-        mask = xp.asarray(mask)
-        mask = mask if mask.dtype == bool else mask != 0
-        if causal:  # a causal overlay, as Flax applies is_causal on top of the mask
-            mask = mask & xp.tril(xp.ones((t, t), bool))
-        if concrete:
-            return _with_concrete_mask(mask, causal, b, t, run)
-        parts = _mask_parts(mask, b, t, jnp)
-        if causal is None:
-            out = jax.lax.cond(parts.has_future, lambda: run(False, parts.kv_mask),
-                               lambda: run(True, parts.kv_mask))
-            consistent = jnp.all(parts.mask == jnp.where(
-                parts.has_future, _expected(parts, False, jnp), _expected(parts, True, jnp)))
-        else:
-            out = run(causal, parts.kv_mask)
-            consistent = jnp.all(parts.mask == _expected(parts, causal, jnp))
-        out = jnp.where(parts.q_valid[:, :, None, None], out, jnp.zeros((), out.dtype))
-        return jnp.where(consistent, out, jnp.asarray(jnp.nan, out.dtype))
+        out = run(bool(causal), None) if mask is None else _masked(mask, causal, b, t, run)
+        return out.reshape(batch_shape + tuple(out.shape[1:]))
 
     return dilated_attention_fn
+
+
+@functools.partial(jax.jit, static_argnames=("core", "is_causal", "dropout_rate"))
+def _run_core(query, key, value, kv_mask, dropout_rng, *, core, is_causal, dropout_rate):
+    """One compiled call of the attention core. Flax layers often run eagerly (NNX
+    without ``nnx.jit``, Linen's ``init``/``apply``), where dispatching the core op by op
+    costs far more than the attention; under an outer ``jit`` this nests and inlines."""
+    return core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
+                dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+
+
+def _masked(mask, causal, b: int, t: int, run):
+    """``run`` under a flattened Flax mask [B or 1, heads or 1, T or 1, T or 1]: padded
+    query rows zero; a mask that is not causal/padding raises (concrete) or gives NaN
+    (traced)."""
+    xp = np if isinstance(mask, np.ndarray) else jnp
+    mask = mask if mask.dtype == bool else mask != 0
+    if causal:  # a causal overlay, as Flax applies is_causal on top of the mask
+        mask = mask & xp.tril(xp.ones((t, t), bool))
+    if xp is np:
+        return _with_concrete_mask(mask, causal, b, t, run)
+    parts = _mask_parts(mask, b, t, jnp)
+    if causal is None:
+        out = jax.lax.cond(parts.has_future, lambda: run(False, parts.kv_mask),
+                           lambda: run(True, parts.kv_mask))
+        consistent = jnp.all(parts.mask == jnp.where(
+            parts.has_future, _expected(parts, False, jnp), _expected(parts, True, jnp)))
+    else:
+        out = run(causal, parts.kv_mask)
+        consistent = jnp.all(parts.mask == _expected(parts, causal, jnp))
+    out = jnp.where(parts.q_valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+    return jnp.where(consistent & parts.same_heads, out, jnp.asarray(jnp.nan, out.dtype))
 
 
 def _with_concrete_mask(mask: np.ndarray, causal, b: int, t: int, run):
     """A mask known at trace time: decide causality in Python and check it exactly."""
     parts = _mask_parts(mask, b, t, np)
+    if not parts.same_heads:
+        raise ValueError(
+            f"jd.attention_fn: the mask (flattened shape {mask.shape}) differs between "
+            "heads; dilated attention applies one causal and/or padding mask to every "
+            "head (per-head masks are not supported).")
     if causal is None:
         causal = not bool(parts.has_future)
     if not np.array_equal(parts.mask, _expected(parts, causal, np)):
