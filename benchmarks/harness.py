@@ -214,8 +214,15 @@ def time_calls(fn: Callable[[], object], *, repeats: int, warmup: int = 1,
     return time_interleaved({"fn": fn}, repeats=repeats, warmup=warmup, block=block)["fn"]
 
 
+# Pause before every timed call: the thread pools of the previous call (torch's OpenMP
+# workers spin-wait after a parallel region, XLA's pool winds down) must not steal
+# cycles from the next variant, which would tax whichever library runs second.
+SETTLE_S = 0.05
+
+
 def time_interleaved(calls: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 1,
-                     block: Callable[[object], object] | None = None) -> dict[str, Timing]:
+                     block: Callable[[object], object] | None = None,
+                     settle: float = SETTLE_S) -> dict[str, Timing]:
     """Time several variants call by call, so they share the machine's load.
 
     Every call is first made ``warmup`` times (untimed). Then ``repeats`` rounds:
@@ -223,7 +230,8 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, repeats: int, wa
     ``k`` variants and going round (a rotating order, so no variant always runs
     right after the same neighbour, nor always first in a round). Each call is
     timed until ``block(result)`` returns (default ``jax.block_until_ready``,
-    which leaves non-JAX values such as torch CPU tensors alone).
+    which leaves non-JAX values such as torch CPU tensors alone), after a pause of
+    ``settle`` seconds (see ``SETTLE_S``).
 
     Returns ``{name: Timing}``; sample ``i`` of every variant comes from round ``i``
     (so :func:`paired_ratio` can compare them round by round).
@@ -239,6 +247,8 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, repeats: int, wa
     for i in range(repeats):
         start = i % len(names)
         for name in names[start:] + names[:start]:
+            if settle:
+                time.sleep(settle)
             t0 = time.perf_counter()
             block(calls[name]())
             samples[name].append(time.perf_counter() - t0)
