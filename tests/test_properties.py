@@ -8,9 +8,12 @@ library): dilated attention is dense attention with logits ``scale q.k + log m(p
 one branch divided by the number of branches (``mode="head_groups"``); ring attention
 is dense attention; block-sparse attention is dense attention under the token mask
 the block mask expands to; decoding at position ``p`` is row ``p`` of causal dilated
-attention. Tolerances are relative to the reference's largest magnitude (at least 1),
-per dtype (``_helpers.TOL``: 1e-10 float64, 1e-5 float32, 2e-2 bfloat16), with the
-inputs rounded to the tested dtype before the reference sees them.
+attention. The gradients with respect to query, key and value (through a random
+output cotangent) are compared with ``jax.grad`` of the same dense formula in float64
+(``test_gradients_match_dense``, and where a draw of the other tests asks for it).
+Tolerances are relative to the reference's largest magnitude (at least 1), per dtype
+(``_helpers.TOL``: 1e-10 float64, 1e-5 float32, 2e-2 bfloat16), with the inputs
+rounded to the tested dtype before the reference sees them.
 
 The draws are bounded (``max_examples`` per test, ``derandomize=True`` so that CI
 draws the same examples every run) to keep the module within about a minute and a
@@ -28,15 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 import jax_dilated as jd
 from _helpers import TOL, assert_close, np_dtype
 
 # examples drawn per test (the module draws their sum)
-_EXAMPLES = {"dilated": 24, "distributed": 8, "ring": 10, "block_sparse": 14, "decode": 10,
-             "bad_input": 150}
+_EXAMPLES = {"dilated": 24, "distributed": 8, "ring": 10, "block_sparse": 12, "decode": 10,
+             "gradients": 8, "bad_input": 400}
 
 
 # JD_PROPERTY_EXAMPLES=10 draws ten times as many (a deeper local run, not for CI)
@@ -44,8 +47,10 @@ _MORE = float(os.environ.get("JD_PROPERTY_EXAMPLES", "1"))
 
 
 def _settings(name):
+    # no "explain" phase: it reruns a failing example hundreds of times (minutes here)
     return settings(max_examples=max(1, round(_EXAMPLES[name] * _MORE)), deadline=None,
                     derandomize=True, database=None,
+                    phases=(Phase.explicit, Phase.generate, Phase.shrink),
                     suppress_health_check=list(HealthCheck))
 
 
@@ -64,6 +69,39 @@ def dense(q, k, v, m, scale):
     e = m * np.exp(s - np.where(np.isfinite(top), top, 0.0))
     total = e.sum(-1, keepdims=True)
     return np.einsum("bhpt,bthd->bphd", e / np.where(total > 0, total, 1.0), v)
+
+
+def dense_grads(q, k, v, m, scale, cotangent):
+    """Gradients of ``sum(dense(q, k, v, m) * cotangent)`` with respect to q, k, v
+    (float64; ``jax.grad`` of the same formula written in jax.numpy)."""
+    def loss(q, k, v):
+        rep = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        s = jnp.einsum("bphd,bthd->bhpt", q, k) * scale
+        s = jnp.where(m > 0, s, -jnp.inf)
+        top = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+        e = m * jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
+        total = e.sum(-1, keepdims=True)
+        out = jnp.einsum("bhpt,bthd->bphd", e / jnp.where(total > 0, total, 1.0), v)
+        return jnp.sum(out * cotangent)
+
+    return jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64)
+                                               for x in (q, k, v)))
+
+
+def check_grads(fn, inputs, rounded, m, scale, dtype, what, divisor=1.0):
+    """Gradients of ``fn`` (through a random cotangent) match the dense form's."""
+    rng = np.random.default_rng(len(what))
+    cot = rng.standard_normal(rounded[0].shape)
+    # jitted, the cotangent an argument: outside jit, arithmetic on an output sharded
+    # over an Explicit mesh would need the user's jax.set_mesh
+    grads = jax.jit(jax.grad(lambda q, k, v, c: jnp.sum(fn(q, k, v).astype(jnp.float64) * c),
+                             argnums=(0, 1, 2)))(*inputs, jnp.asarray(cot))
+    refs = dense_grads(*rounded, m, scale, cot / divisor)
+    for name, g, r in zip("qkv", grads, refs):
+        assert_close(np.asarray(g, np.float64), np.asarray(r), TOL[dtype],
+                     f"{what}: d{name}")
+    event("gradients match")
 
 
 def allowed(T, w, r, o, causal):
@@ -137,7 +175,9 @@ def _kv_mask(data, b, t):
 
 
 def _scale(data):
-    return data.draw(st.one_of(st.none(), st.floats(0.05, 2.0)), label="scale")
+    # mostly ordinary scales, sometimes large logits (tens)
+    return data.draw(st.one_of(st.none(), st.floats(0.05, 2.0), st.sampled_from([8.0, 20.0])),
+                     label="scale")
 
 
 def _ref_scale(scale, d):
@@ -209,8 +249,17 @@ def test_dilated_attention_matches_dense(data):
     # every drawn configuration is valid except head_groups with fewer heads than branches
     if mode == "head_groups" and h < len(branches):
         assert isinstance(result, ValueError) and "head" in str(result), result
-    else:
-        assert result == "match", result
+        return
+    assert result == "match", result
+    if dtype != "bfloat16" and data.draw(st.booleans(), label="check gradients"):
+        m, divisor = dilated_counts(t, h, branches, mode, rule, causal)
+        m = np.broadcast_to(m[None], (b, h, t, t))
+        if mask is not None:
+            m = m * mask[:, None, None, :]
+        check_grads(lambda q, k, v: fn(q, k, v, kv_mask=None if mask is None else
+                                       jnp.asarray(mask)),
+                    (q, k, v), (qr, kr, vr), m, _ref_scale(scale, d), dtype,
+                    f"dilated {config} {q.shape} kv {k.shape}", divisor)
 
 
 @_settings("distributed")
@@ -297,8 +346,13 @@ def test_ring_and_block_sparse_ring_match_dense(data):
                f"{q.shape} kv {k.shape} causal={causal}")
     if t % parts:
         assert isinstance(result, ValueError), result
-    else:
-        assert result == "match", result
+        return
+    assert result == "match", result
+    if dtype != "bfloat16" and data.draw(st.booleans(), label="check gradients"):
+        check_grads(lambda q, k, v: fn(q, k, v, kv_mask=None if mask is None else
+                                       jnp.asarray(mask)),
+                    (q, k, v), (qr, kr, vr), m, _ref_scale(scale, 4), dtype,
+                    f"{'block-sparse ' if sparse else ''}ring {layout} {devices} devices")
 
 
 # ---------------------------------------------------------- block-sparse attention
@@ -339,6 +393,13 @@ def test_block_sparse_attention_matches_dense(data):
                      f"block-sparse bs={bs} {q.shape} kv {k.shape} per_head={per_head} "
                      f"causal={causal}")
     assert result == "match", result
+    # (drawn the other way round from the other tests, so that the derandomized draws,
+    # which favour False, check the block-sparse gradients in most examples)
+    if dtype != "bfloat16" and not data.draw(st.booleans(), label="skip gradients"):
+        check_grads(lambda q, k, v: fn(q, k, v, kv_mask=None if mask is None else
+                                       jnp.asarray(mask)),
+                    (q, k, v), (qr, kr, vr), m, _ref_scale(scale, 8), dtype,
+                    f"block-sparse bs={bs} {q.shape} kv {k.shape}")
 
 
 # ------------------------------------------------------------------------ decoding
@@ -391,6 +452,58 @@ def test_decode_matches_causal_row(data):
         return
     ref = dilated_reference(qr, kr, vr, branches, mode, rule, True, None, 0.5)[:, p:p + 1]
     assert_close(out, ref, TOL[dtype], f"decode (traced) {config} position {position}")
+
+
+# ----------------------------------------------------------------------- gradients
+
+
+@_settings("gradients")
+@given(st.data())
+def test_gradients_match_dense(data):
+    """Gradients of dilated (both modes), block-sparse and ring attention (2 devices)
+    with respect to query, key and value, against jax.grad of the dense form in
+    float64, at the dtype's tolerance (causal, kv_mask, GQA, short segments)."""
+    op = data.draw(st.sampled_from(["dilated", "block_sparse", "ring"]), label="op")
+    event(op)
+    dtype = data.draw(st.sampled_from(["float32", "float64"]), label="dtype")
+    t = data.draw(st.integers(1, 8), label="tokens per device") * (2 if op == "ring" else 1)
+    h, hkv = _heads(data)
+    causal = data.draw(st.booleans(), label="is_causal")
+    scale = _scale(data)
+    mask = _kv_mask(data, 2, t)
+    (q, k, v), rounded = _inputs(data, [(2, t, h, 4), (2, t, hkv, 4), (2, t, hkv, 4)], dtype)
+    options = dict(is_causal=causal, scale=scale, implementation="xla")
+    divisor = 1.0
+    if op == "dilated":
+        branches = _branches(data)
+        mode = "head_groups" if h >= len(branches) and data.draw(
+            st.booleans(), label="head_groups") else "longnet"
+        fn = functools.partial(jd.dilated_attention,
+                               segment_lengths=tuple(w for w, _ in branches),
+                               dilation_rates=tuple(r for _, r in branches), mode=mode,
+                               **options)
+        m, divisor = dilated_counts(t, h, branches, mode, "modulo", causal)
+        m = np.broadcast_to(m[None], (2, h, t, t))
+    elif op == "block_sparse":
+        bs = data.draw(st.sampled_from([1, 2, 3]), label="block_size")
+        nb = -(-t // bs)
+        seed = data.draw(st.integers(0, 2**31 - 1), label="pattern seed")
+        pattern = np.random.default_rng(seed).random((nb, nb)) < 0.6
+        fn = functools.partial(jd.block_sparse_attention, block_size=bs, pattern=pattern,
+                               **options)
+        m = np.broadcast_to(np.kron(pattern, np.ones((bs, bs)))[:t, :t], (2, h, t, t))
+        m = m * (np.tri(t) if causal else 1.0)
+    else:
+        layout = data.draw(st.sampled_from(["contiguous", "striped"]), label="layout")
+        fn = jd.sharded(functools.partial(jd.ring_attention, **options),
+                        jax.make_mesh((2,), ("seq",)), seq_axis="seq", layout=layout)
+        m = np.broadcast_to(np.tri(t) if causal else np.ones((t, t)), (2, h, t, t))
+    if mask is not None:
+        m = m * mask[:, None, None, :]
+    kv_mask = None if mask is None else jnp.asarray(mask)
+    check_grads(lambda q, k, v: fn(q, k, v, kv_mask=kv_mask), (q, k, v), rounded, m,
+                _ref_scale(scale, 4), dtype, f"{op} {q.shape} kv {k.shape} causal={causal}",
+                divisor)
 
 
 # ----------------------------------------------------------------------- bad input
