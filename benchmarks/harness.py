@@ -214,10 +214,13 @@ def time_calls(fn: Callable[[], object], *, repeats: int, warmup: int = 1,
     return time_interleaved({"fn": fn}, repeats=repeats, warmup=warmup, block=block)["fn"]
 
 
-# Pause before every timed call: the thread pools of the previous call (torch's OpenMP
-# workers spin-wait after a parallel region, XLA's pool winds down) must not steal
-# cycles from the next variant, which would tax whichever library runs second.
-SETTLE_S = 0.05
+# Pause before every timed call, so that what the previous variant left running does not
+# tax the next one: torch's OpenMP workers spin-wait after a parallel region, and after a
+# peer frees gigabytes of temporaries the kernel zeroes and compacts (transparent huge)
+# pages in the background. Measured on the 2-core CI machine kind: a 120 ms call right
+# after the jax.nn-per-segment peer took 215 ms, 165 ms after a 50 ms pause, 135 ms
+# after 0.5 s.
+SETTLE_S = 0.5
 
 
 def time_interleaved(calls: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 1,
