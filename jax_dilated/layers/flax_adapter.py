@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.core.validation import check_flag
+from jax_dilated.core.validation import check_dropout, check_dropout_rate, check_flag
 from jax_dilated.layers import common
 
 __all__ = ["attention_fn"]
@@ -225,7 +225,9 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
             raise ValueError(
                 f"dilated attention is self-attention over one sequence: query length {t} "
                 f"!= key length {key.shape[-3]}{hint}.")
-        dropout_on = dropout_rate > 0.0 and not deterministic
+        dropout_on = check_dropout_rate(dropout_rate) > 0.0 and not deterministic
+        if dropout_on:
+            check_dropout(dropout_rate, dropout_rng)  # a key is required
         if dropout_on and broadcast_dropout:
             raise ValueError(
                 "jd.attention_fn draws dropout independently per batch row and head: build "
