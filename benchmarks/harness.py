@@ -214,18 +214,20 @@ def time_calls(fn: Callable[[], object], *, repeats: int, warmup: int = 1,
     return time_interleaved({"fn": fn}, repeats=repeats, warmup=warmup, block=block)["fn"]
 
 
-# Pause before every timed call, so that what the previous variant left running does not
-# tax the next one: torch's OpenMP workers spin-wait after a parallel region, and after a
-# peer frees gigabytes of temporaries the kernel zeroes and compacts (transparent huge)
-# pages in the background. Measured on the 2-core CI machine kind: a 120 ms call right
-# after the jax.nn-per-segment peer took 215 ms, 165 ms after a 50 ms pause, 135 ms
-# after 0.5 s.
-SETTLE_S = 0.5
+# Untimed calls of a variant right before each of its timed calls. What the previous
+# variant left behind slows the next call down: torch's OpenMP workers spin-wait after a
+# parallel region, and after a peer frees gigabytes of temporaries the kernel zeroes and
+# compacts (transparent huge) pages in the background. Measured on the 2-core CI machine
+# kind: a call that takes 120 ms back to back took 215 ms right after the
+# jax.nn-per-segment peer. A pause does not fix it (an idle vCPU comes back slower: the
+# same call took 125-145 ms after 2 s of sleep); one untimed call of the same variant
+# first absorbs it, so each timed call is a back-to-back call, as in a training loop.
+LEAD_IN = 1
 
 
 def time_interleaved(calls: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 1,
                      block: Callable[[object], object] | None = None,
-                     settle: float = SETTLE_S) -> dict[str, Timing]:
+                     lead_in: int = LEAD_IN) -> dict[str, Timing]:
     """Time several variants call by call, so they share the machine's load.
 
     Every call is first made ``warmup`` times (untimed). Then ``repeats`` rounds:
@@ -233,8 +235,8 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, repeats: int, wa
     ``k`` variants and going round (a rotating order, so no variant always runs
     right after the same neighbour, nor always first in a round). Each call is
     timed until ``block(result)`` returns (default ``jax.block_until_ready``,
-    which leaves non-JAX values such as torch CPU tensors alone), after a pause of
-    ``settle`` seconds (see ``SETTLE_S``).
+    which leaves non-JAX values such as torch CPU tensors alone), right after
+    ``lead_in`` untimed calls of the same variant (see ``LEAD_IN``).
 
     Returns ``{name: Timing}``; sample ``i`` of every variant comes from round ``i``
     (so :func:`paired_ratio` can compare them round by round).
@@ -250,8 +252,8 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, repeats: int, wa
     for i in range(repeats):
         start = i % len(names)
         for name in names[start:] + names[:start]:
-            if settle:
-                time.sleep(settle)
+            for _ in range(lead_in):
+                block(calls[name]())
             t0 = time.perf_counter()
             block(calls[name]())
             samples[name].append(time.perf_counter() - t0)

@@ -44,8 +44,15 @@ def test_time_interleaved_rotates_the_order_and_blocks_every_call():
         return fn
 
     timings = harness.time_interleaved({n: call(n) for n in "abc"}, repeats=4, warmup=1,
-                                       block=blocked.append)
+                                       block=blocked.append, lead_in=0)
     assert log == list("abc" "abc" "bca" "cab" "abc")  # warm-up, then rotating rounds
+    assert blocked == log
+    log.clear()
+    blocked.clear()
+    # by default each timed call comes right after an untimed call of the same variant
+    harness.time_interleaved({n: call(n) for n in "ab"}, repeats=2, warmup=0,
+                             block=blocked.append)
+    assert log == list("aabb" "bbaa")
     assert blocked == log
     assert set(timings) == set("abc")
     assert all(len(t.samples) == 4 and min(t.samples) >= 0 for t in timings.values())
