@@ -165,7 +165,8 @@ def test_flax_shape_errors():
         ((q, k[:1], v[:1]), {}, "batch dims must match"),
         ((q, k, v[:, :5]), {}, "lengths must match"),
         ((q, k[..., :4], v), {}, "depths must match"),
-        ((q, k, v), {"mask": np.ones((3, 1, T, T), bool)}, r"mask must broadcast .*\(3, 1, 12, 12\)"),
+        ((q, k, v), {"mask": np.ones((3, 1, T, T), bool)},
+         r"mask must broadcast .*\(3, 1, 12, 12\)"),
         ((q, k, v), {"mask": np.ones((2, 2, T, T), bool)}, r"mask must broadcast"),
         ((q, k, v), {"mask": np.ones((1, 2, 1, T, T), bool)}, r"mask must broadcast"),
     ]
@@ -190,7 +191,8 @@ def test_per_head_masks_are_refused():
 @pytest.mark.parametrize("name,value", [("is_causal", 1), ("is_causal", "yes"),
                                         ("is_causal", np.bool_(True))])
 def test_attention_fn_is_causal_must_be_a_bool(name, value):
-    with pytest.raises(TypeError, match=f"{name} must be a Python bool, got {re.escape(repr(value))}"):
+    match = f"{name} must be a Python bool, got {re.escape(repr(value))}"
+    with pytest.raises(TypeError, match=match):
         jd.attention_fn(**DENSE, **{name: value})
 
 
