@@ -639,3 +639,13 @@ def test_found_by_the_property_tests():
                                                **CFG)
         with pytest.raises((TypeError, ValueError), match=r"dropout_rate"):
             jd.linen.DilatedAttention(**CFG, dropout_rate=rate)
+    cache = decoding.init_kv_cache(1, 4, 2, 4)
+    x = jnp.ones((1, 1, 2, 4))
+    with pytest.raises(ValueError, match=r"got key list and value list"):
+        decoding.decode_step(cache, x, [1.0], [1.0], **CFG)
+    with pytest.raises(ValueError, match=r"got query \(1, 1, 2, 4\), key list"):
+        decoding.decode_tokens(cache, x, [1.0], x, **CFG)
+    with pytest.raises(TypeError, match=r"dtype must be a floating dtype"):
+        decoding.init_kv_cache(1, 4, 2, 4, jnp.int32)
+    with pytest.raises(TypeError, match=r"fn must be an attention function"):
+        jd.sharded(3, jax.make_mesh((1,), ("seq",)), seq_axis="seq")

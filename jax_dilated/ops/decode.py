@@ -54,6 +54,13 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
     for name, n in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim)):
         validation.check_positive_int(name, n)
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise TypeError(f"dtype must be a floating dtype (the cache holds keys and values), "
+                        f"got {dtype!r}.")
     shape = (batch, max_len, num_kv_heads, head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                    jnp.zeros((), jnp.int32))
@@ -190,11 +197,12 @@ def decode_step(cache: KVCache, query, key, value, **config):
     """
     b, max_len, hkv, d = cache.key.shape
     want = (b, 1, hkv, d)
-    if tuple(key.shape) != want or tuple(value.shape) != want:
+    shapes = [getattr(x, "shape", type(x).__name__) for x in (key, value)]
+    if any(not isinstance(s, tuple) or s != want for s in shapes):
         raise ValueError(
             f"the new key/value must be [batch, 1, num_kv_heads, head_dim] = {want} to "
-            f"match the cache {tuple(cache.key.shape)}, got key {tuple(key.shape)} and "
-            f"value {tuple(value.shape)}.")
+            f"match the cache {tuple(cache.key.shape)}, got key {shapes[0]} and "
+            f"value {shapes[1]}.")
     index = _check_index(cache.index)
     if not isinstance(index, jax.core.Tracer) and int(index) >= max_len:
         raise ValueError(
@@ -237,12 +245,13 @@ def decode_tokens(cache: KVCache, query, key, value, **config):
     b, max_len, hkv, d = cache.key.shape
     n = query.shape[1] if getattr(query, "ndim", 0) == 4 else None
     want = (b, n, hkv, d)
-    if n is None or tuple(key.shape) != want or tuple(value.shape) != want:
+    shapes = [getattr(x, "shape", type(x).__name__) for x in (query, key, value)]
+    if n is None or any(not isinstance(s, tuple) or s != want for s in shapes[1:]):
         raise ValueError(
             f"decode_tokens takes query [batch, n, heads, head_dim] and key/value [batch, "
             f"n, num_kv_heads, head_dim] = {want} matching the cache "
-            f"{tuple(cache.key.shape)}, got query {tuple(getattr(query, 'shape', ()))}, "
-            f"key {tuple(key.shape)} and value {tuple(value.shape)}.")
+            f"{tuple(cache.key.shape)}, got query {shapes[0]}, key {shapes[1]} and value "
+            f"{shapes[2]}.")
     if n == 1:
         return decode_step(cache, query, key, value, **config)
     if n > max_len:

@@ -87,6 +87,9 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
       >>> attn(x, x, x).shape
       (1, 64, 2, 8)
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be an attention function (e.g. jd.ring_attention), got "
+                        f"{fn!r}.")
     validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
     layouts.check_layout(layout)
     axis_kw = _axis_keyword(fn)
