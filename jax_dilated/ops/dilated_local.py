@@ -168,6 +168,21 @@ class _Branch:
         return dilation.scatter_dilated(y, self.branch, self.plan.offsets, y.shape[0], self.w,
                                         fill)
 
+    def put_selected(self, acc, y, start):
+        """``acc`` [B S, w, H, ...] with ``y`` [n, w/r, H_b, ...] written at the positions
+        the branch's heads select, item ``start`` on; nothing else is touched.
+
+        For head_groups, whose heads all share one offset and no other branch writes:
+        one strided in-place write of exactly ``y``, where scattering first would write
+        ``r`` times as much (mostly zeros the accumulator already holds).
+        """
+        r = self.branch.rate
+        offset = int(self.plan.offsets[0])
+        view = acc.reshape(acc.shape[0], self.w // r, r, *acc.shape[2:])
+        idx = (start, 0, offset, self.h0) + (0,) * (acc.ndim - 3)
+        view = jax.lax.dynamic_update_slice(view, jnp.expand_dims(y, 2).astype(acc.dtype), idx)
+        return view.reshape(acc.shape)
+
     def scatter_kv(self, y):
         """Gathered kv-head gradients [n, w/r, H_g, D] -> [n, w, H_kv, D] (summed per kv head)."""
         y = dilation.scatter_dilated(y, self.branch, self.plan.kv_offsets, y.shape[0], self.w, 0)
@@ -247,9 +262,9 @@ def _forward(call: _Call, query, key, value, kv_mask, rng):
                 kv_valid=None if valid is None else br.gather_kv(valid),
                 dropout_rng=_chunk_rng(rng_i, c))
             if not longnet:
-                o_c = br.scatter_q(o_c / jnp.asarray(nb, o_c.dtype), 0)
-                lse_c = br.scatter_q(lse_c, -jnp.inf)
-            elif first:  # merging into nothing is the identity
+                o_c = o_c / jnp.asarray(nb, o_c.dtype)
+                return br.put_selected(o_acc, o_c, start), br.put_selected(lse_acc, lse_c, start)
+            if first:  # merging into nothing is the identity
                 o_c, lse_c = br.scatter_q(o_c.astype(stats), 0), br.scatter_q(lse_c, -jnp.inf)
             else:
                 # merge at the positions this branch selects only, then write them back
@@ -271,8 +286,9 @@ def _forward(call: _Call, query, key, value, kv_mask, rng):
 def _backward(call: _Call, query, key, value, kv_mask, rng, o, lse, do, dlse):
     stats = softmax.stats_dtype(query.dtype)
     nb = len(call.plans)
+    head_groups = call.mode == "head_groups"
     delta = softmax.backward_delta(do, o, dlse)
-    if call.mode == "head_groups":
+    if head_groups:
         # O_j = O_branch / nb: the branch's output cotangent is dO / nb, and
         # rowsum(dO_branch * O_branch) = rowsum(dO * O_j), so delta is unchanged.
         do = (do.astype(stats) / nb).astype(do.dtype)
@@ -300,14 +316,18 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, o, lse, do, dlse):
                 br.gather_q(_slice(delta_v, start, size)), call.args,
                 kv_valid=None if valid is None else br.gather_kv(valid),
                 dropout_rng=_chunk_rng(rng_i, c))
-            dq_c = br.scatter_q(dq_c.astype(stats), 0)
             dk_c, dv_c = br.scatter_kv(dk_c.astype(stats)), br.scatter_kv(dv_c.astype(stats))
             if not first:  # the accumulators start at zero
-                dq_c = dq_c + _read(dq_acc, start, size, br.h0, br.hs)
                 dk_c = dk_c + _slice(dk_acc, start, size)
                 dv_c = dv_c + _slice(dv_acc, start, size)
-            return (_update(dq_acc, dq_c, start, br.h0), _update(dk_acc, dk_c, start, 0),
-                    _update(dv_acc, dv_c, start, 0))
+            if head_groups:  # disjoint heads: this branch alone writes its heads' dq
+                dq_acc = br.put_selected(dq_acc, dq_c, start)
+            else:
+                dq_c = br.scatter_q(dq_c.astype(stats), 0)
+                if not first:
+                    dq_c = dq_c + _read(dq_acc, start, size, br.h0, br.hs)
+                dq_acc = _update(dq_acc, dq_c, start, br.h0)
+            return dq_acc, _update(dk_acc, dk_c, start, 0), _update(dv_acc, dv_c, start, 0)
 
         dq_v, dk_v, dv_v = _loop(br.chunks, body, (br.view(dq), br.view(dk), br.view(dv)))
         dq, dk, dv = br.unview(dq_v), br.unview(dk_v), br.unview(dv_v)
