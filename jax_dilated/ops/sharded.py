@@ -110,9 +110,9 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         b, t, h, hkv, tk = validation.check_qkv(query, key, value)
         if tk != t:
             raise ValueError(
-                f"jd.sharded shards query and key/value over the same sequence axis: key/"
-                f"value length must equal query length, got query {tuple(query.shape)} "
-                f"and key {tuple(key.shape)}.")
+                f"jd.sharded shards query and key/value over the same sequence axis: they "
+                f"must have the same length, got query {tuple(query.shape)} and key "
+                f"{tuple(key.shape)}.")
         if batch_axis is not None and b % mesh.shape[batch_axis]:
             raise ValueError(
                 f"batch_axis={batch_axis!r} has {mesh.shape[batch_axis]} devices: the "
