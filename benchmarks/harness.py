@@ -311,21 +311,46 @@ def temp_bytes(fn: Callable, *args, **jit_kwargs) -> int:
 
 # --------------------------------------------------------------------------- load
 
-class LoadMonitor:
-    """The 1-minute load average when a run starts and when it ends.
+def _busy_seconds() -> tuple[float, float] | None:
+    """``(CPU seconds the whole machine has been busy, CPU seconds of this process and its
+    children)``, or None where ``/proc/stat`` does not exist."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    # cpu user nice system idle iowait irq softirq steal ...: busy = all but idle, iowait
+    ticks = [int(x) for x in fields[1:9]]
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return busy, own.user + own.system + own.children_user + own.children_system
 
-    A run is ``quiet`` when both are below half the pinned cores (``threads / 2``):
-    above that, other processes compete for the cores being timed, and torch's
-    thread pool suffers more than XLA's, so ratios drift. Figures from a run that is
-    not quiet must not be published; :meth:`warning` says so.
-    ``getloadavg`` is injectable (tests fake the load).
+
+class LoadMonitor:
+    """Whether anything else used the machine while a run was timing.
+
+    ``before``: the 1-minute load average when the run starts (what other processes
+    were doing just before). ``others``: the average number of CPUs other processes kept
+    busy during the run, from the machine's busy time (``/proc/stat``) minus this
+    process's own CPU time. ``after``: the load average at the end, kept for the record
+    only: the run's own threads raise it to about their number, so it cannot tell a quiet
+    run from a loaded one. A run is ``quiet`` when ``before`` and ``others`` are both
+    below half the pinned cores (``threads / 2``): above that, other processes compete
+    for the cores being timed, and torch's thread pool suffers more than XLA's, so ratios
+    drift. Without ``/proc/stat`` the end's load average stands in for ``others``.
+    Figures from a run that is not quiet must not be published; :meth:`warning` says so.
+    ``getloadavg`` and ``busy_seconds`` are injectable (tests fake them).
     """
 
-    def __init__(self, threads: int, getloadavg: Callable[[], tuple] = os.getloadavg):
+    def __init__(self, threads: int, getloadavg: Callable[[], tuple] = os.getloadavg,
+                 busy_seconds: Callable[[], tuple | None] = _busy_seconds):
         self.threads = threads
         self._getloadavg = getloadavg
+        self._busy_seconds = busy_seconds
         self.before = self._read()
+        self._start = (time.monotonic(), busy_seconds())
         self.after: tuple[float, float, float] | None = None
+        self._others: float | None = None
         self._stopped = False
 
     def _read(self):
@@ -334,10 +359,24 @@ class LoadMonitor:
         except OSError:  # not available on this platform
             return None
 
+    def _measure_others(self) -> float | None:
+        t0, start = self._start
+        now = self._busy_seconds()
+        elapsed = time.monotonic() - t0
+        if start is None or now is None or elapsed <= 0:
+            return None
+        return round(max(0.0, (now[0] - start[0]) - (now[1] - start[1])) / elapsed, 2)
+
     def stop(self) -> None:
-        """Record the load now as the run's end (a later call records again)."""
+        """Record the end of the run now (a later call records again)."""
         self.after = self._read()
+        self._others = self._measure_others()
         self._stopped = True
+
+    @property
+    def others(self) -> float | None:
+        """CPUs kept busy by other processes during the run (so far, if not stopped)."""
+        return self._others if self._stopped else self._measure_others()
 
     @property
     def threshold(self) -> float:
@@ -345,9 +384,14 @@ class LoadMonitor:
 
     @property
     def worst(self) -> float | None:
-        """Highest 1-minute load seen (the current one when :meth:`stop` was not called)."""
-        after = self.after if self._stopped else self._read()
-        loads = [x[0] for x in (self.before, after) if x is not None]
+        """The higher of the load before the run and the other processes' CPUs during it
+        (the end's load average where the latter cannot be measured)."""
+        others = self.others
+        if others is None:
+            after = self.after if self._stopped else self._read()
+            others = None if after is None else after[0]
+        loads = [x for x in (None if self.before is None else self.before[0], others)
+                 if x is not None]
         return max(loads) if loads else None
 
     @property
@@ -368,7 +412,8 @@ class LoadMonitor:
 
     def to_json(self) -> dict:
         return {"before_1_5_15": self.before, "after_1_5_15": self.after,
-                "threshold": self.threshold, "quiet": self.quiet, "warning": self.warning()}
+                "others_cpus": self.others, "threshold": self.threshold,
+                "quiet": self.quiet, "warning": self.warning()}
 
 
 # -------------------------------------------------------------------- environment

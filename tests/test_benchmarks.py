@@ -98,8 +98,29 @@ def _loads(*values):
     return getloadavg
 
 
+def _no_proc():  # a platform without /proc/stat: the end's load average decides
+    return None
+
+
+def test_load_monitor_counts_other_processes_not_its_own_threads():
+    # 10 s of run: the machine busy 14 CPU-seconds, 12 of them this process's own
+    clock = iter([(100.0, 5.0), (114.0, 17.0)])
+    load = harness.LoadMonitor(2, getloadavg=_loads(0.3, 1.9),
+                               busy_seconds=lambda: next(clock))
+    load._start = (load._start[0] - 10.0, load._start[1])
+    load.stop()
+    assert load.after[0] == 1.9  # the run's own threads, recorded but not held against it
+    assert load.others == pytest.approx(0.2, abs=0.01) and load.quiet
+    clock = iter([(100.0, 5.0), (129.0, 17.0)])  # 17 CPU-seconds of others in 10 s
+    load = harness.LoadMonitor(2, getloadavg=_loads(0.3, 1.9),
+                               busy_seconds=lambda: next(clock))
+    load._start = (load._start[0] - 10.0, load._start[1])
+    load.stop()
+    assert not load.quiet and "1.70" in load.warning()
+
+
 def test_load_monitor_quiet_run_has_no_warning():
-    load = harness.LoadMonitor(2, getloadavg=_loads(0.3, 0.9))
+    load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(0.3, 0.9))
     load.stop()
     assert load.before[0] == 0.3 and load.after[0] == 0.9
     assert load.quiet and load.warning() is None
@@ -108,7 +129,7 @@ def test_load_monitor_quiet_run_has_no_warning():
 @pytest.mark.parametrize("before,after,worst", [(0.3, 1.7, 1.7), (2.5, 0.2, 2.5),
                                                 (1.0, 0.1, 1.0)])
 def test_load_monitor_warns_above_half_the_cores(before, after, worst):
-    load = harness.LoadMonitor(2, getloadavg=_loads(before, after))
+    load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(before, after))
     load.stop()
     assert not load.quiet
     warning = load.warning()
@@ -122,14 +143,14 @@ def test_load_monitor_warns_above_half_the_cores(before, after, worst):
 
 
 def test_load_monitor_threshold_follows_the_pinned_cores_and_missing_load():
-    load = harness.LoadMonitor(8, getloadavg=_loads(3.9, 3.9))
+    load = harness.LoadMonitor(8, busy_seconds=_no_proc, getloadavg=_loads(3.9, 3.9))
     load.stop()
     assert load.quiet
-    load = harness.LoadMonitor(2, getloadavg=_loads(OSError(), OSError()))
+    load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(OSError(), OSError()))
     load.stop()
     assert not load.quiet and "unavailable" in load.warning()
     # not stopped: the load now stands in for the end of the run
-    load = harness.LoadMonitor(2, getloadavg=_loads(0.1, 0.2, 1.5))
+    load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(0.1, 0.2, 1.5))
     out = io.StringIO()
     harness.print_table("t", ["a"], [["1"]], env=load, file=out)
     assert "WARNING" not in out.getvalue() and load.after is None
@@ -137,7 +158,7 @@ def test_load_monitor_threshold_follows_the_pinned_cores_and_missing_load():
 
 
 def test_environment_records_machine_versions_commit_and_load():
-    load = harness.LoadMonitor(2, getloadavg=_loads(0.2, 0.4))
+    load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(0.2, 0.4))
     env = harness.environment(2, load)
     for key in ("date_utc", "cpu", "logical_cores", "threads", "python", "platform", "jax",
                 "jaxlib", "jax_backend", "jax_devices", "torch", "peers", "git_commit",
