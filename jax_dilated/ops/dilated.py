@@ -3,8 +3,11 @@
 For each branch ``(w, r)`` the sequence is cut into segments of ``w`` tokens,
 each head's selected positions (offset ``o``: ``(p mod w) mod r == o``) are
 gathered into dense *dilated segments* of ``w / r`` tokens, a kernel runs dense
-attention inside every dilated segment (all segments and heads batched in one
-call), and the result is scattered back to the positions it came from.
+attention inside every dilated segment, and the result goes back to the positions it
+came from. With the blockwise XLA kernel this streams, a few segments at a time, into
+the output in place (:mod:`jax_dilated.ops.dilated_local`); with cuDNN all segments and
+heads of a branch go in one call and the branches are merged afterwards; across devices
+:mod:`jax_dilated.ops.distributed` runs the branches.
 
 ``mode="longnet"`` merges the branches of every head by their softmax
 denominators (Eq. 10) with :func:`jax_dilated.core.softmax.merge_partials`;
