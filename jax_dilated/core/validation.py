@@ -77,6 +77,14 @@ def check_positive_float(name: str, value) -> float:
     return float(value)
 
 
+def is_floating_dtype(dtype) -> bool:
+    """Whether ``dtype`` names a floating dtype (False for anything that is no dtype)."""
+    try:
+        return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+    except TypeError:
+        return False
+
+
 def check_block_sizes(block_q, block_k) -> tuple[int | None, int | None]:
     """Kernel block sizes: None (the kernel's default) or positive ints."""
     return tuple(None if b is None else check_positive_int(name, b)

@@ -132,11 +132,7 @@ class LongNetConfig:
             dtype = getattr(self, name)
             if dtype is None and name == "dtype":
                 continue
-            try:
-                floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-            except TypeError:
-                floating = False
-            if not floating:
+            if not validation.is_floating_dtype(dtype):
                 raise TypeError(f"LongNetConfig.{name} must be a floating dtype"
                                 f"{' or None' if name == 'dtype' else ''}, got {dtype!r}.")
         projections.HeadsConfig.create(self.embed_dim, self.num_heads, self.num_kv_heads,

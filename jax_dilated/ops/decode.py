@@ -54,11 +54,7 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
     for name, n in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim)):
         validation.check_positive_int(name, n)
-    try:
-        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-    except TypeError:
-        floating = False
-    if not floating:
+    if not validation.is_floating_dtype(dtype):
         raise TypeError(f"dtype must be a floating dtype (the cache holds keys and values), "
                         f"got {dtype!r}.")
     shape = (batch, max_len, num_kv_heads, head_dim)
