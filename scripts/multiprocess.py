@@ -57,6 +57,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import tempfile
 import time
 
@@ -242,9 +243,20 @@ def _worker(args) -> int:
               f"(tol {tol:.0e}; {detail}) [{seconds:.1f}s incl. compile]", flush=True)
 
     # Everyone waits for process 0's verdict before shutting down.
-    verdict = multihost_utils.broadcast_one_to_all(np.int32(failed))
+    verdict = int(multihost_utils.broadcast_one_to_all(np.int32(failed)))
+    # Nothing is left to communicate, and the distributed runtime's teardown has hung
+    # at random (CI, 2026-11-23: process 0 stuck after a PASS until the launcher's
+    # timeout). So: shut down with a deadline, then leave without the interpreter's
+    # exit handlers, with the verdict as the exit code.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    watchdog = threading.Timer(30.0, os._exit, args=(verdict,))
+    watchdog.daemon = True
+    watchdog.start()
     jax.distributed.shutdown()
-    return int(verdict)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(verdict)
 
 
 # ----------------------------------------------------------------------- launcher
