@@ -16,6 +16,7 @@ from jax_dilated.ops.decode import dilated_attention_decode
 from jax_dilated.ops.dilated import dilated_attention
 from jax_dilated.ops.ring import ring_attention
 from jax_dilated.ops.sharded import sharded
+from jax_dilated.ops.strategies import explain_strategy
 
 __all__ = [
     # operations on arrays
@@ -23,6 +24,8 @@ __all__ = [
     "dilated_attention_decode",
     # global arrays over a mesh, and the ring layouts
     "sharded", "to_layout", "from_layout",
+    # which context-parallel strategy (ring / allgather / heads) "auto" picks, and why
+    "explain_strategy",
     # block-sparse patterns (jd.block_patterns.LocalWindow(2) | ...)
     "block_patterns",
     # Flax layers (jd.nnx.*, jd.linen.*), the drop-in attention_fn, the factory

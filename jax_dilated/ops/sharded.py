@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dilated.core import layouts, validation
+from jax_dilated.ops import strategies
 
 __all__ = ["sharded"]
 
@@ -57,7 +58,8 @@ def _place(x, mesh, spec):
 
 
 def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
-            head_axis: str | None = None, layout: str = "contiguous"):
+            head_axis: str | None = None, layout: str = "contiguous",
+            strategy: str = "ring"):
     """Wrap ``fn`` (``jd.ring_attention``, ``jd.dilated_attention``) to run on global arrays over ``mesh``.
 
     Args:
@@ -72,7 +74,15 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         and kv heads must both divide by the head axis size).
       layout: how the sequence is laid out over ``seq_axis`` (ring attention only;
         dilated attention is contiguous); the permutation into it and back is done
-        here.
+        here. With ``strategy="heads"`` the layout does not apply (each device
+        holds the whole sequence of some heads).
+      strategy: how the sequence axis is parallelised (docs/semantics.md, section 8):
+        ``"ring"`` (default: the operation's own ring, ``fn`` gets ``seq_axis=``),
+        ``"allgather"`` (keys and values gathered over the axis; the library's
+        operations only), ``"heads"`` (all-to-all to head-sharded arrays, ``fn``
+        runs unchanged, without ``seq_axis``, on the whole sequence of ``H / P``
+        heads; needs the heads divisible by the axis size) or ``"auto"`` (chosen
+        per call by the cost model of :func:`jax_dilated.explain_strategy`).
 
     Returns:
       ``g(query, key, value, *, kv_mask=None)`` on global arrays, returning the global
@@ -92,6 +102,8 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                         f"{fn!r}.")
     validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
     layouts.check_layout(layout)
+    strategies.check_strategy(strategy)
+    op = strategies.describe(fn)
     axis_kw = _axis_keyword(fn)
     # Only the ring takes a layout; dilated attention shards contiguously.
     layout_kw = {} if layout == "contiguous" else {"layout": layout}
@@ -127,19 +139,31 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                     f"({h}) and num_kv_heads ({hkv}) must both be "
                     f"divisible by it."
                 )
+        chosen = strategy
+        heads_per_shard = h // mesh.shape[head_axis] if head_axis is not None else h
+        if strategy == "auto":
+            kv_per_shard = hkv // mesh.shape[head_axis] if head_axis is not None else hkv
+            chosen = strategies.choose(
+                op, batch=b, seq_len=t, num_heads=heads_per_shard,
+                num_kv_heads=kv_per_shard, head_dim=query.shape[-1], num_devices=num,
+                dtype=query.dtype, layout=layout)[0]
+        strategies.require(op, chosen, num_heads=heads_per_shard, num_devices=num,
+                           layout=layout)
+        # the heads strategy needs no layout: it moves whole heads, not tokens
+        lay = "contiguous" if chosen == "heads" else layout
         # Re-layout inside shard_map (O(T / P) moved per device) when the shards allow
         # it: striped needs the local length to split over the P devices.
-        in_shard = layout == "zigzag" or (layout == "striped"
-                                          and (query.shape[1] // num) % num == 0)
+        in_shard = lay == "zigzag" or (lay == "striped"
+                                       and (query.shape[1] // num) % num == 0)
 
         def to(x, spec):
-            if layout == "contiguous" or in_shard:
+            if lay == "contiguous" or in_shard:
                 return _place(x, mesh, spec)
             # Permute the global sequence (a transient O(T) copy per device), with the
             # sequence unsharded: a gather along a sharded axis is ambiguous on
             # Explicit meshes.
             whole = P(*(None if a == seq_axis else a for a in spec))
-            x = layouts.to_layout(_place(x, mesh, whole), num, layout)
+            x = layouts.to_layout(_place(x, mesh, whole), num, lay)
             return _place(x, mesh, spec)
 
         args = [to(x, qkv_spec) for x in (query, key, value)]
@@ -148,20 +172,29 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
             args.append(to(kv_mask, mask_spec))
             specs.append(mask_spec)
 
+        def compute(q, k, v, mask):
+            if chosen == "heads":
+                return strategies.heads_local(op, q, k, v, mask, axis_name=seq_axis,
+                                              num_devices=num)
+            if chosen == "allgather":
+                return strategies.allgather_local(op, q, k, v, mask, axis_name=seq_axis,
+                                                  num_devices=num, layout=lay)
+            return fn(q, k, v, kv_mask=mask, **{axis_kw: seq_axis}, **layout_kw)
+
         def local(q, k, v, mask=None):
             if in_shard:
                 q, k, v, mask = (None if x is None else
-                                 layouts.shard_to_layout(x, seq_axis, num, layout)
+                                 layouts.shard_to_layout(x, seq_axis, num, lay)
                                  for x in (q, k, v, mask))
-            out = fn(q, k, v, kv_mask=mask, **{axis_kw: seq_axis}, **layout_kw)
-            return layouts.shard_from_layout(out, seq_axis, num, layout) if in_shard else out
+            out = compute(q, k, v, mask)
+            return layouts.shard_from_layout(out, seq_axis, num, lay) if in_shard else out
 
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,
                             check_vma=True)(*args)
-        if layout == "contiguous" or in_shard:
+        if lay == "contiguous" or in_shard:
             return out
         out = _place(out, mesh, P(batch_axis, None, head_axis, None))
         # back in token order, sharded like a contiguous result
-        return _place(layouts.from_layout(out, num, layout), mesh, qkv_spec)
+        return _place(layouts.from_layout(out, num, lay), mesh, qkv_spec)
 
     return run

@@ -1,0 +1,711 @@
+"""Context-parallel strategies: how ``jd.sharded`` runs an operation over a sequence axis.
+
+With the sequence sharded over the ``P`` devices of a mesh axis (``n = T / P`` tokens
+each), an attention operation can run three ways (docs/semantics.md, section 8):
+
+* ``"ring"`` (the default): the operation's own ring. Key/value shards travel with
+  ``ppermute``, one hop per step, each transfer overlapped with the previous step's
+  compute (:mod:`jax_dilated.ops.ring`, :mod:`jax_dilated.ops.distributed`).
+* ``"allgather"`` (Llama-3 style): every device gathers all keys and values (with
+  their padding mask) over the axis, ``jax.lax.all_gather``, and attends its local
+  queries to all of them in one kernel call, with global positions so that causal
+  attention is exact in every layout (zigzag / striped balance the causal work). The
+  gradient of ``all_gather`` is a reduce-scatter (``psum_scatter``) of dk/dv, which
+  JAX's autodiff inserts. Dilated attention gathers per branch that spans devices,
+  over the devices of its segment only; block-sparse attention visits the listed
+  blocks of the gathered keys. Anything travelling with the keys per token (the
+  padding mask today; document ids later) is gathered the same way
+  (:func:`gather_tokens`).
+* ``"heads"`` (DeepSpeed-Ulysses): one ``all_to_all`` turns the sequence-sharded
+  ``[B, n, H, D]`` into head-sharded ``[B, T, H / P, D]`` (the whole sequence, a
+  ``1/P`` slice of the heads), the single-device operation runs unchanged on it, and
+  a second ``all_to_all`` brings the output back. It needs ``H % P == 0``. GQA:
+  when ``P`` does not divide the kv heads, every kv head is repeated
+  ``R = P / gcd(H_kv, P)`` times first (the least that makes the kv heads divide by
+  ``P`` while every device still reads whole GQA groups), so each device receives
+  exactly the kv heads its query heads read. Dilated attention keeps the *global*
+  head numbering for its offsets (a device whose heads have other offsets runs its
+  own static plan), so the result is the single-device one.
+
+``"auto"`` chooses one from the cost model of :func:`estimate` (bytes sent and memory
+held per device, whether the transfer overlaps compute); :func:`explain_strategy`
+prints the choice and the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated.backends import KernelArgs, get_kernel
+from jax_dilated.backends.base import KeySide, QuerySide, RowGrads
+from jax_dilated.core import branch_plans, dilation, layouts, softmax, validation
+from jax_dilated.ops import block_sparse as block_sparse_ops
+from jax_dilated.ops import dilated as dilated_ops
+from jax_dilated.ops import dilated_local, distributed
+from jax_dilated.ops.block_sparse_plan import head_classes, resolve_mask, ring_blocks
+
+__all__ = ["STRATEGIES", "Operation", "describe", "check_strategy", "servable",
+           "seq_to_heads", "heads_to_seq", "gather_tokens", "heads_local",
+           "allgather_local", "StrategyCost", "estimate", "choose", "explain_strategy"]
+
+STRATEGIES = ("ring", "allgather", "heads", "auto")
+
+
+# --------------------------------------------------------------------- the operation
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Operation:
+    """What ``jd.sharded`` was given: which library operation and its bound options.
+
+    kind: ``"exact"`` (:func:`jax_dilated.ring_attention`), ``"dilated"``,
+      ``"block_sparse"``, or ``"custom"`` (any other function: only ``"ring"``, which
+      passes it ``seq_axis``, and ``"heads"``, which calls it without, can run it).
+    fn: the function as given; options: the keywords bound with ``functools.partial``.
+    """
+
+    kind: str
+    fn: object
+    options: dict
+
+    @property
+    def name(self) -> str:
+        return {"exact": "ring_attention", "dilated": "dilated_attention",
+                "block_sparse": "block_sparse_attention"}.get(self.kind, "a custom function")
+
+
+def describe(fn) -> Operation:
+    """The :class:`Operation` of ``fn`` (a library operation, possibly under
+    ``functools.partial`` with keywords only, or anything else: ``"custom"``)."""
+    from jax_dilated.ops.ring import ring_attention  # noqa: PLC0415 (ring imports us not)
+
+    base, options = fn, {}
+    while isinstance(base, functools.partial) and not base.args:
+        options = {**base.keywords, **options}
+        base = base.func
+    kinds = {ring_attention: "exact", dilated_ops.dilated_attention: "dilated",
+             block_sparse_ops.block_sparse_attention: "block_sparse"}
+    kind = kinds.get(base, "custom")
+    return Operation(kind, fn, options if kind != "custom" else {})
+
+
+def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str) -> dict:
+    """``{strategy: None or why it cannot serve}`` for the concrete strategies."""
+    why = {"ring": None, "allgather": None, "heads": None}
+    if num_heads % num_devices:
+        why["heads"] = (f"strategy='heads' needs num_heads ({num_heads}) divisible by the "
+                        f"{num_devices} devices of the sequence axis")
+    if op.kind == "custom":
+        why["allgather"] = ("strategy='allgather' needs one of the library's operations "
+                            "(ring_attention, dilated_attention, block_sparse_attention), "
+                            f"got {_fn_name(op.fn)}")
+    if op.kind == "dilated" and layout != "contiguous":
+        why["allgather"] = why["ring"] = (
+            f"dilated attention shards the sequence contiguously, got layout={layout!r}")
+    if op.kind == "block_sparse" and layout == "striped":
+        why["allgather"] = why["ring"] = (
+            "block-sparse attention needs shards made of whole blocks, "
+            "got layout='striped'")
+    if op.options.get("return_lse"):
+        for s in why:
+            why[s] = why[s] or "jd.sharded returns the output only: return_lse=True"
+    return why
+
+
+def _fn_name(fn) -> str:
+    inner = getattr(fn, "func", fn)
+    return getattr(inner, "__name__", repr(inner))
+
+
+def check_strategy(strategy) -> str:
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    return strategy
+
+
+def require(op: Operation, strategy: str, *, num_heads: int, num_devices: int,
+            layout: str) -> None:
+    """Raise ``ValueError`` naming the strategies that can serve when ``strategy`` cannot."""
+    why = servable(op, num_heads=num_heads, num_devices=num_devices, layout=layout)
+    if why.get(strategy) is None:
+        return
+    others = [s for s, w in why.items() if w is None]
+    alt = (f"use strategy={others[0]!r}" + "".join(f" or {s!r}" for s in others[1:])
+           if others else "no strategy can serve this call")
+    raise ValueError(f"{why[strategy]}; {alt} (strategy='auto' chooses among those).")
+
+
+# ----------------------------------------------------------------- the transforms
+
+
+def seq_to_heads(x, axis_name: str):
+    """Inside ``shard_map``: contiguous sequence shard ``[B, n, H, ...]`` -> head shard
+    ``[B, T, H / P, ...]`` (device ``d`` gets heads ``[d H/P, (d+1) H/P)`` of the
+    whole sequence, in token order). One ``all_to_all``; its transpose is
+    :func:`heads_to_seq`."""
+    return jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True)
+
+
+def heads_to_seq(x, axis_name: str):
+    """Inverse of :func:`seq_to_heads`: ``[B, T, H / P, ...]`` -> ``[B, n, H, ...]``."""
+    return jax.lax.all_to_all(x, axis_name, 1, 2, tiled=True)
+
+
+def gather_tokens(x, axis_name: str):
+    """All devices' shards ``[B, n, ...]`` of a per-token array -> ``[B, T, ...]`` in
+    shard order (keys, values, the padding mask; any int per token alike)."""
+    return None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+
+
+def _group_gather(x, axis_name: str, num_devices: int, group: int):
+    """``[B, L, ...]`` of the ``group`` consecutive devices of this device's group,
+    concatenated in device order along axis 1 (all of them when ``group == P``)."""
+    if x is None:
+        return None
+    if group == num_devices:
+        return gather_tokens(x, axis_name)
+    # g - 1 shifts inside each group: blocks[s] is the block of ring index (i - s) % g
+    g, p = group, num_devices
+    blocks = [x]
+    for s in range(1, g):
+        perm = [(j, j - j % g + (j % g + s) % g) for j in range(p)]
+        blocks.append(jax.lax.ppermute(x, axis_name, perm))
+    # order by source ring index c: source c sits at s = (i - c) % g
+    stacked = jnp.stack([blocks[(-c) % g] for c in range(g)])  # [g, ...]: source (c - i)
+    i = jax.lax.axis_index(axis_name) % g
+    stacked = jnp.roll(stacked, i, axis=0)
+    return jnp.concatenate(list(stacked), axis=1)
+
+
+# ------------------------------------------------------------------ heads strategy
+
+
+def _kv_repeat(num_kv_heads: int, num_devices: int) -> int:
+    """How often each kv head is repeated so that the kv heads divide by ``P``."""
+    return 1 if num_kv_heads % num_devices == 0 else (
+        num_devices // math.gcd(num_kv_heads, num_devices))
+
+
+def _kernel_args(options, head_dim: int, *, dropout=False) -> KernelArgs:
+    block_q, block_k = validation.check_block_sizes(options.get("block_q"),
+                                                    options.get("block_k"))
+    rate = 0.0
+    if dropout:
+        rate = validation.check_dropout(options.get("dropout_rate", 0.0),
+                                        options.get("dropout_rng"))
+    return KernelArgs(scale=validation.check_scale(options.get("scale"), head_dim),
+                      is_causal=validation.check_flag("is_causal",
+                                                      options.get("is_causal", False)),
+                      dropout_rate=rate, block_q=block_q, block_k=block_k)
+
+
+def _device_plans(branches, seq_len: int, num_heads: int, local_heads: int,
+                  local_kv: int, mode: str, rule: str, device: int):
+    """The branch plans of the heads of ``device`` (``[d h, (d+1) h)``), numbered
+    locally but with their *global* offsets (and head groups)."""
+    full = branch_plans.plan_branches(branches, seq_len=seq_len, num_heads=num_heads,
+                                      num_kv_heads=num_heads, mode=mode,
+                                      offsets_rule=rule)
+    lo, hi = device * local_heads, (device + 1) * local_heads
+    plans = []
+    for p in full:
+        sel = (p.query_heads >= lo) & (p.query_heads < hi)
+        if not sel.any():
+            continue
+        heads, offsets = p.query_heads[sel] - lo, p.offsets[sel]
+        kv_offsets, kv_heads, group = branch_plans.kv_head_plan(heads, offsets,
+                                                                local_heads, local_kv)
+        plans.append(branch_plans.BranchPlan(p.branch, heads, offsets, kv_offsets,
+                                             kv_heads, group))
+    return plans
+
+
+def _plan_key(plans):
+    return tuple((p.branch, p.query_heads.tobytes(), p.offsets.tobytes()) for p in plans)
+
+
+def _by_device(axis_name: str, variants: list, call):
+    """``call(variant)`` for this device's variant (``variants[d]``): static when all
+    devices share one, else a ``lax.switch`` over the distinct ones."""
+    distinct, index = [], []
+    for v in variants:
+        key = v[0]
+        for j, (k, _) in enumerate(distinct):
+            if k == key:
+                index.append(j)
+                break
+        else:
+            index.append(len(distinct))
+            distinct.append(v)
+    if len(distinct) == 1:
+        return call(distinct[0][1])
+    which = jnp.asarray(np.asarray(index, np.int32))[jax.lax.axis_index(axis_name)]
+    return jax.lax.switch(which, [functools.partial(call, v) for _, v in distinct])
+
+
+def _dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
+                   num_heads: int):
+    """Single-device dilated attention of this device's heads, global head numbering."""
+    o = options
+    branches = branch_plans.validate_branches(o["segment_lengths"], o["dilation_rates"])
+    mode, rule = o.get("mode", "longnet"), o.get("head_offsets", "modulo")
+    args = _kernel_args(o, q.shape[-1], dropout=True)
+    rng = o.get("dropout_rng") if args.dropout_rate > 0 else None
+    if rng is not None:  # every device's heads draw their own masks
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+    kernel = get_kernel(o.get("implementation"))
+    t, h, hkv = q.shape[1], q.shape[2], k.shape[2]
+    variants = []
+    for d in range(num_devices):
+        plans = _device_plans(branches, t, num_heads, h, hkv, mode, rule, d)
+        variants.append((_plan_key(plans), plans))
+
+    def run(plans, q, k, v, mask, rng):
+        if kernel.name == "xla":
+            out = dilated_local.dilated_local(kernel, args, plans, mode, q, k, v, mask, rng)[0]
+        else:
+            results = [dilation.attend_dilated(
+                functools.partial(_attend_kernel, kernel, args,
+                                  None if rng is None else jax.random.fold_in(rng, i)),
+                p.branch, p, q, k, v, mask) for i, p in enumerate(plans)]
+            out = dilated_ops.combine_branches(results, mode, q.dtype)[0]
+        if mode == "head_groups" and len(plans) != len(branches):
+            # this device's heads are in fewer groups than there are branches: the
+            # output is divided by the number of all branches, not of these
+            out = (out * (len(plans) / len(branches))).astype(q.dtype)
+        return out
+
+    return _by_device(axis_name, variants,
+                      lambda plans: run(plans, q, k, v, mask, rng))
+
+
+def _attend_kernel(kernel, args, rng, q, k, v, valid):
+    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng)
+
+
+def heads_local(op: Operation, q, k, v, mask, *, axis_name: str, num_devices: int):
+    """Inside ``shard_map`` on contiguous shards: the ``"heads"`` strategy.
+
+    ``q`` [B, n, H, D], ``k``/``v`` [B, n, H_kv, D], ``mask`` None or [B, n]; returns
+    [B, n, H, D]. ``H`` must divide by ``P`` (checked by :func:`require`).
+    """
+    p, num_heads = num_devices, q.shape[2]
+    rep = _kv_repeat(k.shape[2], p)
+    if rep > 1:
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))
+    mask = gather_tokens(mask, axis_name)
+    kw = {key: val for key, val in op.options.items()
+          if key not in ("seq_axis", "axis_name", "layout", "kv_mask")}
+    if op.kind == "exact":
+        # exact attention on one device: one segment of the whole sequence, rate 1
+        out = dilated_ops.dilated_attention(
+            q, k, v, segment_lengths=(q.shape[1],), dilation_rates=(1,), kv_mask=mask,
+            **{key: kw[key] for key in ("is_causal", "scale", "implementation",
+                                        "block_q", "block_k") if key in kw})
+    elif op.kind == "dilated":
+        out = _dilated_heads(kw, q, k, v, mask, axis_name, p, num_heads)
+    elif op.kind == "block_sparse":
+        out = _block_sparse_heads(op.fn, kw, q, k, v, mask, axis_name, p, num_heads)
+    else:
+        out = op.fn(q, k, v, kv_mask=mask)
+    return heads_to_seq(out, axis_name)
+
+
+def _block_sparse_heads(fn, kw, q, k, v, mask, axis_name, num_devices, num_heads):
+    """Block-sparse attention of this device's heads: a per-head pattern is cut to them."""
+    bs = validation.check_positive_int("block_size", kw["block_size"])
+    nb = -(-q.shape[1] // bs)
+    pattern = resolve_mask(kw["pattern"], nb, nb, num_heads)
+    if pattern.shape[0] == 1:
+        return fn(q, k, v, kv_mask=mask)
+    h = q.shape[2]
+    if not isinstance(pattern, np.ndarray):  # traced: this device's slice of it
+        mine = jax.lax.dynamic_slice_in_dim(pattern, jax.lax.axis_index(axis_name) * h, h)
+        return fn(q, k, v, kv_mask=mask, pattern=mine)
+    variants = [(pattern[d * h:(d + 1) * h].tobytes(), pattern[d * h:(d + 1) * h])
+                for d in range(num_devices)]
+    return _by_device(axis_name, variants,
+                      lambda m: fn(q, k, v, kv_mask=mask, pattern=m))
+
+
+# -------------------------------------------------------------- allgather strategy
+
+
+def _chunk_block(layout: str, n: int, given):
+    """Kernel block aligned to the layout's chunks (zigzag: ``n / 2``), as the ring does."""
+    if given is not None or layout != "zigzag":
+        return given
+    chunk = n // 2
+    best = max(d for d in range(1, min(chunk, 512) + 1) if chunk % d == 0)
+    return best if best >= min(64, chunk) else chunk
+
+
+def allgather_local(op: Operation, q, k, v, mask, *, axis_name: str, num_devices: int,
+                    layout: str):
+    """Inside ``shard_map`` on ``layout`` shards: the ``"allgather"`` strategy.
+
+    ``q`` [B, n, H, D], ``k``/``v`` [B, n, H_kv, D], ``mask`` None or [B, n];
+    returns [B, n, H, D] (this device's queries against every key).
+    """
+    o = op.options
+    if op.kind == "dilated":
+        return _dilated_allgather(o, q, k, v, mask, axis_name, num_devices)
+    p, n = num_devices, q.shape[1]
+    me = jax.lax.axis_index(axis_name)
+    q_pos = layouts.local_positions(layout, me, p, n)
+    k_pos = jnp.asarray(layouts.global_order(n * p, p, layout), jnp.int32)
+    kall, vall, mall = (gather_tokens(x, axis_name) for x in (k, v, mask))
+    if op.kind == "block_sparse":
+        return _block_sparse_allgather(o, q, kall, vall, mall, q_pos, k_pos, axis_name,
+                                       p, layout)
+    args = _kernel_args(o, q.shape[-1])
+    args = dataclasses.replace(args, block_q=_chunk_block(layout, n, args.block_q),
+                               block_k=_chunk_block(layout, n, args.block_k))
+    kernel = get_kernel(o.get("implementation"))
+    out = kernel.attention(q, kall, vall, args, q_positions=q_pos, k_positions=k_pos,
+                           kv_valid=mall)[0]
+    return out.astype(q.dtype)
+
+
+def _dilated_allgather(o, q, k, v, mask, axis_name, num_devices):
+    """Distributed dilated attention whose spanning branches gather their segment's
+    dilated keys/values (over the ``g`` devices of the segment) instead of a ring."""
+    branches = branch_plans.validate_branches(o["segment_lengths"], o["dilation_rates"])
+    b, t, h, hkv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    args = _kernel_args(o, q.shape[-1], dropout=True)
+    rng = o.get("dropout_rng") if args.dropout_rate > 0 else None
+    mode = o.get("mode", "longnet")
+    plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
+                                       num_kv_heads=hkv, mode=mode,
+                                       offsets_rule=o.get("head_offsets", "modulo"))
+    sharded_branches = distributed.shard_branches(branches, local_len=t,
+                                                  num_devices=num_devices)
+    kernel = get_kernel(o.get("implementation"))
+    me = jax.lax.axis_index(axis_name)
+    results = []
+    for i, (plan, sb) in enumerate(zip(plans, sharded_branches)):
+        brng = None if rng is None else jax.random.fold_in(jax.random.fold_in(rng, i), me)
+
+        def attend(qd, kd, vd, valid, sb=sb, brng=brng):
+            if sb.is_local:
+                return kernel.attention(qd, kd, vd, args, kv_valid=valid, dropout_rng=brng)
+            g, length = sb.ring_size, qd.shape[1]
+            kg, vg, validg = (_group_gather(x, axis_name, num_devices, g)
+                              for x in (kd, vd, valid))
+            start = (me % g) * length
+            q_pos = start + jnp.arange(length, dtype=jnp.int32)
+            return kernel.attention(qd, kg, vg, args, q_positions=q_pos,
+                                    k_positions=jnp.arange(g * length, dtype=jnp.int32),
+                                    kv_valid=validg, dropout_rng=brng)
+
+        results.append(dilation.attend_dilated(attend, sb.cut, plan, q, k, v, mask))
+    del b
+    return dilated_ops.combine_branches(results, mode, q.dtype)[0]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _SparseGather:
+    """Static part of a block-sparse call against gathered keys (identity-hashed)."""
+
+    kernel: object
+    plan: object
+    axis_name: str
+    layout: str
+    num_devices: int
+
+
+def _sparse_sides(spec: _SparseGather, q, k, v, valid):
+    p, n = spec.num_devices, q.shape[1]
+    me = jax.lax.axis_index(spec.axis_name)
+    query = QuerySide(q, layouts.local_positions(spec.layout, me, p, n), me)
+    keys = KeySide((k, v), jnp.asarray(layouts.global_order(n * p, p, spec.layout),
+                                       jnp.int32), valid, 0)
+    return query, keys
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sparse_gathered(spec, q, k, v, valid, aux):
+    return _sparse_fwd(spec, q, k, v, valid, aux)[0]
+
+
+def _sparse_fwd(spec, q, k, v, valid, aux):
+    steps = block_sparse_ops._ClassSteps(spec.kernel, spec.plan, aux)
+    query, keys = _sparse_sides(spec, q, k, v, valid)
+    o, lse, *lse_lo = steps.partial(query, keys)  # lse_lo where the kernel splits lse
+    return o, (q, k, v, valid, aux, o, lse, lse_lo)
+
+
+def _sparse_bwd(spec, res, do):
+    q, k, v, valid, aux, o, lse, lse_lo = res
+    steps = block_sparse_ops._ClassSteps(spec.kernel, spec.plan, aux)
+    query, keys = _sparse_sides(spec, q, k, v, valid)
+    zero = jnp.zeros_like(lse)
+    if lse_lo:  # the log-sum-exp's low part is folded into do and delta
+        do, delta = softmax.backward_rows(do, o, lse_lo[0], zero)
+    else:
+        delta = softmax.backward_delta(do, o, zero)
+    dq, dk, dv = steps.grads(query, keys, RowGrads(do, lse, delta))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_sparse_gathered.defvjp(_sparse_fwd, _sparse_bwd)
+
+
+def _block_sparse_allgather(o, q, kall, vall, mall, q_pos, k_pos, axis_name, p, layout):
+    """This device's query blocks against the gathered keys, over the listed blocks."""
+    del q_pos, k_pos  # recomputed inside the custom_vjp (static given the layout)
+    bs = validation.check_positive_int("block_size", o["block_size"])
+    n, h, hkv = q.shape[1], q.shape[2], kall.shape[2]
+    gq = ring_blocks(n, p, layout, bs)           # [P, n / bs] global query blocks
+    gk = gq.reshape(1, -1)                       # the gathered keys, in layout order
+    nb = gq.size
+    mask = resolve_mask(o["pattern"], nb, nb, h)
+    args = dataclasses.replace(_kernel_args(o, q.shape[-1]), block_q=bs, block_k=bs)
+    kernel = get_kernel(o.get("implementation"))
+    classes, aux = head_classes(mask, h, hkv, gq, gk, args.is_causal)
+    plan = block_sparse_ops._Plan(kernel, args, classes, h, gq, gk)
+    spec = _SparseGather(kernel, plan, axis_name, layout, p)
+    out = _sparse_gathered(spec, q, kall, vall, mall, aux)
+    return out.astype(q.dtype)
+
+
+# --------------------------------------------------------------------- cost model
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyCost:
+    """Per-device figures of one strategy for one call (forward + backward).
+
+    sent_bytes: bytes each device sends (forward and backward together).
+    held_bytes: the largest inputs/outputs/transfer buffers a device holds at once
+      for the attention (its shards, what it gathered or received, the output and
+      gradient accumulators); kernel temporaries (the same for every strategy up to
+      the block sizes) are not counted.
+    overlap: whether the transfers can overlap compute (a ring sends the next block
+      while computing on this one).
+    work: the largest share of the attention's arithmetic one device does (1 / P when
+      balanced; causal contiguous shards put up to 2 / (P + 1) on the last device).
+    reason: None when the strategy can serve, else why not.
+    """
+
+    strategy: str
+    sent_bytes: float
+    held_bytes: float
+    overlap: bool
+    work: float
+    reason: str | None = None
+
+    def cost(self, comm_weight: float) -> float:
+        """``work + comm_weight * exposed bytes / held bytes of the input``: see :func:`choose`."""
+        exposed = 0.0 if self.overlap else self.sent_bytes
+        return self.work + comm_weight * exposed
+
+
+def _causal_share(p: int, layout: str, causal: bool) -> float:
+    if not causal or p == 1 or layout != "contiguous":
+        return 1.0 / p
+    return 2.0 / (p + 1)  # the last device's P blocks of the P (P + 1) / 2
+
+
+def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
+             head_dim: int, num_devices: int, dtype="float32",
+             layout: str = "contiguous") -> dict:
+    """``{strategy: StrategyCost}`` for the three concrete strategies.
+
+    ``op``: an :class:`Operation` or the function given to ``jd.sharded``. The
+    figures are per device, for a forward and backward pass, from the shapes alone
+    (``e`` bytes per element, ``n = T / P``, ``K = B n H_kv D e`` one shard of keys):
+
+    * ring: sends ``(P - 1)`` shards of k and v forward and k, v, dk, dv backward:
+      ``6 (P - 1) K`` (exact and block-sparse); dilated attention sends only for
+      branches spanning ``g`` devices, ``6 (g - 1) K_b / r`` with ``K_b`` the kv
+      heads the branch gathers. Holds its shards plus two blocks in flight;
+      transfers overlap compute.
+    * allgather: the same bytes (all-gather forward, all-gather again and a
+      reduce-scatter of dk/dv backward) but holds all keys and values, and their
+      gradients in the backward, ``4 P K``; no overlap.
+    * heads: two all-to-alls forward (q, k, v in; out back) and two backward, each
+      moving ``(P - 1) / P`` of the arrays: ``2 (P - 1) / P (2 Q + 2 K')`` with ``Q``
+      one shard of queries and ``K'`` of kv heads after the GQA repeat; holds a head
+      slice of the whole sequence (as much as the shards); no overlap; the work is
+      always balanced (``1 / P``) but needs ``H % P == 0``.
+    """
+    op = op if isinstance(op, Operation) else describe(op)
+    e = jnp.dtype(dtype).itemsize
+    p, b, t, h, hkv, d = num_devices, batch, seq_len, num_heads, num_kv_heads, head_dim
+    n = t // p
+    kshard = b * n * hkv * d * e
+    qshard = b * n * h * d * e
+    causal = bool(op.options.get("is_causal", False))
+    why = servable(op, num_heads=h, num_devices=p, layout=layout)
+    base_held = 2 * qshard + 2 * kshard  # q, out, k, v shards
+    grads_held = 2 * qshard + 2 * kshard  # dq, do, dk, dv
+    out = {}
+
+    if op.kind == "dilated" and why["ring"] is None:
+        sent, held_gather, held_ring = 0.0, 0.0, 0.0
+        try:
+            branches = branch_plans.validate_branches(op.options["segment_lengths"],
+                                                      op.options["dilation_rates"])
+            plans = branch_plans.plan_branches(
+                branches, seq_len=t, num_heads=h, num_kv_heads=hkv,
+                mode=op.options.get("mode", "longnet"),
+                offsets_rule=op.options.get("head_offsets", "modulo"))
+            sbs = distributed.shard_branches(branches, local_len=n, num_devices=p)
+        except (ValueError, TypeError) as err:
+            why["ring"] = why["allgather"] = str(err)
+            sbs, plans = [], []
+        for plan, sb in zip(plans, sbs):
+            if sb.is_local:
+                continue
+            kb = b * (n // sb.rate) * len(plan.kv_heads) * d * e
+            sent += 6 * (sb.ring_size - 1) * kb
+            held_ring = max(held_ring, 4 * kb)
+            held_gather = max(held_gather, 4 * sb.ring_size * kb)
+        work = 1.0 / p  # every device holds whole segments or an equal part of one
+        out["ring"] = StrategyCost("ring", sent, base_held + grads_held + held_ring,
+                                   True, work, why["ring"])
+        out["allgather"] = StrategyCost("allgather", sent,
+                                        base_held + grads_held + held_gather, False,
+                                        work, why["allgather"])
+    else:
+        share = _causal_share(p, layout, causal)
+        if op.kind == "block_sparse":
+            share = 1.0 / p if layout != "contiguous" or not causal else share
+        out["ring"] = StrategyCost("ring", 6 * (p - 1) * kshard,
+                                   base_held + grads_held + 4 * kshard, True, share,
+                                   why["ring"])
+        out["allgather"] = StrategyCost("allgather", 6 * (p - 1) * kshard,
+                                        base_held + grads_held + 4 * p * kshard, False,
+                                        share, why["allgather"])
+    rep = _kv_repeat(hkv, p)
+    kprime = kshard * rep
+    sent_heads = 2 * (p - 1) / p * (2 * qshard + 2 * kprime)
+    # the shards and, as large, their head-sharded copies (q, out, k', v' and grads)
+    held_heads = base_held + grads_held + 2 * (2 * qshard + 2 * kprime)
+    out["heads"] = StrategyCost("heads", sent_heads, held_heads, False, 1.0 / p,
+                                why["heads"])
+    return out
+
+
+# Relative price of one exposed byte against the work of the whole attention: the
+# attention of one query row over T keys costs about 4 T H D flops (x 2.5 with the
+# backward) while a byte moves at ``bandwidth``; with flops/bandwidth the device's
+# balance point. Rough figures, per device kind (documented in docs/semantics.md).
+_BALANCE = {"cpu": 2.0, "gpu": 100.0, "tpu": 200.0}  # flop per byte moved
+
+
+def _device_kind() -> str:
+    try:
+        platform = jax.devices()[0].platform
+    except RuntimeError:  # pragma: no cover
+        return "cpu"
+    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+
+
+def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
+           head_dim: int, num_devices: int, dtype="float32", layout: str = "contiguous",
+           platform: str | None = None):
+    """``(strategy, costs, why)``: the strategy ``"auto"`` picks for this call.
+
+    Among the strategies that can serve, the one with the least estimated time,
+    ``time ~ work x F + exposed bytes / bandwidth`` per device, where ``F`` is the
+    flops of the whole attention (forward and backward, ``10 B T^2 H D`` dense;
+    dilated: the branches' segments; block-sparse as dense, a bound) and
+    ``flops / bandwidth`` the device kind's balance (``_BALANCE``: flops one byte
+    moved costs). Ties (within 10%) go to the one holding less memory, then to the
+    order ring, heads, allgather.
+    """
+    op = op if isinstance(op, Operation) else describe(op)
+    costs = estimate(op, batch=batch, seq_len=seq_len, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     num_devices=num_devices, dtype=dtype, layout=layout)
+    balance = _BALANCE.get(platform or _device_kind(), _BALANCE["gpu"])
+    flops = _flops(op, batch, seq_len, num_heads, head_dim)
+    times = {s: c.work * flops + (0.0 if c.overlap else c.sent_bytes * balance)
+             for s, c in costs.items() if c.reason is None}
+    if not times:
+        raise ValueError("no strategy can serve this call: " + "; ".join(
+            f"{s}: {c.reason}" for s, c in costs.items()))
+    best = min(times.values())
+    order = ("ring", "heads", "allgather")
+    near = [s for s in order if s in times and times[s] <= 1.1 * best]
+    pick = min(near, key=lambda s: (costs[s].held_bytes, order.index(s)))
+    why = (f"least estimated time (work {costs[pick].work:.3f} of {flops:.3g} flops, "
+           f"{'overlapped' if costs[pick].overlap else 'exposed'} transfers of "
+           f"{costs[pick].sent_bytes / 2**20:.2f} MiB at {balance:g} flop/byte)")
+    if len(near) > 1:
+        why += f"; within 10% of {[s for s in near if s != pick]}, and holds least memory"
+    return pick, costs, why
+
+
+def _flops(op: Operation, b, t, h, d) -> float:
+    """Forward + backward flops of the whole call (``10 B Lq Lk H D`` per dense block)."""
+    causal = 0.5 if op.options.get("is_causal", False) else 1.0
+    if op.kind == "dilated":
+        try:
+            branches = branch_plans.validate_branches(op.options["segment_lengths"],
+                                                      op.options["dilation_rates"])
+        except (ValueError, TypeError, KeyError):
+            return 10.0 * b * t * t * h * d * causal
+        total = 0.0
+        for w, r in branches:
+            seg = min(w, t)
+            total += 10.0 * b * (t / r) * (seg / r) * h * d * causal
+        return total
+    return 10.0 * b * t * t * h * d * causal
+
+
+def explain_strategy(fn, query_shape, key_shape=None, *, num_devices: int,
+                     dtype="float32", layout: str = "contiguous", platform=None,
+                     file=None, quiet: bool = False):
+    """Which strategy ``strategy="auto"`` picks for ``fn`` on these shapes, and why.
+
+    Args:
+      fn: the operation as given to ``jd.sharded`` (e.g.
+        ``functools.partial(jd.dilated_attention, segment_lengths=..., ...)``).
+      query_shape, key_shape: global ``[batch, seq, heads, head_dim]`` shapes
+        (``key_shape`` defaults to ``query_shape``).
+      num_devices: devices of the sequence axis.
+      dtype, layout: of the call; platform: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (default:
+        this machine's).
+      file, quiet: where to print (default stdout); ``quiet`` only returns.
+
+    Returns:
+      ``(strategy, {strategy: StrategyCost}, why)``.
+
+    Example:
+      >>> import functools, jax_dilated as jd
+      >>> pick, costs, why = jd.explain_strategy(
+      ...     functools.partial(jd.ring_attention, is_causal=True), (1, 4096, 8, 64),
+      ...     (1, 4096, 2, 64), num_devices=4, layout="zigzag", quiet=True)
+      >>> pick in ("ring", "heads", "allgather"), costs["heads"].reason is None
+      (True, True)
+    """
+    key_shape = tuple(query_shape) if key_shape is None else tuple(key_shape)
+    b, t, h, d = query_shape
+    hkv = key_shape[2]
+    pick, costs, why = choose(fn, batch=b, seq_len=t, num_heads=h, num_kv_heads=hkv,
+                              head_dim=d, num_devices=num_devices, dtype=dtype,
+                              layout=layout, platform=platform)
+    if not quiet:
+        out = sys.stdout if file is None else file
+        op = describe(fn)
+        print(f"strategy for {op.name} on query {tuple(query_shape)}, key {key_shape}, "
+              f"{jnp.dtype(dtype).name}, {num_devices} devices, layout={layout!r}: "
+              f"{pick} - {why}", file=out)
+        for s, c in costs.items():
+            state = "can serve" if c.reason is None else f"cannot serve: {c.reason}"
+            print(f"  {s:<9} sent {c.sent_bytes / 2**20:9.2f} MiB/device, held "
+                  f"{c.held_bytes / 2**20:9.2f} MiB/device, "
+                  f"{'overlapped' if c.overlap else 'not overlapped'}, work share "
+                  f"{c.work:.3f}; {state}", file=out)
+    return pick, costs, why

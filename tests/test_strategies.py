@@ -1,0 +1,198 @@
+"""Context-parallel strategies of ``jd.sharded`` (``strategy=``): ring, allgather, heads, auto.
+
+Every strategy must equal the single-device result (float64, forward and the
+gradients of query, key and value through a random cotangent), for exact, dilated
+and block-sparse attention, causal or not, with GQA and a key padding mask. Exact
+attention is checked against a plain dense float64 formula; dilated and block-sparse
+attention against the library's single-device call (checked elsewhere against the
+PyTorch references). Shapes are small: the module runs in seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_dilated as jd
+from jax_dilated import block_patterns as bp
+from jax_dilated.ops import strategies
+
+B, T, D = 2, 64, 8
+
+
+def _inputs(h, hkv, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, h, D))
+    k = rng.standard_normal((B, T, hkv, D))
+    v = rng.standard_normal((B, T, hkv, D))
+    g = rng.standard_normal((B, T, h, D))
+    mask = rng.random((B, T)) < 0.75
+    mask[1, :5] = False
+    return q, k, v, g, mask
+
+
+def _dense(q, k, v, mask, causal):
+    """softmax(q k^T / sqrt(D) + masks) v in float64, kv heads repeated (GQA)."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    allowed = jnp.tril(jnp.ones((T, T), bool)) if causal else jnp.ones((T, T), bool)
+    allowed = allowed[None, None] & mask[:, None, None, :]
+    s = jnp.where(allowed, s, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    den = e.sum(-1, keepdims=True)
+    return jnp.einsum("bhqk,bkhd->bqhd", e / jnp.where(den > 0, den, 1.0), v)
+
+
+def _value_and_grads(f, q, k, v, g):
+    def loss(q, k, v):
+        out = f(q, k, v)
+        return jnp.sum(out * g), out
+
+    (dq, dk, dv), out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return [np.asarray(x) for x in (out, dq, dk, dv)]
+
+
+def _check(got, want, tol=1e-10):
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+        err = np.max(np.abs(a - w)) / max(np.max(np.abs(w)), 1.0)
+        assert err < tol, (name, err)
+
+
+def _mesh(p):
+    return jax.make_mesh((p,), ("seq",))
+
+
+DILATED = dict(segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4))
+
+CASES = [
+    # (op, options, strategy, P, layout, heads, kv heads)
+    ("exact", dict(is_causal=True), "heads", 8, "contiguous", 8, 2),
+    ("exact", dict(is_causal=True), "allgather", 4, "zigzag", 4, 2),
+    ("exact", dict(is_causal=False), "allgather", 2, "striped", 4, 4),
+    ("dilated", dict(DILATED, is_causal=True), "heads", 8, "contiguous", 8, 2),
+    ("dilated", dict(DILATED, mode="head_groups", is_causal=False), "heads", 4,
+     "contiguous", 4, 4),
+    ("dilated", dict(DILATED, head_offsets="blocked", is_causal=True), "allgather", 4,
+     "contiguous", 4, 2),
+    ("dilated", dict(segment_lengths=(8, 64), dilation_rates=(2, 8), is_causal=False),
+     "allgather", 8, "contiguous", 8, 4),
+    ("block_sparse", dict(block_size=8, pattern=bp.RandomBlocks(density=0.4, seed=1,
+                                                                per_head=True)),
+     "heads", 4, "contiguous", 8, 4),
+    ("block_sparse", dict(block_size=8, pattern=bp.LocalWindow(1) | bp.GlobalBlocks([0]),
+                          is_causal=True), "allgather", 2, "zigzag", 4, 2),
+    ("block_sparse", dict(block_size=8, pattern=bp.RandomBlocks(density=0.5, seed=2,
+                                                                per_head=True),
+                          is_causal=True), "allgather", 4, "contiguous", 4, 2),
+]
+
+_FNS = {"exact": jd.ring_attention, "dilated": jd.dilated_attention,
+        "block_sparse": jd.block_sparse_attention}
+
+
+@pytest.mark.parametrize("op,options,strategy,p,layout,h,hkv", CASES,
+                         ids=[f"{c[0]}-{c[2]}-P{c[3]}-{c[4]}" for c in CASES])
+def test_strategy_equals_single_device(op, options, strategy, p, layout, h, hkv):
+    q, k, v, g, mask = _inputs(h, hkv)
+    if op == "exact":
+        want = _value_and_grads(
+            lambda q, k, v: _dense(q, k, v, mask, options["is_causal"]), q, k, v, g)
+    else:
+        single = functools.partial(_FNS[op], **options)
+        want = _value_and_grads(lambda q, k, v: single(q, k, v, kv_mask=mask), q, k, v, g)
+    attn = jd.sharded(functools.partial(_FNS[op], **options), _mesh(p), seq_axis="seq",
+                      layout=layout, strategy=strategy)
+    got = _value_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    _check(got, want)
+
+
+def test_heads_runs_a_custom_function_unchanged():
+    """strategy='heads' calls any single-device function without seq_axis, on the whole
+    sequence of H / P heads."""
+    seen = []
+
+    def plain(q, k, v, *, kv_mask=None):
+        seen.append((q.shape, k.shape, None if kv_mask is None else kv_mask.shape))
+        return _dense(q, k, v, kv_mask, causal=True)
+
+    q, k, v, g, mask = _inputs(4, 2)
+    attn = jd.sharded(plain, _mesh(2), seq_axis="seq", strategy="heads")
+    got = _value_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    want = _value_and_grads(lambda q, k, v: _dense(q, k, v, mask, True), q, k, v, g)
+    _check(got, want)
+    assert seen[0] == ((B, T, 2, D), (B, T, 1, D), (B, T)), seen
+
+
+def test_allgather_backward_is_a_reduce_scatter():
+    """The gradient of the gathered keys/values goes back as one reduce-scatter."""
+    q, k, v, g, mask = _inputs(4, 2)
+    attn = jd.sharded(functools.partial(jd.ring_attention, is_causal=True), _mesh(4),
+                      seq_axis="seq", strategy="allgather")
+    text = str(jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v) * g),
+                                       argnums=(1, 2)))(q, k, v))
+    assert "all_gather" in text and "reduce_scatter" in text, text[-2000:]
+    assert "ppermute" not in text
+
+
+def test_strategy_errors_name_what_can_serve():
+    q, k, v, _, _ = _inputs(6, 2)
+    ring = functools.partial(jd.ring_attention, is_causal=True)
+    with pytest.raises(ValueError, match=r"strategy must be one of \('ring', 'allgather', "
+                                         r"'heads', 'auto'\), got 'ulysses'"):
+        jd.sharded(ring, _mesh(4), seq_axis="seq", strategy="ulysses")
+    attn = jd.sharded(ring, _mesh(4), seq_axis="seq", strategy="heads")
+    with pytest.raises(ValueError, match=r"num_heads \(6\) divisible by the 4 devices.*"
+                                         r"use strategy='ring' or 'allgather'"):
+        attn(q, k, v)
+
+    def custom(q, k, v, *, kv_mask=None, seq_axis=None):
+        return q
+
+    attn = jd.sharded(custom, _mesh(2), seq_axis="seq", strategy="allgather")
+    with pytest.raises(ValueError, match=r"needs one of the library's operations.*"
+                                         r"use strategy='ring' or 'heads'"):
+        attn(q, k, v)
+
+
+def test_auto_picks_a_strategy_that_serves_and_explains_it(capsys):
+    q, k, v, g, mask = _inputs(6, 2)
+    ring = functools.partial(jd.ring_attention, is_causal=True)
+    pick, costs, why = jd.explain_strategy(ring, q.shape, k.shape, num_devices=4)
+    assert costs["heads"].reason is not None and pick != "heads"
+    printed = capsys.readouterr().out
+    assert f": {pick} - " in printed and "cannot serve: strategy='heads'" in printed
+    attn = jd.sharded(ring, _mesh(4), seq_axis="seq", strategy="auto")
+    got = _value_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    want = _value_and_grads(lambda q, k, v: _dense(q, k, v, mask, True), q, k, v, g)
+    _check(got, want)
+
+
+def test_cost_model_figures():
+    """Bytes and memory per device follow the documented formulas."""
+    fn = functools.partial(jd.ring_attention, is_causal=True)
+    b, t, h, hkv, d, p = 1, 4096, 8, 2, 64, 4
+    costs = strategies.estimate(fn, batch=b, seq_len=t, num_heads=h, num_kv_heads=hkv,
+                                head_dim=d, num_devices=p, dtype="float32",
+                                layout="zigzag")
+    kshard = b * (t // p) * hkv * d * 4
+    qshard = b * (t // p) * h * d * 4
+    assert costs["ring"].sent_bytes == costs["allgather"].sent_bytes == 6 * (p - 1) * kshard
+    assert costs["allgather"].held_bytes - costs["ring"].held_bytes == 4 * (p - 1) * kshard
+    # 2 kv heads on 4 devices: each kv head is repeated twice before the all-to-all
+    assert costs["heads"].sent_bytes == pytest.approx(2 * (p - 1) / p * (2 * qshard
+                                                                        + 2 * 2 * kshard))
+    assert costs["ring"].overlap and not costs["heads"].overlap
+    assert costs["heads"].work == costs["ring"].work == 1 / p  # zigzag balances
+    # dilated: only the branch spanning devices sends, n / r tokens of the kv heads
+    # it gathers (8 here: one per query head, each at its own offset)
+    dil = functools.partial(jd.dilated_attention, segment_lengths=(1024, 4096),
+                            dilation_rates=(1, 4))
+    costs = strategies.estimate(dil, batch=b, seq_len=t, num_heads=h, num_kv_heads=h,
+                                head_dim=d, num_devices=p)
+    assert costs["ring"].sent_bytes == 6 * (p - 1) * b * (t // p // 4) * h * d * 4
