@@ -196,3 +196,25 @@ def test_cost_model_figures():
     costs = strategies.estimate(dil, batch=b, seq_len=t, num_heads=h, num_kv_heads=h,
                                 head_dim=d, num_devices=p)
     assert costs["ring"].sent_bytes == 6 * (p - 1) * b * (t // p // 4) * h * d * 4
+
+
+def test_layers_take_the_strategy():
+    """Mesh-built layers pass strategy= to jd.sharded (NNX and Linen)."""
+    from flax import nnx
+
+    q, k, v, _, mask = _inputs(4, 2)
+    mesh = _mesh(4)
+    options = dict(segment_lengths=(16, 64), dilation_rates=(1, 4))
+    want = jd.dilated_attention(q, k, v, is_causal=True, kv_mask=mask, **options)
+    for strategy in ("heads",):
+        layer = jd.nnx.DilatedAttention(mesh=mesh, seq_axis="seq", strategy=strategy,
+                                        **options)
+        assert layer.core.strategy == strategy
+        got = jax.jit(lambda q, k, v: layer(q, k, v, is_causal=True, kv_mask=mask))(q, k, v)
+        _check([np.asarray(got)], [np.asarray(want)])
+    ring = jd.linen.RingAttention(mesh=mesh, seq_axis="seq", strategy="heads")
+    got = ring.apply({}, q, k, v, is_causal=True, kv_mask=mask)
+    _check([np.asarray(got)], [np.asarray(_dense(q, k, v, mask, True))])
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        jd.nnx.MultiheadRingAttention(embed_dim=16, num_heads=2, mesh=mesh, seq_axis="seq",
+                                      strategy="ulysses", rngs=nnx.Rngs(0))

@@ -27,6 +27,7 @@ from jax_dilated.ops.block_sparse import block_sparse_attention
 from jax_dilated.ops.dilated import dilated_attention
 from jax_dilated.ops.ring import ring_attention
 from jax_dilated.ops.sharded import sharded
+from jax_dilated.ops.strategies import check_strategy
 
 __all__ = [
     "AttentionCore",
@@ -98,8 +99,9 @@ class AttentionCore:
       (:func:`jax_dilated.block_sparse_attention`).
     fn: the attention function (the default or a user's drop-in with its signature).
     options: its static keyword arguments (segment lengths, mode, scale, ...).
-    mesh, seq_axis, batch_axis, head_axis, layout: with a mesh, ``fn`` runs
-      sequence-parallel on global arrays through :func:`jax_dilated.sharded`.
+    mesh, seq_axis, batch_axis, head_axis, layout, strategy: with a mesh, ``fn`` runs
+      sequence-parallel on global arrays through :func:`jax_dilated.sharded`
+      (``strategy``: ``"ring"``, ``"allgather"``, ``"heads"`` or ``"auto"``).
     """
 
     kind: str
@@ -110,6 +112,7 @@ class AttentionCore:
     batch_axis: str | None = None
     head_axis: str | None = None
     layout: str = "contiguous"
+    strategy: str = "ring"
 
     @property
     def has_dropout(self) -> bool:
@@ -125,7 +128,7 @@ class AttentionCore:
             return self.fn(query, key, value, kv_mask=kv_mask, **kw)
         run = sharded(functools.partial(self.fn, **kw), self.mesh, seq_axis=self.seq_axis,
                       batch_axis=self.batch_axis, head_axis=self.head_axis,
-                      layout=self.layout)
+                      layout=self.layout, strategy=self.strategy)
         return run(query, key, value, kv_mask=kv_mask)
 
 
@@ -140,7 +143,7 @@ def _block_options(block_q, block_k) -> tuple:
 def dilated_core(*, segment_lengths, dilation_rates, mode="longnet", head_offsets="modulo",
                  scale=None, implementation=None, attention_fn=None, mesh=None,
                  seq_axis=None, batch_axis=None, head_axis=None, block_q=None,
-                 block_k=None) -> AttentionCore:
+                 block_k=None, strategy="ring") -> AttentionCore:
     """Validated :class:`AttentionCore` for dilated attention.
 
     ``attention_fn`` (default :func:`jax_dilated.dilated_attention`) is called as
@@ -164,12 +167,12 @@ def dilated_core(*, segment_lengths, dilation_rates, mode="longnet", head_offset
                ("head_offsets", head_offsets), ("scale", scale),
                ("implementation", implementation)) + _block_options(block_q, block_k)
     return AttentionCore("dilated", attention_fn, options, mesh, seq_axis, batch_axis,
-                         head_axis)
+                         head_axis, strategy=check_strategy(strategy))
 
 
 def ring_core(*, mesh, seq_axis, layout="contiguous", batch_axis=None, head_axis=None,
               scale=None, implementation=None, attention_fn=None, block_q=None,
-              block_k=None) -> AttentionCore:
+              block_k=None, strategy="ring") -> AttentionCore:
     """Validated :class:`AttentionCore` for ring (exact, sequence-parallel) attention.
 
     ``attention_fn`` (default :func:`jax_dilated.ring_attention`) is called inside
@@ -189,12 +192,12 @@ def ring_core(*, mesh, seq_axis, layout="contiguous", batch_axis=None, head_axis
     options = (("scale", scale), ("implementation", implementation)) + _block_options(
         block_q, block_k)
     return AttentionCore("ring", attention_fn, options, mesh, seq_axis, batch_axis,
-                         head_axis, layout)
+                         head_axis, layout, check_strategy(strategy))
 
 
 def block_sparse_core(*, block_size, pattern, scale=None, implementation=None,
                       attention_fn=None, mesh=None, seq_axis=None, layout="contiguous",
-                      batch_axis=None, head_axis=None) -> AttentionCore:
+                      batch_axis=None, head_axis=None, strategy="ring") -> AttentionCore:
     """Validated :class:`AttentionCore` for block-sparse attention.
 
     ``attention_fn`` (default :func:`jax_dilated.block_sparse_attention`) is called as
@@ -213,7 +216,7 @@ def block_sparse_core(*, block_size, pattern, scale=None, implementation=None,
     options = (("block_size", block_size), ("pattern", pattern), ("scale", scale),
                ("implementation", implementation))
     return AttentionCore("block_sparse", attention_fn, options, mesh, seq_axis, batch_axis,
-                         head_axis, layout)
+                         head_axis, layout, check_strategy(strategy))
 
 
 # ---------------------------------------------------------------------------- decoding

@@ -35,7 +35,7 @@ MIN_TOKENS_PER_DEVICE = 1024
 
 _DILATED_ONLY = ("segment_lengths", "dilation_rates", "mode", "head_offsets", "dropout_rate",
                  "dropout")
-_MESH_KEYS = ("mesh", "seq_axis", "batch_axis", "head_axis")
+_MESH_KEYS = ("mesh", "seq_axis", "batch_axis", "head_axis", "strategy")
 
 
 class Choice(NamedTuple):

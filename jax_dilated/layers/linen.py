@@ -69,6 +69,7 @@ class DilatedAttention(nn.Module):
     seq_axis: str | None = None
     batch_axis: str | None = None
     head_axis: str | None = None
+    strategy: str = "ring"
     deterministic: bool | None = None
     block_q: int | None = None
     block_k: int | None = None
@@ -85,7 +86,7 @@ class DilatedAttention(nn.Module):
             mode=self.mode, head_offsets=self.head_offsets, scale=self.scale,
             implementation=self.implementation, attention_fn=self.attention_fn,
             mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis,
-            head_axis=self.head_axis, block_q=self.block_q, block_k=self.block_k)
+            head_axis=self.head_axis, strategy=self.strategy, block_q=self.block_q, block_k=self.block_k)
 
     @nn.compact
     def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
@@ -116,6 +117,7 @@ class RingAttention(nn.Module):
     layout: str = "contiguous"
     batch_axis: str | None = None
     head_axis: str | None = None
+    strategy: str = "ring"
     scale: float | None = None
     implementation: str | None = None
     attention_fn: Callable | None = None
@@ -128,7 +130,7 @@ class RingAttention(nn.Module):
 
     def _core(self):
         return common.ring_core(mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
-                                batch_axis=self.batch_axis, head_axis=self.head_axis,
+                                batch_axis=self.batch_axis, head_axis=self.head_axis, strategy=self.strategy,
                                 scale=self.scale, implementation=self.implementation,
                                 attention_fn=self.attention_fn, block_q=self.block_q,
                                 block_k=self.block_k)
@@ -172,6 +174,7 @@ class _Multihead(nn.Module):
     seq_axis: str | None = None
     batch_axis: str | None = None
     head_axis: str | None = None
+    strategy: str = "ring"
     deterministic: bool | None = None
     decode: bool = False
     qk_transform: Callable | None = None
@@ -292,7 +295,7 @@ class MultiheadDilatedAttention(_Multihead):
             mode=self.mode, head_offsets=self.head_offsets, scale=self.scale,
             implementation=self.implementation, attention_fn=self.attention_fn,
             mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis,
-            head_axis=self.head_axis, block_q=self.block_q, block_k=self.block_k)
+            head_axis=self.head_axis, strategy=self.strategy, block_q=self.block_q, block_k=self.block_k)
 
 
 class MultiheadRingAttention(_Multihead):
@@ -313,7 +316,7 @@ class MultiheadRingAttention(_Multihead):
 
     def _core(self):
         return common.ring_core(mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
-                                batch_axis=self.batch_axis, head_axis=self.head_axis,
+                                batch_axis=self.batch_axis, head_axis=self.head_axis, strategy=self.strategy,
                                 scale=self.scale, implementation=self.implementation,
                                 attention_fn=self.attention_fn, block_q=self.block_q,
                                 block_k=self.block_k)
@@ -349,4 +352,4 @@ class MultiheadBlockSparseAttention(_Multihead):
             block_size=self.block_size, pattern=self.pattern, scale=self.scale,
             implementation=self.implementation, attention_fn=self.attention_fn,
             mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
-            batch_axis=self.batch_axis, head_axis=self.head_axis)
+            batch_axis=self.batch_axis, head_axis=self.head_axis, strategy=self.strategy)

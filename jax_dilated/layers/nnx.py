@@ -69,14 +69,14 @@ class DilatedAttention(nnx_rngs.DropoutMixin, nnx.Module):
                  scale: float | None = None, dropout_rate: float = 0.0,
                  implementation: str | None = None, attention_fn: Callable | None = None,
                  mesh=None, seq_axis: str | None = None, batch_axis: str | None = None,
-                 head_axis: str | None = None, deterministic: bool | None = None,
+                 head_axis: str | None = None, strategy: str = "ring", deterministic: bool | None = None,
                  block_q: int | None = None, block_k: int | None = None,
                  rngs: nnx.Rngs | None = None):
         self.core = common.dilated_core(
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
             head_offsets=head_offsets, scale=scale, implementation=implementation,
             attention_fn=attention_fn, mesh=mesh, seq_axis=seq_axis,
-            batch_axis=batch_axis, head_axis=head_axis, block_q=block_q, block_k=block_k)
+            batch_axis=batch_axis, head_axis=head_axis, strategy=strategy, block_q=block_q, block_k=block_k)
         self.dropout_rate = validation.check_dropout_rate(dropout_rate)
         self.deterministic = deterministic
         self.rngs = nnx_rngs.fork_dropout_rngs(rngs, self.dropout_rate)
@@ -115,12 +115,12 @@ class RingAttention(nnx.Module):
     """
 
     def __init__(self, *, mesh, seq_axis: str, layout: str = "contiguous",
-                 batch_axis: str | None = None, head_axis: str | None = None,
+                 batch_axis: str | None = None, head_axis: str | None = None, strategy: str = "ring",
                  scale: float | None = None, implementation: str | None = None,
                  attention_fn: Callable | None = None, block_q: int | None = None,
                  block_k: int | None = None):
         self.core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
-                                     batch_axis=batch_axis, head_axis=head_axis,
+                                     batch_axis=batch_axis, head_axis=head_axis, strategy=strategy,
                                      scale=scale, implementation=implementation,
                                      attention_fn=attention_fn, block_q=block_q,
                                      block_k=block_k)
@@ -297,7 +297,7 @@ class MultiheadDilatedAttention(_Multihead):
                  precision: Any = None, implementation: str | None = None,
                  attention_fn: Callable | None = None, mesh=None,
                  seq_axis: str | None = None, batch_axis: str | None = None,
-                 head_axis: str | None = None, deterministic: bool | None = None,
+                 head_axis: str | None = None, strategy: str = "ring", deterministic: bool | None = None,
                  decode: bool = False, qk_transform: Callable | None = None,
                  block_q: int | None = None, block_k: int | None = None,
                  dropout: float | None = None, rngs: nnx.Rngs):
@@ -308,7 +308,7 @@ class MultiheadDilatedAttention(_Multihead):
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
             head_offsets=head_offsets, scale=scale, implementation=implementation,
             attention_fn=attention_fn, mesh=mesh, seq_axis=seq_axis,
-            batch_axis=batch_axis, head_axis=head_axis, block_q=block_q, block_k=block_k)
+            batch_axis=batch_axis, head_axis=head_axis, strategy=strategy, block_q=block_q, block_k=block_k)
         super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
                          dropout_rate=0.0 if dropout_rate is None else dropout_rate,
                          use_bias=use_bias, layer_norm=layer_norm,
@@ -342,11 +342,11 @@ class MultiheadRingAttention(_Multihead):
                  layer_norm_eps: float = 1e-5, gamma_init: float = 1.0, dtype: Any = None,
                  param_dtype: Any = jnp.float32, precision: Any = None,
                  implementation: str | None = None, attention_fn: Callable | None = None,
-                 batch_axis: str | None = None, head_axis: str | None = None,
+                 batch_axis: str | None = None, head_axis: str | None = None, strategy: str = "ring",
                  qk_transform: Callable | None = None, block_q: int | None = None,
                  block_k: int | None = None, rngs: nnx.Rngs):
         core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
-                                batch_axis=batch_axis, head_axis=head_axis, scale=scale,
+                                batch_axis=batch_axis, head_axis=head_axis, strategy=strategy, scale=scale,
                                 implementation=implementation, attention_fn=attention_fn,
                                 block_q=block_q, block_k=block_k)
         super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
@@ -385,12 +385,12 @@ class MultiheadBlockSparseAttention(_Multihead):
                  precision: Any = None, implementation: str | None = None,
                  attention_fn: Callable | None = None, mesh=None, seq_axis: str | None = None,
                  layout: str = "contiguous", batch_axis: str | None = None,
-                 head_axis: str | None = None, qk_transform: Callable | None = None,
+                 head_axis: str | None = None, strategy: str = "ring", qk_transform: Callable | None = None,
                  rngs: nnx.Rngs):
         core = common.block_sparse_core(
             block_size=block_size, pattern=pattern, scale=scale,
             implementation=implementation, attention_fn=attention_fn, mesh=mesh,
-            seq_axis=seq_axis, layout=layout, batch_axis=batch_axis, head_axis=head_axis)
+            seq_axis=seq_axis, layout=layout, batch_axis=batch_axis, head_axis=head_axis, strategy=strategy)
         super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
                          dropout_rate=0.0,
                          use_bias=use_bias, layer_norm=layer_norm,
