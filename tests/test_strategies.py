@@ -202,8 +202,8 @@ def test_layers_take_the_strategy():
     """Mesh-built layers pass strategy= to jd.sharded (NNX and Linen)."""
     from flax import nnx
 
-    q, k, v, _, mask = _inputs(4, 2)
-    mesh = _mesh(4)
+    q, k, v, _, mask = _inputs(2, 2)
+    mesh = _mesh(2)
     options = dict(segment_lengths=(16, 64), dilation_rates=(1, 4))
     want = jd.dilated_attention(q, k, v, is_causal=True, kv_mask=mask, **options)
     for strategy in ("heads",):
@@ -218,3 +218,18 @@ def test_layers_take_the_strategy():
     with pytest.raises(ValueError, match="strategy must be one of"):
         jd.nnx.MultiheadRingAttention(embed_dim=16, num_heads=2, mesh=mesh, seq_axis="seq",
                                       strategy="ulysses", rngs=nnx.Rngs(0))
+
+
+def test_auto_avoids_strategies_the_operation_would_refuse():
+    """4-token zigzag chunks (T=64, P=8)
+    cannot hold blocks of 8, so ring and allgather are out and 'auto' runs 'heads'."""
+    fn = functools.partial(jd.block_sparse_attention, block_size=8,
+                           pattern=bp.LocalWindow(1), is_causal=True)
+    pick, costs, _ = jd.explain_strategy(fn, (B, T, 8, D), num_devices=8, layout="zigzag",
+                                         quiet=True)
+    assert pick == "heads" and "zigzag chunk length 4" in costs["ring"].reason
+    q, k, v, g, mask = _inputs(8, 4)
+    attn = jd.sharded(fn, _mesh(8), seq_axis="seq", layout="zigzag", strategy="auto")
+    got = _value_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    want = _value_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask), q, k, v, g)
+    _check(got, want)

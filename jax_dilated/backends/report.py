@@ -96,4 +96,8 @@ def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
             print(f"  {r.operation:<{width}}  {r.kernel:<5}  {r.reason}", file=file)
         print("implementation='xla' forces the XLA kernel; implementation='cudnn' forces "
               "cuDNN or raises ValueError saying why not.", file=file)
+        print("Over a mesh, jd.sharded(..., strategy=) runs the sequence axis as a 'ring' "
+              "(default), 'allgather', 'heads' (all-to-all) or 'auto'; "
+              "jd.explain_strategy(fn, query_shape, key_shape, num_devices=P) prints "
+              "what 'auto' picks and why.", file=file)
     return rows

@@ -148,7 +148,7 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                 num_kv_heads=kv_per_shard, head_dim=query.shape[-1], num_devices=num,
                 dtype=query.dtype, layout=layout)[0]
         strategies.require(op, chosen, num_heads=heads_per_shard, num_devices=num,
-                           layout=layout)
+                           layout=layout, seq_len=t)
         # the heads strategy needs no layout: it moves whole heads, not tokens
         lay = "contiguous" if chosen == "heads" else layout
         # Re-layout inside shard_map (O(T / P) moved per device) when the shards allow

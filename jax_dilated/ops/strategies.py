@@ -96,8 +96,14 @@ def describe(fn) -> Operation:
     return Operation(kind, fn, options if kind != "custom" else {})
 
 
-def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str) -> dict:
-    """``{strategy: None or why it cannot serve}`` for the concrete strategies."""
+def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
+             seq_len: int | None = None) -> dict:
+    """``{strategy: None or why it cannot serve}`` for the concrete strategies.
+
+    With ``seq_len`` the operation's own sharding rules are checked too (dilated
+    segments that would straddle devices, block-sparse blocks that would straddle
+    shards), so that ``"auto"`` never picks a strategy that would then refuse.
+    """
     why = {"ring": None, "allgather": None, "heads": None}
     if num_heads % num_devices:
         why["heads"] = (f"strategy='heads' needs num_heads ({num_heads}) divisible by the "
@@ -106,13 +112,25 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str) ->
         why["allgather"] = ("strategy='allgather' needs one of the library's operations "
                             "(ring_attention, dilated_attention, block_sparse_attention), "
                             f"got {_fn_name(op.fn)}")
+    sequence = None
     if op.kind == "dilated" and layout != "contiguous":
-        why["allgather"] = why["ring"] = (
-            f"dilated attention shards the sequence contiguously, got layout={layout!r}")
-    if op.kind == "block_sparse" and layout == "striped":
-        why["allgather"] = why["ring"] = (
-            "block-sparse attention needs shards made of whole blocks, "
-            "got layout='striped'")
+        sequence = f"dilated attention shards the sequence contiguously, got layout={layout!r}"
+    elif op.kind == "block_sparse" and layout == "striped":
+        sequence = ("block-sparse attention needs shards made of whole blocks, got "
+                    "layout='striped'")
+    elif seq_len is not None and op.kind in ("dilated", "block_sparse"):
+        try:
+            n = seq_len // num_devices
+            if op.kind == "dilated":
+                branches = branch_plans.validate_branches(op.options["segment_lengths"],
+                                                          op.options["dilation_rates"])
+                distributed.shard_branches(branches, local_len=n, num_devices=num_devices)
+            else:
+                ring_blocks(n, num_devices, layout, op.options["block_size"])
+        except (ValueError, TypeError, KeyError) as err:
+            sequence = str(err).rstrip(".")
+    if sequence:
+        why["ring"] = why["allgather"] = sequence
     if op.options.get("return_lse"):
         for s in why:
             why[s] = why[s] or "jd.sharded returns the output only: return_lse=True"
@@ -131,9 +149,13 @@ def check_strategy(strategy) -> str:
 
 
 def require(op: Operation, strategy: str, *, num_heads: int, num_devices: int,
-            layout: str) -> None:
-    """Raise ``ValueError`` naming the strategies that can serve when ``strategy`` cannot."""
-    why = servable(op, num_heads=num_heads, num_devices=num_devices, layout=layout)
+            layout: str, seq_len: int | None = None) -> None:
+    """Raise ``ValueError`` naming the strategies that can serve when ``strategy``
+    cannot. (``"ring"`` is left to the operation, whose own messages say why.)"""
+    if strategy == "ring":
+        return
+    why = servable(op, num_heads=num_heads, num_devices=num_devices, layout=layout,
+                   seq_len=seq_len)
     if why.get(strategy) is None:
         return
     others = [s for s, w in why.items() if w is None]
@@ -545,7 +567,7 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     kshard = b * n * hkv * d * e
     qshard = b * n * h * d * e
     causal = bool(op.options.get("is_causal", False))
-    why = servable(op, num_heads=h, num_devices=p, layout=layout)
+    why = servable(op, num_heads=h, num_devices=p, layout=layout, seq_len=t)
     base_held = 2 * qshard + 2 * kshard  # q, out, k, v shards
     grads_held = 2 * qshard + 2 * kshard  # dq, do, dk, dv
     out = {}
