@@ -14,13 +14,18 @@ process then
    own shards),
 3. runs ``jax.jit(jax.grad(sum(g * attn(q, k, v))))`` with ``attn`` built by
    ``jd.sharded(jd.ring_attention, ...)`` for every requested layout (``--op ring``),
-   or by ``jd.sharded(jd.dilated_attention, ...)`` (``--op dilated``: segments that
-   span devices run dilated rings across the processes) -- forward and backward,
+   by ``jd.sharded(jd.dilated_attention, ...)`` (``--op dilated``: segments that
+   span devices run dilated rings across the processes), by
+   ``jd.sharded(jd.block_sparse_attention, ...)`` (``--op block_sparse``) or all
+   three (``--op all``), each with every ``--strategies`` entry (``ring``,
+   ``allgather``, ``heads``, ``auto``: their collectives cross the processes) --
+   forward and backward,
 4. gathers output and gradients with ``multihost_utils.process_allgather``.
 
 Process 0 compares them with the single-device result computed by itself alone in
 float64 on one of its local devices (exact attention in plain ``jnp`` for the ring,
-``jd.dilated_attention`` without ``seq_axis`` for dilated) and prints ``PASS`` or
+``jd.dilated_attention`` / ``jd.block_sparse_attention`` without ``seq_axis`` for
+the others) and prints ``PASS`` or
 ``FAIL`` with the largest relative error. The exit status is non-zero if any
 process fails, crashes or runs past ``--timeout`` seconds (the launcher then kills
 every child it started).
@@ -31,6 +36,7 @@ Usage (this machine, CPU)::
     python scripts/multiprocess.py -n 4 -k 2 --data 2     # mesh (data 2, seq 4)
     python scripts/multiprocess.py --layouts zigzag --no-causal --dtype float64
     python scripts/multiprocess.py --op dilated --segments 4,16,32 --rates 1,2,4
+    python scripts/multiprocess.py --op all --strategies ring,allgather,heads
 
 Several hosts: run the worker yourself on every host, one process per host (or per
 GPU), all pointing at the same coordinator (host 0, any free port)::
@@ -67,7 +73,13 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", choices=("ring", "dilated"), default="ring")
+    p.add_argument("--op", choices=("ring", "dilated", "block_sparse", "all"), default="ring",
+                   help="all: exact (ring_attention), dilated and block-sparse attention")
+    p.add_argument("--strategies", default="ring",
+                   help="jd.sharded strategies to run, comma-separated (ring, allgather, "
+                        "heads, auto)")
+    p.add_argument("--block-size", type=int, default=4,
+                   help="block_sparse: block size (must divide the shard length)")
     p.add_argument("--segments", default="4,8,16,32",
                    help="dilated: segment lengths (comma-separated)")
     p.add_argument("--rates", default="1,2,4,8", help="dilated: dilation rates")
@@ -195,29 +207,48 @@ def _worker(args) -> int:
     dilated = functools.partial(jd.dilated_attention, segment_lengths=segments,
                                 dilation_rates=rates, mode=args.mode,
                                 is_causal=args.causal)
-    if args.op == "ring":
-        runs = [(f"layout={layout}", layout,
-                 functools.partial(jd.ring_attention, is_causal=args.causal))
-                for layout in args.layouts.split(",")]
-        reference = dense
-    else:
-        runs = [(f"dilated segments={list(segments)} rates={list(rates)} "
-                 f"mode={args.mode}", "contiguous", dilated)]
-        reference = lambda q, k, v, mask: dilated(q, k, v, kv_mask=mask)  # noqa: E731
+    sparse = functools.partial(
+        jd.block_sparse_attention, block_size=args.block_size,
+        pattern=jd.block_patterns.LocalWindow(1) | jd.block_patterns.GlobalBlocks([0]),
+        is_causal=args.causal)
+    strategies = args.strategies.split(",")
 
-    want = None
-    if me == 0:
-        local = jax.local_devices()[0]
-        with jax.default_device(local):
-            f64 = [jnp.asarray(x, jnp.float64) for x in (q, k, v, g)]
-            (dq, dk, dv), out = loss_of(reference)(
-                *f64, None if mask is None else jnp.asarray(mask))
-        want = [np.asarray(x) for x in (out, dq, dk, dv)]
+    def named(label, strategy):
+        return label if strategy == "ring" else f"{label} strategy={strategy}"
+
+    runs = []  # (label, layout, fn, strategy, reference)
+    if args.op in ("ring", "all"):
+        exact = functools.partial(jd.ring_attention, is_causal=args.causal)
+        for layout in args.layouts.split(","):
+            runs += [(named(f"layout={layout}", s), layout, exact, s, dense)
+                     for s in strategies]
+    if args.op in ("dilated", "all"):
+        dilated_ref = lambda q, k, v, mask: dilated(q, k, v, kv_mask=mask)  # noqa: E731
+        runs += [(named(f"dilated segments={list(segments)} rates={list(rates)} "
+                        f"mode={args.mode}", s), "contiguous", dilated, s, dilated_ref)
+                 for s in strategies]
+    if args.op in ("block_sparse", "all"):
+        sparse_ref = lambda q, k, v, mask: sparse(q, k, v, kv_mask=mask)  # noqa: E731
+        runs += [(named(f"block_sparse block_size={args.block_size}", s), "contiguous",
+                  sparse, s, sparse_ref) for s in strategies]
+
+    wanted = {}  # reference results (process 0), one per distinct reference
+
+    def want_of(reference):
+        if reference not in wanted:
+            local = jax.local_devices()[0]
+            with jax.default_device(local):
+                f64 = [jnp.asarray(x, jnp.float64) for x in (q, k, v, g)]
+                (dq, dk, dv), out = loss_of(reference)(
+                    *f64, None if mask is None else jnp.asarray(mask))
+            wanted[reference] = [np.asarray(x) for x in (out, dq, dk, dv)]
+        return wanted[reference]
 
     tol = args.tol if args.tol is not None else (1e-10 if args.dtype == "float64" else 2e-5)
     failed = False
-    for label, layout, fn in runs:
-        attn = jd.sharded(fn, mesh, seq_axis="seq", batch_axis="data", layout=layout)
+    for label, layout, fn, strategy, reference in runs:
+        attn = jd.sharded(fn, mesh, seq_axis="seq", batch_axis="data", layout=layout,
+                          strategy=strategy)
         step = loss_of(lambda q, k, v, m: attn(q, k, v, kv_mask=m))
         start = time.perf_counter()
         (dq, dk, dv), out = step(gq, gk, gv, gg, gmask)
@@ -228,7 +259,7 @@ def _worker(args) -> int:
         if me != 0:
             continue
         errs = {}
-        for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+        for name, a, w in zip(("out", "dq", "dk", "dv"), got, want_of(reference)):
             assert a.shape == w.shape, (name, a.shape, w.shape)
             finite = bool(np.all(np.isfinite(a)))
             errs[name] = (float(np.max(np.abs(a - w)) / max(np.max(np.abs(w)), 1.0))

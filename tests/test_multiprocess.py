@@ -1,4 +1,4 @@
-"""Ring and dilated attention across real processes: ``scripts/multiprocess.py``, 2 processes x 2 CPU devices.
+"""Ring, dilated and block-sparse attention (every strategy) across real processes: ``scripts/multiprocess.py``, 2 processes x 2 CPU devices.
 
 The script starts its own processes (``jax.distributed`` over gloo on 127.0.0.1),
 so it runs in a subprocess here, unaffected by this process's simulated devices
@@ -78,3 +78,21 @@ def test_failure_is_reported_with_nonzero_exit(gloo_available):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "FAIL layout=contiguous" in out, out
+
+
+def test_strategies_two_processes_two_devices(gloo_available):
+    """allgather and heads (ring: the tests above) for exact, dilated and block-sparse
+    attention, in one launch: their all-gathers, all-to-alls and (dilated segments of 2
+    devices) in-group gathers cross the processes."""
+    proc = _run("--op", "all", "--strategies", "allgather,heads", "--layouts", "zigzag",
+                "--segments", "4,16,32", "--rates", "1,2,4", "--tokens-per-device", "8",
+                "--timeout", "200")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for strategy in ("allgather", "heads"):
+        assert f"PASS layout=zigzag strategy={strategy} " in out, out
+        assert (f"PASS dilated segments=[4, 16, 32] rates=[1, 2, 4] mode=longnet "
+                f"strategy={strategy} ") in out, out
+        assert f"PASS block_sparse block_size=4 strategy={strategy} " in out, out
+    assert "FAIL" not in out, out
+    assert "ALL PASS (2 processes)" in out, out
