@@ -151,6 +151,12 @@ def test_strategy_errors_name_what_can_serve():
                                          r"use strategy='ring' or 'allgather'"):
         attn(q, k, v)
 
+    four = jax.make_mesh((2, 4), ("heads", "seq"))
+    attn = jd.sharded(ring, four, seq_axis="seq", head_axis="heads", strategy="heads")
+    with pytest.raises(ValueError, match=r"num_heads \(3 in each shard of "
+                                         r"head_axis='heads'\) divisible by the 4 devices"):
+        attn(q, k[:, :, :1].repeat(2, 2), v[:, :, :1].repeat(2, 2))
+
     def custom(q, k, v, *, kv_mask=None, seq_axis=None):
         return q
 

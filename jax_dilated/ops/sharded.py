@@ -147,8 +147,10 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                 op, batch=b, seq_len=t, num_heads=heads_per_shard,
                 num_kv_heads=kv_per_shard, head_dim=query.shape[-1], num_devices=num,
                 dtype=query.dtype, layout=layout)[0]
-        strategies.require(op, chosen, num_heads=heads_per_shard, num_devices=num,
-                           layout=layout, seq_len=t)
+        strategies.require(
+            op, chosen, num_heads=heads_per_shard, num_devices=num, layout=layout,
+            seq_len=t, heads_of="" if head_axis is None else
+            f" in each shard of head_axis={head_axis!r}")
         # the heads strategy needs no layout: it moves whole heads, not tokens
         lay = "contiguous" if chosen == "heads" else layout
         # Re-layout inside shard_map (O(T / P) moved per device) when the shards allow

@@ -97,17 +97,19 @@ def describe(fn) -> Operation:
 
 
 def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
-             seq_len: int | None = None) -> dict:
+             seq_len: int | None = None, heads_of: str = "") -> dict:
     """``{strategy: None or why it cannot serve}`` for the concrete strategies.
 
     With ``seq_len`` the operation's own sharding rules are checked too (dilated
     segments that would straddle devices, block-sparse blocks that would straddle
     shards), so that ``"auto"`` never picks a strategy that would then refuse.
+    ``heads_of`` says whose heads ``num_heads`` counts in messages (e.g. those of one
+    ``head_axis`` shard).
     """
     why = {"ring": None, "allgather": None, "heads": None}
     if num_heads % num_devices:
-        why["heads"] = (f"strategy='heads' needs num_heads ({num_heads}) divisible by the "
-                        f"{num_devices} devices of the sequence axis")
+        why["heads"] = (f"strategy='heads' needs num_heads ({num_heads}{heads_of}) "
+                        f"divisible by the {num_devices} devices of the sequence axis")
     if op.kind == "custom":
         why["allgather"] = ("strategy='allgather' needs one of the library's operations "
                             "(ring_attention, dilated_attention, block_sparse_attention), "
@@ -149,13 +151,13 @@ def check_strategy(strategy) -> str:
 
 
 def require(op: Operation, strategy: str, *, num_heads: int, num_devices: int,
-            layout: str, seq_len: int | None = None) -> None:
+            layout: str, seq_len: int | None = None, heads_of: str = "") -> None:
     """Raise ``ValueError`` naming the strategies that can serve when ``strategy``
     cannot. (``"ring"`` is left to the operation, whose own messages say why.)"""
     if strategy == "ring":
         return
     why = servable(op, num_heads=num_heads, num_devices=num_devices, layout=layout,
-                   seq_len=seq_len)
+                   seq_len=seq_len, heads_of=heads_of)
     if why.get(strategy) is None:
         return
     others = [s for s, w in why.items() if w is None]
