@@ -550,12 +550,14 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
 
     * ring: sends ``(P - 1)`` shards of k and v forward and k, v, dk, dv backward:
       ``6 (P - 1) K`` (exact and block-sparse); dilated attention sends only for
-      branches spanning ``g`` devices, ``6 (g - 1) K_b / r`` with ``K_b`` the kv
-      heads the branch gathers. Holds its shards plus two blocks in flight;
-      transfers overlap compute.
+      branches spanning ``g`` devices, ``6 (g - 1) K_b`` with ``K_b`` the ``n / r``
+      tokens of the kv heads the branch gathers. Holds its shards plus two blocks in
+      flight (dilated: also ``3 Q`` per branch, each branch's output, cotangent and
+      dq before the merge); transfers overlap compute.
     * allgather: the same bytes (all-gather forward, all-gather again and a
       reduce-scatter of dk/dv backward) but holds all keys and values, and their
-      gradients in the backward, ``4 P K``; no overlap.
+      gradients in the backward, ``4 P K`` (dilated: ``4 g K_b`` of the largest
+      spanning branch, plus ``3 Q`` per branch as the ring); no overlap.
     * heads: two all-to-alls forward (q, k, v in; out back) and two backward, each
       moving ``(P - 1) / P`` of the arrays: ``2 (P - 1) / P (2 Q + 2 K')`` with ``Q``
       one shard of queries and ``K'`` of kv heads after the GQA repeat; holds a head
@@ -595,11 +597,16 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
             held_ring = max(held_ring, 4 * kb)
             held_gather = max(held_gather, 4 * sb.ring_size * kb)
         work = 1.0 / p  # every device holds whole segments or an equal part of one
-        out["ring"] = StrategyCost("ring", sent, base_held + grads_held + held_ring,
+        # the sharded path materialises every branch's output before the merge, and
+        # in the backward its cotangent and dq (the single-device program that the
+        # heads strategy runs streams the branches into one accumulator instead)
+        branch_held = 3 * len(sbs) * qshard
+        out["ring"] = StrategyCost("ring", sent,
+                                   base_held + grads_held + held_ring + branch_held,
                                    True, work, why["ring"])
-        out["allgather"] = StrategyCost("allgather", sent,
-                                        base_held + grads_held + held_gather, False,
-                                        work, why["allgather"])
+        out["allgather"] = StrategyCost(
+            "allgather", sent, base_held + grads_held + held_gather + branch_held, False,
+            work, why["allgather"])
     else:
         share = _causal_share(p, layout, causal)
         if op.kind == "block_sparse":
