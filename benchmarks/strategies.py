@@ -88,7 +88,6 @@ def run(args: argparse.Namespace) -> dict:
 
     import jax_dilated as jd
     from benchmarks.distributed import collectives_in
-    from jax_dilated.ops import strategies
 
     dtype = jnp.dtype(args.dtype)
     mesh = jax.sharding.Mesh(np.array(dev.take_devices(p)), ("seq",))
@@ -155,7 +154,6 @@ def run(args: argparse.Namespace) -> dict:
             calls.clear()
         rows.append(row)
     progress.close()
-    del strategies
     payload = {"benchmark": "strategies", "config": config,
                "environment": harness.environment(args.threads, args.load), "rows": rows}
     print_summary(payload)

@@ -50,6 +50,7 @@ from jax_dilated.ops import block_sparse as block_sparse_ops
 from jax_dilated.ops import dilated as dilated_ops
 from jax_dilated.ops import dilated_local, distributed
 from jax_dilated.ops.block_sparse_plan import head_classes, resolve_mask, ring_blocks
+from jax_dilated.ops.ring import ring_attention
 
 __all__ = ["STRATEGIES", "Operation", "describe", "check_strategy", "servable",
            "seq_to_heads", "heads_to_seq", "gather_tokens", "heads_local",
@@ -84,8 +85,6 @@ class Operation:
 def describe(fn) -> Operation:
     """The :class:`Operation` of ``fn`` (a library operation, possibly under
     ``functools.partial`` with keywords only, or anything else: ``"custom"``)."""
-    from jax_dilated.ops.ring import ring_attention  # noqa: PLC0415 (ring imports us not)
-
     base, options = fn, {}
     while isinstance(base, functools.partial) and not base.args:
         options = {**base.keywords, **options}
@@ -383,13 +382,12 @@ def allgather_local(op: Operation, q, k, v, mask, *, axis_name: str, num_devices
     if op.kind == "dilated":
         return _dilated_allgather(o, q, k, v, mask, axis_name, num_devices)
     p, n = num_devices, q.shape[1]
-    me = jax.lax.axis_index(axis_name)
-    q_pos = layouts.local_positions(layout, me, p, n)
-    k_pos = jnp.asarray(layouts.global_order(n * p, p, layout), jnp.int32)
     kall, vall, mall = (gather_tokens(x, axis_name) for x in (k, v, mask))
     if op.kind == "block_sparse":
-        return _block_sparse_allgather(o, q, kall, vall, mall, q_pos, k_pos, axis_name,
-                                       p, layout)
+        return _block_sparse_allgather(o, q, kall, vall, mall, axis_name, p, layout)
+    # positions of this device's queries and of the gathered keys (in layout order)
+    q_pos = layouts.local_positions(layout, jax.lax.axis_index(axis_name), p, n)
+    k_pos = jnp.asarray(layouts.global_order(n * p, p, layout), jnp.int32)
     args = _kernel_args(o, q.shape[-1])
     args = dataclasses.replace(args, block_q=_chunk_block(layout, n, args.block_q),
                                block_k=_chunk_block(layout, n, args.block_k))
@@ -403,7 +401,7 @@ def _dilated_allgather(o, q, k, v, mask, axis_name, num_devices):
     """Distributed dilated attention whose spanning branches gather their segment's
     dilated keys/values (over the ``g`` devices of the segment) instead of a ring."""
     branches = branch_plans.validate_branches(o["segment_lengths"], o["dilation_rates"])
-    b, t, h, hkv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    t, h, hkv = q.shape[1], q.shape[2], k.shape[2]
     args = _kernel_args(o, q.shape[-1], dropout=True)
     rng = o.get("dropout_rng") if args.dropout_rate > 0 else None
     mode = o.get("mode", "longnet")
@@ -431,7 +429,6 @@ def _dilated_allgather(o, q, k, v, mask, axis_name, num_devices):
                                     kv_valid=validg, dropout_rng=brng)
 
         results.append(dilation.attend_dilated(attend, sb.cut, plan, q, k, v, mask))
-    del b
     return dilated_ops.combine_branches(results, mode, q.dtype)[0]
 
 
@@ -483,9 +480,8 @@ def _sparse_bwd(spec, res, do):
 _sparse_gathered.defvjp(_sparse_fwd, _sparse_bwd)
 
 
-def _block_sparse_allgather(o, q, kall, vall, mall, q_pos, k_pos, axis_name, p, layout):
+def _block_sparse_allgather(o, q, kall, vall, mall, axis_name, p, layout):
     """This device's query blocks against the gathered keys, over the listed blocks."""
-    del q_pos, k_pos  # recomputed inside the custom_vjp (static given the layout)
     bs = validation.check_positive_int("block_size", o["block_size"])
     n, h, hkv = q.shape[1], q.shape[2], kall.shape[2]
     gq = ring_blocks(n, p, layout, bs)           # [P, n / bs] global query blocks
