@@ -73,6 +73,8 @@ DILATED = dict(segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4))
 CASES = [
     # (op, options, strategy, P, layout, heads, kv heads)
     ("exact", dict(is_causal=True), "heads", 8, "contiguous", 8, 2),
+    # 3 kv heads on 2 devices: each kv head is repeated twice before the all-to-all
+    ("exact", dict(is_causal=False), "heads", 2, "contiguous", 6, 3),
     ("exact", dict(is_causal=True), "allgather", 4, "zigzag", 4, 2),
     ("exact", dict(is_causal=False), "allgather", 2, "striped", 4, 4),
     ("dilated", dict(DILATED, is_causal=True), "heads", 8, "contiguous", 8, 2),
