@@ -257,7 +257,7 @@ def _allgather_comparison(args, devices, progress) -> list[dict]:
 
         for method, attend in (("ring", ring_attend), ("all-gather", gather_attend)):
             def local(q, k, v, attend=attend, sb=sb, plan=plan):
-                o, _ = dilation.attend_dilated(attend, sb.cut, plan, q, k, v, None)
+                o, *_ = dilation.attend_dilated(attend, sb.cut, plan, q, k, v, None)
                 return o.astype(q.dtype)
 
             attn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "seq"),) * 3,

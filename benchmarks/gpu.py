@@ -299,16 +299,14 @@ def run(args: argparse.Namespace) -> dict:
                 ql = q[:, n - nl:]  # the last device's queries
 
                 def ring_device(ql, k, v):
-                    o = jnp.zeros(ql.shape, jnp.float32)
-                    lse = jnp.full(ql.shape[:3], -jnp.inf, jnp.float32)
+                    acc = softmax.empty_partial(ql.shape, jnp.float32)
                     for s in range(P):
                         kb, vb = k[:, s * nl:(s + 1) * nl], v[:, s * nl:(s + 1) * nl]
                         step_args = KernelArgs(scale=scale,
                                                is_causal=args.causal and s == P - 1)
-                        o_s, lse_s = kernel.attention(ql, kb, vb, step_args)
-                        o, lse = softmax.merge_partials(o, lse, o_s.astype(jnp.float32),
-                                                        lse_s)
-                    return o.astype(ql.dtype)
+                        o_s, *lse_s = kernel.attention(ql, kb, vb, step_args)
+                        acc = softmax.merge_partials(*acc, o_s.astype(jnp.float32), *lse_s)
+                    return acc[0].astype(ql.dtype)
 
                 pairs = nl * nl * (P - 1) + (nl * (nl + 1) // 2 if args.causal else nl * nl)
                 fw = 4 * d * heads * b * pairs

@@ -440,15 +440,15 @@ def test_cudnn_attention_vs_float64(primitive, case, dtype, with_dlse):
 
     @jax.jit
     def run(q, k, v, do, dlse):
-        (o, lse), vjp = jax.vjp(lambda q, k, v: kern.attention(q, k, v, args), q, k, v)
-        return (o, lse, *vjp((do, dlse)))
+        (o, lse, _), vjp = jax.vjp(lambda q, k, v: kern.attention(q, k, v, args), q, k, v)
+        return (o, lse, *vjp((do, dlse, jnp.zeros_like(dlse))))
 
     @jax.jit
     def run_o_only(q, k, v, do):
         def loss(q, k, v):
-            o, _ = kern.attention(q, k, v, args)
+            o, *_ = kern.attention(q, k, v, args)
             return jnp.sum(o.astype(jnp.float32) * do)
-        o, lse = kern.forward(q, k, v, args)
+        o, lse, _ = kern.forward(q, k, v, args)
         return (o, lse, *jax.grad(loss, (0, 1, 2))(q, k, v))
 
     hq, hk, hv = (_half(x, dtype) for x in (q, k, v))
@@ -513,11 +513,10 @@ def test_merge_of_two_partials(primitive):
     args = KernelArgs(scale=0.25)
 
     def merged(q, k, v):
-        o1, l1 = kern.attention(q, k[:, :l], v[:, :l], args)
-        o2, l2 = kern.attention(q, k[:, l:], v[:, l:], args)
-        o, lse = softmax.merge_partials(o1.astype(jnp.float32), l1,
-                                        o2.astype(jnp.float32), l2)
-        return o
+        o1, *l1 = kern.attention(q, k[:, :l], v[:, :l], args)
+        o2, *l2 = kern.attention(q, k[:, l:], v[:, l:], args)
+        return softmax.merge_partials(o1.astype(jnp.float32), *l1,
+                                      o2.astype(jnp.float32), *l2)[0]
 
     @jax.jit
     def run(q, k, v, do):
@@ -540,8 +539,8 @@ def test_a100_head_128_lse_backward_falls_back_to_xla():
     args = KernelArgs(scale=d ** -0.5, is_causal=True)
     @jax.jit
     def run(q, k, v, do, dlse):
-        (o, lse), vjp = jax.vjp(lambda q, k, v: kern.attention(q, k, v, args), q, k, v)
-        return (o, lse, *vjp((do, dlse)))
+        (o, lse, _), vjp = jax.vjp(lambda q, k, v: kern.attention(q, k, v, args), q, k, v)
+        return (o, lse, *vjp((do, dlse, jnp.zeros_like(dlse))))
 
     got = run(*(_half(x, "bfloat16") for x in (q, k, v, do)), jnp.asarray(dlse, jnp.float32))
     want = _torch_dense(q, k, v, do, dlse, d ** -0.5, True)
@@ -767,7 +766,7 @@ def test_real_primitive_binds_abstractly(monkeypatch):
     args = KernelArgs(scale=0.125)
 
     def loss(q, k, v):
-        o, lse = kern.attention(q, k, v, args)
+        o, lse, _ = kern.attention(q, k, v, args)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
 
     shapes = jax.eval_shape(jax.grad(loss, (0, 1, 2)), q, kv, kv)
@@ -800,7 +799,7 @@ def test_lowers_to_cudnn_for_cuda(monkeypatch, with_lse):
     args = KernelArgs(scale=0.125, is_causal=True)
 
     def loss(q, k, v):
-        o, lse = kern.attention(q, k, v, args)
+        o, lse, _ = kern.attention(q, k, v, args)
         return jnp.sum(o.astype(jnp.float32)) + (jnp.sum(lse) if with_lse else 0.0)
 
     q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)

@@ -649,3 +649,25 @@ def test_found_by_the_property_tests():
         decoding.init_kv_cache(1, 4, 2, 4, jnp.int32)
     with pytest.raises(TypeError, match=r"fn must be an attention function"):
         jd.sharded(3, jax.make_mesh((1,), ("seq",)), seq_axis="seq")
+
+
+def test_longnet_lm_tokens_out_of_vocab():
+    """Token ids outside [0, vocab_size): a concrete one raises naming the ids (a
+    negative id used to wrap to the end of the table silently); under jit, where ids
+    are traced, the logits they reach are NaN, never a plausible wrong number."""
+    from flax import nnx
+
+    from jax_dilated.models import LongNetConfig, LongNetLM
+
+    cfg = LongNetConfig(vocab_size=16, embed_dim=8, num_heads=2, num_layers=1, max_len=16,
+                        segment_lengths=(4,), dilation_rates=(1,))
+    model = LongNetLM(cfg, rngs=nnx.Rngs(0))
+    good = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
+    run = nnx.jit(lambda m, t: m(t))
+    assert bool(jnp.isfinite(run(model, good)).all())
+    for bad_id in (-1, 16):
+        tokens = good.at[0, 3].set(bad_id)
+        with pytest.raises(ValueError, match=rf"tokens must be ids in \[0, vocab_size=16\), "
+                                             rf"got \[{bad_id}\]"):
+            model(tokens)
+        assert bool(jnp.isnan(run(model, tokens)[0, 3]).all())

@@ -1,8 +1,9 @@
 """The kernel interface every backend implements: :class:`Kernel`.
 
 A kernel computes attention of a block of queries against a block of keys and
-values and returns the output together with the log-sum-exp, so that partial
-results over different key sets can be merged exactly
+values and returns the output together with the log-sum-exp (as two floats,
+``lse`` and its low part ``lse_lo``), so that partial results over different key
+sets can be merged exactly
 (:mod:`jax_dilated.core.softmax`). One class per backend implements the whole
 protocol (:class:`~jax_dilated.backends.xla.XlaKernel`,
 :class:`~jax_dilated.backends.cudnn.CudnnKernel`,
@@ -14,7 +15,8 @@ Shapes, for every method: ``q`` [N, Lq, H, D], ``k``/``v`` [N, Lk, H_kv, D],
 ``H % H_kv == 0``; ``q_positions`` [Lq] / ``k_positions`` [Lk] int positions used
 by the causal rule ``k_pos <= q_pos`` (default ``arange``); ``kv_valid`` [N, Lk] or
 [N, Lk, H_kv] bool (per kv head when heads see different keys). The statistics
-(``lse``, ``delta``) are float32, float64 for float64 inputs (the *stats dtype*).
+(``lse``, ``lse_lo``, ``delta``) are float32, float64 for float64 inputs (the
+*stats dtype*).
 """
 
 from __future__ import annotations
@@ -93,9 +95,11 @@ class Kernel(Protocol):
                 kv_valid=None, dropout_rng=None):
         """Attention of ``q`` against every allowed key of ``k``/``v``.
 
-        Returns ``(o, lse)``: ``o`` [N, Lq, H, D] in the input dtype, ``lse``
-        [N, Lq, H] in the stats dtype; ``o = 0``, ``lse = -inf`` for a row with no
-        allowed key. ``dropout_rng`` is needed when ``args.dropout_rate > 0``.
+        Returns ``(o, lse, lse_lo)``: ``o`` [N, Lq, H, D] in the input dtype, the
+        log-sum-exp ``lse + lse_lo`` [N, Lq, H] in the stats dtype as the two parts
+        of :mod:`jax_dilated.core.softmax` (a backend that only has the rounded value
+        returns ``lse_lo = 0``); ``o = 0``, ``lse = -inf``, ``lse_lo = 0`` for a row
+        with no allowed key. ``dropout_rng`` is needed when ``args.dropout_rate > 0``.
         """
 
     def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
@@ -107,14 +111,16 @@ class Kernel(Protocol):
         may be *global* statistics (over more keys than this call sees), which is how
         a ring or a branch merge differentiates through a partial:
         ``delta = rowsum(do * o) - dlse`` with the global ``o``
-        (:func:`~jax_dilated.core.softmax.backward_delta`). The same ``dropout_rng``
+        (:func:`~jax_dilated.core.softmax.backward_delta`). Only the rounded ``lse``
+        is read: callers fold ``lse_lo`` into ``do`` and ``delta``
+        (:func:`~jax_dilated.core.softmax.backward_rows`). The same ``dropout_rng``
         as the forward draws the same masks. Gradients in the input dtypes.
         """
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
                   kv_valid=None, dropout_rng=None):
-        """:meth:`forward`, differentiable in ``q``, ``k``, ``v`` through both outputs
-        ``(o, lse)``."""
+        """:meth:`forward`, differentiable in ``q``, ``k``, ``v`` through every output
+        ``(o, lse, lse_lo)``."""
 
     def batch_chunk(self, n: int, q, k, args: KernelArgs) -> int:
         """How many of ``n`` batched items (``q``/``k`` shaped as in :meth:`forward`,
@@ -205,9 +211,11 @@ class KeySide(NamedTuple):
 class RowGrads(NamedTuple):
     """The backward's per-query-row inputs, the same at every step.
 
-    do: [N, Lq, H, D] output cotangent; lse: [N, Lq, H] the *global* log-sum-exp;
-    delta: [N, Lq, H] :func:`~jax_dilated.core.softmax.backward_delta` of the
-    global output. (lse, delta in the stats dtype.)
+    do: [N, Lq, H, D] output cotangent; lse: [N, Lq, H] the *global* log-sum-exp
+    (rounded); delta: [N, Lq, H] :func:`~jax_dilated.core.softmax.backward_delta` of
+    the global output. ``do`` and ``delta`` carry the global log-sum-exp's low part
+    (:func:`~jax_dilated.core.softmax.backward_rows`). (lse, delta in the stats
+    dtype.)
     """
 
     do: Any
@@ -223,7 +231,7 @@ class RingSteps(Protocol):
     visiting block into accumulators::
 
         kv = pack_kv(k, v)                                     # once per ring
-        acc = empty_partial(q.shape, stats)                    # (o, lse)
+        acc = empty_partial(q.shape, stats)                    # (o, lse, lse_lo)
         for each visiting block:  acc = forward(query, keys, acc)   where needed(...)
         dq, dkv = zeros                                        # stats dtype
         for each visiting block:  (dq, dkv) = backward(query, keys, rows, (dq, dkv))
@@ -250,8 +258,8 @@ class RingSteps(Protocol):
 
     def forward(self, query: QuerySide, keys: KeySide, acc):
         """Fold the visiting block into the running normalised partial ``acc = (o,
-        lse)``, o [N, Lq, H, D], lse [N, Lq, H] (stats dtype): the result is the
-        partial over the keys of both, as
+        lse, lse_lo)``, o [N, Lq, H, D], lse and lse_lo [N, Lq, H] (stats dtype): the
+        result is the partial over the keys of both, as
         :func:`~jax_dilated.core.softmax.merge_partials` gives it."""
 
     def backward(self, query: QuerySide, keys: KeySide, rows: RowGrads, acc):

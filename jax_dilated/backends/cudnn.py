@@ -232,11 +232,17 @@ class CudnnKernel:
 
     def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
                 kv_valid=None, dropout_rng=None):
-        """As :func:`jax_dilated.backends.xla.forward` (o in q's dtype, lse float32)."""
+        """As :func:`jax_dilated.backends.xla.forward` (o in q's dtype, lse float32).
+
+        cuDNN returns the log-sum-exp rounded to float32 and not the row maximum, so
+        ``lse_lo`` is 0: at extreme logits (|lse| ~ 1e4) this call's probabilities
+        carry that rounding (docs/semantics.md, "Numerics").
+        """
         del dropout_rng  # no dropout here (checked)
         self._check(q, k, args, q_positions, k_positions, kv_valid)
         o, stats = self.ops.forward(q, k, v, scale=float(args.scale), causal=args.is_causal)
-        return o.astype(q.dtype), jnp.swapaxes(stats, 1, 2).astype(jnp.float32)
+        lse = jnp.swapaxes(stats, 1, 2).astype(jnp.float32)
+        return o.astype(q.dtype), lse, jnp.zeros_like(lse)
 
     def _native_backward(self, q, k, v, do, lse, o, args):
         stats = jnp.swapaxes(jnp.where(jnp.isneginf(lse), 0.0, lse), 1, 2)
@@ -301,7 +307,7 @@ class CudnnKernel:
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
                   kv_valid=None, dropout_rng=None):
-        """Differentiable :meth:`forward`; gradients flow through ``o`` and ``lse``."""
+        """Differentiable :meth:`forward`; gradients flow through ``o`` and the log-sum-exp."""
         del dropout_rng
         self._check(q, k, args, q_positions, k_positions, kv_valid)
         return _attention(self, args, q, k, v)
@@ -343,19 +349,20 @@ def _attention(kernel: CudnnKernel, args: KernelArgs, q, k, v):
 
 def _attention_fwd(kernel, args, q, k, v):
     q, k, v = q.value, k.value, v.value  # symbolic_zeros: CustomVJPPrimal wrappers
-    o, lse = kernel.forward(q, k, v, args)
-    return (o, lse), (q, k, v, o, lse)
+    o, lse, lse_lo = kernel.forward(q, k, v, args)
+    return (o, lse, lse_lo), (q, k, v, o, lse)
 
 
 def _attention_bwd(kernel, args, res, cotangents):
     from jax.custom_derivatives import SymbolicZero
 
     q, k, v, o, lse = res
-    do, dlse = cotangents
+    do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
     if isinstance(do, SymbolicZero):
         do = jnp.zeros(o.shape, o.dtype)
     if isinstance(dlse, SymbolicZero):
         # nothing depends on this partial's lse: cuDNN's own backward, with its o
+        # (lse_lo is 0 here: the forward has only cuDNN's rounded lse)
         return kernel._native_backward(q, k, v, do, lse, o, args)
     delta = softmax.backward_delta(do, o, dlse)
     return kernel.backward(q, k, v, do, lse, delta, args)
@@ -369,7 +376,7 @@ KERNEL = CudnnKernel()
 
 
 def forward(q, k, v, args: KernelArgs, **kwargs):
-    """:meth:`CudnnKernel.forward` of :data:`KERNEL`."""
+    """:meth:`CudnnKernel.forward` of :data:`KERNEL`: ``(o, lse, lse_lo)``."""
     return KERNEL.forward(q, k, v, args, **kwargs)
 
 

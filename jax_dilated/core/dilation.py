@@ -78,10 +78,11 @@ def key_validity(kv_mask, branch: branch_plans.Branch, batch: int, seq_len: int)
 
 def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.BranchPlan, query, key,
                    value, kv_mask):
-    """Dilate, attend inside every dilated segment, undilate: one branch's ``(o, lse)``.
+    """Dilate, attend inside every dilated segment, undilate: one branch's ``(o, lse,
+    lse_lo)`` (the log-sum-exp in two parts, :mod:`jax_dilated.core.softmax`).
 
     Args:
-      attend: ``attend(q, k, v, kv_valid) -> (o, lse)`` on dilated segments
+      attend: ``attend(q, k, v, kv_valid) -> (o, lse, lse_lo)`` on dilated segments
         ``q`` [N, w/r, Hq, D], ``k``/``v`` [N, w/r, Hkv_g, D], ``kv_valid`` None or
         [N, w/r, Hkv_g] (a kernel call on one device; a ring across devices).
       branch: how to cut ``query``'s sequence axis (``plan.branch`` on one device;
@@ -90,8 +91,8 @@ def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.Branc
       query: [B, T, H, D]; key, value: [B, T, Hkv, D]; kv_mask: None or [B, T] bool.
 
     Returns:
-      o [B, T, Hq, D] (zero where a head does not select a position) and
-      lse [B, T, Hq] (-inf there), for the heads ``plan.query_heads``.
+      o [B, T, Hq, D] (zero where a head does not select a position), lse [B, T, Hq]
+      (-inf there) and lse_lo [B, T, Hq] (0 there), for the heads ``plan.query_heads``.
     """
     b, t = query.shape[:2]
     q = gather_dilated(query, branch, plan.offsets, plan.query_heads)
@@ -103,7 +104,7 @@ def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.Branc
         # past T are padding and read False through pad_axis.
         per_head = jnp.broadcast_to(valid[:, :, None], (b, t, key.shape[2]))
         valid = gather_dilated(per_head, branch, plan.kv_offsets, plan.kv_heads)
-    o, lse = attend(q, k, v, valid)
-    o = scatter_dilated(o, branch, plan.offsets, b, t, 0)
-    lse = scatter_dilated(lse, branch, plan.offsets, b, t, -jnp.inf)
-    return o, lse
+    o, lse, lse_lo = attend(q, k, v, valid)
+    return (scatter_dilated(o, branch, plan.offsets, b, t, 0),
+            scatter_dilated(lse, branch, plan.offsets, b, t, -jnp.inf),
+            scatter_dilated(lse_lo, branch, plan.offsets, b, t, 0))

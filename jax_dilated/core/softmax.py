@@ -5,8 +5,25 @@ Two representations of a partial softmax over a subset of keys are used:
 * the *running state* ``(m, l, acc)`` inside a kernel's loop over key blocks:
   ``m`` the running row maximum of the logits, ``l = sum exp(s - m)`` and
   ``acc = sum exp(s - m) v``;
-* the *normalised partial* ``(o, lse)`` that kernels return:
-  ``o = acc / l`` and ``lse = m + log l`` (``-inf`` where the row saw no key).
+* the *normalised partial* ``(o, lse, lse_lo)`` that kernels return:
+  ``o = acc / l`` and the log-sum-exp ``m + log l`` as an unevaluated sum of two
+  floats, ``lse`` (the rounded value, ``-inf`` where the row saw no key) and
+  ``lse_lo`` (what rounding left out: ``lse + lse_lo = m + log l`` exactly, 0 for
+  rows without keys).
+
+Why two floats: at large logits the rounding of ``lse`` alone is a large part of a
+probability. With logits near 1e4, float32 spaces values 1e-3 apart, so
+``exp(s - lse)`` would be up to 5e-4 off in relative terms however exactly ``s`` is
+computed; merges of partials (``exp(lse_i - lse)``) and the backward's recomputed
+probabilities inherit that error. Carrying ``lse_lo`` keeps both exact to float32
+rounding of the small quantities (``s - lse`` is exact when the two are within a
+factor of two, by Sterbenz's lemma). See docs/semantics.md, "Numerics".
+
+For differentiation ``lse`` carries the whole log-sum-exp and ``lse_lo`` is a
+constant correction (zero tangent): every ``custom_vjp`` here and in the kernels
+reads the cotangent of ``lse`` and ignores that of ``lse_lo``, and a function of
+both (a merge) gives both the same cotangent. Autodiff of any composition is then
+that of the exact log-sum-exp.
 
 Two normalised partials over disjoint key sets merge exactly:
 ``lse = logaddexp(lse_1, lse_2)``, ``o = exp(lse_1 - lse) o_1 + exp(lse_2 - lse) o_2``.
@@ -14,9 +31,9 @@ The same formula mixes LongNet branches (Eq. 10), folds ring steps together and
 joins block-sparse partials; every caller in the library goes through
 :func:`merge_partials`.
 
-Rows that have seen no key carry ``lse = -inf`` and ``o = 0``; every function
-here keeps them at exactly that, with finite gradients, instead of producing
-``nan`` from ``-inf - -inf``.
+Rows that have seen no key carry ``lse = -inf``, ``lse_lo = 0`` and ``o = 0``;
+every function here keeps them at exactly that, with finite gradients, instead of
+producing ``nan`` from ``-inf - -inf``.
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "stats_dtype",
+    "split_sum",
     "RunningState",
     "init_state",
     "update_state",
@@ -36,6 +54,7 @@ __all__ = [
     "row_dot",
     "empty_partial",
     "backward_delta",
+    "backward_rows",
 ]
 
 
@@ -51,6 +70,15 @@ def stats_dtype(dtype) -> jnp.dtype:
 def _safe_max(m):
     """``m`` with ``-inf`` replaced by 0, so that ``x - m`` is ``-inf`` (not nan)."""
     return jnp.where(jnp.isneginf(m), jnp.zeros_like(m), m)
+
+
+def split_sum(a, b):
+    """``a + b`` as an unevaluated pair ``(hi, lo)``: ``hi = fl(a + b)`` and
+    ``hi + lo = a + b`` exactly (Knuth's TwoSum; ``a``, ``b`` finite)."""
+    hi = a + b
+    b_part = hi - a
+    lo = (a - (hi - b_part)) + (b - b_part)
+    return hi, lo
 
 
 class RunningState(NamedTuple):
@@ -98,17 +126,18 @@ def update_state(state: RunningState, s, pv_fn) -> tuple[RunningState, jax.Array
     return RunningState(m_new, l_new, acc_new), p
 
 
-def finalize_state(state: RunningState) -> tuple[jax.Array, jax.Array]:
-    """Normalised partial ``(o, lse)`` from a running state.
+def finalize_state(state: RunningState) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Normalised partial ``(o, lse, lse_lo)`` from a running state.
 
-    Returns ``o`` [..., rows, dim] and ``lse`` [..., rows]; rows that saw no key
-    give ``o = 0`` and ``lse = -inf``.
+    Returns ``o`` [..., rows, dim] and ``lse``, ``lse_lo`` [..., rows]
+    (``lse + lse_lo = m + log l``); rows that saw no key give ``o = 0``,
+    ``lse = -inf`` and ``lse_lo = 0``.
     """
     seen = state.l > 0
     l_safe = jnp.where(seen, state.l, jnp.ones_like(state.l))
     o = state.acc / l_safe[..., None]
-    lse = jnp.where(seen, _safe_max(state.m) + jnp.log(l_safe), -jnp.inf)
-    return o, lse
+    hi, lo = split_sum(_safe_max(state.m), jnp.log(l_safe))
+    return (o, jnp.where(seen, hi, -jnp.inf), jnp.where(seen, lo, jnp.zeros_like(lo)))
 
 
 def row_dot(a, b):
@@ -121,11 +150,14 @@ def row_dot(a, b):
     return jnp.einsum("...d,...d->...", a, b)
 
 
-def empty_partial(q_shape, dtype) -> tuple[jax.Array, jax.Array]:
-    """The normalised partial of rows that saw no key: ``o = 0`` [*q_shape] and
-    ``lse = -inf`` [*q_shape[:-1]], in ``dtype`` (the stats dtype). It is the identity
-    of :func:`merge_partials` and where every accumulation of partials starts."""
-    return jnp.zeros(q_shape, dtype), jnp.full(q_shape[:-1], -jnp.inf, dtype)
+def empty_partial(q_shape, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The normalised partial of rows that saw no key: ``o = 0`` [*q_shape],
+    ``lse = -inf`` and ``lse_lo = 0`` [*q_shape[:-1]], in ``dtype`` (the stats
+    dtype). It is the identity of :func:`merge_partials` and where every
+    accumulation of partials starts."""
+    rows = q_shape[:-1]
+    return (jnp.zeros(q_shape, dtype), jnp.full(rows, -jnp.inf, dtype),
+            jnp.zeros(rows, dtype))
 
 
 def backward_delta(do, o, dlse) -> jax.Array:
@@ -141,54 +173,87 @@ def backward_delta(do, o, dlse) -> jax.Array:
     return row_dot(do.astype(stats), o.astype(stats)) - dlse.astype(stats)
 
 
-def _merge_weights(lse1, lse2):
-    """Mixing weights ``a_i = exp(lse_i - lse)`` and the merged ``lse``."""
+def backward_rows(do, o, lse_lo, dlse) -> tuple[jax.Array, jax.Array]:
+    """The backward's per-row inputs ``(do', delta')`` for a kernel that recomputes
+    probabilities from the rounded ``lse`` alone.
+
+    The exact probabilities are ``p = exp(s - lse - lse_lo) = c exp(s - lse)`` with
+    ``c = exp(-lse_lo)`` per row, and every gradient is linear in ``p`` through
+    ``do`` and ``delta`` (``dv = p^T do``, ``ds = p (do.v - delta)``). So a kernel
+    given ``do' = c do`` and ``delta' = c delta`` (:func:`backward_delta`) computes
+    the exact gradients from ``exp(s - lse)``, and no kernel needs ``lse_lo``.
+
+    Args:
+      do: [..., rows, dim] output cotangent; o: [..., rows, dim] the (global) output.
+      lse_lo: [..., rows] the low part of the (global) log-sum-exp.
+      dlse: [..., rows] the cotangent of the log-sum-exp (that of ``lse``).
+
+    Returns:
+      ``do'`` in ``do``'s dtype and ``delta'`` in the stats dtype.
+    """
+    stats = stats_dtype(o.dtype)
+    c = jnp.exp(-lse_lo.astype(stats))
+    delta = backward_delta(do, o, dlse) * c
+    return (do.astype(stats) * c[..., None]).astype(do.dtype), delta
+
+
+def _merge_weights(lse1, lo1, lse2, lo2):
+    """Mixing weights ``a_i = exp(lse_i - lse)`` and the merged ``(lse, lse_lo)``."""
     # The result does not depend on the shift m; it only keeps exp() in range.
+    # lse_i - m is exact (or the weight underflows anyway), so the low parts can be
+    # added after the subtraction without losing them.
     m = _safe_max(jnp.maximum(lse1, lse2))
-    w1 = jnp.exp(lse1 - m)
-    w2 = jnp.exp(lse2 - m)
+    w1 = jnp.exp((lse1 - m) + lo1)
+    w2 = jnp.exp((lse2 - m) + lo2)
     total = w1 + w2
     seen = total > 0
     total_safe = jnp.where(seen, total, jnp.ones_like(total))
-    lse = jnp.where(seen, m + jnp.log(total_safe), -jnp.inf)
-    return w1 / total_safe, w2 / total_safe, lse
+    hi, lo = split_sum(m, jnp.log(total_safe))
+    lse = jnp.where(seen, hi, -jnp.inf)
+    lse_lo = jnp.where(seen, lo, jnp.zeros_like(lo))
+    return w1 / total_safe, w2 / total_safe, lse, lse_lo
 
 
 @jax.custom_vjp
-def merge_partials(o1, lse1, o2, lse2):
+def merge_partials(o1, lse1, lo1, o2, lse2, lo2):
     """Exact merge of two normalised partials over disjoint key sets.
 
     Args:
       o1, o2: [..., dim] partial outputs (same dtype, normally the stats dtype).
       lse1, lse2: [...] their log-sum-exps, ``-inf`` for rows without keys.
+      lo1, lo2: [...] the low parts of the log-sum-exps (module docstring).
 
     Returns:
-      ``(o, lse)`` of the union: ``lse = logaddexp(lse1, lse2)``,
-      ``o = a1 o1 + a2 o2`` with ``a_i = exp(lse_i - lse)``. Differentiable in all
-      four inputs, through the mixing weights too (LongNet's Eq. 10 weights are not
-      detached). Rows where both are ``-inf`` stay ``(0, -inf)`` with zero
-      gradients.
+      ``(o, lse, lse_lo)`` of the union: ``lse + lse_lo = logaddexp(lse1 + lo1,
+      lse2 + lo2)``, ``o = a1 o1 + a2 o2`` with ``a_i = exp(lse_i + lo_i - lse -
+      lse_lo)``. Differentiable in all six inputs, through the mixing weights too
+      (LongNet's Eq. 10 weights are not detached). Rows where both are ``-inf``
+      stay ``(0, -inf, 0)`` with zero gradients.
     """
-    a1, a2, lse = _merge_weights(lse1, lse2)
-    return a1[..., None] * o1 + a2[..., None] * o2, lse
+    a1, a2, lse, lse_lo = _merge_weights(lse1, lo1, lse2, lo2)
+    return a1[..., None] * o1 + a2[..., None] * o2, lse, lse_lo
 
 
-def _merge_fwd(o1, lse1, o2, lse2):
-    a1, a2, lse = _merge_weights(lse1, lse2)
+def _merge_fwd(o1, lse1, lo1, o2, lse2, lo2):
+    a1, a2, lse, lse_lo = _merge_weights(lse1, lo1, lse2, lo2)
     o = a1[..., None] * o1 + a2[..., None] * o2
-    return (o, lse), (o1, o2, a1, a2, o)
+    return (o, lse, lse_lo), (o1, o2, a1, a2, o)
 
 
 def _merge_bwd(res, cotangents):
     # With da_j/dlse_i = a_j (delta_ij - a_i) and dlse/dlse_i = a_i:
     #   d o_i   = a_i do
     #   d lse_i = a_i (dlse + do.o_i - do.o)
+    # A log-sum-exp enters only as the sum of its two parts, so both parts of an
+    # input get the same cotangent; the output's lse_lo is a constant correction
+    # (module docstring), so its cotangent is not read.
     o1, o2, a1, a2, o = res
-    do, dlse = cotangents
+    do, dlse, _ = cotangents
     do_o = row_dot(do, o)
     dlse1 = a1 * (dlse + row_dot(do, o1) - do_o)
     dlse2 = a2 * (dlse + row_dot(do, o2) - do_o)
-    return (a1[..., None] * do).astype(o1.dtype), dlse1, (a2[..., None] * do).astype(o2.dtype), dlse2
+    return ((a1[..., None] * do).astype(o1.dtype), dlse1, dlse1,
+            (a2[..., None] * do).astype(o2.dtype), dlse2, dlse2)
 
 
 merge_partials.defvjp(_merge_fwd, _merge_bwd)

@@ -121,6 +121,24 @@ def _run_block(block, x, kv_mask, deterministic):
 _run_block_remat = nnx.remat(_run_block, static_argnums=(3,))
 
 
+def _poison_out_of_vocab(tokens, x, vocab_size: int):
+    """``x`` [B, T, E] with NaN at tokens outside ``[0, vocab_size)``.
+
+    A lookup would otherwise read a wrong row silently (a negative id wraps to the
+    end of the table). Concrete ids out of range raise here; traced ones (under
+    ``jit``) cannot, so their embeddings become NaN and so does every logit they
+    reach: never a plausible wrong number.
+    """
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if not isinstance(tokens, jax.core.Tracer):
+        if bool(jnp.any(bad)):
+            ids = sorted({int(i) for i in jnp.asarray(tokens)[jnp.asarray(bad)]})[:5]
+            raise ValueError(f"tokens must be ids in [0, vocab_size={vocab_size}), got "
+                             f"{ids} (tokens {tuple(tokens.shape)}).")
+        return x
+    return jnp.where(bad[..., None], jnp.asarray(jnp.nan, x.dtype), x)
+
+
 class LongNetLM(nnx.Module):
     """Decoder-only LongNet language model (Flax NNX).
 
@@ -198,6 +216,7 @@ class LongNetLM(nnx.Module):
         cfg = self.config
         x = self.embed(tokens) * jnp.asarray(math.sqrt(cfg.embed_dim),
                                              cfg.dtype or cfg.param_dtype)
+        x = _poison_out_of_vocab(tokens, x, cfg.vocab_size)
         x = self.embed_dropout(x, deterministic=deterministic)
         for block in self.blocks:
             if decode:

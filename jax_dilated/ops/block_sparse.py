@@ -203,15 +203,16 @@ def _local_steps(q, k, v, kv_valid, plan, aux):
 
 def _local_fwd(q, k, v, kv_valid, plan, aux):
     steps, query, keys = _local_steps(q, k, v, kv_valid, plan, aux)
-    o, lse = steps.partial(query, keys)
-    return (o, lse), (q, k, v, kv_valid, aux, o, lse)
+    o, lse, lse_lo = steps.partial(query, keys)
+    return (o, lse, lse_lo), (q, k, v, kv_valid, aux, o, lse, lse_lo)
 
 
 def _local_bwd(plan, res, cotangents):
-    q, k, v, kv_valid, aux, o, lse = res
-    do, dlse = cotangents
+    q, k, v, kv_valid, aux, o, lse, lse_lo = res
+    do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
     steps, query, keys = _local_steps(q, k, v, kv_valid, plan, aux)
-    rows = RowGrads(do, lse, softmax.backward_delta(do, o, dlse))
+    do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
+    rows = RowGrads(do, lse, delta)
     dq, dk, dv = steps.grads(query, keys, rows)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
@@ -312,7 +313,7 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
         mask = resolve_mask(pattern, nq, nk, h)
         classes, aux = head_classes(mask, h, hkv, gq, gk, is_causal)
         plan = _Plan(kernel, args, classes, h, gq, gk)
-        o, lse = _local(query, key, value, kv_mask, plan, aux)
+        o, lse, _ = _local(query, key, value, kv_mask, plan, aux)
     else:
         num_devices = validation.axis_size(seq_axis, "block_sparse_attention")
         if tk != tq:
@@ -326,6 +327,6 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
         plan = _Plan(kernel, args, classes, h, gq, gq)
         cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
                          steps=plan)
-        o, lse = ring_partials(query, key, value, kv_mask, None, cfg, aux)
+        o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, aux)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

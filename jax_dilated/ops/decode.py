@@ -64,7 +64,8 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
 
 def _branch_decode(kernel, plan: branch_plans.BranchPlan, query, key_cache, value_cache, p,
                    args: KernelArgs, num_heads: int):
-    """(o [B, 1, Hq, D], lse [B, 1, Hq]) of one branch for the heads ``plan.query_heads``."""
+    """(o [B, 1, Hq, D], lse, lse_lo [B, 1, Hq]) of one branch for the heads
+    ``plan.query_heads``."""
     b, cache_len, hkv = key_cache.shape[:3]
     w, r = plan.branch.segment_length, plan.branch.rate
     n = min(w // r, -(-cache_len // r))  # selected keys per head in p's segment

@@ -149,7 +149,8 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
 
 
 def combine_branches(results, mode: str, dtype):
-    """``(out, lse)`` from every branch's ``(o_i, lse_i)`` (docs/semantics.md, section 2).
+    """``(out, lse)`` from every branch's ``(o_i, lse_i, lse_lo_i)`` (docs/semantics.md,
+    section 2; the log-sum-exp in two parts, :mod:`jax_dilated.core.softmax`).
 
     longnet: merged by the softmax denominators (``softmax.merge_partials``, exact
     gradients through the mixing weights), ``lse = log sum_i exp(lse_i)``;
@@ -159,10 +160,11 @@ def combine_branches(results, mode: str, dtype):
     """
     if mode == "longnet":
         stats = softmax.stats_dtype(dtype)
-        o, lse = results[0][0].astype(stats), results[0][1]
-        for o_i, lse_i in results[1:]:
-            o, lse = softmax.merge_partials(o, lse, o_i.astype(stats), lse_i)
+        o, lse, lse_lo = results[0][0].astype(stats), *results[0][1:]
+        for o_i, lse_i, lo_i in results[1:]:
+            o, lse, lse_lo = softmax.merge_partials(o, lse, lse_lo, o_i.astype(stats),
+                                                    lse_i, lo_i)
         return o.astype(dtype), lse
-    o = jnp.concatenate([o_i for o_i, _ in results], axis=2)
-    lse = jnp.concatenate([lse_i for _, lse_i in results], axis=2)
+    o = jnp.concatenate([o_i for o_i, *_ in results], axis=2)
+    lse = jnp.concatenate([lse_i for _, lse_i, _ in results], axis=2)
     return (o / len(results)).astype(dtype), lse

@@ -242,7 +242,8 @@ def _forward(call: _Call, query, key, value, kv_mask, rng):
     nb = len(call.plans)
     o = jnp.zeros((b, t, h, d), o_dtype)
     lse = jnp.full((b, t, h), -jnp.inf, stats)
-    o, lse = varying_like((o, lse), (query, key, value))
+    lse_lo = jnp.zeros((b, t, h), stats)
+    o, lse, lse_lo = varying_like((o, lse, lse_lo), (query, key, value))
     # Last branch first: a single-chunk branch (typically the longest segments) is then
     # not the last write, and XLA keeps the accumulator in the output buffer instead of
     # copying it there at the end (a sequence-sized temporary less).
@@ -254,40 +255,44 @@ def _forward(call: _Call, query, key, value, kv_mask, rng):
 
         def body(acc, start, size, c, br=br, q_v=q_v, k_v=k_v, v_v=v_v, valid_v=valid_v,
                  rng_i=rng_i, first=n_done == 0):
-            o_acc, lse_acc = acc
+            o_acc, lse_acc, lo_acc = acc
             valid = _slice(valid_v, start, size)
-            o_c, lse_c = call.kernel.forward(
+            o_c, lse_c, lo_c = call.kernel.forward(
                 br.gather_q(_slice(q_v, start, size)), br.gather_kv(_slice(k_v, start, size)),
                 br.gather_kv(_slice(v_v, start, size)), call.args,
                 kv_valid=None if valid is None else br.gather_kv(valid),
                 dropout_rng=_chunk_rng(rng_i, c))
             if not longnet:
                 o_c = o_c / jnp.asarray(nb, o_c.dtype)
-                return br.put_selected(o_acc, o_c, start), br.put_selected(lse_acc, lse_c, start)
+                return (br.put_selected(o_acc, o_c, start),
+                        br.put_selected(lse_acc, lse_c, start),
+                        br.put_selected(lo_acc, lo_c, start))
             if first:  # merging into nothing is the identity
-                o_c, lse_c = br.scatter_q(o_c.astype(stats), 0), br.scatter_q(lse_c, -jnp.inf)
+                o_c, lse_c, lo_c = (br.scatter_q(o_c.astype(stats), 0),
+                                    br.scatter_q(lse_c, -jnp.inf), br.scatter_q(lo_c, 0))
             else:
                 # merge at the positions this branch selects only, then write them back
-                o_old = _read(o_acc, start, size, br.h0, br.hs)
-                lse_old = _read(lse_acc, start, size, br.h0, br.hs)
-                o_m, lse_m = softmax.merge_partials(br.gather_q(o_old), br.gather_q(lse_old),
-                                                    o_c.astype(stats), lse_c)
-                o_c, lse_c = br.scatter_q(o_m, o_old), br.scatter_q(lse_m, lse_old)
-            return _update(o_acc, o_c, start, br.h0), _update(lse_acc, lse_c, start, br.h0)
+                old = tuple(_read(x, start, size, br.h0, br.hs)
+                            for x in (o_acc, lse_acc, lo_acc))
+                merged = softmax.merge_partials(*(br.gather_q(x) for x in old),
+                                                o_c.astype(stats), lse_c, lo_c)
+                o_c, lse_c, lo_c = (br.scatter_q(x, x_old) for x, x_old in zip(merged, old))
+            return tuple(_update(x, y, start, br.h0)
+                         for x, y in zip((o_acc, lse_acc, lo_acc), (o_c, lse_c, lo_c)))
 
-        o_v, lse_v = _loop(br.chunks, body, (br.view(o), br.view(lse, -jnp.inf)))
-        o, lse = br.unview(o_v), br.unview(lse_v)
-    return o.astype(query.dtype), lse
+        acc = _loop(br.chunks, body, (br.view(o), br.view(lse, -jnp.inf), br.view(lse_lo)))
+        o, lse, lse_lo = (br.unview(x) for x in acc)
+    return o.astype(query.dtype), lse, lse_lo
 
 
 # --------------------------------------------------------------------------- backward
 
 
-def _backward(call: _Call, query, key, value, kv_mask, rng, o, lse, do, dlse):
+def _backward(call: _Call, query, key, value, kv_mask, rng, o, lse, lse_lo, do, dlse):
     stats = softmax.stats_dtype(query.dtype)
     nb = len(call.plans)
     head_groups = call.mode == "head_groups"
-    delta = softmax.backward_delta(do, o, dlse)
+    do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
     if head_groups:
         # O_j = O_branch / nb: the branch's output cotangent is dO / nb, and
         # rowsum(dO_branch * O_branch) = rowsum(dO * O_j), so delta is unchanged.
@@ -339,18 +344,18 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, o, lse, do, dlse):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attend(call, query, key, value, kv_mask, rng):
-    return _forward(call, query, key, value, kv_mask, rng)
+    return _forward(call, query, key, value, kv_mask, rng)[:2]
 
 
 def _attend_fwd(call, query, key, value, kv_mask, rng):
-    o, lse = _forward(call, query, key, value, kv_mask, rng)
-    return (o, lse), (query, key, value, kv_mask, rng, o, lse)
+    o, lse, lse_lo = _forward(call, query, key, value, kv_mask, rng)
+    return (o, lse), (query, key, value, kv_mask, rng, o, lse, lse_lo)
 
 
 def _attend_bwd(call, res, cotangents):
-    query, key, value, kv_mask, rng, o, lse = res
+    query, key, value, kv_mask, rng, o, lse, lse_lo = res
     do, dlse = cotangents
-    dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, o, lse, do, dlse)
+    dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, o, lse, lse_lo, do, dlse)
     return dq, dk, dv, None, None
 
 

@@ -116,7 +116,8 @@ def shard_branches(branches, *, local_len: int, num_devices: int) -> list[Sharde
 
 def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
                     *, axis_name, num_devices: int, implementation, dropout_rng):
-    """``[(o_i, lse_i)]`` of every branch for this device's queries (inside shard_map).
+    """``[(o_i, lse_i, lse_lo_i)]`` of every branch for this device's queries (inside
+    shard_map; the log-sum-exp in two parts, :mod:`jax_dilated.core.softmax`).
 
     Args:
       plans: the :class:`branch_plans.BranchPlan` of every branch (heads and offsets).
@@ -126,7 +127,7 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
         ring step draws its own mask from it.
 
     Returns:
-      per branch, o [B, n, Hq, D] and lse [B, n, Hq] over the branch's global
+      per branch, o [B, n, Hq, D] and lse, lse_lo [B, n, Hq] over the branch's global
       segments (Hq: the heads of the branch).
     """
     kernel = get_kernel(implementation)

@@ -113,9 +113,10 @@ def _setup(cfg: RingConfig, q, k, aux):
 
 
 def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = False):
-    """Global (o, lse) of the local queries: o [B, n, H, D] (stats dtype), lse [B, n, H].
+    """Global (o, lse, lse_lo) of the local queries: o [B, n, H, D] (stats dtype), lse
+    and lse_lo [B, n, H].
 
-    With ``keep_kv`` returns ``(o, lse, packed)``: ``packed`` this device's keys and
+    With ``keep_kv`` returns ``(o, lse, lse_lo, packed)``: ``packed`` this device's keys and
     values as the steps packed them (None where ``steps.keep_packed`` is False), for
     :func:`_backward`.
 
@@ -162,14 +163,15 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = 
     return (*acc, block[0] if steps.keep_packed else None)
 
 
-def _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg: RingConfig, aux=None,
+def _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg: RingConfig, aux=None,
               packed_kv=None):
     """(dq, dk, dv) of the local shards: dq and the packed dk/dv are accumulated in
     place; the blocks and their accumulators travel separately (so that only one of
     them is in flight at a time)."""
     steps, query, keys = _setup(cfg, q, k, aux)
     p, me = cfg.ring_size, query.index
-    rows = RowGrads(do, lse, softmax.backward_delta(do, o, dlse))
+    do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
+    rows = RowGrads(do, lse, delta)
     stats = softmax.stats_dtype(q.dtype)
 
     def grads(acc, block, src):
@@ -202,19 +204,21 @@ def _ring(q, k, v, kv_valid, rng, cfg, aux=None):
 
 
 def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None):
-    o, lse, packed_kv = _forward(q, k, v, kv_valid, rng, cfg, aux, keep_kv=True)
-    return (o, lse), (q, k, v, kv_valid, rng, o, lse, aux, packed_kv)
+    o, lse, lse_lo, packed_kv = _forward(q, k, v, kv_valid, rng, cfg, aux, keep_kv=True)
+    return (o, lse, lse_lo), (q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv)
 
 
 def _ring_bwd(cfg, res, cotangents):
-    q, k, v, kv_valid, rng, o, lse, aux, packed_kv = res
-    do, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, kv_valid, rng, o, lse, do, dlse, cfg, aux, packed_kv)
+    q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv = res
+    do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
+    dq, dk, dv = _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg, aux,
+                           packed_kv)
     return dq, dk, dv, None, None, None
 
 
 def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None):
-    """Global ``(o, lse)`` of the local queries (o in the stats dtype), differentiable.
+    """Global ``(o, lse, lse_lo)`` of the local queries (stats dtype; the log-sum-exp
+    in two parts, :mod:`jax_dilated.core.softmax`), differentiable.
 
     The ring core shared by :func:`ring_attention`, distributed dilated attention
     and block-sparse attention; ``rng`` is the dropout key (None without dropout),
@@ -310,6 +314,6 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
                       is_causal=is_causal, block_q=block_q, block_k=block_k)
     get_kernel(implementation)  # validate the name now, at trace time
     cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation)
-    o, lse = _ring(query, key, value, kv_mask, None, cfg)
+    o, lse, _ = _ring(query, key, value, kv_mask, None, cfg)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

@@ -29,7 +29,7 @@ __all__ = ["KernelSteps", "PartialSteps", "empty_unless", "kernel_steps", "zeros
 
 
 def empty_unless(pred, compute, query: QuerySide, keys: KeySide):
-    """A step's partial ``compute() -> (o, lse)`` (stats dtype) where ``pred`` holds
+    """A step's partial ``compute() -> (o, lse, lse_lo)`` (stats dtype) where ``pred`` holds
     (see :func:`~jax_dilated.core.skip.maybe_skip`), else the empty partial."""
     stats = softmax.stats_dtype(query.q.dtype)
 
@@ -55,8 +55,8 @@ def zeros_unless(pred, compute, query: QuerySide, keys: KeySide, rows: RowGrads)
 class PartialSteps:
     """:class:`RingSteps` built from what one step computes on its own.
 
-    Subclasses give ``partial(query, keys) -> (o, lse)`` (the step's normalised
-    partial: o [N, Lq, H, D], lse [N, Lq, H], stats dtype) and ``grads(query, keys,
+    Subclasses give ``partial(query, keys) -> (o, lse, lse_lo)`` (the step's
+    normalised partial: o [N, Lq, H, D], lse and lse_lo [N, Lq, H], stats dtype) and ``grads(query, keys,
     rows) -> (dq, dk, dv)`` (stats dtype), each skipping itself
     (:func:`empty_unless`, :func:`zeros_unless`); ``forward`` merges the partial
     into the running one, ``backward`` adds the gradients to the accumulators.
@@ -114,9 +114,9 @@ class KernelSteps(PartialSteps):
     def compute_partial(self, query: QuerySide, keys: KeySide):
         stats = softmax.stats_dtype(query.q.dtype)
         k, v = keys.kv
-        o, lse = self._run(self.kernel.forward, self.kernel.block_sparse_forward, query,
-                           keys, query.q, k, v)
-        return o.astype(stats), lse.astype(stats)
+        o, *lse = self._run(self.kernel.forward, self.kernel.block_sparse_forward, query,
+                            keys, query.q, k, v)
+        return (o.astype(stats), *(x.astype(stats) for x in lse))
 
     def compute_grads(self, query: QuerySide, keys: KeySide, rows: RowGrads):
         stats = softmax.stats_dtype(query.q.dtype)

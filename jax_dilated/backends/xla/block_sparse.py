@@ -69,11 +69,11 @@ def _sparse_forward_core(q, k, v, kv_valid, args: KernelArgs, *, blocks: BlockLi
 
         state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v, row))
         state, _ = jax.lax.scan(k_step, state, (row, row_ok))
-        o, lse = softmax.finalize_state(state)
-        return None, (o.astype(out_dtype), lse)
+        o, lse, lse_lo = softmax.finalize_state(state)
+        return None, (o.astype(out_dtype), lse, lse_lo)
 
-    _, (o, lse) = jax.lax.scan(q_block, None, (prep.q, prep.q_pos, rows, rows_ok))
-    return prep.from_q_rows(o), prep.from_q_rows(lse)
+    _, (o, lse, lse_lo) = jax.lax.scan(q_block, None, (prep.q, prep.q_pos, rows, rows_ok))
+    return prep.from_q_rows(o), prep.from_q_rows(lse), prep.from_q_rows(lse_lo)
 
 
 def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,

@@ -58,12 +58,12 @@ def _forward_core(q, k, v, kv_valid, args: KernelArgs, *, q_positions=None,
         state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v))
         ys = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
         state, _ = jax.lax.scan(k_block, state, ys)
-        o, lse = softmax.finalize_state(state)
-        return None, (o.astype(out_dtype), lse)
+        o, lse, lse_lo = softmax.finalize_state(state)
+        return None, (o.astype(out_dtype), lse, lse_lo)
 
     xs = (jnp.arange(geo.num_q), prep.q, prep.q_pos)
-    _, (o, lse) = jax.lax.scan(q_block, None, xs)
-    return prep.from_q_rows(o), prep.from_q_rows(lse)
+    _, (o, lse, lse_lo) = jax.lax.scan(q_block, None, xs)
+    return prep.from_q_rows(o), prep.from_q_rows(lse), prep.from_q_rows(lse_lo)
 
 
 def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
@@ -173,9 +173,10 @@ def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
       dropout_rng: PRNG key, needed when ``args.dropout_rate > 0``.
 
     Returns:
-      ``o`` [N, Lq, H, D] in q's dtype and ``lse`` [N, Lq, H] in the stats dtype
-      (float32, or float64 for float64 inputs); ``o = 0``, ``lse = -inf`` for rows
-      with no allowed key.
+      ``o`` [N, Lq, H, D] in q's dtype and the log-sum-exp as ``lse``, ``lse_lo``
+      [N, Lq, H] in the stats dtype (float32, or float64 for float64 inputs; the
+      two parts of :mod:`jax_dilated.core.softmax`); ``o = 0``, ``lse = -inf``,
+      ``lse_lo = 0`` for rows with no allowed key.
     """
     chunk = batch_chunk(q.shape[0], q, k, args)
     return _chunked(_forward_core, (q, k, v, kv_valid),
@@ -193,7 +194,9 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
 
     ``lse`` and ``delta`` may be *global* statistics (over more keys than this call
     sees), which is how a ring or a branch merge differentiates through a
-    partial: ``delta = rowsum(do * o) - dlse`` with the global ``o``.
+    partial: ``delta = rowsum(do * o) - dlse`` with the global ``o``. Only the
+    rounded ``lse`` is read: the caller folds its low part into ``do`` and ``delta``
+    (:func:`jax_dilated.core.softmax.backward_rows`).
 
     Args:
       q, k, v, q_positions, k_positions, kv_valid, dropout_rng: as in :func:`forward`.
@@ -217,14 +220,15 @@ def _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng):
 
 
 def _attention_fwd(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng):
-    o, lse = _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng)
-    return (o, lse), (q, k, v, o, lse, q_positions, k_positions, kv_valid, dropout_rng)
+    out = _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng)
+    o, lse, lse_lo = out
+    return out, (q, k, v, o, lse, lse_lo, q_positions, k_positions, kv_valid, dropout_rng)
 
 
 def _attention_bwd(args, res, cotangents):
-    q, k, v, o, lse, q_positions, k_positions, kv_valid, dropout_rng = res
-    do, dlse = cotangents
-    delta = softmax.backward_delta(do, o, dlse)
+    q, k, v, o, lse, lse_lo, q_positions, k_positions, kv_valid, dropout_rng = res
+    do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
+    do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
     dq, dk, dv = backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
                           k_positions=k_positions, kv_valid=kv_valid,
                           dropout_rng=dropout_rng)
@@ -238,6 +242,7 @@ def attention(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
               kv_valid=None, dropout_rng=None):
     """Differentiable blockwise attention: :func:`forward` with a recomputing VJP.
 
-    Gradients flow to q, k, v from both outputs, ``o`` and ``lse``.
+    Gradients flow to q, k, v from every output, ``o`` and both parts of the
+    log-sum-exp.
     """
     return _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng)

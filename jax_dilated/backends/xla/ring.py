@@ -42,7 +42,7 @@ class _RingSteps:
     Keys and values travel in the kernel's blocked layout ``[nk, N, Hkv, bk, D]``
     (converted once per ring by :meth:`pack_kv`), and every step folds its block
     into accumulators carried through the ring and updated in place: the running
-    ``(o, lse)`` in the forward, ``dq`` and the blocked ``dk``/``dv`` in the
+    ``(o, lse, lse_lo)`` in the forward, ``dq`` and the blocked ``dk``/``dv`` in the
     backward. Query-side arrays stay in the caller's ``[N, L, H, ...]`` layout and
     are cut into blocks one query block at a time, so no shard-sized copy of
     ``q``, ``do``, ``o`` or ``dq`` is made per step.
@@ -179,21 +179,23 @@ class _RingSteps:
         q, q_positions = query.q, query.positions
         k_positions, kv_valid, dropout_rng = keys.positions, keys.valid, keys.dropout_rng
         k_b, v_b = keys.kv
-        o, lse = acc
+        o, lse, lse_lo = acc
         stats = o.dtype
         q_pos_b = self._q_pos(q_positions)
         k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
 
         def q_block(carry, xs):
-            o, lse = carry
+            o, lse, lse_lo = carry
             i, h, row, row_ok = xs
             q_blk = self._q_block(q, i, h)
             q_pos = q_pos_b[i]
             m = self._rows(self._slice(lse, i, h))
-            # the normalised partial (o, lse) as a running state: m = lse, l = 1
-            state = softmax.RunningState(
-                m, jnp.where(jnp.isneginf(m), 0.0, 1.0).astype(stats),
-                self._rows(self._slice(o, i, h)))
+            # the normalised partial (o, lse, lse_lo) as a running state: m = lse,
+            # l = exp(lse_lo) (m + log l is the exact log-sum-exp; 0 for no keys yet)
+            # and acc = l o
+            lo = self._rows(self._slice(lse_lo, i, h))
+            l0 = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(lo)).astype(stats)
+            state = softmax.RunningState(m, l0, l0[..., None] * self._rows(self._slice(o, i, h)))
 
             def k_block(state, ys):
                 j, ok = ys
@@ -212,12 +214,12 @@ class _RingSteps:
                 return maybe_skip(need, compute, state), None
 
             state, _ = jax.lax.scan(k_block, state, (row, row_ok))
-            o_blk, lse_blk = softmax.finalize_state(state)
-            return (self._put(o, self._unrows(o_blk), i, h),
-                    self._put(lse, self._unrows(lse_blk), i, h)), None
+            parts = softmax.finalize_state(state)
+            return tuple(self._put(x, self._unrows(blk), i, h)
+                         for x, blk in zip((o, lse, lse_lo), parts)), None
 
-        (o, lse), _ = jax.lax.scan(q_block, (o, lse), self._items(keys.blocks))
-        return o, lse
+        acc, _ = jax.lax.scan(q_block, (o, lse, lse_lo), self._items(keys.blocks))
+        return acc
 
     def backward(self, query: QuerySide, keys: KeySide, rows: RowGrads, acc):
         args = self.args
