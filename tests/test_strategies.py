@@ -241,3 +241,19 @@ def test_auto_avoids_strategies_the_operation_would_refuse():
     got = _value_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
     want = _value_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask), q, k, v, g)
     _check(got, want)
+
+
+def test_auto_on_cpu_prefers_heads_and_elsewhere_the_overlapped_ring():
+    """The calibration of docs/benchmarks.md: on CPU (devices sharing cores, nothing
+    overlaps, a shard's queries in small kernel calls) heads wins wherever it serves;
+    on a GPU the ring's overlapped transfers make it the pick for balanced layouts."""
+    shapes = ((1, 8192, 8, 64), (1, 8192, 1, 64))
+    for fn in (functools.partial(jd.ring_attention, is_causal=True),
+               functools.partial(jd.block_sparse_attention, block_size=64, is_causal=True,
+                                 pattern=jd.block_patterns.LocalWindow(2))):
+        pick = jd.explain_strategy(fn, *shapes, num_devices=8, layout="zigzag",
+                                   platform="cpu", quiet=True)[0]
+        assert pick == "heads", fn
+    assert jd.explain_strategy(functools.partial(jd.ring_attention, is_causal=True),
+                               *shapes, num_devices=8, layout="zigzag", platform="gpu",
+                               quiet=True)[0] == "ring"

@@ -629,6 +629,16 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
 # balance point. Rough figures, per device kind (documented in docs/semantics.md).
 _BALANCE = {"cpu": 2.0, "gpu": 100.0, "tpu": 200.0}  # flop per byte moved
 
+# On CPU the devices of one process share the same cores: a transfer is a copy made
+# by the cores that compute, so nothing overlaps; and the sequence-sharded strategies
+# compute a shard's T / P queries in many small kernel calls (a ring's P steps, the
+# all-gather's blocks of a causal layout), slower than the heads strategy's one call
+# over the whole sequence. Measured on the project's 2-core CPU (docs/benchmarks.md,
+# "Context-parallel strategies: time", P=8, n 4096 and 8192, 8 and 1 kv heads, exact
+# and block-sparse attention): ring 1.10-1.77x and allgather 1.14-2.58x the time of
+# heads (medians 1.45x and 1.5x). The model prices their work by this factor there.
+_CPU_SEQ_SHARDED_WORK = 1.45
+
 
 def _device_kind() -> str:
     try:
@@ -648,16 +658,20 @@ def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     flops of the whole attention (forward and backward, ``10 B T^2 H D`` dense;
     dilated: the branches' segments; block-sparse as dense, a bound) and
     ``flops / bandwidth`` the device kind's balance (``_BALANCE``: flops one byte
-    moved costs). Ties (within 10%) go to the one holding less memory, then to the
+    moved costs). On CPU no transfer overlaps and the work of ring and allgather
+    costs ``_CPU_SEQ_SHARDED_WORK`` times as much (measured; see the constant). Ties (within 10%) go to the one holding less memory, then to the
     order ring, heads, allgather.
     """
     op = op if isinstance(op, Operation) else describe(op)
     costs = estimate(op, batch=batch, seq_len=seq_len, num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim,
                      num_devices=num_devices, dtype=dtype, layout=layout)
-    balance = _BALANCE.get(platform or _device_kind(), _BALANCE["gpu"])
+    kind = platform or _device_kind()
+    balance = _BALANCE.get(kind, _BALANCE["gpu"])
     flops = _flops(op, batch, seq_len, num_heads, head_dim)
-    times = {s: c.work * flops + (0.0 if c.overlap else c.sent_bytes * balance)
+    cpu = kind == "cpu"  # see _CPU_SEQ_SHARDED_WORK
+    times = {s: (c.work * flops * (_CPU_SEQ_SHARDED_WORK if cpu and s != "heads" else 1.0)
+                 + (0.0 if c.overlap and not cpu else c.sent_bytes * balance))
              for s, c in costs.items() if c.reason is None}
     if not times:
         raise ValueError("no strategy can serve this call: " + "; ".join(
@@ -667,7 +681,7 @@ def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     near = [s for s in order if s in times and times[s] <= 1.1 * best]
     pick = min(near, key=lambda s: (costs[s].held_bytes, order.index(s)))
     why = (f"least estimated time (work {costs[pick].work:.3f} of {flops:.3g} flops, "
-           f"{'overlapped' if costs[pick].overlap else 'exposed'} transfers of "
+           f"{'overlapped' if costs[pick].overlap and not cpu else 'exposed'} transfers of "
            f"{costs[pick].sent_bytes / 2**20:.2f} MiB at {balance:g} flop/byte)")
     if len(near) > 1:
         why += f"; within 10% of {[s for s in near if s != pick]}, and holds least memory"
