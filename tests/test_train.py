@@ -107,3 +107,56 @@ def test_log_checkpoints_and_exact_resume_after_sigkill(tmp_path):
         for key in ("loss", "acc", "grad_norm", "eval_loss", "eval_acc"):
             assert a.get(key) == b.get(key), (a["step"], key, a.get(key), b.get(key))
     assert resumed["heldout_loss"] == summary["heldout_loss"]
+
+
+def _text_dir(root):
+    """Files of made-up words, 30 bytes to 3 KB: documents of varied length."""
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "(", ")", "\n"]
+    for i in range(24):
+        n = int(rng.integers(5, 500))
+        os.makedirs(os.path.join(root, f"d{i % 3}"), exist_ok=True)
+        with open(os.path.join(root, f"d{i % 3}", f"f{i}.txt"), "w") as f:
+            f.write(" ".join(rng.choice(words, n)))
+    return root
+
+
+TEXT = ["--heldout-fraction", "0.25", "--seq-len", "256", "--window", "32",
+        "--local-segment", "32", "--embed-dim", "16", "--layers", "1", "--heads", "2",
+        "--ffn-dim", "32", "--batch-size", "2", "--steps", "5", "--eval-every", "2",
+        "--eval-sequences", "2", "--ckpt-every", "2", "--keep-checkpoints", "2",
+        "--no-progress"]
+
+
+def test_packed_text_run_by_position_and_exact_resume(tmp_path):
+    train = _script()
+    assert train.position_buckets(512) == [1, 64, 128, 256, 512]
+    # bucket sums: the byte predicted at t sits at positions[:, t + 1]
+    nll = np.arange(8.0)[None]
+    pos = np.array([[0, 1, 62, 63, 64, 0, 1, 2]])
+    w = np.array([[1, 1, 1, 1, 0, 1, 1, 0]], np.float32)
+    nats, count = train.bits_by_position(nll, w, pos, [1, 64, 128])
+    np.testing.assert_array_equal(count, [5, 1])
+    np.testing.assert_array_equal(nats, [0 + 1 + 2 + 5 + 6, 3])
+
+    data = _text_dir(str(tmp_path / "data"))
+    ref_dir, cut_dir = str(tmp_path / "ref"), str(tmp_path / "cut")
+    summary = train.main(TEXT + ["--data", data, "--out-dir", ref_dir])
+    ref = _log(ref_dir)
+    assert [r["step"] for r in ref if "eval_bpb" in r] == [2, 4, 5]
+    assert all(len(r["eval_bpb_by_position"]) == 3 for r in ref if "eval_bpb" in r)
+    assert summary["corpus"]["source"] == data and summary["corpus"]["heldout_documents"] > 0
+    assert summary["segment_ids_to_model"] == train.model_takes_segment_ids()
+    assert summary["position_edges"] == [1, 64, 128, 256]
+    assert summary["heldout_bytes_predicted"] == sum(
+        b["bytes"] for b in summary["heldout_by_position"]) > 0
+    assert np.isfinite(summary["heldout_bpb"]) and summary["heldout_bpb"] > 0
+
+    assert train.main(TEXT + ["--data", data, "--out-dir", cut_dir,
+                              "--stop-after", "3"]) == {"stopped_at": 3}
+    resumed = train.main(TEXT + ["--data", data, "--out-dir", cut_dir, "--resume"])
+    assert resumed["resumed_from"] == 2
+    for a, b in zip(_log(cut_dir), ref, strict=True):
+        for key in ("loss", "grad_norm", "eval_bpb", "eval_bpb_by_position"):
+            assert a.get(key) == b.get(key), (a["step"], key)
+    assert resumed["heldout_by_position"] == summary["heldout_by_position"]
