@@ -38,6 +38,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_dilated.core import validation
@@ -129,13 +130,17 @@ def _poison_out_of_vocab(tokens, x, vocab_size: int):
     ``jit``) cannot, so their embeddings become NaN and so does every logit they
     reach: never a plausible wrong number.
     """
-    bad = (tokens < 0) | (tokens >= vocab_size)
     if not isinstance(tokens, jax.core.Tracer):
-        if bool(jnp.any(bad)):
-            ids = sorted({int(i) for i in jnp.asarray(tokens)[jnp.asarray(bad)]})[:5]
+        # numpy, not jnp: under an enclosing jit a closed-over concrete array would
+        # still give traced comparisons.
+        ids = np.asarray(tokens)
+        bad = (ids < 0) | (ids >= vocab_size)
+        if bad.any():
+            shown = sorted({int(i) for i in ids[bad]})[:5]
             raise ValueError(f"tokens must be ids in [0, vocab_size={vocab_size}), got "
-                             f"{ids} (tokens {tuple(tokens.shape)}).")
+                             f"{shown} (tokens {tuple(ids.shape)}).")
         return x
+    bad = (tokens < 0) | (tokens >= vocab_size)
     return jnp.where(bad[..., None], jnp.asarray(jnp.nan, x.dtype), x)
 
 
