@@ -14,7 +14,10 @@ kernel for says so explicitly (``None`` from the ring-step factories, a
 Shapes, for every method: ``q`` [N, Lq, H, D], ``k``/``v`` [N, Lk, H_kv, D],
 ``H % H_kv == 0``; ``q_positions`` [Lq] / ``k_positions`` [Lk] int positions used
 by the causal rule ``k_pos <= q_pos`` (default ``arange``); ``kv_valid`` [N, Lk] or
-[N, Lk, H_kv] bool (per kv head when heads see different keys). The statistics
+[N, Lk, H_kv] bool (per kv head when heads see different keys); ``q_segment_ids``
+[N, Lq] / ``k_segment_ids`` [N, Lk] int document ids (packed sequences: a query
+attends only to keys with its own id; both given or neither; docs/semantics.md,
+"Packed sequences"). The statistics
 (``lse``, ``lse_lo``, ``delta``) are float32, float64 for float64 inputs (the
 *stats dtype*).
 """
@@ -24,10 +27,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import jax
 import jax.numpy as jnp
 
-__all__ = ["KernelArgs", "BlockLists", "any_pair_allowed", "Kernel", "RingSteps", "QuerySide",
-           "KeySide", "RowGrads"]
+__all__ = ["KernelArgs", "BlockLists", "any_pair_allowed", "segments_meet", "Kernel",
+           "RingSteps", "QuerySide", "KeySide", "RowGrads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +71,31 @@ class BlockLists(NamedTuple):
     cols_ok: Any
 
 
-def any_pair_allowed(is_causal: bool, q_pos, k_pos, kv_valid):
+# Above this many (query, key) id pairs per batch item, segments_meet sorts the key
+# ids instead of comparing every pair (a ring step compares whole shards).
+_PAIRWISE_IDS = 1 << 16
+
+
+def segments_meet(q_seg, k_seg):
+    """Whether any query id of ``q_seg`` [N, Lq] equals a key id of ``k_seg`` [N, Lk]
+    in the same batch item (a traced bool scalar). Exact for ids in any order:
+    every pair is compared for small blocks; for large ones (whole ring shards) the
+    key ids are sorted and each query id is looked up (O((Lq + Lk) log Lk))."""
+    if q_seg.shape[-1] * k_seg.shape[-1] <= _PAIRWISE_IDS:
+        return jnp.any(q_seg[..., :, None] == k_seg[..., None, :])
+    ks = jnp.sort(k_seg, axis=-1)
+    at = jnp.clip(jax.vmap(jnp.searchsorted)(ks, q_seg), 0, ks.shape[-1] - 1)
+    return jnp.any(jnp.take_along_axis(ks, at, axis=-1) == q_seg)
+
+
+def any_pair_allowed(is_causal: bool, q_pos, k_pos, kv_valid, q_seg=None, k_seg=None):
     """Whether any (query, key) pair of a block is allowed; None when statically always.
 
     Used to skip whole blocks (kernel) and whole ring steps: causal blocks whose
-    earliest key is after the latest query, and blocks with no valid key.
+    earliest key is after the latest query, blocks with no valid key, and blocks
+    where no query shares a document (segment id, [N, Lq] / [N, Lk]) with a key.
+    The tests are separate (a block may pass each on different pairs): a
+    necessary condition, which is all that skipping needs.
     """
     need = None
     if is_causal:
@@ -79,6 +103,9 @@ def any_pair_allowed(is_causal: bool, q_pos, k_pos, kv_valid):
     if kv_valid is not None:
         any_valid = jnp.any(kv_valid)
         need = any_valid if need is None else need & any_valid
+    if q_seg is not None:
+        meet = segments_meet(q_seg, k_seg)
+        need = meet if need is None else need & meet
     return need
 
 
@@ -92,7 +119,7 @@ class Kernel(Protocol):
     name: str
 
     def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                kv_valid=None, dropout_rng=None):
+                kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
         """Attention of ``q`` against every allowed key of ``k``/``v``.
 
         Returns ``(o, lse, lse_lo)``: ``o`` [N, Lq, H, D] in the input dtype, the
@@ -103,7 +130,8 @@ class Kernel(Protocol):
         """
 
     def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
-                 k_positions=None, kv_valid=None, dropout_rng=None):
+                 k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
+                 k_segment_ids=None):
         """Gradients of the forward from saved statistics: ``(dq, dk, dv)``.
 
         With ``p = exp(scale q.k - lse)``: ``dv = p^T do``, ``ds = p (do.v - delta)``,
@@ -118,7 +146,7 @@ class Kernel(Protocol):
         """
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None):
+                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
         """:meth:`forward`, differentiable in ``q``, ``k``, ``v`` through every output
         ``(o, lse, lse_lo)``."""
 
@@ -128,7 +156,8 @@ class Kernel(Protocol):
         loops over a long batch itself (e.g. dilated segments, chunk by chunk)."""
 
     def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
-                             q_positions=None, k_positions=None, kv_valid=None):
+                             q_positions=None, k_positions=None, kv_valid=None,
+                             q_segment_ids=None, k_segment_ids=None):
         """As :meth:`forward`, over the blocks listed in ``blocks`` only.
 
         Blocks are exactly ``args.block_q`` x ``args.block_k``; ``Lq``/``Lk`` are
@@ -139,7 +168,7 @@ class Kernel(Protocol):
 
     def block_sparse_backward(self, q, k, v, do, lse, delta, args: KernelArgs, *,
                               blocks: BlockLists, q_positions=None, k_positions=None,
-                              kv_valid=None):
+                              kv_valid=None, q_segment_ids=None, k_segment_ids=None):
         """As :meth:`backward`, over the blocks listed in ``blocks`` only:
         ``(dq, dk, dv)``."""
 
@@ -180,11 +209,13 @@ class QuerySide(NamedTuple):
     q: [N, Lq, H, D].
     positions: int [Lq], global positions for the causal rule (None: ``arange``).
     index: this device's index in its ring (int or traced int32).
+    segments: int [N, Lq] document ids of the queries (packed sequences), or None.
     """
 
     q: Any
     positions: Any = None
     index: Any = 0
+    segments: Any = None
 
 
 class KeySide(NamedTuple):
@@ -198,6 +229,8 @@ class KeySide(NamedTuple):
     blocks: a :class:`BlockLists` in blocks of exactly ``args.block_q`` x
       ``args.block_k``, the key blocks each query block visits (block-sparse ring
       steps only; None: every block).
+    segments: int [N, Lk] document ids of the keys (they travel with the block), or
+      None (then ``QuerySide.segments`` is None too).
     """
 
     kv: Any
@@ -206,6 +239,7 @@ class KeySide(NamedTuple):
     index: Any = 0
     dropout_rng: Any = None
     blocks: Any = None
+    segments: Any = None
 
 
 class RowGrads(NamedTuple):

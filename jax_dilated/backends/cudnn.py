@@ -212,13 +212,17 @@ class CudnnKernel:
     # -------------------------------------------------------------- checks
 
     def call_reason(self, q, k, args: KernelArgs, q_positions=None, k_positions=None,
-                    kv_valid=None) -> str | None:
+                    kv_valid=None, *, q_segment_ids=None, k_segment_ids=None) -> str | None:
         """Why this call cannot run on cuDNN, or None."""
+        if q_segment_ids is not None or k_segment_ids is not None:
+            return "segment ids (packed documents; this backend has no document mask)"
         return selection.cudnn_call_reason(
             self.info, call_spec(q, k, args, q_positions, k_positions, kv_valid))
 
-    def _check(self, q, k, args, q_positions, k_positions, kv_valid):
-        reason = self.call_reason(q, k, args, q_positions, k_positions, kv_valid)
+    def _check(self, q, k, args, q_positions, k_positions, kv_valid, q_segment_ids=None,
+               k_segment_ids=None):
+        reason = self.call_reason(q, k, args, q_positions, k_positions, kv_valid,
+                                  q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids)
         if reason:
             raise ValueError(
                 f"implementation='cudnn' cannot serve this call: {reason}. Use "
@@ -231,7 +235,7 @@ class CudnnKernel:
     # ------------------------------------------------------------ interface
 
     def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                kv_valid=None, dropout_rng=None):
+                kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
         """As :func:`jax_dilated.backends.xla.forward` (o in q's dtype, lse float32).
 
         cuDNN returns the log-sum-exp rounded to float32 and not the row maximum, so
@@ -239,7 +243,8 @@ class CudnnKernel:
         carry that rounding (docs/semantics.md, "Numerics").
         """
         del dropout_rng  # no dropout here (checked)
-        self._check(q, k, args, q_positions, k_positions, kv_valid)
+        self._check(q, k, args, q_positions, k_positions, kv_valid, q_segment_ids,
+                    k_segment_ids)
         o, stats = self.ops.forward(q, k, v, scale=float(args.scale), causal=args.is_causal)
         lse = jnp.swapaxes(stats, 1, 2).astype(jnp.float32)
         return o.astype(q.dtype), lse, jnp.zeros_like(lse)
@@ -251,13 +256,15 @@ class CudnnKernel:
                                  causal=args.is_causal)
 
     def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
-                 k_positions=None, kv_valid=None, dropout_rng=None):
+                 k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
+                 k_segment_ids=None):
         """As :func:`jax_dilated.backends.xla.backward`: ``lse``/``delta`` may be global.
 
         The arbitrary ``delta`` goes through the augmented head (module docstring);
         where ``head_dim + 8`` is above the device's limit, the XLA kernel's backward.
         """
-        self._check(q, k, args, q_positions, k_positions, kv_valid)
+        self._check(q, k, args, q_positions, k_positions, kv_valid, q_segment_ids,
+                    k_segment_ids)
         d = q.shape[-1]
         if not self.augmented_backward_ok(d):
             return xla.KERNEL.backward(q, k, v, do, lse, delta, args,
@@ -306,10 +313,11 @@ class CudnnKernel:
                 dv[..., :d].astype(v.dtype))
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None):
+                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
         """Differentiable :meth:`forward`; gradients flow through ``o`` and the log-sum-exp."""
         del dropout_rng
-        self._check(q, k, args, q_positions, k_positions, kv_valid)
+        self._check(q, k, args, q_positions, k_positions, kv_valid, q_segment_ids,
+                    k_segment_ids)
         return _attention(self, args, q, k, v)
 
     # ------------------------------------------- what cuDNN has no kernel for
@@ -319,13 +327,14 @@ class CudnnKernel:
         return n
 
     def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
-                             q_positions=None, k_positions=None, kv_valid=None):
+                             q_positions=None, k_positions=None, kv_valid=None,
+                             q_segment_ids=None, k_segment_ids=None):
         """Always ``ValueError``: cuDNN has no block-sparse attention kernel."""
         raise ValueError(_NO_BLOCK_SPARSE)
 
     def block_sparse_backward(self, q, k, v, do, lse, delta, args: KernelArgs, *,
                               blocks: BlockLists, q_positions=None, k_positions=None,
-                              kv_valid=None):
+                              kv_valid=None, q_segment_ids=None, k_segment_ids=None):
         """Always ``ValueError``: cuDNN has no block-sparse attention kernel."""
         raise ValueError(_NO_BLOCK_SPARSE)
 

@@ -107,32 +107,39 @@ class AutoKernel:
         self.cudnn = cudnn_kernel
         self.xla = xla.KERNEL if xla_kernel is None else xla_kernel
 
-    def choose(self, q, k, args, q_positions=None, k_positions=None, kv_valid=None):
+    def choose(self, q, k, args, q_positions=None, k_positions=None, kv_valid=None,
+               q_segment_ids=None, k_segment_ids=None):
         """``(kernel, why not cuDNN)``: the cuDNN kernel and None, or the XLA kernel and
-        the reason cuDNN cannot serve this call."""
-        reason = self.cudnn.call_reason(q, k, args, q_positions, k_positions, kv_valid)
+        the reason cuDNN cannot serve this call (segment ids, for one)."""
+        reason = self.cudnn.call_reason(q, k, args, q_positions, k_positions, kv_valid,
+                                        q_segment_ids=q_segment_ids,
+                                        k_segment_ids=k_segment_ids)
         return (self.xla, reason) if reason else (self.cudnn, None)
 
     def forward(self, q, k, v, args, *, q_positions=None, k_positions=None, kv_valid=None,
-                dropout_rng=None):
-        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid)
+                dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
+        seg = _segments(q_segment_ids, k_segment_ids)
+        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid, **seg)
         return kernel.forward(q, k, v, args, q_positions=q_positions,
                               k_positions=k_positions, kv_valid=kv_valid,
-                              dropout_rng=dropout_rng)
+                              dropout_rng=dropout_rng, **seg)
 
     def backward(self, q, k, v, do, lse, delta, args, *, q_positions=None,
-                 k_positions=None, kv_valid=None, dropout_rng=None):
-        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid)
+                 k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
+                 k_segment_ids=None):
+        seg = _segments(q_segment_ids, k_segment_ids)
+        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid, **seg)
         return kernel.backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
                                k_positions=k_positions, kv_valid=kv_valid,
-                               dropout_rng=dropout_rng)
+                               dropout_rng=dropout_rng, **seg)
 
     def attention(self, q, k, v, args, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None):
-        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid)
+                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
+        seg = _segments(q_segment_ids, k_segment_ids)
+        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid, **seg)
         return kernel.attention(q, k, v, args, q_positions=q_positions,
                                 k_positions=k_positions, kv_valid=kv_valid,
-                                dropout_rng=dropout_rng)
+                                dropout_rng=dropout_rng, **seg)
 
     def batch_chunk(self, n, q, k, args):
         """That of the kernel a call shaped like ``q``/``k`` goes to."""
@@ -140,18 +147,22 @@ class AutoKernel:
         return kernel.batch_chunk(n, q, k, args)
 
     def block_sparse_forward(self, q, k, v, args, *, blocks, q_positions=None,
-                             k_positions=None, kv_valid=None):
+                             k_positions=None, kv_valid=None, q_segment_ids=None,
+                             k_segment_ids=None):
         """The XLA kernel's (cuDNN has no block-sparse kernel)."""
         return self.xla.block_sparse_forward(q, k, v, args, blocks=blocks,
                                              q_positions=q_positions,
-                                             k_positions=k_positions, kv_valid=kv_valid)
+                                             k_positions=k_positions, kv_valid=kv_valid,
+                                             **_segments(q_segment_ids, k_segment_ids))
 
     def block_sparse_backward(self, q, k, v, do, lse, delta, args, *, blocks,
-                              q_positions=None, k_positions=None, kv_valid=None):
+                              q_positions=None, k_positions=None, kv_valid=None,
+                              q_segment_ids=None, k_segment_ids=None):
         """The XLA kernel's (cuDNN has no block-sparse kernel)."""
         return self.xla.block_sparse_backward(q, k, v, do, lse, delta, args, blocks=blocks,
                                               q_positions=q_positions,
-                                              k_positions=k_positions, kv_valid=kv_valid)
+                                              k_positions=k_positions, kv_valid=kv_valid,
+                                              **_segments(q_segment_ids, k_segment_ids))
 
     def ring_steps(self, q, k, args):
         """The XLA kernel's fused ring steps, or None where cuDNN can serve a ring step
@@ -167,6 +178,14 @@ class AutoKernel:
     def block_sparse_ring_steps(self, q, k, args):
         """The XLA kernel's (block-sparse calls always run there)."""
         return self.xla.block_sparse_ring_steps(q, k, args)
+
+
+def _segments(q_segment_ids, k_segment_ids) -> dict:
+    """The segment-id keywords of a call, only when given (kernels that predate them,
+    such as test stand-ins, still take calls without them)."""
+    if q_segment_ids is None and k_segment_ids is None:
+        return {}
+    return dict(q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids)
 
 
 @functools.lru_cache(maxsize=None)

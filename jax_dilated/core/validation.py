@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["axis_size", "check_qkv", "check_kv_mask", "check_dropout", "check_dropout_rate",
-           "check_scale", "check_scale_option", "default_scale", "check_flag",
+__all__ = ["axis_size", "check_qkv", "check_kv_mask", "check_segment_ids", "check_dropout",
+           "check_dropout_rate", "check_scale", "check_scale_option", "default_scale", "check_flag",
            "check_positive_int", "check_positive_float", "check_block_sizes",
            "check_nonnegative_int", "check_position", "check_mesh_axes", "check_mesh_axis",
            "renamed", "warn_renamed"]
@@ -160,6 +160,29 @@ def check_kv_mask(kv_mask, batch: int, kv_len: int):
             f"{tuple(kv_mask.shape)}."
         )
     return kv_mask
+
+
+def check_segment_ids(segment_ids, query_shape, key_shape):
+    """``segment_ids`` must be None or an integer array ``[batch, seq]`` matching the
+    query and the key (one id array serves both, so their lengths must be equal).
+    Returns it as int32, or None."""
+    if segment_ids is None:
+        return None
+    dtype = getattr(segment_ids, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            f"segment_ids must be an integer array [batch, seq] (document ids), got "
+            f"{dtype if dtype is not None else type(segment_ids).__name__}.")
+    batch, q_len, k_len = query_shape[0], query_shape[1], key_shape[1]
+    if q_len != k_len:
+        raise ValueError(
+            f"segment_ids needs query and key of the same length (one id array serves "
+            f"both), got query {tuple(query_shape)} and key {tuple(key_shape)}.")
+    if tuple(segment_ids.shape) != (batch, q_len):
+        raise ValueError(
+            f"segment_ids must have shape [batch, seq] = {(batch, q_len)} (query "
+            f"{tuple(query_shape)}), got {tuple(segment_ids.shape)}.")
+    return jnp.asarray(segment_ids, jnp.int32)
 
 
 def check_dropout_rate(dropout_rate, name: str = "dropout_rate") -> float:

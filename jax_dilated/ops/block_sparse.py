@@ -100,7 +100,8 @@ class _Plan:
 
     def need(self, c: HeadClass, query: QuerySide, keys: KeySide, aux):
         """(lists, active) of class ``c`` for this step (see :meth:`HeadClass.need`)."""
-        return c.need(query.index, keys.index, aux, self.gq, self.gk, keys.valid)
+        return c.need(query.index, keys.index, aux, self.gq, self.gk, keys.valid,
+                      query.segments, keys.segments)
 
     def __call__(self, kernel, q, k, aux) -> RingSteps:
         """The kernel's block-sparse ring steps where all heads share one class (one
@@ -192,29 +193,30 @@ class _ClassSteps(PartialSteps):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _local(q, k, v, kv_valid, plan, aux):
-    return _local_fwd(q, k, v, kv_valid, plan, aux)[0]
+def _local(q, k, v, kv_valid, plan, aux, segment_ids):
+    return _local_fwd(q, k, v, kv_valid, plan, aux, segment_ids)[0]
 
 
-def _local_steps(q, k, v, kv_valid, plan, aux):
+def _local_steps(q, k, v, kv_valid, plan, aux, segment_ids):
     steps = _ClassSteps(plan.kernel, plan, aux)
-    return steps, QuerySide(q), KeySide((k, v), valid=kv_valid)
+    return (steps, QuerySide(q, segments=segment_ids),
+            KeySide((k, v), valid=kv_valid, segments=segment_ids))
 
 
-def _local_fwd(q, k, v, kv_valid, plan, aux):
-    steps, query, keys = _local_steps(q, k, v, kv_valid, plan, aux)
+def _local_fwd(q, k, v, kv_valid, plan, aux, segment_ids):
+    steps, query, keys = _local_steps(q, k, v, kv_valid, plan, aux, segment_ids)
     o, lse, lse_lo = steps.partial(query, keys)
-    return (o, lse, lse_lo), (q, k, v, kv_valid, aux, o, lse, lse_lo)
+    return (o, lse, lse_lo), (q, k, v, kv_valid, aux, segment_ids, o, lse, lse_lo)
 
 
 def _local_bwd(plan, res, cotangents):
-    q, k, v, kv_valid, aux, o, lse, lse_lo = res
+    q, k, v, kv_valid, aux, segment_ids, o, lse, lse_lo = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
-    steps, query, keys = _local_steps(q, k, v, kv_valid, plan, aux)
+    steps, query, keys = _local_steps(q, k, v, kv_valid, plan, aux, segment_ids)
     do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
     rows = RowGrads(do, lse, delta)
     dq, dk, dv = steps.grads(query, keys, rows)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _local.defvjp(_local_fwd, _local_bwd)
@@ -227,7 +229,8 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
                            is_causal: bool = False, scale: float | None = None,
                            kv_mask=None, seq_axis: str | None = None,
                            layout: str = "contiguous", implementation: str | None = None,
-                           return_lse: bool = False, axis_name: str | None = None):
+                           return_lse: bool = False, axis_name: str | None = None,
+                           segment_ids=None):
     """Attention over the active blocks of a block mask, exact over their union.
 
     Args:
@@ -262,6 +265,11 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
       return_lse: also return the log-sum-exp [batch, q_len, num_heads] (float32;
         float64 for float64 inputs), ``-inf`` for rows without keys.
       axis_name: deprecated spelling of ``seq_axis`` (DeprecationWarning).
+      segment_ids: int [batch, seq] document ids (packed sequences; this shard's,
+        laid out like the queries, inside ``shard_map``): a query attends only to
+        keys with its own id, within the active blocks. Needs ``q_len == kv_len``.
+        Blocks and ring steps where no query meets a key of its document are
+        skipped at run time (docs/semantics.md, "Packed sequences").
 
     Returns:
       [batch, q_len, num_heads, head_dim] in the input dtype. A query whose block
@@ -294,6 +302,7 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
     block_size = validation.check_positive_int("block_size", block_size)
     is_causal = validation.check_flag("is_causal", is_causal)
     kv_mask = validation.check_kv_mask(kv_mask, b, tk)
+    segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
     scale = validation.check_scale(scale, query.shape[-1])
     layouts.check_layout(layout)
     kernel = get_kernel(implementation)
@@ -313,7 +322,7 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
         mask = resolve_mask(pattern, nq, nk, h)
         classes, aux = head_classes(mask, h, hkv, gq, gk, is_causal)
         plan = _Plan(kernel, args, classes, h, gq, gk)
-        o, lse, _ = _local(query, key, value, kv_mask, plan, aux)
+        o, lse, _ = _local(query, key, value, kv_mask, plan, aux, segment_ids)
     else:
         num_devices = validation.axis_size(seq_axis, "block_sparse_attention")
         if tk != tq:
@@ -327,6 +336,6 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
         plan = _Plan(kernel, args, classes, h, gq, gq)
         cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
                          steps=plan)
-        o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, aux)
+        o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, aux, segment_ids)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

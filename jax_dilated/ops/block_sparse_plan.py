@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends.base import BlockLists
+from jax_dilated.backends.base import BlockLists, any_pair_allowed
 from jax_dilated.block_patterns import BlockPattern
 from jax_dilated.core import layouts
 
@@ -85,11 +85,16 @@ class HeadClass:
         cols = np.broadcast_to(np.arange(nbq, dtype=np.int32), (nbk, nbq))
         return BlockLists(rows, sub, cols, sub.T), jnp.any(sub)
 
-    def need(self, me, src, aux, gq, gk, kv_valid):
-        """:meth:`lists`, with the activity also requiring a valid key."""
+    def need(self, me, src, aux, gq, gk, kv_valid, q_seg=None, k_seg=None):
+        """:meth:`lists`, with the activity also requiring a valid key and, with
+        document ids (``q_seg`` [N, Lq], ``k_seg`` [N, Lk]), a query and a key of
+        one document."""
         lists, active = self.lists(me, src, aux, gq, gk)
-        if kv_valid is not None and active is not False:
-            active = jnp.any(kv_valid) if active is True else active & jnp.any(kv_valid)
+        if active is False:
+            return lists, active
+        more = any_pair_allowed(False, None, None, kv_valid, q_seg, k_seg)
+        if more is not None:
+            active = more if active is True else active & more
         return lists, active
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, dilation, softmax, validation
-from jax_dilated.ops import dilated_local, distributed
+from jax_dilated.ops import dilated_local, dilated_packed, distributed
 
 __all__ = ["dilated_attention"]
 
@@ -39,7 +39,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
                       dropout_rate: float = 0.0, dropout_rng=None, seq_axis=None,
                       implementation: str | None = None, block_q: int | None = None,
                       block_k: int | None = None, return_lse: bool = False,
-                      axis_name=None):
+                      segment_ids=None, max_documents: int | None = None, axis_name=None):
     """LongNet dilated attention, on one device or with the sequence sharded over a mesh axis.
 
     Args:
@@ -83,6 +83,13 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
       ``return_lse``: ``(out, lse)``). Positions with no key to attend to in any
       branch are zero.
 
+      segment_ids: int [batch, seq] document ids of packed rows (a document is a
+        maximal run of equal ids): the segment grid and the offsets restart at each
+        document, so every document gets exactly what it would alone (one device;
+        docs/semantics.md, section 2, "Packed sequences").
+      max_documents: a static bound on the documents per row with ``segment_ids``; it
+        shortens the internal streams of branches with rate > 1 to about ``T / r``
+        (default: ``T``). A row with more documents is an error (traced: NaN output).
     The math: for branch ``i`` a selected query attends to the selected keys of
     its segment; ``O_i`` and ``LSE_i`` are that softmax's output and log-sum-exp.
     longnet: ``O = sum_i exp(LSE_i) O_i / sum_i exp(LSE_i)``, which equals dense
@@ -120,6 +127,16 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
     plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
                                    num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
     rng = dropout_rng if dropout_rate > 0.0 else None
+    segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
+    if segment_ids is not None:
+        if seq_axis is not None:
+            raise ValueError(
+                "dilated_attention(segment_ids=...) runs on one device for now: with "
+                "seq_axis, shard packed rows with jd.sharded(..., strategy='heads'), "
+                "which runs the whole sequence of some heads on each device.")
+        o, lse = _packed(get_kernel(implementation), args, plans, mode, query, key, value,
+                         kv_mask, segment_ids, max_documents, rng)
+        return (o, lse) if return_lse else o
     if seq_axis is None:
         kernel = get_kernel(implementation)
         if kernel.name == "xla":
@@ -146,6 +163,41 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
             dropout_rng=rng)
     o, lse = combine_branches(results, mode, query.dtype)
     return (o, lse) if return_lse else o
+
+
+def _packed(kernel, args, plans, mode, query, key, value, kv_mask, segment_ids,
+            max_documents, rng):
+    """Dilated attention over packed rows (:mod:`jax_dilated.ops.dilated_packed`)."""
+    if max_documents is not None and (isinstance(max_documents, bool)
+                                      or not isinstance(max_documents, int)
+                                      or max_documents < 1):
+        raise ValueError(f"max_documents must be None or a positive int, got "
+                         f"{max_documents!r}.")
+    starts = dilated_packed.document_starts(segment_ids)
+    overflow = jnp.zeros(query.shape[0], bool)
+    if max_documents is not None:
+        documents = jnp.sum(starts == jnp.arange(starts.shape[1]), axis=1)
+        if not isinstance(documents, jax.core.Tracer):
+            most = int(jnp.max(documents))
+            if most > max_documents:
+                raise ValueError(
+                    f"segment_ids has a row of {most} documents (maximal runs of equal "
+                    f"ids), more than max_documents={max_documents}.")
+        overflow = documents > max_documents
+    results = []
+    for i, plan in enumerate(plans):
+        length = dilated_packed.stream_length(query.shape[1], plan.branch.rate,
+                                              max_documents)
+        *part, over = dilated_packed.packed_branch(
+            kernel, args, plan, query, key, value, kv_mask, starts,
+            None if rng is None else jax.random.fold_in(rng, i), length)
+        results.append(part)
+        overflow = overflow | over
+    o, lse = combine_branches(results, mode, query.dtype)
+    # a row with more documents than max_documents (reachable only under jit, where the
+    # ids are traced): NaN, never a result computed from cut streams
+    o = jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, o.dtype), o)
+    return o, lse
 
 
 def combine_branches(results, mode: str, dtype):

@@ -2,10 +2,11 @@
 
 Inside ``jax.shard_map`` every device holds ``n = T / P`` queries, keys and values
 (in one of the layouts of :mod:`jax_dilated.core.layouts`). Key/value blocks (compact kv
-heads, with their padding mask) travel around the ring with ``jax.lax.ppermute``;
-at every step the local queries attend to the visiting block, and the step's
-result is folded into accumulators carried through the ring. The next block is
-sent before the current one is computed on, so transfer and compute can overlap.
+heads, with their padding mask and document ids) travel around the ring with
+``jax.lax.ppermute``; at every step the local queries attend to the visiting block,
+and the step's result is folded into accumulators carried through the ring. The next
+block is sent before the current one is computed on, so transfer and compute can
+overlap.
 
 What a step computes is a :class:`~jax_dilated.backends.base.RingSteps`: the
 kernel's fused ring steps where it has them (keys and values travel in the
@@ -21,10 +22,10 @@ log-sum-exp saved, key/value blocks and their gradient accumulators travel; afte
 ``P`` hops the accumulators are back with their owners. Nothing of global length is
 ever materialised: memory per device is O(T / P).
 
-Steps whose visiting block is entirely masked (causal, or padding) are skipped with
-``lax.cond`` (:meth:`RingSteps.needed`); inside a step the kernel skips masked
-blocks, and its blocks are aligned to the zigzag chunks so that every device does
-the same work at every step.
+Steps whose visiting block is entirely masked (causal, padding, or no document shared
+with the local queries) are skipped with ``lax.cond`` (:meth:`RingSteps.needed`);
+inside a step the kernel skips masked blocks, and its blocks are aligned to the zigzag
+chunks so that every device does the same work at every step.
 """
 
 from __future__ import annotations
@@ -95,24 +96,28 @@ def _aligned_block(chunk: int, target: int = 512) -> int:
     return best if best >= min(64, chunk) else chunk
 
 
-def _setup(cfg: RingConfig, q, k, aux):
-    """The ring's steps, this device's :class:`QuerySide` and the keys of a step."""
+def _setup(cfg: RingConfig, q, k, aux, segment_ids=None):
+    """The ring's steps, this device's :class:`QuerySide` and the keys of a step.
+
+    A travelling block is ``(kv, valid, segments)``: the packed keys/values with
+    their padding mask and document ids (each None where not given)."""
     kernel = get_kernel(cfg.implementation)
     steps = (kernel_steps(kernel, q, k, cfg.args) if cfg.steps is None
              else cfg.steps(kernel, q, k, aux))
     p, n = cfg.ring_size, q.shape[1]
     me = cfg.ring_index()
-    query = QuerySide(q, layouts.local_positions(cfg.layout, me, p, n), me)
+    query = QuerySide(q, layouts.local_positions(cfg.layout, me, p, n), me, segment_ids)
 
     def keys(block, src, rng):
-        kv, valid = block
+        kv, valid, segments = block
         return KeySide(kv, layouts.local_positions(cfg.layout, src, p, n), valid, src,
-                       cfg.step_rng(rng, src))
+                       cfg.step_rng(rng, src), segments=segments)
 
     return steps, query, keys
 
 
-def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = False):
+def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = False,
+             segment_ids=None):
     """Global (o, lse, lse_lo) of the local queries: o [B, n, H, D] (stats dtype), lse
     and lse_lo [B, n, H].
 
@@ -136,7 +141,7 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = 
     8 heads: forward only 289 vs 225 MiB, forward+backward 289 vs 284 MiB) and
     nothing at P = 4, 8.
     """
-    steps, query, keys = _setup(cfg, q, k, aux)
+    steps, query, keys = _setup(cfg, q, k, aux, segment_ids)
     p, me = cfg.ring_size, query.index
 
     def fold(acc, block, src):
@@ -145,7 +150,7 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = 
                           lambda acc: steps.forward(query, step_keys, acc), acc)
 
     acc = varying_like(softmax.empty_partial(q.shape, softmax.stats_dtype(q.dtype)), (q, k))
-    block = (steps.pack_kv(k, v), kv_valid)
+    block = (steps.pack_kv(k, v), kv_valid, segment_ids)
     if p == 1:
         acc = fold(acc, block, me)
     else:
@@ -164,11 +169,11 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = 
 
 
 def _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg: RingConfig, aux=None,
-              packed_kv=None):
+              packed_kv=None, segment_ids=None):
     """(dq, dk, dv) of the local shards: dq and the packed dk/dv are accumulated in
     place; the blocks and their accumulators travel separately (so that only one of
     them is in flight at a time)."""
-    steps, query, keys = _setup(cfg, q, k, aux)
+    steps, query, keys = _setup(cfg, q, k, aux, segment_ids)
     p, me = cfg.ring_size, query.index
     do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
     rows = RowGrads(do, lse, delta)
@@ -180,7 +185,7 @@ def _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg: RingConfig,
                           lambda acc: steps.backward(query, step_keys, rows, acc), acc)
 
     # the forward's packed block (see _forward), or packed again where that is free
-    block = (steps.pack_kv(k, v) if packed_kv is None else packed_kv, kv_valid)
+    block = (steps.pack_kv(k, v) if packed_kv is None else packed_kv, kv_valid, segment_ids)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, stats), (q, block[0]))
     dq, dkv = grads(varying_like(zeros, (q, k, do)), block, me)
     if p > 1:
@@ -199,32 +204,36 @@ def _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg: RingConfig,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring(q, k, v, kv_valid, rng, cfg, aux=None):
-    return _forward(q, k, v, kv_valid, rng, cfg, aux)
+def _ring(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None):
+    return _forward(q, k, v, kv_valid, rng, cfg, aux, segment_ids=segment_ids)
 
 
-def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None):
-    o, lse, lse_lo, packed_kv = _forward(q, k, v, kv_valid, rng, cfg, aux, keep_kv=True)
-    return (o, lse, lse_lo), (q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv)
+def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None):
+    o, lse, lse_lo, packed_kv = _forward(q, k, v, kv_valid, rng, cfg, aux, keep_kv=True,
+                                         segment_ids=segment_ids)
+    return (o, lse, lse_lo), (q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv,
+                              segment_ids)
 
 
 def _ring_bwd(cfg, res, cotangents):
-    q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv = res
+    q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv, segment_ids = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
     dq, dk, dv = _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg, aux,
-                           packed_kv)
-    return dq, dk, dv, None, None, None
+                           packed_kv, segment_ids)
+    return dq, dk, dv, None, None, None, None
 
 
-def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None):
+def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, segment_ids=None):
     """Global ``(o, lse, lse_lo)`` of the local queries (stats dtype; the log-sum-exp
     in two parts, :mod:`jax_dilated.core.softmax`), differentiable.
 
     The ring core shared by :func:`ring_attention`, distributed dilated attention
     and block-sparse attention; ``rng`` is the dropout key (None without dropout),
-    ``aux`` an extra (non-differentiable) operand handed to ``cfg.steps``.
+    ``aux`` an extra (non-differentiable) operand handed to ``cfg.steps``,
+    ``segment_ids`` int [B, n] the local shard's document ids (laid out like the
+    queries; they serve the queries here and travel with their keys), or None.
     """
-    return _ring(q, k, v, kv_valid, rng, cfg, aux)
+    return _ring(q, k, v, kv_valid, rng, cfg, aux, segment_ids)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -234,7 +243,7 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
                    scale: float | None = None, layout: str = "contiguous", kv_mask=None,
                    implementation: str | None = None, return_lse: bool = False,
                    block_q: int | None = None, block_k: int | None = None,
-                   axis_name=None):
+                   axis_name=None, segment_ids=None):
     """Exact attention over a sequence sharded on ``seq_axis`` (inside ``shard_map``).
 
     Args:
@@ -257,6 +266,10 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
         512). With ``"zigzag"`` each must divide ``n / 2``, so that no block
         straddles the two chunks of a shard.
       axis_name: deprecated spelling of ``seq_axis`` (DeprecationWarning).
+      segment_ids: int [batch, n], this shard's document ids (packed sequences), laid
+        out like the queries: a query attends only to keys with its own id. They
+        travel with their keys; a ring step whose visiting shard shares no id with
+        the local queries is skipped (docs/semantics.md, "Packed sequences").
 
     Returns:
       [batch, n, num_heads, head_dim] in the input dtype: softmax attention of the
@@ -301,6 +314,7 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
         )
     is_causal = validation.check_flag("is_causal", is_causal)
     kv_mask = validation.check_kv_mask(kv_mask, b, n)
+    segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
     block_q, block_k = validation.check_block_sizes(block_q, block_k)
     if layout == "zigzag":
         for name, size in (("block_q", block_q), ("block_k", block_k)):
@@ -314,6 +328,6 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
                       is_causal=is_causal, block_q=block_q, block_k=block_k)
     get_kernel(implementation)  # validate the name now, at trace time
     cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation)
-    o, lse, _ = _ring(query, key, value, kv_mask, None, cfg)
+    o, lse, _ = _ring(query, key, value, kv_mask, None, cfg, None, segment_ids)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

@@ -103,13 +103,15 @@ class KernelSteps(PartialSteps):
     def _run(self, dense, sparse, query: QuerySide, keys: KeySide, *arrays):
         where = {"q_positions": query.positions, "k_positions": keys.positions,
                  "kv_valid": keys.valid}
+        if query.segments is not None:  # only when given: kernels without them still work
+            where.update(q_segment_ids=query.segments, k_segment_ids=keys.segments)
         if keys.blocks is None:
             return dense(*arrays, self.args, dropout_rng=keys.dropout_rng, **where)
         return sparse(*arrays, self.args, blocks=keys.blocks, **where)
 
     def _allowed(self, query: QuerySide, keys: KeySide):
         return any_pair_allowed(self.args.is_causal, query.positions, keys.positions,
-                                keys.valid)
+                                keys.valid, query.segments, keys.segments)
 
     def compute_partial(self, query: QuerySide, keys: KeySide):
         stats = softmax.stats_dtype(query.q.dtype)

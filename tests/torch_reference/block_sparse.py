@@ -26,7 +26,7 @@ def expand_block_mask(block_mask, block_size: int, q_len: int, k_len: int) -> to
 
 
 def block_sparse_attention(q, k, v, block_mask, block_size: int, *, scale=None,
-                           is_causal=False, kv_mask=None, return_lse=False):
+                           is_causal=False, kv_mask=None, allowed=None, return_lse=False):
     """Dense masked attention over the active blocks.
 
     Args:
@@ -35,7 +35,11 @@ def block_sparse_attention(q, k, v, block_mask, block_size: int, *, scale=None,
       block_mask: bool [ceil(Lq/bs), ceil(Lk/bs)] (all heads) or [H, ...] (per head).
       block_size: tokens per block.
       scale, is_causal, kv_mask, return_lse: as :func:`dense_attention`.
+      allowed: optional bool mask broadcastable to [B, H, Lq, Lk], AND-ed with the
+        expanded block mask (e.g. a document mask of packed sequences).
     """
-    allowed = expand_block_mask(block_mask, block_size, q.shape[1], k.shape[1])[None]
+    blocks = expand_block_mask(block_mask, block_size, q.shape[1], k.shape[1])[None]
+    if allowed is not None:
+        blocks = blocks & torch.as_tensor(allowed, dtype=torch.bool)
     return dense_attention(q, k, v, scale=scale, is_causal=is_causal, kv_mask=kv_mask,
-                           allowed=allowed, return_lse=return_lse)
+                           allowed=blocks, return_lse=return_lse)

@@ -35,25 +35,29 @@ class XlaKernel:
     name = "xla"
 
     def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                kv_valid=None, dropout_rng=None):
+                kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
         """:func:`.dense.forward`."""
         return dense.forward(q, k, v, args, q_positions=q_positions,
                              k_positions=k_positions, kv_valid=kv_valid,
-                             dropout_rng=dropout_rng)
+                             dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
+                             k_segment_ids=k_segment_ids)
 
     def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
-                 k_positions=None, kv_valid=None, dropout_rng=None):
+                 k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
+                 k_segment_ids=None):
         """:func:`.dense.backward`."""
         return dense.backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
                               k_positions=k_positions, kv_valid=kv_valid,
-                              dropout_rng=dropout_rng)
+                              dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
+                              k_segment_ids=k_segment_ids)
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None):
+                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
         """:func:`.dense.attention`."""
         return dense.attention(q, k, v, args, q_positions=q_positions,
                                k_positions=k_positions, kv_valid=kv_valid,
-                               dropout_rng=dropout_rng)
+                               dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
+                               k_segment_ids=k_segment_ids)
 
     def batch_chunk(self, n: int, q, k, args: KernelArgs) -> int:
         """Items whose logits blocks together stay near the cache-friendly size
@@ -61,21 +65,26 @@ class XlaKernel:
         return dense.batch_chunk(n, q, k, args)
 
     def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
-                             q_positions=None, k_positions=None, kv_valid=None):
+                             q_positions=None, k_positions=None, kv_valid=None,
+                             q_segment_ids=None, k_segment_ids=None):
         """:func:`.block_sparse.block_sparse_forward`."""
         return block_sparse.block_sparse_forward(q, k, v, args, blocks=blocks,
                                                  q_positions=q_positions,
                                                  k_positions=k_positions,
-                                                 kv_valid=kv_valid)
+                                                 kv_valid=kv_valid,
+                                                 q_segment_ids=q_segment_ids,
+                                                 k_segment_ids=k_segment_ids)
 
     def block_sparse_backward(self, q, k, v, do, lse, delta, args: KernelArgs, *,
                               blocks: BlockLists, q_positions=None, k_positions=None,
-                              kv_valid=None):
+                              kv_valid=None, q_segment_ids=None, k_segment_ids=None):
         """:func:`.block_sparse.block_sparse_backward`."""
         return block_sparse.block_sparse_backward(q, k, v, do, lse, delta, args,
                                                   blocks=blocks, q_positions=q_positions,
                                                   k_positions=k_positions,
-                                                  kv_valid=kv_valid)
+                                                  kv_valid=kv_valid,
+                                                  q_segment_ids=q_segment_ids,
+                                                  k_segment_ids=k_segment_ids)
 
     def ring_steps(self, q, k, args: KernelArgs):
         """:func:`.ring.ring_steps` (None where the shapes do not allow them)."""

@@ -11,10 +11,11 @@ from jax_dilated.backends.base import KernelArgs
 from jax_dilated.core import softmax
 
 
-def _block_mask(args: KernelArgs, q_pos, k_pos, k_valid):
+def _block_mask(args: KernelArgs, q_pos, k_pos, k_valid, q_seg=None, k_seg=None):
     """Allowed (query, key) pairs of one block, broadcastable to [N, Hkv, G, bq, bk].
 
-    Returns None when every pair is allowed.
+    ``q_seg`` [N, bq] / ``k_seg`` [N, bk]: document ids (a pair is allowed only
+    within one document), or None. Returns None when every pair is allowed.
     """
     mask = None
     if args.is_causal:
@@ -22,10 +23,13 @@ def _block_mask(args: KernelArgs, q_pos, k_pos, k_valid):
     if k_valid is not None:
         valid = k_valid[:, :, None, None, :]
         mask = valid if mask is None else mask & valid
+    if q_seg is not None:
+        same = (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
+        mask = same if mask is None else mask & same
     return mask
 
 
-def _block_mask_t(args: KernelArgs, q_pos, k_pos, k_valid):
+def _block_mask_t(args: KernelArgs, q_pos, k_pos, k_valid, q_seg=None, k_seg=None):
     """:func:`_block_mask` in the transposed layout, broadcastable to [N, Hkv, bk, G, bq]."""
     mask = None
     if args.is_causal:
@@ -33,6 +37,9 @@ def _block_mask_t(args: KernelArgs, q_pos, k_pos, k_valid):
     if k_valid is not None:
         valid = k_valid[:, :, :, None, None]
         mask = valid if mask is None else mask & valid
+    if q_seg is not None:
+        same = (k_seg[:, :, None] == q_seg[:, None, :])[:, None, :, None, :]
+        mask = same if mask is None else mask & same
     return mask
 
 

@@ -13,7 +13,7 @@ from jax_dilated.backends.xla.block_math import (
     _forward_block,
     _listed,
 )
-from jax_dilated.backends.xla.dense import batch_chunk, _chunked
+from jax_dilated.backends.xla.dense import _check_pair, _chunked, batch_chunk
 from jax_dilated.backends.xla.layout import _Blocking, _matmul_inputs, _Prepared, _take
 from jax_dilated.core import softmax
 from jax_dilated.core.skip import maybe_skip
@@ -37,13 +37,15 @@ def _sparse_blocking(len_q: int, len_k: int, args: KernelArgs, blocks: BlockList
     return geo
 
 
-def _sparse_forward_core(q, k, v, kv_valid, args: KernelArgs, *, blocks: BlockLists,
+def _sparse_forward_core(q, k, v, kv_valid, q_seg, k_seg, args: KernelArgs, *,
+                         blocks: BlockLists,
                          q_positions=None, k_positions=None, dropout_rng=None):
     del dropout_rng
     out_dtype = q.dtype
     q, k, v = _matmul_inputs(q, k, v)
     geo = _sparse_blocking(q.shape[1], k.shape[1], args, blocks)
-    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale, q_seg,
+                     k_seg)
     stats = softmax.stats_dtype(q.dtype)
     rows_shape = prep.q.shape[1:-1]  # [N, Hkv, G, bq]
     d = q.shape[-1]
@@ -51,7 +53,7 @@ def _sparse_forward_core(q, k, v, kv_valid, args: KernelArgs, *, blocks: BlockLi
     rows_ok = None if blocks.rows_ok is None else jnp.asarray(blocks.rows_ok, bool)
 
     def q_block(_, xs):
-        q_blk, q_pos, row, row_ok = xs
+        q_blk, q_pos, q_sb, row, row_ok = xs
 
         def k_step(state, ys):
             j, ok = ys
@@ -59,12 +61,14 @@ def _sparse_forward_core(q, k, v, kv_valid, args: KernelArgs, *, blocks: BlockLi
             def compute(state):
                 # gathered inside the branch: a skipped entry reads nothing
                 k_valid = _take(prep.k_valid, j)
-                mask = _block_mask(args, q_pos, _take(prep.k_pos, j), k_valid)
+                mask = _block_mask(args, q_pos, _take(prep.k_pos, j), k_valid, q_sb,
+                                   _take(prep.k_seg, j))
                 return _forward_block(state, q_blk, _take(prep.k, j), _take(prep.v, j),
                                       mask, None, prep.post_scale, stats)
 
             need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, _take(prep.k_pos, j),
-                                                _take(prep.k_valid, j)))
+                                                _take(prep.k_valid, j), q_sb,
+                                                _take(prep.k_seg, j)))
             return maybe_skip(need, compute, state), None
 
         state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v, row))
@@ -72,18 +76,21 @@ def _sparse_forward_core(q, k, v, kv_valid, args: KernelArgs, *, blocks: BlockLi
         o, lse, lse_lo = softmax.finalize_state(state)
         return None, (o.astype(out_dtype), lse, lse_lo)
 
-    _, (o, lse, lse_lo) = jax.lax.scan(q_block, None, (prep.q, prep.q_pos, rows, rows_ok))
+    _, (o, lse, lse_lo) = jax.lax.scan(q_block, None,
+                                       (prep.q, prep.q_pos, prep.q_seg, rows, rows_ok))
     return prep.from_q_rows(o), prep.from_q_rows(lse), prep.from_q_rows(lse_lo)
 
 
-def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
+def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg,
+                          args: KernelArgs, *,
                           blocks: BlockLists, q_positions=None, k_positions=None,
                           dropout_rng=None):
     del dropout_rng
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, do = _matmul_inputs(q, k, v, do)
     geo = _sparse_blocking(q.shape[1], k.shape[1], args, blocks)
-    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale, q_seg,
+                     k_seg)
     stats = softmax.stats_dtype(q.dtype)
     do_b = prep.q_rows(do)
     lse_b = prep.q_rows(jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats))
@@ -95,14 +102,14 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *
     like = (q, k, v, do, cols)
 
     def k_block(dq_acc, xs):
-        k_blk, v_blk, k_pos, k_valid, col, col_ok = xs
+        k_blk, v_blk, k_pos, k_valid, k_sb, col, col_ok = xs
 
         def q_step(carry, ys):
             i, ok = ys
-            q_pos = _take(prep.q_pos, i)
+            q_pos, q_sb = _take(prep.q_pos, i), _take(prep.q_seg, i)
 
             def compute(carry):
-                mask = _block_mask_t(args, q_pos, k_pos, k_valid)
+                mask = _block_mask_t(args, q_pos, k_pos, k_valid, q_sb, k_sb)
                 return _backward_block(carry, _take(prep.q, i), k_blk, v_blk,
                                        _take(do_b, i), _take(lse_b, i), _take(delta_b, i),
                                        mask, None, prep.post_scale, args.scale, stats)
@@ -110,7 +117,8 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *
             def skip(carry):
                 return carry, varying_like(jnp.zeros(dq_t_shape, stats), like)
 
-            need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid))
+            need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid, q_sb,
+                                                k_sb))
             return maybe_skip(need, compute, carry, skip)
 
         zeros_kv = varying_like(jnp.zeros(k_blk.shape, stats), like)
@@ -119,7 +127,7 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *
         return dq_acc.at[col].add(dq_parts), (dk_blk, dv_blk)
 
     dq0 = varying_like(jnp.zeros((nq, n_, h_, d_, g_, bq_), stats), like)
-    xs = (prep.k, prep.v, prep.k_pos, prep.k_valid, cols, cols_ok)
+    xs = (prep.k, prep.v, prep.k_pos, prep.k_valid, prep.k_seg, cols, cols_ok)
     dq_t, (dk, dv) = jax.lax.scan(k_block, dq0, xs)
     dq = jnp.moveaxis(dq_t, 3, -1)
     return (prep.from_q_rows(dq).astype(dtypes[0]), prep.from_k_rows(dk).astype(dtypes[1]),
@@ -127,25 +135,31 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *
 
 
 def block_sparse_forward(q, k, v, args: KernelArgs, *, blocks: BlockLists, q_positions=None,
-                         k_positions=None, kv_valid=None):
+                         k_positions=None, kv_valid=None, q_segment_ids=None,
+                         k_segment_ids=None):
     """Attention over the listed blocks only (see :class:`~.base.BlockLists`).
 
     Arguments and results as in :func:`forward`; ``args.block_q``/``block_k`` are the
     exact block sizes the lists refer to. Query block ``i`` attends, with one softmax,
     to the keys of blocks ``blocks.rows[i]`` (entries with ``rows_ok`` False
-    skipped); the cost is proportional to the number of listed blocks.
+    skipped); the cost is proportional to the number of listed blocks. Within a
+    listed block only pairs with equal segment ids (when given) are allowed.
     """
+    _check_pair(q_segment_ids, k_segment_ids)
     chunk = batch_chunk(q.shape[0], q, k, args)
-    return _chunked(_sparse_forward_core, (q, k, v, kv_valid),
+    return _chunked(_sparse_forward_core, (q, k, v, kv_valid, q_segment_ids, k_segment_ids),
                     dict(q_positions=q_positions, k_positions=k_positions, blocks=blocks),
                     args, None, chunk)
 
 
 def block_sparse_backward(q, k, v, do, lse, delta, args: KernelArgs, *, blocks: BlockLists,
-                          q_positions=None, k_positions=None, kv_valid=None):
+                          q_positions=None, k_positions=None, kv_valid=None,
+                          q_segment_ids=None, k_segment_ids=None):
     """Backward of :func:`block_sparse_forward` (as :func:`backward`; ``lse``/``delta``
     may be global statistics). dk/dv loop over ``blocks.cols``, the transposed lists."""
+    _check_pair(q_segment_ids, k_segment_ids)
     chunk = batch_chunk(q.shape[0], q, k, args)
-    return _chunked(_sparse_backward_core, (q, k, v, do, lse, delta, kv_valid),
+    return _chunked(_sparse_backward_core, (q, k, v, do, lse, delta, kv_valid, q_segment_ids,
+                                            k_segment_ids),
                     dict(q_positions=q_positions, k_positions=k_positions, blocks=blocks),
                     args, None, chunk)

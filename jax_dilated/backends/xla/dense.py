@@ -28,51 +28,53 @@ from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
 
 
-def _forward_core(q, k, v, kv_valid, args: KernelArgs, *, q_positions=None,
+def _forward_core(q, k, v, kv_valid, q_seg, k_seg, args: KernelArgs, *, q_positions=None,
                   k_positions=None, dropout_rng=None):
     """Blockwise forward of one batch chunk; arguments and results as in :func:`forward`."""
     out_dtype = q.dtype
     q, k, v = _matmul_inputs(q, k, v)
     geo = _blocking(q.shape[1], k.shape[1], args)
-    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale, q_seg,
+                     k_seg)
     stats = softmax.stats_dtype(q.dtype)
     rows_shape = prep.q.shape[1:-1]  # [N, Hkv, G, bq]
     d = q.shape[-1]
 
     def q_block(_, xs):
-        i, q_blk, q_pos = xs
+        i, q_blk, q_pos, q_sb = xs
 
         def k_block(state, ys):
-            j, k_blk, v_blk, k_pos, k_valid = ys
+            j, k_blk, v_blk, k_pos, k_valid, k_sb = ys
 
             def compute(state):
-                mask = _block_mask(args, q_pos, k_pos, k_valid)
+                mask = _block_mask(args, q_pos, k_pos, k_valid, q_sb, k_sb)
                 keep = _dropout_keep(args, dropout_rng, i, j,
                                      q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                 return _forward_block(state, q_blk, k_blk, v_blk, mask, keep,
                                       prep.post_scale, stats)
 
-            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
+            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid, q_sb, k_sb)
             return maybe_skip(need, compute, state), None
 
         state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v))
-        ys = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
+        ys = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid, prep.k_seg)
         state, _ = jax.lax.scan(k_block, state, ys)
         o, lse, lse_lo = softmax.finalize_state(state)
         return None, (o.astype(out_dtype), lse, lse_lo)
 
-    xs = (jnp.arange(geo.num_q), prep.q, prep.q_pos)
+    xs = (jnp.arange(geo.num_q), prep.q, prep.q_pos, prep.q_seg)
     _, (o, lse, lse_lo) = jax.lax.scan(q_block, None, xs)
     return prep.from_q_rows(o), prep.from_q_rows(lse), prep.from_q_rows(lse_lo)
 
 
-def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
+def _backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, args: KernelArgs, *,
                    q_positions=None, k_positions=None, dropout_rng=None):
     """Blockwise backward of one batch chunk; arguments and results as in :func:`backward`."""
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, do = _matmul_inputs(q, k, v, do)
     geo = _blocking(q.shape[1], k.shape[1], args)
-    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale, q_seg,
+                     k_seg)
     stats = softmax.stats_dtype(q.dtype)
     do_b = prep.q_rows(do)
     # rows without keys have lse = -inf and all logits -inf: exp(-inf - 0) = 0.
@@ -80,13 +82,13 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
     delta_b = prep.q_rows(delta.astype(stats))
 
     def k_block(_, xs):
-        j, k_blk, v_blk, k_pos, k_valid = xs
+        j, k_blk, v_blk, k_pos, k_valid, k_sb = xs
 
         def q_block(carry, ys):
-            i, q_blk, do_blk, lse_blk, delta_blk, q_pos = ys
+            i, q_blk, do_blk, lse_blk, delta_blk, q_pos, q_sb = ys
 
             def compute(carry):
-                mask = _block_mask_t(args, q_pos, k_pos, k_valid)
+                mask = _block_mask_t(args, q_pos, k_pos, k_valid, q_sb, k_sb)
                 keep = _dropout_keep(args, dropout_rng, i, j,
                                      q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                 return _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk,
@@ -96,13 +98,13 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
             def skip(carry):
                 return carry, varying_like(jnp.zeros(dq_t_shape, stats), (q, k, v, do))
 
-            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid)
+            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid, q_sb, k_sb)
             return maybe_skip(need, compute, carry, skip)
 
         n_, h_, g_, bq_, d_ = prep.q.shape[1:]
         dq_t_shape = (n_, h_, d_, g_, bq_)
         zeros_kv = varying_like(jnp.zeros(k_blk.shape, stats), (q, k, v, do))
-        ys = (jnp.arange(geo.num_q), prep.q, do_b, lse_b, delta_b, prep.q_pos)
+        ys = (jnp.arange(geo.num_q), prep.q, do_b, lse_b, delta_b, prep.q_pos, prep.q_seg)
         (dk_blk, dv_blk), dq_parts = jax.lax.scan(q_block, (zeros_kv, zeros_kv), ys)
         return None, (dk_blk, dv_blk, dq_parts)
 
@@ -112,7 +114,7 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, args: KernelArgs, *,
 
     nq, n_, h_, g_, bq_, d_ = prep.q.shape
     dq0 = varying_like(jnp.zeros((nq, n_, h_, d_, g_, bq_), stats), (q, k, v, do))
-    xs = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid)
+    xs = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid, prep.k_seg)
     dq_t, (dk, dv) = jax.lax.scan(k_block_acc, dq0, xs)
     dq = jnp.moveaxis(dq_t, 3, -1)
     return (prep.from_q_rows(dq).astype(dtypes[0]), prep.from_k_rows(dk).astype(dtypes[1]),
@@ -161,7 +163,7 @@ def _chunked(core, batched, shared, args, dropout_rng, chunk: int):
 
 
 def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-            kv_valid=None, dropout_rng=None):
+            kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
     """Blockwise attention forward.
 
     Args:
@@ -171,6 +173,8 @@ def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
       k_positions: [Lk] int positions of the keys (default arange).
       kv_valid: [N, Lk] or [N, Lk, Hkv] bool, False = key may not be attended to.
       dropout_rng: PRNG key, needed when ``args.dropout_rate > 0``.
+      q_segment_ids, k_segment_ids: [N, Lq] / [N, Lk] int document ids (both or
+        neither): query ``p`` attends to key ``t`` only if their ids are equal.
 
     Returns:
       ``o`` [N, Lq, H, D] in q's dtype and the log-sum-exp as ``lse``, ``lse_lo``
@@ -179,13 +183,15 @@ def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
       ``lse_lo = 0`` for rows with no allowed key.
     """
     chunk = batch_chunk(q.shape[0], q, k, args)
-    return _chunked(_forward_core, (q, k, v, kv_valid),
+    _check_pair(q_segment_ids, k_segment_ids)
+    return _chunked(_forward_core, (q, k, v, kv_valid, q_segment_ids, k_segment_ids),
                     dict(q_positions=q_positions, k_positions=k_positions), args,
                     dropout_rng, chunk)
 
 
 def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
-             k_positions=None, kv_valid=None, dropout_rng=None):
+             k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
+             k_segment_ids=None):
     """Blockwise attention backward from saved statistics.
 
     With ``p = exp(scale q.k - lse)`` (dropout mask ``z`` applied to ``p`` in
@@ -199,7 +205,8 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
     (:func:`jax_dilated.core.softmax.backward_rows`).
 
     Args:
-      q, k, v, q_positions, k_positions, kv_valid, dropout_rng: as in :func:`forward`.
+      q, k, v, q_positions, k_positions, kv_valid, dropout_rng, q_segment_ids,
+        k_segment_ids: as in :func:`forward`.
       do: [N, Lq, H, D] output cotangent.
       lse: [N, Lq, H] log-sum-exp (stats dtype, ``-inf`` for rows without keys).
       delta: [N, Lq, H] as above (stats dtype).
@@ -208,41 +215,56 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
       ``dq`` [N, Lq, H, D], ``dk``/``dv`` [N, Lk, Hkv, D], in the input dtypes.
     """
     chunk = batch_chunk(q.shape[0], q, k, args)
-    return _chunked(_backward_core, (q, k, v, do, lse, delta, kv_valid),
+    _check_pair(q_segment_ids, k_segment_ids)
+    return _chunked(_backward_core, (q, k, v, do, lse, delta, kv_valid, q_segment_ids,
+                                     k_segment_ids),
                     dict(q_positions=q_positions, k_positions=k_positions), args,
                     dropout_rng, chunk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng):
+def _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng, q_seg, k_seg):
     return forward(q, k, v, args, q_positions=q_positions, k_positions=k_positions,
-                   kv_valid=kv_valid, dropout_rng=dropout_rng)
+                   kv_valid=kv_valid, dropout_rng=dropout_rng, q_segment_ids=q_seg,
+                   k_segment_ids=k_seg)
 
 
-def _attention_fwd(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng):
-    out = _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng)
+def _attention_fwd(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng, q_seg,
+                   k_seg):
+    out = _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng, q_seg,
+                     k_seg)
     o, lse, lse_lo = out
-    return out, (q, k, v, o, lse, lse_lo, q_positions, k_positions, kv_valid, dropout_rng)
+    return out, (q, k, v, o, lse, lse_lo, q_positions, k_positions, kv_valid, dropout_rng,
+                 q_seg, k_seg)
 
 
 def _attention_bwd(args, res, cotangents):
-    q, k, v, o, lse, lse_lo, q_positions, k_positions, kv_valid, dropout_rng = res
+    q, k, v, o, lse, lse_lo, q_positions, k_positions, kv_valid, dropout_rng, q_seg, k_seg = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
     do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
     dq, dk, dv = backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
                           k_positions=k_positions, kv_valid=kv_valid,
-                          dropout_rng=dropout_rng)
-    return dq, dk, dv, None, None, None, None
+                          dropout_rng=dropout_rng, q_segment_ids=q_seg, k_segment_ids=k_seg)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-              kv_valid=None, dropout_rng=None):
+              kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
     """Differentiable blockwise attention: :func:`forward` with a recomputing VJP.
 
     Gradients flow to q, k, v from every output, ``o`` and both parts of the
     log-sum-exp.
     """
-    return _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng)
+    return _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng,
+                      q_segment_ids, k_segment_ids)
+
+
+def _check_pair(q_segment_ids, k_segment_ids):
+    """Segment ids come for both sides or for neither (the kernels compare the two)."""
+    if (q_segment_ids is None) != (k_segment_ids is None):
+        raise ValueError("q_segment_ids and k_segment_ids must be given together, got "
+                         f"q_segment_ids={'None' if q_segment_ids is None else 'an array'} "
+                         f"and k_segment_ids={'None' if k_segment_ids is None else 'an array'}.")

@@ -72,7 +72,7 @@ class _Prepared:
     """Inputs laid out in blocks: q [nq, N, Hkv, G, bq, D], k/v [nk, N, Hkv, bk, D]."""
 
     def __init__(self, q, k, v, q_positions, k_positions, kv_valid, geo: _Blocking,
-                 scale: float):
+                 scale: float, q_seg=None, k_seg=None):
         n, _, h, d = q.shape
         # Fold the scale into q once (saves a pass over every logits block) when q
         # is at least float32; half-precision q would be rounded again, so there the
@@ -102,6 +102,12 @@ class _Prepared:
             # [N, Lk] or [N, Lk, Hkv] -> [N, Hkv or 1, Lk]
             valid = valid[:, None, :] if valid.ndim == 2 else valid.transpose(0, 2, 1)
             self.k_valid = _to_blocks(pad_axis(valid, 2, lk, False), 2, geo.block_k)
+        # document ids [N, L] -> blocks [n_blocks, N, block]; padded keys are invalid
+        # (k_valid above) and padded query rows are cropped, so the pad id is moot
+        self.q_seg = self.k_seg = None
+        if q_seg is not None:
+            self.q_seg = _to_blocks(pad_axis(q_seg.astype(jnp.int32), 1, lq), 1, geo.block_q)
+            self.k_seg = _to_blocks(pad_axis(k_seg.astype(jnp.int32), 1, lk), 1, geo.block_k)
 
     def q_rows(self, x):
         """[N, L, H, ...] -> blocks [nq, N, Hkv, G, bq, ...] (for do, o, lse)."""

@@ -136,6 +136,11 @@ class _RingSteps:
         wide = jax.default_backend() == "cpu" or softmax.stats_dtype(q.dtype) == q.dtype
         return k_pos, k_valid, 1.0 if wide else self.args.scale
 
+    @staticmethod
+    def _segments(seg, block: int):
+        """Document ids [N, L] -> blocks [L / block, N, block] (None stays None)."""
+        return None if seg is None else _to_blocks(seg.astype(jnp.int32), 1, block)
+
     def _q_pos(self, q_positions):
         geo = self.geo
         qp = (jnp.arange(geo.len_q, dtype=jnp.int32) if q_positions is None
@@ -172,7 +177,7 @@ class _RingSteps:
 
     def needed(self, query: QuerySide, keys: KeySide):
         return any_pair_allowed(self.args.is_causal, query.positions, keys.positions,
-                                keys.valid)
+                                keys.valid, query.segments, keys.segments)
 
     def forward(self, query: QuerySide, keys: KeySide, acc):
         args = self.args
@@ -183,12 +188,14 @@ class _RingSteps:
         stats = o.dtype
         q_pos_b = self._q_pos(q_positions)
         k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
+        q_seg_b = self._segments(query.segments, self.geo.block_q)
+        k_seg_b = self._segments(keys.segments, self.geo.block_k)
 
         def q_block(carry, xs):
             o, lse, lse_lo = carry
             i, h, row, row_ok = xs
             q_blk = self._q_block(q, i, h)
-            q_pos = q_pos_b[i]
+            q_pos, q_sb = q_pos_b[i], _take(q_seg_b, i)
             m = self._rows(self._slice(lse, i, h))
             # the normalised partial (o, lse, lse_lo) as a running state: m = lse,
             # l = exp(lse_lo) (m + log l is the exact log-sum-exp; 0 for no keys yet)
@@ -200,17 +207,19 @@ class _RingSteps:
             def k_block(state, ys):
                 j, ok = ys
                 k_pos, k_valid = _take(k_pos_b, j), self._kv(k_valid_b, j, h)
+                k_sb = _take(k_seg_b, j)
 
                 def compute(state):
                     # read inside the branch: a skipped block reads nothing
                     k_blk, v_blk = _matmul_inputs(self._kv(k_b, j, h), self._kv(v_b, j, h))
-                    mask = _block_mask(args, q_pos, k_pos, k_valid)
+                    mask = _block_mask(args, q_pos, k_pos, k_valid, q_sb, k_sb)
                     keep = _dropout_keep(args, dropout_rng, i, j,
                                          q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                     return _forward_block(state, q_blk, k_blk, v_blk, mask, keep,
                                           post_scale, stats)
 
-                need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid))
+                need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid,
+                                                    q_sb, k_sb))
                 return maybe_skip(need, compute, state), None
 
             state, _ = jax.lax.scan(k_block, state, (row, row_ok))
@@ -231,6 +240,8 @@ class _RingSteps:
         stats = dq.dtype
         q_pos_b = self._q_pos(q_positions)
         k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
+        q_seg_b = self._segments(query.segments, self.geo.block_q)
+        k_seg_b = self._segments(keys.segments, self.geo.block_k)
 
         def q_block(carry, xs):
             dq, (dk_b, dv_b) = carry
@@ -242,18 +253,19 @@ class _RingSteps:
             # rows without keys have lse = -inf and all logits -inf: exp(-inf - 0) = 0.
             lse_blk = self._rows(jnp.where(jnp.isneginf(lse_i), 0.0, lse_i))
             delta_blk = self._rows(self._slice(delta, i, h).astype(stats))
-            q_pos = q_pos_b[i]
+            q_pos, q_sb = q_pos_b[i], _take(q_seg_b, i)
             # dq of this block, transposed as _backward_block gives it: [N, heads, D, G, bq]
             dqt = jnp.moveaxis(self._rows(self._slice(dq, i, h)), -1, 2)
 
             def k_block(carry, ys):
                 j, ok = ys
                 k_pos, k_valid = _take(k_pos_b, j), self._kv(k_valid_b, j, h)
+                k_sb = _take(k_seg_b, j)
 
                 def compute(carry):
                     dqt, dk_b, dv_b = carry
                     k_blk, v_blk = _matmul_inputs(self._kv(k_b, j, h), self._kv(v_b, j, h))
-                    mask = _block_mask_t(args, q_pos, k_pos, k_valid)
+                    mask = _block_mask_t(args, q_pos, k_pos, k_valid, q_sb, k_sb)
                     keep = _dropout_keep(args, dropout_rng, i, j,
                                          q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                     (dk_j, dv_j), dqt_blk = _backward_block(
@@ -263,7 +275,8 @@ class _RingSteps:
                             self._put_kv(dv_b, dv_j, j, h))
 
                 # the real entries of a row are distinct key blocks; padding is skipped
-                need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid))
+                need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid,
+                                                    q_sb, k_sb))
                 return maybe_skip(need, compute, carry), None
 
             (dqt, dk_b, dv_b), _ = jax.lax.scan(k_block, (dqt, dk_b, dv_b), (row, row_ok))

@@ -1,0 +1,146 @@
+"""Dilated attention over packed rows: ``jd.dilated_attention(..., segment_ids=)``.
+
+The semantics (docs/semantics.md, section 2, "Packed sequences"): the segment grid and
+the offsets restart at each document, so a packed row gives exactly what running every
+document alone gives. The reference states that directly: the PyTorch reference of
+``tests/torch_reference/dilated.py`` (float64, written from the selection rule) runs on
+each document by itself, and the outputs are concatenated; the gradients are those of
+``sum(g * out)`` for a random cotangent ``g``. Tolerances as in test_parity.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_dilated as jd
+
+torch = pytest.importorskip("torch")  # the reference; without it the module skips
+
+import torch_reference as ref  # noqa: E402
+from _helpers import TOL, assert_close, rounded, to_jax, to_torch  # noqa: E402
+
+SEGS, RATES = (8, 16, 32), (1, 2, 4)
+
+
+def _rows(lengths_per_row, seed, h=4, hkv=2, d=8):
+    """Random q, k, v, cotangent and ids of rows packed from documents of the given
+    lengths (ids drawn at random, so not sorted; two neighbours never share one)."""
+    rng = np.random.default_rng(seed)
+    t = sum(lengths_per_row[0])
+    ids = []
+    for lengths in lengths_per_row:
+        assert sum(lengths) == t
+        labels = rng.permutation(50)[:len(lengths)] + 3
+        ids.append(np.concatenate([np.full(n, lab) for n, lab in zip(lengths, labels)]))
+    b = len(lengths_per_row)
+    q = rng.standard_normal((b, t, h, d))
+    k, v = (rng.standard_normal((b, t, hkv, d)) for _ in range(2))
+    g = rng.standard_normal((b, t, h, d))
+    return q, k, v, g, np.stack(ids).astype(np.int32)
+
+
+def _reference(q, k, v, g, lengths_per_row, kv_mask, **kw):
+    """Output and q/k/v gradients from the PyTorch reference run on every document
+    alone."""
+    mode = kw.pop("mode")
+    fn = (ref.longnet_dilated_attention if mode == "longnet"
+          else ref.head_groups_dilated_attention)
+    qt, kt, vt = (to_torch(x, requires_grad=True) for x in (q, k, v))
+    rows = []
+    for i, lengths in enumerate(lengths_per_row):
+        parts, s = [], 0
+        for n in lengths:
+            sl = slice(s, s + n)
+            mask = None if kv_mask is None else torch.tensor(kv_mask[i:i + 1, sl])
+            parts.append(fn(qt[i:i + 1, sl], kt[i:i + 1, sl], vt[i:i + 1, sl],
+                            segment_lengths=SEGS, dilation_rates=RATES, kv_mask=mask, **kw))
+            s += n
+        rows.append(torch.cat(parts, dim=1))
+    out = torch.cat(rows, dim=0)
+    grads = torch.autograd.grad(out, (qt, kt, vt), grad_outputs=to_torch(g))
+    return (out, *grads)
+
+
+def _jax(q, k, v, g, ids, kv_mask, dtype, **kw):
+    def f(q, k, v):
+        return jd.dilated_attention(q, k, v, segment_lengths=SEGS, dilation_rates=RATES,
+                                    segment_ids=jnp.asarray(ids),
+                                    kv_mask=None if kv_mask is None else jnp.asarray(kv_mask),
+                                    **kw)
+
+    args = [to_jax(x, dtype) for x in (q, k, v)]
+    out, vjp = jax.vjp(jax.jit(f), *args)
+    return (out, *vjp(to_jax(g, dtype)))
+
+
+CASES = {
+    # one row: a 1-token document, documents shorter than a block, one longer than the
+    # largest segment (70 > 32), with ids in no order
+    "longnet": (dict(mode="longnet"), [[5, 40, 1, 70, 12]], False),
+    "longnet_causal_mask": (dict(mode="longnet", is_causal=True), [[33, 1, 60, 34]], True),
+    "head_groups_causal": (dict(mode="head_groups", is_causal=True),
+                           [[5, 40, 1, 70, 12], [128]], False),
+    "longnet_bounded": (dict(mode="longnet", max_documents=5),
+                        [[5, 40, 1, 70, 12], [64, 64]], False),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_packed_rows_equal_documents_alone(name):
+    kw, lengths, with_mask = CASES[name]
+    q, k, v, g, ids = _rows(lengths, seed=len(name))
+    kv_mask = None
+    if with_mask:  # random padding, and a document whose keys are all masked
+        kv_mask = np.random.default_rng(1).random(ids.shape) < 0.8
+        kv_mask[:, 33] = False  # the 1-token document: its query sees nothing -> zeros
+    ref_kw = {k_: v_ for k_, v_ in kw.items() if k_ != "max_documents"}
+    want = _reference(q, k, v, g, lengths, kv_mask, **ref_kw)
+    got = _jax(q, k, v, g, ids, kv_mask, "float64", **kw)
+    for a, b_, what in zip(got, want, ("out", "dq", "dk", "dv")):
+        assert_close(a, b_, TOL["float64"], what)
+    if with_mask:
+        assert np.all(np.asarray(got[0])[:, 33] == 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_rows_low_precision(dtype):
+    lengths = [[5, 40, 1, 70, 12]]
+    q, k, v, g, ids = _rows(lengths, seed=7)
+    q, k, v, g = (rounded(x, dtype) for x in (q, k, v, g))
+    want = _reference(q, k, v, g, lengths, None, mode="longnet", is_causal=True)
+    got = _jax(q, k, v, g, ids, None, dtype, mode="longnet", is_causal=True)
+    for a, b_, what in zip(got, want, ("out", "dq", "dk", "dv")):
+        assert_close(a, b_, TOL[dtype], what)
+
+
+def test_one_document_is_the_unpacked_call():
+    q, k, v, g, ids = _rows([[128]], seed=3)
+    kw = dict(segment_lengths=SEGS, dilation_rates=RATES, is_causal=True)
+    packed = jd.dilated_attention(q, k, v, segment_ids=jnp.asarray(ids), **kw)
+    np.testing.assert_allclose(packed, jd.dilated_attention(q, k, v, **kw), atol=1e-12)
+
+
+def test_packed_bad_input():
+    q, k, v, _, ids = _rows([[64, 64]], seed=4)
+    kw = dict(segment_lengths=SEGS, dilation_rates=RATES)
+    with pytest.raises(TypeError, match="segment_ids must be an integer array"):
+        jd.dilated_attention(q, k, v, segment_ids=ids.astype(np.float32), **kw)
+    with pytest.raises(ValueError, match=r"segment_ids must have shape \[batch, seq\]"):
+        jd.dilated_attention(q, k, v, segment_ids=ids[:, :100], **kw)
+    with pytest.raises(ValueError, match="max_documents must be None or a positive int"):
+        jd.dilated_attention(q, k, v, segment_ids=ids, max_documents=0, **kw)
+    with pytest.raises(ValueError, match=r"a row of 2 documents .* max_documents=1"):
+        jd.dilated_attention(q, k, v, segment_ids=ids, max_documents=1, **kw)
+    # traced ids with more documents than the bound: NaN, never a wrong number
+    out = jax.jit(lambda i: jd.dilated_attention(q, k, v, segment_ids=i, max_documents=1,
+                                                 **kw))(jnp.asarray(ids))
+    assert bool(jnp.isnan(out).all())
+    with pytest.raises(ValueError, match="runs on one device for now"):
+        jax.shard_map(lambda q, k, v, i: jd.dilated_attention(q, k, v, segment_ids=i,
+                                                              seq_axis="s", **kw),
+                      mesh=jax.make_mesh((1,), ("s",)), in_specs=jax.sharding.PartitionSpec(),
+                      out_specs=jax.sharding.PartitionSpec(),
+                      check_vma=False)(q, k, v, jnp.asarray(ids))
