@@ -29,9 +29,10 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["KernelArgs", "BlockLists", "any_pair_allowed", "segments_meet", "Kernel",
-           "RingSteps", "QuerySide", "KeySide", "RowGrads"]
+__all__ = ["KernelArgs", "BlockLists", "any_pair_allowed", "segments_meet", "window_meets",
+           "window_arg", "WINDOW_CAP", "Kernel", "RingSteps", "QuerySide", "KeySide", "RowGrads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,13 @@ class KernelArgs:
     is_causal: key ``t`` is allowed for query ``p`` only if ``pos(t) <= pos(p)``.
     dropout_rate: attention-probability dropout rate in ``[0, 1)``.
     block_q, block_k: target block sizes (None: the backend's default).
+    window: ``(left, right)`` non-negative ints or None: key ``t`` is allowed for
+      query ``p`` only if ``pos(p) - left <= pos(t) <= pos(p) + right`` (on top of
+      every other mask; docs/semantics.md, "Sliding windows, soft-capping and
+      sinks"). Entries above :data:`WINDOW_CAP` are stored as it (no difference for
+      positions below 2**30).
+    logit_soft_cap: ``c > 0`` or None: the (scaled) logits ``s`` become
+      ``c tanh(s / c)`` before masking and the softmax.
     """
 
     scale: float
@@ -49,6 +57,20 @@ class KernelArgs:
     dropout_rate: float = 0.0
     block_q: int | None = None
     block_k: int | None = None
+    window: tuple[int, int] | None = None
+    logit_soft_cap: float | None = None
+
+
+# Window entries are capped here so that position +- window stays inside int32 (real
+# positions are below 2**30; padded positions are -1 and 2**31 - 1).
+WINDOW_CAP = 1 << 30
+
+
+def window_arg(window) -> tuple[int, int] | None:
+    """A checked window (``validation.check_window``) as :class:`KernelArgs` stores it."""
+    if window is None:
+        return None
+    return (min(int(window[0]), WINDOW_CAP), min(int(window[1]), WINDOW_CAP))
 
 
 class BlockLists(NamedTuple):
@@ -88,18 +110,53 @@ def segments_meet(q_seg, k_seg):
     return jnp.any(jnp.take_along_axis(ks, at, axis=-1) == q_seg)
 
 
-def any_pair_allowed(is_causal: bool, q_pos, k_pos, kv_valid, q_seg=None, k_seg=None):
+# The window test of a block compares position ranges of this many equal pieces of
+# the queries and of the keys (a zigzag shard is two distant chunks: one range over
+# the whole shard would cover nearly the whole sequence).
+_WINDOW_PIECES = 2
+_PAD_POS_HI = np.iinfo(np.int32).max  # padded keys (kernel layouts); padded queries: < 0
+
+
+def window_meets(window, q_pos, k_pos):
+    """Whether some query position of ``q_pos`` [Lq] and key position of ``k_pos``
+    [Lk] may lie within ``window = (left, right)`` of each other (a traced bool; a
+    necessary condition: the position ranges of pieces of each side overlap, widened
+    by the window). Padding positions (queries < 0, keys ``2**31 - 1``) are ignored."""
+    def pieces(x, pad):
+        x = jnp.asarray(x, jnp.int32)
+        n = _WINDOW_PIECES if x.shape[0] % _WINDOW_PIECES == 0 else 1
+        x = x.reshape(n, -1)
+        lo = jnp.min(jnp.where(pad(x), _PAD_POS_HI, x), axis=1)
+        hi = jnp.max(jnp.where(pad(x), -1, x), axis=1)
+        return lo, hi
+
+    left, right = window
+    q_lo, q_hi = pieces(q_pos, lambda x: x < 0)
+    k_lo, k_hi = pieces(k_pos, lambda x: x == _PAD_POS_HI)
+    # key range [k_lo, k_hi] meets [q_lo - left, q_hi + right], for some pair of pieces
+    meet = ((k_lo[None, :] <= q_hi[:, None] + right)
+            & (k_hi[None, :] >= q_lo[:, None] - left))
+    return jnp.any(meet)
+
+
+def any_pair_allowed(is_causal: bool, q_pos, k_pos, kv_valid, q_seg=None, k_seg=None, *,
+                     window=None):
     """Whether any (query, key) pair of a block is allowed; None when statically always.
 
     Used to skip whole blocks (kernel) and whole ring steps: causal blocks whose
-    earliest key is after the latest query, blocks with no valid key, and blocks
-    where no query shares a document (segment id, [N, Lq] / [N, Lk]) with a key.
+    earliest key is after the latest query, blocks with no valid key, blocks
+    where no query shares a document (segment id, [N, Lq] / [N, Lk]) with a key,
+    and blocks whose keys all lie outside every query's ``window`` (``(left,
+    right)``, see :func:`window_meets`; positions None: not tested).
     The tests are separate (a block may pass each on different pairs): a
     necessary condition, which is all that skipping needs.
     """
     need = None
     if is_causal:
         need = jnp.min(k_pos) <= jnp.max(q_pos)
+    if window is not None and q_pos is not None and k_pos is not None:
+        near = window_meets(window, q_pos, k_pos)
+        need = near if need is None else need & near
     if kv_valid is not None:
         any_valid = jnp.any(kv_valid)
         need = any_valid if need is None else need & any_valid

@@ -40,7 +40,8 @@ with the reason; see :mod:`.selection`): bfloat16/float16; head_dim a multiple o
 8, at most 128 (compute capability 8.x) or 256 (9.0+); no mask or the plain
 causal mask of a square block (positions ``arange``); no ``kv_valid`` (cuDNN's
 padding mask is a per-batch prefix length, which a traced boolean mask cannot be
-proven to be); no dropout (cuDNN's dropout seed is static); grouped-query heads
+proven to be); no dropout (cuDNN's dropout seed is static); no sliding window or logit
+soft-cap (``KernelArgs.window``/``logit_soft_cap``); grouped-query heads
 natively.
 
 Testing without a GPU: the fused primitive is injectable. :class:`CudnnKernel`
@@ -151,7 +152,9 @@ def call_spec(q, k, args: KernelArgs, q_positions=None, k_positions=None, kv_val
     return selection.CallSpec(dtype=jnp.dtype(q.dtype).name, head_dim=q.shape[-1],
                               len_q=lq, len_k=lk, is_causal=args.is_causal,
                               positions=positions, kv_valid=kv_valid is not None,
-                              dropout=args.dropout_rate > 0.0, block_sparse=block_sparse)
+                              dropout=args.dropout_rate > 0.0, block_sparse=block_sparse,
+                              window=getattr(args, "window", None) is not None,
+                              soft_cap=getattr(args, "logit_soft_cap", None) is not None)
 
 
 def _split3(delta, dtype):

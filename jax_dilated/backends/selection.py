@@ -148,6 +148,8 @@ class CallSpec:
       ``"arbitrary"`` (traced or other position arrays, as ring steps pass).
     kv_valid: whether a boolean key mask is given.
     block_sparse: a block-sparse call (listed blocks only).
+    window: a sliding window (``KernelArgs.window``) is given.
+    soft_cap: a logit soft-cap (``KernelArgs.logit_soft_cap``) is given.
     """
 
     dtype: str
@@ -159,6 +161,8 @@ class CallSpec:
     kv_valid: bool = False
     dropout: bool = False
     block_sparse: bool = False
+    window: bool = False
+    soft_cap: bool = False
 
 
 def cudnn_call_reason(info: DeviceInfo, spec: CallSpec) -> str | None:
@@ -174,6 +178,13 @@ def cudnn_call_reason(info: DeviceInfo, spec: CallSpec) -> str | None:
         return (f"head_dim {spec.head_dim} (cuDNN needs a multiple of 8 and at most "
                 f"{limit} on compute capability "
                 f"{'.'.join(map(str, info.compute_capability or (0, 0)))})")
+    if spec.soft_cap:
+        return ("logit soft-capping (cuDNN's fused attention, as jax.nn."
+                "dot_product_attention exposes it, has no soft-cap)")
+    if spec.window:
+        return ("a sliding window (cuDNN's sliding_window_length, behind jax.nn."
+                "dot_product_attention's local_window_size, is not wired into this "
+                "backend yet; windows here follow position arrays, as ring steps pass)")
     if spec.dropout:
         return ("dropout (cuDNN draws its mask from a static seed, not the call's "
                 "dropout_rng, so masks would repeat across calls and steps)")

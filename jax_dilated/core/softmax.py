@@ -43,6 +43,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_dilated.core.vma import varying_like
+
 __all__ = [
     "stats_dtype",
     "split_sum",
@@ -55,6 +57,7 @@ __all__ = [
     "empty_partial",
     "backward_delta",
     "backward_rows",
+    "add_sinks",
 ]
 
 
@@ -257,3 +260,26 @@ def _merge_bwd(res, cotangents):
 
 
 merge_partials.defvjp(_merge_fwd, _merge_bwd)
+
+
+def add_sinks(o, lse, lse_lo, sinks):
+    """Attention sinks: one extra "key" per head with logit ``sinks[h]`` and no value.
+
+    The sink joins every row's softmax denominator, ``O = sum_t e^{l_t} v_t /
+    (e^{s_h} + sum_t e^{l_t})``: exactly a merge (:func:`merge_partials`) with the
+    partial ``(0, s_h, 0)``, applied once to the partial over all keys (after a
+    kernel, a ring, a branch merge). Rows that saw no key give ``o = 0`` and ``lse =
+    s_h``, with finite gradients.
+
+    Args:
+      o: [..., H, D] the normalised partial over the keys; lse, lse_lo: [..., H].
+      sinks: [H] float, differentiable (cast to ``lse``'s dtype).
+
+    Returns:
+      ``(o, lse, lse_lo)`` including the sink: ``lse + lse_lo = log(e^{s_h} + sum_t
+      e^{l_t})`` (so ``o = sum_t e^{l_t - lse - lse_lo} v_t`` still holds).
+    """
+    s = varying_like(jnp.broadcast_to(sinks.astype(lse.dtype), lse.shape), (lse, o))
+    zeros = varying_like((jnp.zeros(o.shape, o.dtype), jnp.zeros(lse.shape, lse.dtype)),
+                         (lse, o))
+    return merge_partials(o, lse, lse_lo, zeros[0], s, zeros[1])

@@ -13,7 +13,7 @@ __all__ = ["axis_size", "check_qkv", "check_kv_mask", "check_segment_ids", "chec
            "check_dropout_rate", "check_scale", "check_scale_option", "default_scale", "check_flag",
            "check_positive_int", "check_positive_float", "check_block_sizes",
            "check_nonnegative_int", "check_position", "check_mesh_axes", "check_mesh_axis",
-           "renamed", "warn_renamed"]
+           "renamed", "warn_renamed", "check_window", "check_logit_soft_cap", "check_sinks"]
 
 
 # ------------------------------------------------------------------- deprecations
@@ -310,3 +310,55 @@ def check_mesh_axes(mesh, seq_axis, batch_axis=None, head_axis=None):
             f"seq_axis, batch_axis and head_axis must be different mesh axes, got "
             f"seq_axis={seq_axis!r}, batch_axis={batch_axis!r}, head_axis={head_axis!r}."
         )
+
+
+# --------------------------------------- sliding windows, soft-capping, sinks
+
+
+def check_window(window, is_causal: bool = False) -> tuple[int, int] | None:
+    """``window``: None or a pair ``(left, right)`` of non-negative Python/NumPy ints
+    (the meaning of ``jax.nn.dot_product_attention``'s ``local_window_size``);
+    with ``is_causal`` the right extent must be 0 (causality already forbids every
+    later key). Returns ``(left, right)`` as ints, or None."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of non-negative "
+                        f"ints, got {window!r} ({type(window).__name__}).")
+    left, right = (check_nonnegative_int(f"window[{i}]", w) for i, w in enumerate(window))
+    if is_causal and right > 0:
+        raise ValueError(f"window={tuple(window)!r} has right={right} > 0 with "
+                         f"is_causal=True: causal attention sees no later key; use "
+                         f"window=({left}, 0).")
+    return left, right
+
+
+def check_logit_soft_cap(logit_soft_cap) -> float | None:
+    """``logit_soft_cap``: None or a finite Python number > 0 (static: it is part of
+    the compiled program)."""
+    if logit_soft_cap is None:
+        return None
+    if isinstance(logit_soft_cap, bool) or not isinstance(
+            logit_soft_cap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"logit_soft_cap must be None or a finite Python float > 0, got "
+                        f"{logit_soft_cap!r} ({type(logit_soft_cap).__name__}).")
+    if not (math.isfinite(float(logit_soft_cap)) and logit_soft_cap > 0):
+        raise ValueError(f"logit_soft_cap must be a finite float > 0, got "
+                         f"{logit_soft_cap!r}.")
+    return float(logit_soft_cap)
+
+
+def check_sinks(sinks, num_heads: int):
+    """``sinks``: None or a floating array ``[num_heads]`` (one learnable logit per
+    query head). Returned as a JAX array, or None."""
+    if sinks is None:
+        return None
+    dtype = getattr(sinks, "dtype", None)
+    if dtype is None or not is_floating_dtype(dtype):
+        raise TypeError(f"sinks must be a floating array [num_heads] = [{num_heads}] (one "
+                        f"logit per query head), got "
+                        f"{dtype if dtype is not None else type(sinks).__name__}.")
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must have shape [num_heads] = ({num_heads},), got "
+                         f"{tuple(sinks.shape)}.")
+    return jnp.asarray(sinks)

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads
+from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads, window_arg
 from jax_dilated.core import layouts, softmax, validation
 from jax_dilated.core.vma import varying_like
 from jax_dilated.ops.block_sparse_plan import (
@@ -64,6 +64,7 @@ from jax_dilated.ops.block_sparse_plan import (
     head_classes,
     resolve_mask,
     ring_blocks,
+    window_mask,
 )
 from jax_dilated.ops.ring import RingConfig, ring_partials
 from jax_dilated.ops.ring_steps import (
@@ -230,7 +231,8 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
                            kv_mask=None, seq_axis: str | None = None,
                            layout: str = "contiguous", implementation: str | None = None,
                            return_lse: bool = False, axis_name: str | None = None,
-                           segment_ids=None):
+                           segment_ids=None, window=None,
+                           logit_soft_cap: float | None = None, sinks=None):
     """Attention over the active blocks of a block mask, exact over their union.
 
     Args:
@@ -270,6 +272,13 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
         keys with its own id, within the active blocks. Needs ``q_len == kv_len``.
         Blocks and ring steps where no query meets a key of its document are
         skipped at run time (docs/semantics.md, "Packed sequences").
+      window: ``(left, right)`` or None: additionally ``p - left <= t <= p + right``
+        (global positions; ``right = 0`` with ``is_causal``). Blocks (and ring steps)
+        with no pair inside the window are dropped from the lists at trace time.
+      logit_soft_cap: ``c > 0`` or None: logits become ``c tanh(logits / c)``.
+      sinks: float [num_heads] or None: per-head logits joining every row's softmax
+        denominator (docs/semantics.md, "Sliding windows, soft-capping and sinks");
+        the returned lse then includes them.
 
     Returns:
       [batch, q_len, num_heads, head_dim] in the input dtype. A query whose block
@@ -304,13 +313,17 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
     kv_mask = validation.check_kv_mask(kv_mask, b, tk)
     segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
     scale = validation.check_scale(scale, query.shape[-1])
+    window = validation.check_window(window, is_causal)
+    logit_soft_cap = validation.check_logit_soft_cap(logit_soft_cap)
+    sinks = validation.check_sinks(sinks, h)
     layouts.check_layout(layout)
     kernel = get_kernel(implementation)
     if not hasattr(kernel, "block_sparse_forward"):
         raise ValueError(
             f"implementation={implementation!r} has no block-sparse kernel; use 'xla'.")
     args = KernelArgs(scale=scale, is_causal=is_causal, block_q=block_size,
-                      block_k=block_size)
+                      block_k=block_size, window=window_arg(window),
+                      logit_soft_cap=logit_soft_cap)
 
     if seq_axis is None:
         if layout != "contiguous":
@@ -319,10 +332,10 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
                 f"seq_axis=None.")
         nq, nk = -(-tq // block_size), -(-tk // block_size)
         gq, gk = np.arange(nq, dtype=np.int32)[None], np.arange(nk, dtype=np.int32)[None]
-        mask = resolve_mask(pattern, nq, nk, h)
+        mask = window_mask(resolve_mask(pattern, nq, nk, h), tq, tk, block_size, window)
         classes, aux = head_classes(mask, h, hkv, gq, gk, is_causal)
         plan = _Plan(kernel, args, classes, h, gq, gk)
-        o, lse, _ = _local(query, key, value, kv_mask, plan, aux, segment_ids)
+        o, lse, lse_lo = _local(query, key, value, kv_mask, plan, aux, segment_ids)
     else:
         num_devices = validation.axis_size(seq_axis, "block_sparse_attention")
         if tk != tq:
@@ -331,11 +344,15 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
                 f"query {tuple(query.shape)} and key {tuple(key.shape)}.")
         gq = ring_blocks(tq, num_devices, layout, block_size)
         nb = gq.size
-        mask = resolve_mask(pattern, nb, nb, h)
+        mask = window_mask(resolve_mask(pattern, nb, nb, h), tq * num_devices,
+                           tk * num_devices, block_size, window)
         classes, aux = head_classes(mask, h, hkv, gq, gq, is_causal)
         plan = _Plan(kernel, args, classes, h, gq, gq)
         cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
                          steps=plan)
-        o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, aux, segment_ids)
+        o, lse, lse_lo = ring_partials(query, key, value, kv_mask, None, cfg, aux,
+                                       segment_ids)
+    if sinks is not None:
+        o, lse, _ = softmax.add_sinks(o, lse, lse_lo, sinks)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

@@ -16,7 +16,8 @@ from jax_dilated.backends.base import BlockLists, any_pair_allowed
 from jax_dilated.block_patterns import BlockPattern
 from jax_dilated.core import layouts
 
-__all__ = ["HeadClass", "block_lists", "head_classes", "resolve_mask", "ring_blocks"]
+__all__ = ["HeadClass", "block_lists", "head_classes", "resolve_mask", "ring_blocks",
+           "window_mask"]
 
 
 def block_lists(mask: np.ndarray) -> BlockLists:
@@ -187,3 +188,25 @@ def ring_blocks(n: int, num_devices: int, layout: str, block_size: int):
     order = layouts.global_order(n * num_devices, num_devices, layout)
     return (order.reshape(num_devices, n // block_size, block_size)[:, :, 0]
             // block_size).astype(np.int32)
+
+
+def window_mask(mask, len_q: int, len_k: int, block_size: int, window):
+    """``mask`` [heads, nq, nk] (NumPy or traced) AND the blocks that hold a (query,
+    key) pair within ``window = (left, right)`` (None: ``mask`` unchanged).
+
+    Block ``i`` holds the global positions ``[i b, min((i + 1) b, len))``; key block
+    ``j`` is kept for query block ``i`` where its range meets the query range widened
+    to ``[lo - left, hi + right]``. Dropping the others from the lists makes a
+    windowed call cost O(window) per query block, on one device and over a ring.
+    """
+    if window is None:
+        return mask
+    left, right = window
+    nq, nk = mask.shape[1:]
+    q_lo = np.arange(nq) * block_size
+    k_lo = np.arange(nk) * block_size
+    q_hi = np.minimum(q_lo + block_size, len_q) - 1
+    k_hi = np.minimum(k_lo + block_size, len_k) - 1
+    band = ((k_lo[None, :] <= q_hi[:, None] + right)
+            & (k_hi[None, :] >= q_lo[:, None] - left))[None]
+    return band & mask if isinstance(mask, np.ndarray) else jnp.asarray(band) & mask

@@ -22,8 +22,8 @@ log-sum-exp saved, key/value blocks and their gradient accumulators travel; afte
 ``P`` hops the accumulators are back with their owners. Nothing of global length is
 ever materialised: memory per device is O(T / P).
 
-Steps whose visiting block is entirely masked (causal, padding, or no document shared
-with the local queries) are skipped with ``lax.cond`` (:meth:`RingSteps.needed`);
+Steps whose visiting block is entirely masked (causal, padding, no document shared
+with the local queries, or outside every local query's sliding window) are skipped with ``lax.cond`` (:meth:`RingSteps.needed`);
 inside a step the kernel skips masked blocks, and its blocks are aligned to the zigzag
 chunks so that every device does the same work at every step.
 """
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads
+from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads, window_arg
 from jax_dilated.core import layouts, softmax, validation
 from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
@@ -243,7 +243,8 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
                    scale: float | None = None, layout: str = "contiguous", kv_mask=None,
                    implementation: str | None = None, return_lse: bool = False,
                    block_q: int | None = None, block_k: int | None = None,
-                   axis_name=None, segment_ids=None):
+                   axis_name=None, segment_ids=None, window=None,
+                   logit_soft_cap: float | None = None, sinks=None):
     """Exact attention over a sequence sharded on ``seq_axis`` (inside ``shard_map``).
 
     Args:
@@ -260,7 +261,8 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
         to); it travels with its keys.
       implementation: kernel; None chooses by device kind.
       return_lse: also return the global log-sum-exp [batch, n, num_heads] (float32;
-        float64 for float64 inputs).
+        float64 for float64 inputs); with ``sinks`` it includes the sink,
+        ``log(e^{s_h} + sum_t e^{l_t})``.
       block_q, block_k: kernel block sizes (None: the kernel's defaults; with
         ``layout="zigzag"`` the largest divisor of the chunk length ``n / 2`` up to
         512). With ``"zigzag"`` each must divide ``n / 2``, so that no block
@@ -270,6 +272,17 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
         out like the queries: a query attends only to keys with its own id. They
         travel with their keys; a ring step whose visiting shard shares no id with
         the local queries is skipped (docs/semantics.md, "Packed sequences").
+      window: ``(left, right)`` non-negative ints or None: query at global position
+        ``p`` attends key ``t`` only if ``p - left <= t <= p + right`` (``right = 0``
+        with ``is_causal``). Ring steps whose visiting shard lies outside every local
+        query's window are skipped (``lax.cond`` on the step), so the compute per
+        device is O(window), whatever the layout; the key/value shards still travel
+        the whole ring.
+      logit_soft_cap: ``c > 0`` or None: logits become ``c tanh(logits / c)`` (after
+        scaling, before the softmax).
+      sinks: float [num_heads] or None: a per-head logit joining every row's softmax
+        denominator as a key with no value (replicated: the same on every device).
+        See docs/semantics.md, "Sliding windows, soft-capping and sinks".
 
     Returns:
       [batch, n, num_heads, head_dim] in the input dtype: softmax attention of the
@@ -315,6 +328,9 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
     is_causal = validation.check_flag("is_causal", is_causal)
     kv_mask = validation.check_kv_mask(kv_mask, b, n)
     segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
+    window = validation.check_window(window, is_causal)
+    logit_soft_cap = validation.check_logit_soft_cap(logit_soft_cap)
+    sinks = validation.check_sinks(sinks, h)
     block_q, block_k = validation.check_block_sizes(block_q, block_k)
     if layout == "zigzag":
         for name, size in (("block_q", block_q), ("block_k", block_k)):
@@ -325,9 +341,12 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
         block = _aligned_block(n // 2)
         block_q, block_k = block_q or block, block_k or block
     args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
-                      is_causal=is_causal, block_q=block_q, block_k=block_k)
+                      is_causal=is_causal, block_q=block_q, block_k=block_k,
+                      window=window_arg(window), logit_soft_cap=logit_soft_cap)
     get_kernel(implementation)  # validate the name now, at trace time
     cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation)
-    o, lse, _ = _ring(query, key, value, kv_mask, None, cfg, None, segment_ids)
+    o, lse, lse_lo = _ring(query, key, value, kv_mask, None, cfg, None, segment_ids)
+    if sinks is not None:
+        o, lse, _ = softmax.add_sinks(o, lse, lse_lo, sinks)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

@@ -111,7 +111,8 @@ class KernelSteps(PartialSteps):
 
     def _allowed(self, query: QuerySide, keys: KeySide):
         return any_pair_allowed(self.args.is_causal, query.positions, keys.positions,
-                                keys.valid, query.segments, keys.segments)
+                                keys.valid, query.segments, keys.segments,
+                                window=self.args.window)
 
     def compute_partial(self, query: QuerySide, keys: KeySide):
         stats = softmax.stats_dtype(query.q.dtype)

@@ -16,7 +16,8 @@ def _as_positions(positions, length: int) -> torch.Tensor:
 
 
 def dense_attention(q, k, v, *, scale=None, is_causal=False, kv_mask=None, allowed=None,
-                    logit_bias=None, q_positions=None, k_positions=None, return_lse=False):
+                    logit_bias=None, q_positions=None, k_positions=None, return_lse=False,
+                    window=None, logit_soft_cap=None, sinks=None):
     """Masked softmax attention, computed densely.
 
     Args:
@@ -28,13 +29,20 @@ def dense_attention(q, k, v, *, scale=None, is_causal=False, kv_mask=None, allow
       allowed: optional bool mask broadcastable to [B, H, Lq, Lk] (AND-ed in).
       logit_bias: optional finite float tensor broadcastable to [B, H, Lq, Lk]
         added to the logits.
-      q_positions, k_positions: int positions used by the causal rule (default arange).
+      q_positions, k_positions: int positions used by the causal rule and the
+        window (default arange).
       return_lse: also return the log-sum-exp.
+      window: ``(left, right)``: key ``t`` is allowed for query ``p`` only if
+        ``pos(p) - left <= pos(t) <= pos(p) + right``.
+      logit_soft_cap: ``c``: the scaled logits ``s`` become ``c * tanh(s / c)``.
+      sinks: float [H]: head ``h``'s logit ``s_h`` joins every row's softmax
+        denominator, ``out = sum_t e^{l_t} v_t / (e^{s_h} + sum_t e^{l_t})``.
 
     Returns:
-      ``out`` [B, Lq, H, D] and, with ``return_lse``, ``lse`` [B, Lq, H].
-      A query row with no allowed key gives ``out = 0`` and ``lse = -inf``, and
-      no NaN in the gradients.
+      ``out`` [B, Lq, H, D] and, with ``return_lse``, ``lse`` [B, Lq, H] (with
+      ``sinks``: ``log(e^{s_h} + sum_t e^{l_t})``).
+      A query row with no allowed key gives ``out = 0`` and ``lse = -inf`` (``s_h``
+      with sinks), and no NaN in the gradients.
     """
     b, lq, h, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
@@ -45,9 +53,16 @@ def dense_attention(q, k, v, *, scale=None, is_causal=False, kv_mask=None, allow
     k = k.repeat_interleave(rep, dim=2)
     v = v.repeat_interleave(rep, dim=2)
     logits = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if logit_soft_cap is not None:
+        logits = logit_soft_cap * torch.tanh(logits / logit_soft_cap)
     if logit_bias is not None:
         logits = logits + logit_bias
     mask = torch.ones((b, h, lq, lk), dtype=torch.bool)
+    if window is not None:
+        qp = _as_positions(q_positions, lq)
+        kp = _as_positions(k_positions, lk)
+        left, right = window
+        mask = mask & (kp[None, :] >= qp[:, None] - left) & (kp[None, :] <= qp[:, None] + right)
     if is_causal:
         qp = _as_positions(q_positions, lq)
         kp = _as_positions(k_positions, lk)
@@ -62,6 +77,11 @@ def dense_attention(q, k, v, *, scale=None, is_causal=False, kv_mask=None, allow
     if allowed is not None:
         mask = mask & torch.as_tensor(allowed, dtype=torch.bool)
     logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        # the sink: one more "key" per head, logit s_h, value zero, never masked
+        sink = torch.as_tensor(sinks).reshape(1, h, 1, 1).expand(b, h, lq, 1)
+        logits = torch.cat([logits, sink.to(logits.dtype)], dim=-1)
+        v = torch.cat([v, torch.zeros_like(v[:, :1])], dim=1)
     # shift by the (detached: the result does not depend on it) row maximum,
     # using 0 for rows without any allowed key so that exp(-inf - 0) = 0.
     row_max = logits.amax(dim=-1, keepdim=True).detach()

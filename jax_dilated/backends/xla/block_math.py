@@ -26,7 +26,17 @@ def _block_mask(args: KernelArgs, q_pos, k_pos, k_valid, q_seg=None, k_seg=None)
     if q_seg is not None:
         same = (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
         mask = same if mask is None else mask & same
+    if args.window is not None:
+        near = _in_window(args.window, q_pos[:, None], k_pos[None, :])[None, None, None]
+        mask = near if mask is None else mask & near
     return mask
+
+
+def _in_window(window, q_pos, k_pos):
+    """``q_pos - left <= k_pos <= q_pos + right`` (broadcasting int32 positions;
+    :data:`~jax_dilated.backends.base.WINDOW_CAP` keeps the sums inside int32)."""
+    left, right = window
+    return (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
 
 
 def _block_mask_t(args: KernelArgs, q_pos, k_pos, k_valid, q_seg=None, k_seg=None):
@@ -40,6 +50,9 @@ def _block_mask_t(args: KernelArgs, q_pos, k_pos, k_valid, q_seg=None, k_seg=Non
     if q_seg is not None:
         same = (k_seg[:, :, None] == q_seg[:, None, :])[:, None, :, None, :]
         mask = same if mask is None else mask & same
+    if args.window is not None:
+        near = _in_window(args.window, q_pos[None, :], k_pos[:, None])[None, None, :, None, :]
+        mask = near if mask is None else mask & near
     return mask
 
 
@@ -55,23 +68,36 @@ def _dropout_keep(args: KernelArgs, rng, i, j, shape, dtype):
     return keep.astype(dtype) / jnp.asarray(1.0 - args.dropout_rate, dtype)
 
 
-def _logits(q_blk, k_blk, post_scale: float, mask, stats):
-    """Masked logits [N, Hkv, G, bq, bk] of one block (q already carries the pre-scale)."""
+def _soft_cap(s, cap):
+    """Soft-capped logits ``cap tanh(s / cap)`` and ``tanh(s / cap)`` (the backward's
+    ``d(capped)/ds = 1 - tanh^2``); ``(s, None)`` without a cap."""
+    if cap is None:
+        return s, None
+    t = jnp.tanh(s * jnp.asarray(1.0 / cap, s.dtype))
+    return t * jnp.asarray(cap, s.dtype), t
+
+
+def _logits(q_blk, k_blk, post_scale: float, mask, stats, cap=None):
+    """Masked (and soft-capped, ``cap``) logits [N, Hkv, G, bq, bk] of one block (q
+    already carries the pre-scale)."""
     s = jnp.einsum("nhgqd,nhkd->nhgqk", q_blk, k_blk, preferred_element_type=stats)
     if post_scale != 1.0:
         s = s * jnp.asarray(post_scale, stats)
+    s, _ = _soft_cap(s, cap)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     return s
 
 
-def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, stats):
+def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, stats,
+                   cap=None):
     """Fold one (query block, key block) pair into the running softmax state.
 
     q_blk [N, Hkv, G, bq, D] (carrying the pre-scale), k_blk/v_blk [N, Hkv, bk, D];
-    ``mask`` as :func:`_block_mask` gives it, ``keep`` the scaled dropout mask or None.
+    ``mask`` as :func:`_block_mask` gives it, ``keep`` the scaled dropout mask or None,
+    ``cap`` the logit soft-cap or None.
     """
-    s = _logits(q_blk, k_blk, post_scale, mask, stats)
+    s = _logits(q_blk, k_blk, post_scale, mask, stats, cap)
 
     def pv(p):
         if keep is not None:
@@ -83,12 +109,14 @@ def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, st
 
 
 def _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, mask_t, keep,
-                    post_scale: float, scale: float, stats):
+                    post_scale: float, scale: float, stats, cap=None):
     """Gradient contributions of one (query block, key block) pair.
 
     ``carry`` = (dk_acc, dv_acc) [N, Hkv, bk, D] gets this block's dk, dv added;
     also returns this block's dq, transposed: [N, Hkv, D, G, bq]. ``mask_t`` as
-    :func:`_block_mask_t` gives it; ``keep`` the dropout mask [N, Hkv, G, bq, bk] or None.
+    :func:`_block_mask_t` gives it; ``keep`` the dropout mask [N, Hkv, G, bq, bk] or
+    None; ``cap`` the logit soft-cap or None (the gradient of the capped logits is
+    multiplied by ``1 - tanh^2``).
     """
     # Transposed block [N, Hkv, bk, G, bq]: four of the five products are
     # then plain (non-transposed) matmuls, which XLA:CPU runs fastest.
@@ -108,6 +136,7 @@ def _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, mask
     st = st.reshape(flat)
     if post_scale != 1.0:
         st = st * post
+    st, tanh_t = _soft_cap(st, cap)
     if mask_t is not None:
         st = jnp.where(jnp.broadcast_to(mask_t, full).reshape(flat), st, -jnp.inf)
     pt = jnp.exp(st - rows(lse_blk))
@@ -120,7 +149,10 @@ def _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, mask
     dpt = dpt.reshape(flat)
     if keep is not None:
         dpt = dpt * keep
-    dst = (pt * (dpt - rows(delta_blk))).astype(q_blk.dtype).reshape(full)
+    dst = pt * (dpt - rows(delta_blk))
+    if tanh_t is not None:  # d(cap tanh(s / cap))/ds = 1 - tanh^2
+        dst = dst * (1.0 - tanh_t * tanh_t)
+    dst = dst.astype(q_blk.dtype).reshape(full)
     # q_blk carries the pre-scale, so only the post-scale is left for dk.
     dk_blk = jnp.einsum("nhkgq,nhgqd->nhkd", dst, q_blk, preferred_element_type=stats)
     if post_scale != 1.0:

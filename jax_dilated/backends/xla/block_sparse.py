@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_dilated.backends.base import BlockLists, KernelArgs, any_pair_allowed
 from jax_dilated.backends.xla.block_math import (
@@ -14,7 +17,13 @@ from jax_dilated.backends.xla.block_math import (
     _listed,
 )
 from jax_dilated.backends.xla.dense import _check_pair, _chunked, batch_chunk
-from jax_dilated.backends.xla.layout import _Blocking, _matmul_inputs, _Prepared, _take
+from jax_dilated.backends.xla.layout import (
+    _Blocking,
+    _blocking,
+    _matmul_inputs,
+    _Prepared,
+    _take,
+)
 from jax_dilated.core import softmax
 from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
@@ -64,11 +73,12 @@ def _sparse_forward_core(q, k, v, kv_valid, q_seg, k_seg, args: KernelArgs, *,
                 mask = _block_mask(args, q_pos, _take(prep.k_pos, j), k_valid, q_sb,
                                    _take(prep.k_seg, j))
                 return _forward_block(state, q_blk, _take(prep.k, j), _take(prep.v, j),
-                                      mask, None, prep.post_scale, stats)
+                                      mask, None, prep.post_scale, stats,
+                                      args.logit_soft_cap)
 
             need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, _take(prep.k_pos, j),
                                                 _take(prep.k_valid, j), q_sb,
-                                                _take(prep.k_seg, j)))
+                                                _take(prep.k_seg, j), window=args.window))
             return maybe_skip(need, compute, state), None
 
         state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v, row))
@@ -112,13 +122,14 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg,
                 mask = _block_mask_t(args, q_pos, k_pos, k_valid, q_sb, k_sb)
                 return _backward_block(carry, _take(prep.q, i), k_blk, v_blk,
                                        _take(do_b, i), _take(lse_b, i), _take(delta_b, i),
-                                       mask, None, prep.post_scale, args.scale, stats)
+                                       mask, None, prep.post_scale, args.scale, stats,
+                                       args.logit_soft_cap)
 
             def skip(carry):
                 return carry, varying_like(jnp.zeros(dq_t_shape, stats), like)
 
             need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid, q_sb,
-                                                k_sb))
+                                                k_sb, window=args.window))
             return maybe_skip(need, compute, carry, skip)
 
         zeros_kv = varying_like(jnp.zeros(k_blk.shape, stats), like)
@@ -163,3 +174,75 @@ def block_sparse_backward(q, k, v, do, lse, delta, args: KernelArgs, *, blocks: 
                                             k_segment_ids),
                     dict(q_positions=q_positions, k_positions=k_positions, blocks=blocks),
                     args, None, chunk)
+
+
+# ------------------------------------------------------------- sliding windows
+
+
+def window_blocks(geo: _Blocking, window, is_causal: bool) -> BlockLists:
+    """The key blocks each query block of ``geo`` needs under ``window = (left,
+    right)`` (and the causal rule), positions ``arange``: NumPy lists of the band.
+
+    Query block ``i`` holds positions ``[i bq, min((i + 1) bq, Lq))``, key block ``j``
+    ``[j bk, min((j + 1) bk, Lk))``; ``j`` is listed where the key range meets the
+    query range widened to ``[lo - left, hi + right]`` (``hi`` alone with causality).
+    The band is contiguous, so each row is a run of blocks padded to the widest run.
+    """
+    left, right = window
+    right = 0 if is_causal else right
+
+    def ranges(length, block, num):
+        lo = np.arange(num) * block
+        return lo, np.minimum(lo + block, length) - 1
+
+    q_lo, q_hi = ranges(geo.len_q, geo.block_q, geo.num_q)
+    k_lo, k_hi = ranges(geo.len_k, geo.block_k, geo.num_k)
+    mask = ((k_lo[None, :] <= q_hi[:, None] + right)
+            & (k_hi[None, :] >= q_lo[:, None] - left))
+
+    def runs(m):
+        count = m.sum(-1)
+        first = np.where(count > 0, np.argmax(m, axis=-1), 0)
+        width = max(1, int(count.max(initial=0)))
+        idx = first[:, None] + np.arange(width)[None, :]
+        ok = np.arange(width)[None, :] < count[:, None]
+        idx = np.where(ok, idx, first[:, None]).astype(np.int32)  # padding: a valid index
+        return idx, (None if ok.all() else ok)
+
+    rows, rows_ok = runs(mask)
+    cols, cols_ok = runs(mask.T)
+    return BlockLists(rows, rows_ok, cols, cols_ok)
+
+
+def window_banded(args: KernelArgs, q_positions, k_positions) -> bool:
+    """Whether a dense call runs as the band of :func:`window_blocks`: a window with
+    the default positions (so the band is known at trace time) and no dropout (the
+    block-sparse kernels draw none). Other windowed calls visit every block and skip
+    those outside the window at run time."""
+    return (args.window is not None and q_positions is None and k_positions is None
+            and not args.dropout_rate)
+
+
+def _band(q, k, args: KernelArgs):
+    geo = _blocking(q.shape[1], k.shape[1], args)
+    exact = dataclasses.replace(args, block_q=geo.block_q, block_k=geo.block_k)
+    return exact, window_blocks(geo, args.window, args.is_causal)
+
+
+def window_forward(q, k, v, args: KernelArgs, *, kv_valid=None, q_segment_ids=None,
+                   k_segment_ids=None):
+    """Dense attention under ``args.window`` over the blocks of its band only
+    (O(window) work per query block): :func:`block_sparse_forward` with the lists of
+    :func:`window_blocks`. Arguments and results as in :func:`.dense.forward`."""
+    exact, blocks = _band(q, k, args)
+    return block_sparse_forward(q, k, v, exact, blocks=blocks, kv_valid=kv_valid,
+                                q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids)
+
+
+def window_backward(q, k, v, do, lse, delta, args: KernelArgs, *, kv_valid=None,
+                    q_segment_ids=None, k_segment_ids=None):
+    """Backward of :func:`window_forward` (as :func:`.dense.backward`)."""
+    exact, blocks = _band(q, k, args)
+    return block_sparse_backward(q, k, v, do, lse, delta, exact, blocks=blocks,
+                                 kv_valid=kv_valid, q_segment_ids=q_segment_ids,
+                                 k_segment_ids=k_segment_ids)

@@ -51,9 +51,10 @@ def _forward_core(q, k, v, kv_valid, q_seg, k_seg, args: KernelArgs, *, q_positi
                 keep = _dropout_keep(args, dropout_rng, i, j,
                                      q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                 return _forward_block(state, q_blk, k_blk, v_blk, mask, keep,
-                                      prep.post_scale, stats)
+                                      prep.post_scale, stats, args.logit_soft_cap)
 
-            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid, q_sb, k_sb)
+            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid, q_sb, k_sb,
+                                    window=args.window)
             return maybe_skip(need, compute, state), None
 
         state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v))
@@ -93,12 +94,13 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, args: Kernel
                                      q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                 return _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk,
                                        delta_blk, mask, keep, prep.post_scale, args.scale,
-                                       stats)
+                                       stats, args.logit_soft_cap)
 
             def skip(carry):
                 return carry, varying_like(jnp.zeros(dq_t_shape, stats), (q, k, v, do))
 
-            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid, q_sb, k_sb)
+            need = any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid, q_sb, k_sb,
+                                    window=args.window)
             return maybe_skip(need, compute, carry, skip)
 
         n_, h_, g_, bq_, d_ = prep.q.shape[1:]
@@ -182,8 +184,14 @@ def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
       two parts of :mod:`jax_dilated.core.softmax`); ``o = 0``, ``lse = -inf``,
       ``lse_lo = 0`` for rows with no allowed key.
     """
-    chunk = batch_chunk(q.shape[0], q, k, args)
     _check_pair(q_segment_ids, k_segment_ids)
+    if args.window is not None:
+        from jax_dilated.backends.xla import block_sparse  # (imports this module)
+        if block_sparse.window_banded(args, q_positions, k_positions):
+            return block_sparse.window_forward(q, k, v, args, kv_valid=kv_valid,
+                                               q_segment_ids=q_segment_ids,
+                                               k_segment_ids=k_segment_ids)
+    chunk = batch_chunk(q.shape[0], q, k, args)
     return _chunked(_forward_core, (q, k, v, kv_valid, q_segment_ids, k_segment_ids),
                     dict(q_positions=q_positions, k_positions=k_positions), args,
                     dropout_rng, chunk)
@@ -214,8 +222,15 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
     Returns:
       ``dq`` [N, Lq, H, D], ``dk``/``dv`` [N, Lk, Hkv, D], in the input dtypes.
     """
-    chunk = batch_chunk(q.shape[0], q, k, args)
     _check_pair(q_segment_ids, k_segment_ids)
+    if args.window is not None:
+        from jax_dilated.backends.xla import block_sparse  # (imports this module)
+        if block_sparse.window_banded(args, q_positions, k_positions):
+            return block_sparse.window_backward(q, k, v, do, lse, delta, args,
+                                                kv_valid=kv_valid,
+                                                q_segment_ids=q_segment_ids,
+                                                k_segment_ids=k_segment_ids)
+    chunk = batch_chunk(q.shape[0], q, k, args)
     return _chunked(_backward_core, (q, k, v, do, lse, delta, kv_valid, q_segment_ids,
                                      k_segment_ids),
                     dict(q_positions=q_positions, k_positions=k_positions), args,

@@ -177,7 +177,8 @@ class _RingSteps:
 
     def needed(self, query: QuerySide, keys: KeySide):
         return any_pair_allowed(self.args.is_causal, query.positions, keys.positions,
-                                keys.valid, query.segments, keys.segments)
+                                keys.valid, query.segments, keys.segments,
+                                window=self.args.window)
 
     def forward(self, query: QuerySide, keys: KeySide, acc):
         args = self.args
@@ -216,10 +217,10 @@ class _RingSteps:
                     keep = _dropout_keep(args, dropout_rng, i, j,
                                          q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                     return _forward_block(state, q_blk, k_blk, v_blk, mask, keep,
-                                          post_scale, stats)
+                                          post_scale, stats, args.logit_soft_cap)
 
                 need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid,
-                                                    q_sb, k_sb))
+                                                    q_sb, k_sb, window=args.window))
                 return maybe_skip(need, compute, state), None
 
             state, _ = jax.lax.scan(k_block, state, (row, row_ok))
@@ -270,13 +271,14 @@ class _RingSteps:
                                          q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                     (dk_j, dv_j), dqt_blk = _backward_block(
                         (self._kv(dk_b, j, h), self._kv(dv_b, j, h)), q_blk, k_blk, v_blk,
-                        do_blk, lse_blk, delta_blk, mask, keep, post_scale, args.scale, stats)
+                        do_blk, lse_blk, delta_blk, mask, keep, post_scale, args.scale, stats,
+                        args.logit_soft_cap)
                     return (dqt + dqt_blk, self._put_kv(dk_b, dk_j, j, h),
                             self._put_kv(dv_b, dv_j, j, h))
 
                 # the real entries of a row are distinct key blocks; padding is skipped
                 need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid,
-                                                    q_sb, k_sb))
+                                                    q_sb, k_sb, window=args.window))
                 return maybe_skip(need, compute, carry), None
 
             (dqt, dk_b, dv_b), _ = jax.lax.scan(k_block, (dqt, dk_b, dv_b), (row, row_ok))
