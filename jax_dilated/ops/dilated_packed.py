@@ -97,12 +97,16 @@ def packed_branch(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
     group = jnp.take_along_axis(starts, src.reshape(b, -1), axis=1).reshape(src.shape)
     group = group + (jnp.take_along_axis(rel, src.reshape(b, -1), axis=1).reshape(src.shape)
                      // w) * w
-    group = jnp.where(filled, group, -1)
+    # Empty slots get different ids on the query side (-1) and the key side (-2): equal
+    # ids would make the empty tail of every stream one "group" whose blocks the kernel
+    # could not skip (dense work over T (1 - 1/r) slots for nothing).
+    q_group = jnp.where(filled, group, -1)
+    k_group = jnp.where(filled, group, -2)
     valid = filled if kv_mask is None else filled & jnp.take_along_axis(
         kv_mask, src.reshape(b, -1), axis=1).reshape(src.shape)
     flat = lambda x: jnp.moveaxis(x, 2, 1).reshape(b * hs, length)  # noqa: E731
     o, lse, lse_lo = kernel.attention(q, k, v, args, kv_valid=flat(valid),
-                                      q_segment_ids=flat(group), k_segment_ids=flat(group),
+                                      q_segment_ids=flat(q_group), k_segment_ids=flat(k_group),
                                       dropout_rng=dropout_rng)
 
     def back(y, fill):  # [B Hs, length, 1, ...] -> [B, T, Hs, ...] at ``source``
