@@ -48,8 +48,6 @@ def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice
             note="as single-device longnet"),
         row("dilated_attention(seq_axis=...) branches spanning devices", ring_causal),
         row("block_sparse_attention", spec(dtype, head_dim, block_sparse=True)),
-        row("any call with window=", spec(dtype, head_dim, window=True)),
-        row("any call with logit_soft_cap=", spec(dtype, head_dim, soft_cap=True)),
         row("dilated_attention_decode (KV cache)",
             spec(dtype, head_dim, len_q=1, kv_valid=True)),
     ]

@@ -1,0 +1,323 @@
+"""Sliding windows, logit soft-capping and attention sinks (issue 18, phase 1).
+
+``window=(left, right)``: query ``p`` attends key ``t`` only if ``p - left <= t <= p +
+right`` (global positions), on top of every other mask; ``logit_soft_cap=c``: logits
+``c tanh(s / c)``; ``sinks`` [H]: a per-head logit in every row's denominator
+(docs/semantics.md, "Sliding windows, soft-capping and sinks").
+
+Every parity case compares the output and the gradients of q, k, v (and sinks)
+through a random cotangent with the float64 PyTorch reference
+(``torch_reference.dense_attention``, written from the math) at the tolerances of
+``_helpers.TOL``; the window is also checked against
+``jax.nn.dot_product_attention(local_window_size=...)``. Shapes are small (T <= 64,
+blocks of 8 / 16) so that windows smaller than a block, larger than the sequence and
+asymmetric ones all cross block and shard boundaries.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _mesh import build_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_dilated as jd
+from jax_dilated import block_patterns as bp
+from jax_dilated.backends import KernelArgs, cudnn, registry, selection, xla
+
+torch = pytest.importorskip("torch")  # the reference; without it the module skips
+
+import torch_reference as ref  # noqa: E402
+from _helpers import TOL, as_np, assert_close, rounded, to_jax, to_torch  # noqa: E402
+from torch_reference.block_sparse import expand_block_mask  # noqa: E402
+
+B, H, HKV, D = 2, 4, 2, 8
+SCALE = 0.5
+
+
+def make_inputs(seed: int, tq: int, tk: int | None = None, big: float = 1.0):
+    rng = np.random.default_rng(seed)
+    tk = tq if tk is None else tk
+    q = rng.standard_normal((B, tq, H, D)) * big
+    k = rng.standard_normal((B, tk, HKV, D))
+    v = rng.standard_normal((B, tk, HKV, D))
+    g = rng.standard_normal((B, tq, H, D))
+    return q, k, v, g
+
+
+def reference(q, k, v, g, sinks=None, *, allowed=None, **kw):
+    """float64 output and d/d(q, k, v[, sinks]) of sum(g * out), PyTorch."""
+    tq, tk, tv = (to_torch(x, requires_grad=True) for x in (q, k, v))
+    ts = None if sinks is None else to_torch(sinks, requires_grad=True)
+    out = ref.dense_attention(tq, tk, tv, scale=SCALE, sinks=ts, allowed=allowed, **kw)
+    (to_torch(g) * out).sum().backward()
+    leaves = (tq, tk, tv) if ts is None else (tq, tk, tv, ts)
+    return as_np(out), tuple(as_np(x.grad) for x in leaves)
+
+
+def check(name, dtype, got_out, got_grads, want_out, want_grads):
+    tol = TOL[dtype]
+    assert_close(got_out, want_out, tol, f"{name} out")
+    for n, got, want in zip(("q", "k", "v", "sinks"), got_grads, want_grads):
+        assert_close(got, want, tol, f"{name} d{n}")
+
+
+def grad_step(fn, n_args: int = 3):
+    """jit(grad) of sum(g * fn(*args)) in its first ``n_args`` arguments."""
+    def loss(g, *args):
+        out = fn(*args)
+        return jnp.sum(g.astype(out.dtype) * out).astype(jnp.float64), out
+
+    step = jax.jit(jax.grad(loss, argnums=tuple(range(1, n_args + 1)), has_aux=True))
+
+    def run(g, *args):
+        grads, out = step(g, *args)
+        return out, grads
+
+    return run
+
+
+# --------------------------------------------------------------------- the kernel
+
+KERNEL_CASES = [
+    # (name, tq, tk, block, window, cap, causal, positions given, dtype)
+    ("window below a block", 40, 40, 16, (3, 2), None, False, False, "float64"),
+    ("causal, cap, run-time skipping", 40, 40, 8, (5, 0), 1.5, True, True, "float64"),
+    ("window beyond the sequence", 33, 21, 8, (100, 100), 0.7, False, False, "float64"),
+    ("float32 asymmetric", 48, 48, 16, (9, 4), 3.0, False, False, "float32"),
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_kernel_parity(case):
+    name, tq, tk, block, window, cap, causal, given, dtype = case
+    q, k, v, g = make_inputs(len(name), tq, tk)
+    args = KernelArgs(scale=SCALE, is_causal=causal, block_q=block, block_k=block,
+                      window=window, logit_soft_cap=cap)
+    where = (dict(q_positions=jnp.arange(tq), k_positions=jnp.arange(tk)) if given
+             else {})
+    out, grads = grad_step(lambda q, k, v: xla.attention(q, k, v, args, **where)[0])(
+        *(to_jax(x, dtype) for x in (g, q, k, v)))
+    want = reference(*(rounded(x, dtype) for x in (q, k, v, g)), is_causal=causal,
+                     window=window, logit_soft_cap=cap)
+    check(name, dtype, out, grads, *want)
+
+
+def test_window_matches_jax_local_window_size():
+    """The second reference: jax.nn.dot_product_attention's local_window_size."""
+    q, k, v, _ = make_inputs(3, 40)
+    q, k, v = (to_jax(x, "float32") for x in (q, k, v))
+    for window, causal in (((0, 9), False), ((6, 0), True)):
+        args = KernelArgs(scale=SCALE, is_causal=causal, block_q=8, block_k=8,
+                          window=window)
+        got = xla.forward(q, k, v, args)[0]
+        want = jax.nn.dot_product_attention(q, k, v, scale=SCALE, is_causal=causal,
+                                            local_window_size=window, implementation="xla")
+        assert_close(got, want, TOL["float32"], f"window {window}")
+
+
+def test_soft_cap_far_beyond_the_cap():
+    """Logits of order 100 capped at 2: tanh saturates; forward and gradients exact."""
+    q, k, v, g = make_inputs(4, 32, big=60.0)
+    args = KernelArgs(scale=SCALE, block_q=8, block_k=8, logit_soft_cap=2.0)
+    out, grads = grad_step(lambda q, k, v: xla.attention(q, k, v, args)[0])(
+        *(jnp.asarray(x) for x in (g, q, k, v)))
+    want = reference(q, k, v, g, logit_soft_cap=2.0)
+    check("soft cap, |logits| >> c", "float64", out, grads, *want)
+
+
+def test_banded_kernel_visits_only_the_band():
+    """Static positions: the band lists hold O(window) key blocks per query block."""
+    geo = xla.layout._Blocking(1024, 1024, 64, 64)
+    lists = xla.block_sparse.window_blocks(geo, (100, 0), True)
+    assert lists.rows.shape == (16, 3)   # ceil(100 / 64) + 1 blocks at most
+    assert lists.cols.shape == (16, 3)
+    lists = xla.block_sparse.window_blocks(geo, (0, 0), False)
+    assert lists.rows.shape == (16, 1) and lists.rows_ok is None
+
+
+# ---------------------------------------------------------------- sinks, one device
+
+def _block_sparse(pattern, block, **kw):
+    def fn(q, k, v, sinks):
+        return jd.block_sparse_attention(q, k, v, block_size=block, pattern=pattern,
+                                         scale=SCALE, sinks=sinks, **kw)
+    return fn
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_sinks_with_fully_masked_rows(dtype):
+    """Row 1 of the batch has every key masked: output 0, finite gradients, and
+    d sinks exact (row 0 has a window, a cap and a sink)."""
+    t = 32
+    q, k, v, g = make_inputs(5, t)
+    sinks = np.array([0.5, -1.0, 2.0, 0.0])
+    mask = np.ones((B, t), bool)
+    mask[1] = False
+    pattern = np.ones((2, 2), bool)
+    fn = _block_sparse(pattern, 16, window=(4, 3), logit_soft_cap=2.5,
+                       kv_mask=jnp.asarray(mask))
+    out, grads = grad_step(fn, 4)(*(to_jax(x, dtype) for x in (g, q, k, v, sinks)))
+    assert np.all(np.asarray(jnp.asarray(out[1], jnp.float32)) == 0.0)
+    for gr in grads:
+        assert np.all(np.isfinite(np.asarray(jnp.asarray(gr, jnp.float32))))
+    want = reference(*(rounded(x, dtype) for x in (q, k, v, g, sinks)),
+                     kv_mask=torch.as_tensor(mask), window=(4, 3), logit_soft_cap=2.5)
+    check(f"sinks {dtype}", dtype, out, grads, *want)
+
+
+def test_block_sparse_window_and_lse():
+    """A pattern AND a window AND causal, with the sink-inclusive log-sum-exp."""
+    t, block = 48, 8
+    q, k, v, g = make_inputs(6, t)
+    sinks = np.array([1.0, 0.0, -0.5, 3.0])
+    pattern = bp.LocalWindow(1) | bp.GlobalBlocks([0])
+    mask = pattern.to_mask(t // block, t // block, None)
+    fn = _block_sparse(pattern, block, window=(11, 0), is_causal=True)
+    out, grads = grad_step(fn, 4)(*(jnp.asarray(x) for x in (g, q, k, v, sinks)))
+    allowed = expand_block_mask(mask, block, t, t)[None]
+    want = reference(q, k, v, g, sinks=sinks, allowed=allowed, is_causal=True,
+                     window=(11, 0))
+    check("block-sparse window", "float64", out, grads, *want)
+    _, lse = jd.block_sparse_attention(*(jnp.asarray(x) for x in (q, k, v)),
+                                       block_size=block, pattern=pattern, scale=SCALE,
+                                       is_causal=True, window=(11, 0),
+                                       sinks=jnp.asarray(sinks), return_lse=True)
+    _, want_lse = ref.dense_attention(*(to_torch(x) for x in (q, k, v)), scale=SCALE,
+                                      allowed=allowed, is_causal=True, window=(11, 0),
+                                      sinks=to_torch(sinks), return_lse=True)
+    assert_close(lse, as_np(want_lse), TOL["float64"], "lse with sinks")
+
+
+# ---------------------------------------------------------------------- the ring
+
+def ring(p: int, layout: str, *, sparse=None, **kw):
+    """``jd.ring_attention`` (or block-sparse, ``sparse=(block, pattern)``) inside
+    ``shard_map`` on ``p`` devices, global arrays in token order; sinks replicated."""
+    mesh = build_mesh((p,), ("seq",), "explicit")
+    spec = P(None, "seq")
+
+    def local(q, k, v, sinks):
+        if sparse is None:
+            return jd.ring_attention(q, k, v, seq_axis="seq", layout=layout, scale=SCALE,
+                                     sinks=sinks, **kw)
+        return jd.block_sparse_attention(q, k, v, block_size=sparse[0], pattern=sparse[1],
+                                         seq_axis="seq", layout=layout, scale=SCALE,
+                                         sinks=sinks, **kw)
+
+    sm = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (P(),), out_specs=spec,
+                       check_vma=True)
+
+    def place(x):
+        return jax.sharding.reshard(jd.to_layout(x, p, layout), NamedSharding(mesh, spec))
+
+    def fn(q, k, v, sinks):
+        out = sm(*(place(x) for x in (q, k, v)),
+                 jax.sharding.reshard(sinks, NamedSharding(mesh, P())))
+        out = jax.sharding.reshard(out, NamedSharding(mesh, P()))
+        return jd.from_layout(out, p, layout)
+
+    return fn
+
+
+RING_CASES = [
+    # (P, layout, causal, window, cap, dtype)
+    (2, "contiguous", False, (10, 3), 2.0, "float64"),
+    (4, "zigzag", True, (9, 0), None, "float64"),
+    (4, "striped", False, (2, 5), 1.0, "float32"),
+]
+
+
+@pytest.mark.parametrize("p,layout,causal,window,cap,dtype", RING_CASES,
+                         ids=["-".join(map(str, c[:3])) for c in RING_CASES])
+def test_ring_parity(p, layout, causal, window, cap, dtype):
+    t = 64
+    q, k, v, g = make_inputs(7 + p, t)
+    sinks = np.array([0.3, -2.0, 1.0, 0.0])
+    fn = ring(p, layout, is_causal=causal, window=window, logit_soft_cap=cap)
+    out, grads = grad_step(fn, 4)(*(to_jax(x, dtype) for x in (g, q, k, v, sinks)))
+    want = reference(*(rounded(x, dtype) for x in (q, k, v, g, sinks)), is_causal=causal,
+                     window=window, logit_soft_cap=cap)
+    check(f"ring P={p} {layout}", dtype, out, grads, *want)
+
+
+def test_ring_skips_steps_outside_the_window():
+    """Keys of devices 2 and 3 are NaN; device 0's queries (window (4, 0)) need only
+    their own shard. If any step touched the NaN shards for device 0's rows (forward)
+    or the backward of device 2/3's rows touched device 0's keys, NaN would reach
+    rows 0..15 of out, dq, dk, dv. They stay finite and exact: those steps were
+    skipped at run time."""
+    t, n = 64, 16
+    q, k, v, g = make_inputs(8, t)
+    kn, vn = k.copy(), v.copy()
+    kn[:, 2 * n:], vn[:, 2 * n:] = np.nan, np.nan
+    sinks = np.zeros(H)
+    fn = ring(4, "contiguous", is_causal=True, window=(4, 0))
+    out, grads = grad_step(fn, 3)(*(jnp.asarray(x) for x in (g, q, kn, vn)),
+                                  jnp.asarray(sinks))
+    want_out, want_grads = reference(q, k, v, g, sinks=sinks, is_causal=True, window=(4, 0))
+    out, grads = np.asarray(out), [np.asarray(x) for x in grads]
+    assert_close(out[:, :n], want_out[:, :n], TOL["float64"], "skipped ring out")
+    for name, got, want in zip("qkv", grads, want_grads):
+        assert_close(got[:, :n], want[:, :n], TOL["float64"], f"skipped ring d{name}")
+
+
+def test_block_sparse_ring():
+    t, block = 64, 8
+    q, k, v, g = make_inputs(9, t)
+    sinks = np.array([0.0, 1.0, -1.0, 0.5])
+    pattern = bp.LocalWindow(2)
+    mask = pattern.to_mask(t // block, t // block, None)
+    fn = ring(2, "zigzag", sparse=(block, pattern), is_causal=True, window=(13, 0),
+              logit_soft_cap=1.5)
+    out, grads = grad_step(fn, 4)(*(jnp.asarray(x) for x in (g, q, k, v, sinks)))
+    want = reference(q, k, v, g, sinks=sinks, allowed=expand_block_mask(mask, block, t, t)[None],
+                     is_causal=True, window=(13, 0), logit_soft_cap=1.5)
+    check("block-sparse ring", "float64", out, grads, *want)
+
+
+# ------------------------------------------------------------ backends, bad input
+
+def test_cudnn_refuses_window_and_soft_cap():
+    info = selection.DeviceInfo("gpu", "NVIDIA H100", (9, 0), "cuda")
+    q = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
+    for args, word in ((KernelArgs(scale=1.0, window=(8, 0)), "sliding window"),
+                       (KernelArgs(scale=1.0, logit_soft_cap=30.0), "soft-cap")):
+        reason = selection.cudnn_call_reason(info, cudnn.call_spec(q, q, args))
+        assert reason is not None and word in reason, reason
+    assert selection.cudnn_call_reason(
+        info, cudnn.call_spec(q, q, KernelArgs(scale=1.0))) is None
+    # the automatic kernel sends such a call to XLA; the strict one says why not
+    strict = cudnn.CudnnKernel(ops=cudnn.ReferenceOps(), device=info)
+    auto = registry.AutoKernel(strict)
+    x = jnp.zeros((1, 16, 4, 64), jnp.bfloat16)
+    args = KernelArgs(scale=1.0, window=(3, 0), is_causal=True)
+    kern, why = auto.choose(x, x, args)
+    assert kern is auto.xla and "sliding window" in why
+    assert auto.ring_steps(x, x, args) is not None  # the XLA kernel's fused steps
+    with pytest.raises(ValueError, match="sliding window"):
+        strict.forward(x, x, x, args)
+
+
+BAD = [
+    (dict(window=(-1, 0)), ValueError, r"window\[0\].*-1"),
+    (dict(window=(3, 2), is_causal=True), ValueError, r"window.*right=2.*is_causal"),
+    (dict(window=4), TypeError, r"window must be None or a pair"),
+    (dict(window=(2.5, 0)), TypeError, r"window\[0\]"),
+    (dict(logit_soft_cap=0.0), ValueError, r"logit_soft_cap.*> 0"),
+    (dict(logit_soft_cap=float("inf")), ValueError, r"logit_soft_cap.*finite"),
+    (dict(logit_soft_cap="30"), TypeError, r"logit_soft_cap"),
+    (dict(sinks=np.zeros(3)), ValueError, r"sinks.*\(4,\).*\(3,\)"),
+    (dict(sinks=np.zeros(4, np.int32)), TypeError, r"sinks must be a floating array"),
+]
+
+
+@pytest.mark.parametrize("kw,err,match", BAD, ids=[str(b[0]) for b in BAD])
+def test_bad_input(kw, err, match):
+    x = jnp.zeros((1, 16, H, D))
+    with pytest.raises(err, match=match):
+        jd.block_sparse_attention(x, x, x, block_size=8, pattern=np.ones((2, 2), bool),
+                                  **kw)
