@@ -21,6 +21,15 @@ Ops (``python -m benchmarks <op> --help`` lists each one's options):
                 tokens/s, TFLOP/s, memory, and the Markdown table of docs/benchmarks.md.
   lm            LongNetLM: training-step compiled memory against n and step time;
                 KV-cache decoding time per token at a short and a long context.
+  packed        packed sequences (segment_ids, issue 17): D documents packed in one
+                row of n against the costs the issue compares them with, each in one
+                interleaved set with temp memory and an equality check: the causal
+                ring over P simulated devices against one n-token document (target
+                <= 0.25x fwd+bwd, same per-device memory; plus the ring steps and
+                kernel blocks the skip rules run, from the ids), dilated attention
+                against the documents as a batch (<= 1.3x, equal results; both modes,
+                segments scaled to the document), block-sparse with the ids against
+                the static pattern of the same blocks (<= 1.3x); PASS/FAIL per target.
 
 Every op shares (``benchmarks/harness.py``): ``--threads N`` (default 2) pins the process
 to N CPUs before JAX and torch start and gives torch N threads; ``--repeats`` interleaved

@@ -9,6 +9,7 @@ largest magnitude, in both modes, causal and not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import io
 import os
@@ -341,3 +342,47 @@ def test_xformers_shim_is_softmax_attention(causal):
     w = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("bhqk,bkhd->bqhd", w / w.sum(-1, keepdims=True), v)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------ packed (issue 17)
+
+def test_packed_op_runs_end_to_end_at_a_tiny_size(tmp_path):
+    """``python -m benchmarks packed`` in this process at a tiny size: every part runs,
+    packed results equal the documents run alone, the ring's executed work is what the
+    skip rules give, and the targets and the load warning are printed."""
+    from benchmarks import packed
+    op = harness.OPS["packed"]
+    parser = argparse.ArgumentParser()
+    op.add_arguments(parser)
+    harness.add_common_arguments(parser, op)
+    args = parser.parse_args(
+        ["-n", "64", "--documents", "4", "--devices", "2", "--heads", "2", "--head-dim", "4",
+         "--block", "8", "--layouts", "zigzag", "--modes", "longnet", "--segment-lengths",
+         "16", "--dilation-rates", "2", "--no-forward", "--repeats", "1", "--warmup",
+         "0", "--json", str(tmp_path / "p.json")])
+    harness.resolve_common(args, op)
+    args.load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(1.5, 1.5))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        payload = op.run(args)
+    text = out.getvalue()
+    assert "issue 17 targets" in text and "WARNING: load average 1.50" in text
+    assert payload["benchmark"] == "packed" and "environment" in payload
+    for part in ("ring", "block_sparse"):
+        for res in payload[part]["variants"].values():
+            assert res["forward_backward"]["median_s"] > 0
+            assert res["memory_forward_backward"]["temp"] >= 0
+            check = next((v for k, v in res.items() if k.startswith("check_vs_")), None)
+            assert check is None or check["agree"], check
+    for res in payload["dilated"]["longnet"]["variants"].values():
+        assert res["check_vs_batched"]["agree"] and "forward" not in res
+    # 4 documents of 16 over 2 devices, zigzag chunks of 16 = one document each (and one
+    # kernel block): only the 2 diagonal steps run, one block per chunk in each
+    work = payload["ring"]["work"]["packed zigzag"]
+    assert (work["steps_run"], work["blocks_run"], work["block"]) == (2, 4, 16)
+    assert payload["ring"]["work"]["one document zigzag"]["steps_run"] == 4
+    names = [t["target"] for t in payload["targets"]]
+    assert all(isinstance(t["pass"], bool) for t in payload["targets"])
+    assert any("ring packed zigzag: fwd+bwd time" in t for t in names)
+    assert not any("forward time" in t for t in names)  # --no-forward: not timed
+    assert packed.ring_work(None, 64, 2, "contiguous", True)["steps_run"] == 3
