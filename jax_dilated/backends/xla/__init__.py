@@ -1,6 +1,7 @@
 """Blockwise online-softmax attention in pure XLA (the ``"xla"`` backend).
 
-One module per job: :mod:`.layout` (block geometry, the blocked layout),
+One module per job: :mod:`.layout` (block geometry, the blocked layout), :mod:`.chunks`
+(batch chunking),
 :mod:`.block_math` (one query block against one key block), :mod:`.dense` (every
 key block: ``forward``/``backward``/``attention``), :mod:`.ring` (blocks kept
 in the kernel's layout around a ring), :mod:`.block_sparse` (listed blocks only).

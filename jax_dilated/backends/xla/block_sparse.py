@@ -16,7 +16,7 @@ from jax_dilated.backends.xla.block_math import (
     _forward_block,
     _listed,
 )
-from jax_dilated.backends.xla.dense import _check_pair, _chunked, batch_chunk
+from jax_dilated.backends.xla.chunks import _check_pair, _chunked, batch_chunk
 from jax_dilated.backends.xla.layout import (
     _Blocking,
     _blocking,

@@ -22,6 +22,13 @@ from jax_dilated.backends.xla.block_math import (
     _dropout_keep,
     _forward_block,
 )
+from jax_dilated.backends.xla import block_sparse
+from jax_dilated.backends.xla.chunks import (  # noqa: F401 (re-exported names)
+    _BLOCK_ELEMENTS,
+    _check_pair,
+    _chunked,
+    batch_chunk,
+)
 from jax_dilated.backends.xla.layout import _blocking, _matmul_inputs, _Prepared
 from jax_dilated.core import softmax
 from jax_dilated.core.skip import maybe_skip
@@ -123,47 +130,6 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, args: Kernel
             prep.from_k_rows(dv).astype(dtypes[2]))
 
 
-# Elements of one logits block [n, H, block_q, block_k] processed at once. The
-# batch (segments x batch) is cut into chunks that keep a block near this size:
-# blocks that fit in cache run the matmuls 2-3x faster on CPU than one huge block
-# batched over every segment, and temp memory stops growing with the batch.
-_BLOCK_ELEMENTS = 1 << 21
-
-
-def batch_chunk(n: int, q, k, args: KernelArgs) -> int:
-    """Items of a batched call [n, L, H, D] processed at once (see ``_BLOCK_ELEMENTS``)."""
-    geo = _blocking(q.shape[1], k.shape[1], args)
-    per_item = q.shape[2] * geo.block_q * geo.block_k
-    return max(1, min(n, _BLOCK_ELEMENTS // per_item))
-
-
-def _chunked(core, batched, shared, args, dropout_rng, chunk: int):
-    """Run ``core`` over the leading (batch) axis of ``batched`` in chunks of ``chunk``.
-
-    ``batched``: arrays (or None) with a leading batch axis; ``shared``: keyword
-    arrays passed whole. Each chunk gets its own dropout key (fold_in of the chunk
-    index), so forward and backward draw the same masks.
-    """
-    n = next(x for x in batched if x is not None).shape[0]
-    if chunk >= n:
-        return core(*batched, args, dropout_rng=dropout_rng, **shared)
-    num = -(-n // chunk)
-
-    def split(x):
-        if x is None:
-            return None
-        x = jnp.pad(x, [(0, num * chunk - n)] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape(num, chunk, *x.shape[1:])
-
-    def one(xs):
-        i, parts = xs
-        rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
-        return core(*parts, args, dropout_rng=rng, **shared)
-
-    outs = jax.lax.map(one, (jnp.arange(num), tuple(split(x) for x in batched)))
-    return jax.tree.map(lambda y: y.reshape(num * chunk, *y.shape[2:])[:n], outs)
-
-
 def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
             kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
     """Blockwise attention forward.
@@ -186,7 +152,6 @@ def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
     """
     _check_pair(q_segment_ids, k_segment_ids)
     if args.window is not None:
-        from jax_dilated.backends.xla import block_sparse  # (imports this module)
         if block_sparse.window_banded(args, q_positions, k_positions):
             return block_sparse.window_forward(q, k, v, args, kv_valid=kv_valid,
                                                q_segment_ids=q_segment_ids,
@@ -224,7 +189,6 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
     """
     _check_pair(q_segment_ids, k_segment_ids)
     if args.window is not None:
-        from jax_dilated.backends.xla import block_sparse  # (imports this module)
         if block_sparse.window_banded(args, q_positions, k_positions):
             return block_sparse.window_backward(q, k, v, do, lse, delta, args,
                                                 kv_valid=kv_valid,
@@ -275,11 +239,3 @@ def attention(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
     """
     return _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng,
                       q_segment_ids, k_segment_ids)
-
-
-def _check_pair(q_segment_ids, k_segment_ids):
-    """Segment ids come for both sides or for neither (the kernels compare the two)."""
-    if (q_segment_ids is None) != (k_segment_ids is None):
-        raise ValueError("q_segment_ids and k_segment_ids must be given together, got "
-                         f"q_segment_ids={'None' if q_segment_ids is None else 'an array'} "
-                         f"and k_segment_ids={'None' if k_segment_ids is None else 'an array'}.")

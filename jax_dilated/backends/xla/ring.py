@@ -22,7 +22,7 @@ from jax_dilated.backends.xla.block_math import (
     _forward_block,
     _listed,
 )
-from jax_dilated.backends.xla.dense import _BLOCK_ELEMENTS, batch_chunk
+from jax_dilated.backends.xla.chunks import _BLOCK_ELEMENTS, batch_chunk
 from jax_dilated.backends.xla.layout import (
     _Blocking,
     _blocking,
