@@ -51,8 +51,10 @@ positions by default) packed into rows of ``--seq-len`` with segment ids
 (``jax_dilated.data``: short documents whole, long ones cut into ``--seq-len``
 pieces). A fraction ``--heldout-fraction`` of the documents (by a hash of the path) is
 held out. The loss counts every byte of a piece but its first: no prediction across a
-document boundary, none of padding. Segment ids go to the model when its ``__call__``
-takes ``segment_ids=``; until then attention crosses documents (a warning says so).
+document boundary, none of padding. The segment ids go to the model
+(``LongNetLM(tokens, segment_ids=...)``): attention stays inside each document and the
+rotary / xPos positions restart at its first byte, so a packed row trains as its
+documents alone would (a model without that keyword gets a warning instead).
 Default branches: (256, 1) and (T, T/1024): the window baseline's segment plus one
 branch over the whole row. Evaluations log held-out bits per byte (``eval_bpb``) and,
 in ``summary.json``, bits per byte by the position of the predicted byte within its

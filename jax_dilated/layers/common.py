@@ -36,6 +36,7 @@ __all__ = [
     "block_sparse_core",
     "check_inputs",
     "precision_context",
+    "check_decode_segment_ids",
     "layer_decode_step",
 ]
 
@@ -119,17 +120,23 @@ class AttentionCore:
         return self.kind == "dilated"
 
     def __call__(self, query, key, value, *, is_causal=False, kv_mask=None,
-                 dropout_rate=0.0, dropout_rng=None):
-        """``[batch, seq, heads, head_dim]`` in, the same out (see the attention fn)."""
+                 segment_ids=None, dropout_rate=0.0, dropout_rng=None):
+        """``[batch, seq, heads, head_dim]`` in, the same out (see the attention fn).
+
+        ``segment_ids`` (int ``[batch, seq]``, packed documents) reaches the attention
+        function only when given, so a drop-in ``attention_fn`` without that keyword
+        still serves unpacked calls."""
         kw = dict(self.options, is_causal=is_causal)
         if self.has_dropout:
             kw.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+        segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
+        docs = {} if segment_ids is None else {"segment_ids": segment_ids}
         if self.mesh is None:
-            return self.fn(query, key, value, kv_mask=kv_mask, **kw)
+            return self.fn(query, key, value, kv_mask=kv_mask, **docs, **kw)
         run = sharded(functools.partial(self.fn, **kw), self.mesh, seq_axis=self.seq_axis,
                       batch_axis=self.batch_axis, head_axis=self.head_axis,
                       layout=self.layout, strategy=self.strategy)
-        return run(query, key, value, kv_mask=kv_mask)
+        return run(query, key, value, kv_mask=kv_mask, **docs)
 
 
 def _block_options(block_q, block_k) -> tuple:
@@ -222,11 +229,21 @@ def block_sparse_core(*, block_size, pattern, scale=None, implementation=None,
 # ---------------------------------------------------------------------------- decoding
 
 
+def check_decode_segment_ids(segment_ids):
+    """Decoding continues one document per batch row: ``segment_ids`` must be None."""
+    if segment_ids is not None:
+        raise ValueError(
+            f"decode=True takes no segment_ids (got shape "
+            f"{tuple(getattr(segment_ids, 'shape', ()))}): decoding continues one document "
+            f"per batch row (the KV cache holds one sequence); run packed rows with "
+            f"decode=False.")
+
+
 def layer_decode_step(core: AttentionCore, cache: decoding.KVCache, q, k, v, *, kv_mask,
                       dropout_rng, precision):
     """A decoding step of a layer: ``(attn [B, n, H, D], new cache)`` for ``n`` new
     tokens (one, or a prompt; see :func:`jax_dilated.ops.decode.decode_tokens`). Decoding
-    is causal, on one device, without dropout or padding mask."""
+    is causal, on one device, without dropout, padding mask or packed documents."""
     if core.kind != "dilated":
         raise ValueError(
             "decode=True is available for dilated attention layers; ring attention is "

@@ -46,8 +46,9 @@ class DilatedAttention(nn.Module):
     """:func:`jax_dilated.dilated_attention` as a Linen module (no parameters).
 
     Fields as :class:`jax_dilated.nnx.DilatedAttention`; call ``(query, key, value, *,
-    is_causal=False, kv_mask=None, deterministic=None, dropout_rng=None)`` with
-    ``[B, T, H, D]`` arrays.
+    is_causal=False, kv_mask=None, segment_ids=None, deterministic=None,
+    dropout_rng=None)`` with ``[B, T, H, D]`` arrays (``segment_ids`` int [B, T]:
+    packed documents).
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -90,11 +91,12 @@ class DilatedAttention(nn.Module):
 
     @nn.compact
     def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
-                 deterministic: bool | None = None, dropout_rng=None):
+                 segment_ids=None, deterministic: bool | None = None, dropout_rng=None):
         core = self._core()
         rate = validation.check_dropout_rate(self.dropout_rate)
         key_ = _dropout_key(self, rate, deterministic, dropout_rng)
         return core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
+                    segment_ids=segment_ids,
                     dropout_rate=rate if key_ is not None else 0.0, dropout_rng=key_)
 
 
@@ -102,7 +104,7 @@ class RingAttention(nn.Module):
     """Exact attention over a sequence sharded on ``seq_axis`` of ``mesh`` (Linen).
 
     Fields as :class:`jax_dilated.nnx.RingAttention`; call ``(query, key, value, *,
-    is_causal=False, kv_mask=None)``.
+    is_causal=False, kv_mask=None, segment_ids=None)``.
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -136,8 +138,10 @@ class RingAttention(nn.Module):
                                 block_k=self.block_k)
 
     @nn.compact
-    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None):
-        return self._core()(query, key, value, is_causal=is_causal, kv_mask=kv_mask)
+    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
+                 segment_ids=None):
+        return self._core()(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
+                            segment_ids=segment_ids)
 
 
 class _ParamGroup(nn.Module):
@@ -233,7 +237,7 @@ class _Multihead(nn.Module):
 
     @nn.compact
     def __call__(self, query, key=None, value=None, *, is_causal: bool = False,
-                 kv_mask=None, deterministic: bool | None = None,
+                 kv_mask=None, segment_ids=None, deterministic: bool | None = None,
                  decode: bool | None = None, dropout_rng=None):
         """Multi-head attention: ``query`` [batch, seq, embed_dim] (``key`` / ``value``
         default to it) -> [batch, seq, embed_dim]. Arguments as in
@@ -252,17 +256,21 @@ class _Multihead(nn.Module):
                 f"dropout_rate={rate}: {core.kind} attention has no attention dropout; use "
                 f"dropout_rate=0.0 (or dilated attention).")
         query, key, value = common.check_inputs(heads.embed_dim, query, key, value)
+        segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
         params = {group: _ParamGroup(specs, self.param_dtype, name=group)()
                   for group, specs in projections.param_specs(heads).items()}
         dropout_rng = _dropout_key(self, rate, deterministic, dropout_rng)
         q, k, v = projections.project_qkv(params, query, key, value, dtype=self.dtype,
                                      precision=self.precision)
         if self.decode if decode is None else decode:
+            common.check_decode_segment_ids(segment_ids)
             attn = self._decode(core, q, k, v, kv_mask, dropout_rng)
         else:
-            q, k = projections.apply_qk_transform(self.qk_transform, q, k)
+            q, k = projections.apply_qk_transform(self.qk_transform, q, k,
+                                                  segment_ids=segment_ids)
             with common.precision_context(self.precision):
                 attn = core(q, k, v, is_causal=is_causal, kv_mask=kv_mask,
+                            segment_ids=segment_ids,
                             dropout_rate=rate if dropout_rng is not None else 0.0,
                             dropout_rng=dropout_rng)
         return projections.project_out(params, heads, attn, dtype=self.dtype,

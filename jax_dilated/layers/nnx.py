@@ -53,7 +53,9 @@ class DilatedAttention(nnx_rngs.DropoutMixin, nnx.Module):
       rngs: ``nnx.Rngs``; its ``dropout`` stream is kept for dropout.
 
     Call: ``(query [B, T, H, D], key, value [B, T, Hkv, D], *, is_causal=False,
-    kv_mask=None [B, T] bool, deterministic=None, rngs=None) -> [B, T, H, D]``.
+    kv_mask=None [B, T] bool, segment_ids=None [B, T] int, deterministic=None,
+    rngs=None) -> [B, T, H, D]``; ``segment_ids`` packs documents into a row (see
+    :func:`jax_dilated.dilated_attention`).
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -82,10 +84,11 @@ class DilatedAttention(nnx_rngs.DropoutMixin, nnx.Module):
         self.rngs = nnx_rngs.fork_dropout_rngs(rngs, self.dropout_rate)
 
     def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
-                 deterministic: bool | None = None, rngs=None):
+                 segment_ids=None, deterministic: bool | None = None, rngs=None):
         dropout_rng = self._dropout_key(self.dropout_rate, deterministic, rngs,
                                         "DilatedAttention")
         return self.core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
+                         segment_ids=segment_ids,
                          dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
                          dropout_rng=dropout_rng)
 
@@ -104,7 +107,8 @@ class RingAttention(nnx.Module):
       scale, implementation, attention_fn, block_q, block_k: as for
         :func:`jax_dilated.ring_attention`.
 
-    Call: ``(query, key, value, *, is_causal=False, kv_mask=None) -> [B, T, H, D]``.
+    Call: ``(query, key, value, *, is_causal=False, kv_mask=None, segment_ids=None)
+    -> [B, T, H, D]`` (``segment_ids`` int [B, T]: packed documents).
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -125,8 +129,10 @@ class RingAttention(nnx.Module):
                                      attention_fn=attention_fn, block_q=block_q,
                                      block_k=block_k)
 
-    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None):
-        return self.core(query, key, value, is_causal=is_causal, kv_mask=kv_mask)
+    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
+                 segment_ids=None):
+        return self.core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
+                         segment_ids=segment_ids)
 
 
 class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
@@ -186,7 +192,7 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
             self.decode = decode
 
     def __call__(self, query, key=None, value=None, *, is_causal: bool = False,
-                 kv_mask=None, deterministic: bool | None = None,
+                 kv_mask=None, segment_ids=None, deterministic: bool | None = None,
                  decode: bool | None = None, rngs=None):
         """Multi-head attention of ``query`` over ``key`` / ``value``.
 
@@ -195,6 +201,11 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
             ``query`` (self-attention; ``value`` defaults to ``key``).
           is_causal: causal attention.
           kv_mask: bool [batch, seq], True where a key may be attended to.
+          segment_ids: int [batch, seq], packed documents (a document is a maximal
+            run of equal ids): a query attends to keys of its own document only, and
+            ``qk_transform`` positions count from the document's first token, so a
+            packed row gives what its documents give alone (with dilated attention,
+            whose segment grid restarts at each document). Not with ``decode``.
           deterministic: no dropout when True (default: the constructor's).
           decode: decode against the KV cache of :meth:`init_cache`: ``query``
             [batch, n, embed_dim] are the next ``n`` tokens (one at a time, or a
@@ -206,12 +217,14 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
           [batch, seq, embed_dim].
         """
         query, key, value = common.check_inputs(self.heads.embed_dim, query, key, value)
+        segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
         params = self._params()
         dropout_rng = self._dropout_key(self.dropout_rate, deterministic, rngs,
                                         type(self).__name__)
         q, k, v = projections.project_qkv(params, query, key, value, dtype=self.dtype,
                                      precision=self.precision)
         if self.decode if decode is None else decode:
+            common.check_decode_segment_ids(segment_ids)
             if self.cache_index is None:
                 raise ValueError(
                     "decode=True needs the KV cache: call layer.init_cache((batch, "
@@ -225,9 +238,11 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
             self.cached_key[...], self.cached_value[...] = cache.key, cache.value
             self.cache_index[...] = cache.index
         else:
-            q, k = projections.apply_qk_transform(self.qk_transform, q, k)
+            q, k = projections.apply_qk_transform(self.qk_transform, q, k,
+                                                  segment_ids=segment_ids)
             with common.precision_context(self.precision):
                 attn = self.core(q, k, v, is_causal=is_causal, kv_mask=kv_mask,
+                                 segment_ids=segment_ids,
                                  dropout_rate=(self.dropout_rate if dropout_rng is not None
                                                else 0.0),
                                  dropout_rng=dropout_rng)
@@ -267,7 +282,8 @@ class MultiheadDilatedAttention(_Multihead):
       qk_transform: ``(q, k, positions) -> (q, k)`` applied to the projected
         queries [B, T, H, D] and keys [B, T, Hkv, D] before attention (and before
         keys enter the KV cache), ``positions`` int32 [T] the tokens' absolute
-        positions (``cache index + arange(T)`` when decoding); e.g.
+        positions (``cache index + arange(T)`` when decoding), or int32 [B, T] the
+        positions within their documents when the call has ``segment_ids``; e.g.
         :class:`jax_dilated.models.Rotary` or :class:`jax_dilated.models.XPos`.
       deterministic, decode: defaults of the call's flags.
       rngs: ``nnx.Rngs`` (``params`` stream for initialisation, ``dropout`` stream).

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.layers.common import AttentionCore
+from jax_dilated.ops.dilated_packed import document_starts
 
 __all__ = ["HeadsConfig", "ParamSpec", "param_specs", "project_qkv", "project_out",
            "check_qk_transform", "apply_qk_transform", "xavier_normal"]
@@ -194,14 +195,19 @@ def check_qk_transform(fn):
     return fn
 
 
-def apply_qk_transform(fn, q, k, start=0):
+def apply_qk_transform(fn, q, k, start=0, segment_ids=None):
     """``fn(q, k, positions)`` for the projected ``q`` [B, T, H, D] and ``k``
     [B, T, Hkv, D] of tokens at absolute positions ``start + arange(T)`` (int32
     [T]; ``start`` is the cache index when decoding), e.g. rotary embeddings.
-    Returns ``(q, k)`` unchanged when ``fn`` is None."""
+    With ``segment_ids`` (int [B, T], packed documents) the positions count from
+    each token's document instead, ``p - start of its document`` (int32 [B, T]; a
+    document is a maximal run of equal ids), so a packed row is encoded as its
+    documents alone would be. Returns ``(q, k)`` unchanged when ``fn`` is None."""
     if fn is None:
         return q, k
     positions = jnp.asarray(start, jnp.int32) + jnp.arange(q.shape[1], dtype=jnp.int32)
+    if segment_ids is not None:
+        positions = positions[None, :] - document_starts(segment_ids)
     out = fn(q, k, positions)
     if not (isinstance(out, (tuple, list)) and len(out) == 2
             and tuple(out[0].shape) == tuple(q.shape)

@@ -44,6 +44,7 @@ from flax import nnx
 from jax_dilated.core import validation
 from jax_dilated.layers import nnx as jd_nnx
 from jax_dilated.layers import projections
+from jax_dilated.layers.common import check_decode_segment_ids
 from jax_dilated.models.config import LongNetConfig
 
 __all__ = ["LongNetLM", "cross_entropy"]
@@ -107,19 +108,20 @@ class _Block(nnx.Module):
         self.ffn = _FeedForward(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
 
-    def __call__(self, x, *, kv_mask=None, decode=False, deterministic=None):
-        h = self.attn(self.ln_attn(x), is_causal=True, kv_mask=kv_mask, decode=decode,
-                      deterministic=deterministic)
+    def __call__(self, x, *, kv_mask=None, segment_ids=None, decode=False,
+                 deterministic=None):
+        h = self.attn(self.ln_attn(x), is_causal=True, kv_mask=kv_mask,
+                      segment_ids=segment_ids, decode=decode, deterministic=deterministic)
         x = x + self.dropout(h, deterministic=deterministic)
         h = self.ffn(self.ln_ffn(x))
         return x + self.dropout(h, deterministic=deterministic)
 
 
-def _run_block(block, x, kv_mask, deterministic):
-    return block(x, kv_mask=kv_mask, deterministic=deterministic)
+def _run_block(block, x, kv_mask, segment_ids, deterministic):
+    return block(x, kv_mask=kv_mask, segment_ids=segment_ids, deterministic=deterministic)
 
 
-_run_block_remat = nnx.remat(_run_block, static_argnums=(3,))
+_run_block_remat = nnx.remat(_run_block, static_argnums=(4,))
 
 
 def _poison_out_of_vocab(tokens, x, vocab_size: int):
@@ -155,10 +157,13 @@ class LongNetLM(nnx.Module):
         shards the batch. Inputs and outputs stay global arrays.
       rngs: ``nnx.Rngs`` (``params`` for initialisation, ``dropout`` for dropout).
 
-    Call: ``model(tokens [B, T] int, *, kv_mask=None [B, T] bool, decode=False,
-    deterministic=None) -> logits [B, T, V]`` (float32, or float64 for a float64
-    model). Logits at ``t`` depend on
-    tokens ``0..t`` only (causal). ``decode=True`` runs the next tokens against the
+    Call: ``model(tokens [B, T] int, *, kv_mask=None [B, T] bool, segment_ids=None
+    [B, T] int, decode=False, deterministic=None) -> logits [B, T, V]`` (float32, or
+    float64 for a float64 model). Logits at ``t`` depend on
+    tokens ``0..t`` only (causal). ``segment_ids`` packs documents into a row (a
+    document is a maximal run of equal ids): attention stays inside each document
+    and rotary / xPos positions count from its first token, so the logits of a
+    packed row are those of each document run alone (not with ``decode``). ``decode=True`` runs the next tokens against the
     KV cache of :meth:`init_cache` (a prompt at once, then token by token; each
     token at its absolute position). ``deterministic=True`` disables dropout (None:
     the modules' defaults, i.e. dropout on; ``nnx.view(model, deterministic=True)``
@@ -209,7 +214,7 @@ class LongNetLM(nnx.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def __call__(self, tokens, *, kv_mask=None, decode: bool = False,
+    def __call__(self, tokens, *, kv_mask=None, segment_ids=None, decode: bool = False,
                  deterministic: bool | None = None):
         """``tokens`` [B, T] int -> logits [B, T, V] (at least float32; see the class
         docstring)."""
@@ -218,6 +223,10 @@ class LongNetLM(nnx.Module):
                 f"tokens must be an int array [batch, seq], got "
                 f"{getattr(tokens, 'dtype', type(tokens).__name__)} "
                 f"{tuple(getattr(tokens, 'shape', ()))}.")
+        if decode:
+            check_decode_segment_ids(segment_ids)
+        # checked here too, so that a bad shape names the tokens it was paired with
+        segment_ids = validation.check_segment_ids(segment_ids, tokens.shape, tokens.shape)
         cfg = self.config
         x = self.embed(tokens) * jnp.asarray(math.sqrt(cfg.embed_dim),
                                              cfg.dtype or cfg.param_dtype)
@@ -227,9 +236,9 @@ class LongNetLM(nnx.Module):
             if decode:
                 x = block(x, kv_mask=kv_mask, decode=True, deterministic=deterministic)
             elif cfg.remat:
-                x = _run_block_remat(block, x, kv_mask, deterministic)
+                x = _run_block_remat(block, x, kv_mask, segment_ids, deterministic)
             else:
-                x = _run_block(block, x, kv_mask, deterministic)
+                x = _run_block(block, x, kv_mask, segment_ids, deterministic)
         x = self.final_ln(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
         return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))

@@ -3,8 +3,9 @@
 Both are ``qk_transform`` callables of the multi-head layers
 (:class:`jax_dilated.nnx.MultiheadDilatedAttention` ``qk_transform=``): they take the
 projected ``q`` [batch, seq, heads, head_dim], ``k`` [batch, seq, kv_heads,
-head_dim] and the tokens' absolute positions ``positions`` int32 [seq], and return
-``(q, k)`` of the same shapes. They are frozen dataclasses (hashable, static under
+head_dim] and the tokens' positions ``positions`` int32 [seq] (or [batch, seq]:
+positions within packed documents, see ``segment_ids``), and return ``(q, k)`` of
+the same shapes. They are frozen dataclasses (hashable, static under
 ``jax.jit``).
 
 Rotary (Su et al., RoFormer): feature ``i`` and ``i + head_dim/2`` of every head form
@@ -43,8 +44,15 @@ def _check_head_dim(head_dim: int, who: str):
             f"{who} rotates pairs of features: head_dim must be even, got {head_dim}.")
 
 
+def _per_row(positions, ct):
+    """Positions [T] or [B, T] as [1 or B, T] in dtype ``ct``."""
+    positions = jnp.asarray(positions, ct)
+    return positions[None] if positions.ndim == 1 else positions
+
+
 def rotate(x, positions, base: float = 10000.0):
-    """Rotary embedding of ``x`` [batch, seq, heads, head_dim] at ``positions`` [seq].
+    """Rotary embedding of ``x`` [batch, seq, heads, head_dim] at ``positions`` [seq]
+    (the same for every row) or [batch, seq].
 
     Pairs ``(x[..., i], x[..., i + head_dim/2])`` are rotated by ``positions *
     base^(-2i/head_dim)``. Returns an array of the shape and dtype of ``x``.
@@ -62,8 +70,8 @@ def rotate(x, positions, base: float = 10000.0):
     ct = _compute_dtype(x.dtype)
     half = d // 2
     theta = base ** (-jnp.arange(half, dtype=ct) * (2.0 / d))  # [D/2]
-    angle = jnp.asarray(positions, ct)[:, None] * theta[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+    angle = _per_row(positions, ct)[..., None] * theta  # [1 or B, T, D/2]
+    cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
     xc = x.astype(ct)
     x1, x2 = xc[..., :half], xc[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -77,8 +85,8 @@ class Rotary:
     Attributes:
       base: the wavelength base (``theta_i = base^(-2i/head_dim)``).
 
-    Call: ``(q [B, T, H, D], k [B, T, Hkv, D], positions int [T]) -> (q, k)``, same
-    shapes and dtypes; ``D`` must be even.
+    Call: ``(q [B, T, H, D], k [B, T, Hkv, D], positions int [T] or [B, T]) -> (q,
+    k)``, same shapes and dtypes; ``D`` must be even.
 
     Example (scores depend on relative positions only):
       >>> import jax, jax.numpy as jnp
@@ -114,7 +122,8 @@ class XPos:
       gamma: ``zeta_i = (2i/head_dim + gamma) / (1 + gamma)``.
       center: the position ``c`` where both scales are 1 (cancels in the scores).
 
-    Call: ``(q [B, T, H, D], k [B, T, Hkv, D], positions int [T]) -> (q, k)``.
+    Call: ``(q [B, T, H, D], k [B, T, Hkv, D], positions int [T] or [B, T]) -> (q,
+    k)``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -136,18 +145,19 @@ class XPos:
             validation.check_positive_float(f"XPos {name}", getattr(self, name))
 
     def scales(self, positions, head_dim: int, dtype=jnp.float32):
-        """The query scale ``zeta^((n - c)/B)`` [T, head_dim] (keys use its inverse)."""
+        """The query scale ``zeta^((n - c)/B)`` [T, head_dim] for positions [T], or
+        [B, T, head_dim] for positions [B, T] (keys use its inverse)."""
         _check_head_dim(head_dim, "xPos")
         half = head_dim // 2
         zeta = (jnp.arange(half, dtype=dtype) * (2.0 / head_dim) + self.gamma) \
             / (1.0 + self.gamma)
         power = (jnp.asarray(positions, dtype) - self.center) / self.scale_base
-        s = zeta[None, :] ** power[:, None]
+        s = zeta ** power[..., None]
         return jnp.concatenate([s, s], axis=-1)
 
     def __call__(self, q, k, positions):
         ct = _compute_dtype(jnp.promote_types(q.dtype, k.dtype))
-        s = self.scales(positions, q.shape[-1], ct)[None, :, None, :]
+        s = self.scales(_per_row(positions, ct), q.shape[-1], ct)[:, :, None, :]
         q = (rotate(q, positions, self.base).astype(ct) * s).astype(q.dtype)
         k = (rotate(k, positions, self.base).astype(ct) / s).astype(k.dtype)
         return q, k

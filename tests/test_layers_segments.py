@@ -1,0 +1,198 @@
+"""Packed sequences (``segment_ids``) through the layers and ``LongNetLM`` (issue 17).
+
+* The NNX and Linen multi-head layers with ``segment_ids`` equal the functional op
+  with ``segment_ids`` on the same projections (written out here with einsums), and
+  differ from the unpacked call (float64).
+* ``LongNetLM`` is packing-invariant: a packed row's logits equal each document run
+  alone through the model, with rotary and with xPos positions (which restart at
+  each document), and so do the gradients of every parameter (packed vs the sum over
+  the documents alone), float64 ~1e-10.
+* Bad ``segment_ids`` and ``decode=True`` with ``segment_ids`` are errors naming
+  ``segment_ids``; ``jd.attention_fn`` refuses a document mask (see its docstring).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_dilated as jd
+from jax_dilated.models import LongNetConfig, LongNetLM
+
+E, H, T = 16, 4, 24
+# small: compile time dominates these tests
+SEGS = dict(segment_lengths=(4, 8), dilation_rates=(1, 2))
+DOCS = (9, 15)                        # a packed row of two documents (short last segments)
+IDS = np.repeat(np.arange(len(DOCS)), DOCS)[None]  # [1, T]
+
+
+def _ids(batch=2):
+    """Two rows of different packings: documents (9, 15) and (5, 3, 16)."""
+    other = np.repeat(np.arange(3), (5, 3, 16))
+    return jnp.asarray(np.stack([IDS[0], other])[:batch], jnp.int32)
+
+
+def _by_hand(p, x, attend):
+    """The multi-head layer without sub-LayerNorm, written out: projections, the
+    functional op ``attend(q, k, v)``, output projection."""
+    q, k, v = (jnp.einsum("bte,ehd->bthd", x, p[n]["kernel"]) + p[n]["bias"]
+               for n in ("query", "key", "value"))
+    return jnp.einsum("bthd,hde->bte", attend(q, k, v), p["out"]["kernel"]) + p["out"]["bias"]
+
+
+LAYERS = {
+    "dilated": (jd.nnx.MultiheadDilatedAttention, jd.linen.MultiheadDilatedAttention,
+                dict(**SEGS, num_kv_heads=2),
+                lambda q, k, v, ids: jd.dilated_attention(q, k, v, **SEGS, is_causal=True,
+                                                          segment_ids=ids)),
+    "block_sparse": (jd.nnx.MultiheadBlockSparseAttention,
+                     jd.linen.MultiheadBlockSparseAttention,
+                     dict(block_size=4, pattern=np.tril(np.ones((6, 6), bool))),
+                     lambda q, k, v, ids: jd.block_sparse_attention(
+                         q, k, v, block_size=4, pattern=np.tril(np.ones((6, 6), bool)),
+                         is_causal=True, segment_ids=ids)),
+}
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_layers_equal_the_op_with_segment_ids(kind):
+    nnx_cls, linen_cls, kw, op = LAYERS[kind]
+    layer = nnx_cls(E, H, layer_norm=False, param_dtype=jnp.float64, rngs=nnx.Rngs(0), **kw)
+    rng = np.random.default_rng(0)
+    # random biases too, so that every parameter matters
+    nnx.update(layer, jax.tree.map(lambda a: jnp.asarray(0.5 * rng.standard_normal(a.shape)),
+                                   nnx.state(layer, nnx.Param)))
+    params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+    x = jnp.asarray(rng.standard_normal((2, T, E)))
+    ids = _ids()
+    want, plain = jax.jit(lambda x, s: (_by_hand(params, x, lambda q, k, v: op(q, k, v, s)),
+                                        _by_hand(params, x, lambda q, k, v: op(q, k, v, None)))
+                          )(x, ids)
+    assert np.abs(np.asarray(plain) - np.asarray(want)).max() > 1e-3  # packing matters
+    got = nnx.jit(lambda m, x, s: m(x, is_causal=True, segment_ids=s))(layer, x, ids)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-10)
+    linen = linen_cls(embed_dim=E, num_heads=H, layer_norm=False, param_dtype=jnp.float64,
+                      **kw)
+    got_linen = jax.jit(lambda p, x, s: linen.apply({"params": p}, x, is_causal=True,
+                                                    segment_ids=s))(params, x, ids)
+    np.testing.assert_allclose(np.asarray(got_linen), np.asarray(want), rtol=1e-10,
+                               atol=1e-10)
+
+
+def test_parameterless_layers_pass_segment_ids():
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, T, H, 4))) for _ in range(3))
+    ids = _ids()
+    want = jax.jit(lambda q, k, v, s: jd.dilated_attention(q, k, v, **SEGS,
+                                                           segment_ids=s))(q, k, v, ids)
+    layer, linen = jd.nnx.DilatedAttention(**SEGS), jd.linen.DilatedAttention(**SEGS)
+    got = jax.jit(lambda q, k, v, s: layer(q, k, v, segment_ids=s))(q, k, v, ids)
+    got_linen = jax.jit(lambda q, k, v, s: linen.apply({}, q, k, v, segment_ids=s))(
+        q, k, v, ids)
+    for out in (got, got_linen):
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-12, atol=1e-12)
+
+
+def _model(positions):
+    cfg = LongNetConfig(vocab_size=32, embed_dim=E, num_layers=1, num_heads=H,
+                        num_kv_heads=2, **SEGS, max_len=T, positions=positions,
+                        xpos_scale_base=8.0, param_dtype=jnp.float64)
+    model = LongNetLM(cfg, rngs=nnx.Rngs(2))
+    rng = np.random.default_rng(2)  # every parameter random: LayerNorms and biases matter
+    nnx.update(model, jax.tree.map(lambda p: jnp.asarray(0.3 * rng.standard_normal(p.shape)
+                                                         + (p == 1) * 1.0),
+                                   nnx.state(model, nnx.Param)))
+    return model
+
+
+@pytest.mark.parametrize("positions", ["rotary", "xpos"])
+def test_longnet_packed_row_equals_documents_alone(positions):
+    """Logits and parameter gradients (for a random cotangent) of a packed row equal
+    those of its documents run alone: attention and positions restart at each
+    document."""
+    model = _model(positions)
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, 32, (1, T)), jnp.int32)
+    cot = jnp.asarray(rng.standard_normal((1, T, 32)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def fwd_bwd(p, tokens, cot, ids):
+        def f(p):
+            return nnx.merge(graphdef, p, rest)(tokens, segment_ids=ids,
+                                                deterministic=True)
+        out, vjp = jax.vjp(f, p)
+        return out, vjp(cot)[0]
+
+    packed, g_packed = fwd_bwd(params, tokens, cot, jnp.asarray(IDS, jnp.int32))
+    starts = np.cumsum((0,) + DOCS)
+    alone, g_alone = [], None
+    for a, b in zip(starts[:-1], starts[1:]):
+        out, g = fwd_bwd(params, tokens[:, a:b], cot[:, a:b], None)
+        alone.append(out)
+        g_alone = g if g_alone is None else jax.tree.map(jnp.add, g_alone, g)
+    np.testing.assert_allclose(np.asarray(packed), np.asarray(jnp.concatenate(alone, 1)),
+                               rtol=1e-10, atol=1e-10)
+    for x, y in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_alone)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-9, atol=1e-10)
+
+
+def test_bad_segment_ids_and_decode_are_errors():
+    layer = jd.nnx.MultiheadDilatedAttention(E, H, **SEGS, rngs=nnx.Rngs(0))
+    x = jnp.ones((2, T, E))
+    with pytest.raises(ValueError, match="segment_ids"):
+        layer(x, segment_ids=jnp.zeros((2, T - 1), jnp.int32))
+    with pytest.raises(TypeError, match="segment_ids"):
+        layer(x, segment_ids=jnp.zeros((2, T)))
+    linen = jd.linen.MultiheadDilatedAttention(embed_dim=E, num_heads=H, **SEGS)
+    params = jax.eval_shape(linen.init, jax.random.key(0), x)  # shapes only: cheap
+    with pytest.raises(ValueError, match="segment_ids"):
+        jax.eval_shape(lambda p: linen.apply(p, x, segment_ids=jnp.zeros((1, T), jnp.int32)),
+                       params)
+    layer.init_cache((2, T, E))
+    with pytest.raises(ValueError, match="decode=True takes no segment_ids"):
+        layer(x[:, :1], decode=True, segment_ids=jnp.zeros((2, 1), jnp.int32))
+    model = LongNetLM(LongNetConfig(vocab_size=32, embed_dim=E, num_layers=1, num_heads=H,
+                                    **SEGS, max_len=T), rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((2, T), jnp.int32)
+    with pytest.raises(ValueError, match="segment_ids must have shape"):
+        model(tokens, segment_ids=jnp.zeros((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="decode=True takes no segment_ids"):
+        model(tokens, decode=True, segment_ids=jnp.zeros((2, T), jnp.int32))
+
+
+def test_qk_transform_positions_restart_at_each_document():
+    """Rotary and xPos scores depend on relative positions only, so the model test
+    above cannot see where positions start: the layer's ``qk_transform`` receives the
+    position within the document (a run of equal ids; a repeated id after another
+    document starts a new run), and Rotary / XPos take such [B, T] positions row by
+    row."""
+    ids = np.array([[3, 3, 3, 1, 1, 3, 3, 7], [0, 0, 0, 0, 0, 0, 0, 0]])
+    want = np.array([[0, 1, 2, 0, 1, 0, 1, 0], list(range(8))])  # by hand
+    seen = []
+
+    class Seen(Exception):
+        pass
+
+    def spy(q, k, positions):  # records the positions, then skips the attention
+        seen.append(np.asarray(positions))
+        raise Seen
+
+    layer = jd.nnx.MultiheadDilatedAttention(8, 2, segment_lengths=(4,), dilation_rates=(1,),
+                                             qk_transform=spy, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 8, 8)), jnp.float32)
+    with pytest.raises(Seen):
+        layer(x, segment_ids=jnp.asarray(ids, jnp.int32))
+    np.testing.assert_array_equal(seen[-1], want)
+    rng = np.random.default_rng(5)
+    q, k = (jnp.asarray(rng.standard_normal((2, 8, 2, 4))) for _ in range(2))
+    for fn in (jd.models.Rotary(), jd.models.XPos(scale_base=8.0, center=4)):
+        rows = fn(q, k, jnp.asarray(want))
+        for b in range(2):
+            one = fn(q[b:b + 1], k[b:b + 1], jnp.asarray(want[b]))
+            for got, ref in zip(rows, one):
+                np.testing.assert_allclose(np.asarray(got[b:b + 1]), np.asarray(ref),
+                                           rtol=1e-13, atol=1e-13)
