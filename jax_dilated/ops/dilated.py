@@ -85,8 +85,14 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
 
       segment_ids: int [batch, seq] document ids of packed rows (a document is a
         maximal run of equal ids): the segment grid and the offsets restart at each
-        document, so every document gets exactly what it would alone (one device;
-        docs/semantics.md, section 2, "Packed sequences").
+        document, so every document gets exactly what it would alone
+        (docs/semantics.md, section 2, "Packed sequences"). With ``seq_axis`` (this
+        shard's ids) every device runs the packed program on the whole sequence of
+        some heads: an all-to-all to ``H / P`` heads when ``P`` divides the heads
+        (moving about a shard of q, k, v and the output per device), else q, k, v
+        and the ids are all-gathered (``O(T H D)`` held per device) and each device
+        computes ``ceil(H / P)`` heads (:func:`jax_dilated.ops.strategies.packed_dilated`).
+        No segment-length restriction of the unpacked sharded path applies.
       max_documents: a static bound on the documents per row with ``segment_ids``; it
         shortens the internal streams of branches with rate > 1 to about ``T / r``
         (default: ``T``). A row with more documents is an error (traced: NaN output).
@@ -128,12 +134,24 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
                                    num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
     rng = dropout_rng if dropout_rate > 0.0 else None
     segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
+    if segment_ids is not None and seq_axis is not None:
+        # documents start anywhere, so segments no longer sit on the shards: every
+        # device runs the packed program on the whole sequence of some heads
+        # (strategies.packed_dilated). Imported here: strategies builds on this module.
+        from jax_dilated.ops import strategies
+
+        get_kernel(implementation)  # validate the name now, at trace time
+        _check_max_documents(max_documents)
+        options = dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+                       mode=mode, head_offsets=head_offsets, is_causal=is_causal,
+                       scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                       implementation=implementation, block_q=block_q, block_k=block_k,
+                       max_documents=max_documents)
+        o, lse = strategies.packed_dilated(options, query, key, value, kv_mask,
+                                           segment_ids, axis_name=seq_axis,
+                                           num_devices=num_devices)
+        return (o, lse) if return_lse else o
     if segment_ids is not None:
-        if seq_axis is not None:
-            raise ValueError(
-                "dilated_attention(segment_ids=...) runs on one device for now: with "
-                "seq_axis, shard packed rows with jd.sharded(..., strategy='heads'), "
-                "which runs the whole sequence of some heads on each device.")
         o, lse = _packed(get_kernel(implementation), args, plans, mode, query, key, value,
                          kv_mask, segment_ids, max_documents, rng)
         return (o, lse) if return_lse else o
@@ -168,11 +186,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
 def _packed(kernel, args, plans, mode, query, key, value, kv_mask, segment_ids,
             max_documents, rng):
     """Dilated attention over packed rows (:mod:`jax_dilated.ops.dilated_packed`)."""
-    if max_documents is not None and (isinstance(max_documents, bool)
-                                      or not isinstance(max_documents, int)
-                                      or max_documents < 1):
-        raise ValueError(f"max_documents must be None or a positive int, got "
-                         f"{max_documents!r}.")
+    _check_max_documents(max_documents)
     starts = dilated_packed.document_starts(segment_ids)
     overflow = jnp.zeros(query.shape[0], bool)
     if max_documents is not None:
@@ -198,6 +212,14 @@ def _packed(kernel, args, plans, mode, query, key, value, kv_mask, segment_ids,
     # ids are traced): NaN, never a result computed from cut streams
     o = jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, o.dtype), o)
     return o, lse
+
+
+def _check_max_documents(max_documents):
+    if max_documents is not None and (isinstance(max_documents, bool)
+                                      or not isinstance(max_documents, int)
+                                      or max_documents < 1):
+        raise ValueError(f"max_documents must be None or a positive int, got "
+                         f"{max_documents!r}.")
 
 
 def combine_branches(results, mode: str, dtype):

@@ -12,8 +12,6 @@ Explicit axes (``jax.make_mesh`` makes Explicit ones).
 
 from __future__ import annotations
 
-import inspect
-
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -29,12 +27,7 @@ def _name(fn) -> str:
     return getattr(inner, "__name__", repr(inner))
 
 
-def _accepts(fn, name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return True  # cannot tell: let the call decide
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+_accepts = strategies.accepts
 
 
 def _axis_keyword(fn) -> str:
@@ -85,8 +78,13 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         per call by the cost model of :func:`jax_dilated.explain_strategy`).
 
     Returns:
-      ``g(query, key, value, *, kv_mask=None)`` on global arrays, returning the global
-      ``[batch, seq, heads, head_dim]`` output in token order.
+      ``g(query, key, value, *, kv_mask=None, segment_ids=None)`` on global arrays,
+      returning the global ``[batch, seq, heads, head_dim]`` output in token order.
+      ``segment_ids`` (int ``[batch, seq]``, packed documents) is sharded and laid out
+      like ``kv_mask``; ``"ring"`` passes the local shard to ``fn`` (which must take
+      ``segment_ids=``), ``"heads"`` gives the single-device operation the whole
+      sequence's ids, ``"allgather"`` gathers them with the keys (packed dilated
+      attention: docs/semantics.md, section 8).
 
     Example:
       >>> import functools, jax, jax_dilated as jd
@@ -116,7 +114,7 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
     qkv_spec = P(batch_axis, seq_axis, head_axis, None)
     mask_spec = P(batch_axis, seq_axis)
 
-    def run(query, key, value, *, kv_mask=None):
+    def run(query, key, value, *, kv_mask=None, segment_ids=None):
         # check the global shapes here: inside shard_map a mistake would be reported
         # with shard shapes, or by JAX's sharding machinery
         b, t, h, hkv, tk = validation.check_qkv(query, key, value)
@@ -131,6 +129,8 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                 f"batch size must be divisible by it, got query {tuple(query.shape)}.")
         layouts.check_divisible(t, num, layout)
         validation.check_kv_mask(kv_mask, query.shape[0], key.shape[1])
+        segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
+        packed = segment_ids is not None
         if head_axis is not None:
             hsize = mesh.shape[head_axis]
             if h % hsize or hkv % hsize:
@@ -146,11 +146,11 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
             chosen = strategies.choose(
                 op, batch=b, seq_len=t, num_heads=heads_per_shard,
                 num_kv_heads=kv_per_shard, head_dim=query.shape[-1], num_devices=num,
-                dtype=query.dtype, layout=layout)[0]
+                dtype=query.dtype, layout=layout, segment_ids=packed)[0]
         strategies.require(
             op, chosen, num_heads=heads_per_shard, num_devices=num, layout=layout,
             seq_len=t, heads_of="" if head_axis is None else
-            f" in each shard of head_axis={head_axis!r}")
+            f" in each shard of head_axis={head_axis!r}", segment_ids=packed)
         # the heads strategy needs no layout: it moves whole heads, not tokens
         lay = "contiguous" if chosen == "heads" else layout
         # Re-layout inside shard_map (O(T / P) moved per device) when the shards allow
@@ -168,27 +168,32 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
             x = layouts.to_layout(_place(x, mesh, whole), num, lay)
             return _place(x, mesh, spec)
 
-        args = [to(x, qkv_spec) for x in (query, key, value)]
-        specs = [qkv_spec] * 3
-        if kv_mask is not None:
-            args.append(to(kv_mask, mask_spec))
-            specs.append(mask_spec)
+        # per-token arrays (padding mask, document ids) go where their tokens go
+        given = [x for x in (kv_mask, segment_ids) if x is not None]
+        args = [to(x, qkv_spec) for x in (query, key, value)] + [
+            to(x, mask_spec) for x in given]
+        specs = [qkv_spec] * 3 + [mask_spec] * len(given)
 
-        def compute(q, k, v, mask):
+        def compute(q, k, v, mask, ids):
             if chosen == "heads":
-                return strategies.heads_local(op, q, k, v, mask, axis_name=seq_axis,
+                return strategies.heads_local(op, q, k, v, mask, ids, axis_name=seq_axis,
                                               num_devices=num)
             if chosen == "allgather":
-                return strategies.allgather_local(op, q, k, v, mask, axis_name=seq_axis,
-                                                  num_devices=num, layout=lay)
-            return fn(q, k, v, kv_mask=mask, **{axis_kw: seq_axis}, **layout_kw)
+                return strategies.allgather_local(op, q, k, v, mask, ids,
+                                                  axis_name=seq_axis, num_devices=num,
+                                                  layout=lay)
+            extra = {} if ids is None else {"segment_ids": ids}
+            return fn(q, k, v, kv_mask=mask, **{axis_kw: seq_axis}, **layout_kw, **extra)
 
-        def local(q, k, v, mask=None):
+        def local(q, k, v, *tokens):
+            tokens = iter(tokens)
+            mask = None if kv_mask is None else next(tokens)
+            ids = None if segment_ids is None else next(tokens)
             if in_shard:
-                q, k, v, mask = (None if x is None else
-                                 layouts.shard_to_layout(x, seq_axis, num, lay)
-                                 for x in (q, k, v, mask))
-            out = compute(q, k, v, mask)
+                q, k, v, mask, ids = (None if x is None else
+                                      layouts.shard_to_layout(x, seq_axis, num, lay)
+                                      for x in (q, k, v, mask, ids))
+            out = compute(q, k, v, mask, ids)
             return layouts.shard_from_layout(out, seq_axis, num, lay) if in_shard else out
 
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,

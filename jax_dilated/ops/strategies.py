@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import sys
 
@@ -52,9 +53,10 @@ from jax_dilated.ops import dilated_local, distributed
 from jax_dilated.ops.block_sparse_plan import head_classes, resolve_mask, ring_blocks
 from jax_dilated.ops.ring import ring_attention
 
-__all__ = ["STRATEGIES", "Operation", "describe", "check_strategy", "servable",
+__all__ = ["STRATEGIES", "Operation", "describe", "accepts", "check_strategy", "servable",
            "seq_to_heads", "heads_to_seq", "gather_tokens", "heads_local",
-           "allgather_local", "StrategyCost", "estimate", "choose", "explain_strategy"]
+           "allgather_local", "packed_dilated", "StrategyCost", "estimate", "choose",
+           "explain_strategy"]
 
 STRATEGIES = ("ring", "allgather", "heads", "auto")
 
@@ -95,15 +97,28 @@ def describe(fn) -> Operation:
     return Operation(kind, fn, options if kind != "custom" else {})
 
 
+def accepts(fn, name: str) -> bool:
+    """Whether ``fn`` takes the keyword ``name`` (True when its signature cannot be read:
+    the call then decides)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
-             seq_len: int | None = None, heads_of: str = "") -> dict:
+             seq_len: int | None = None, heads_of: str = "",
+             segment_ids: bool = False) -> dict:
     """``{strategy: None or why it cannot serve}`` for the concrete strategies.
 
     With ``seq_len`` the operation's own sharding rules are checked too (dilated
     segments that would straddle devices, block-sparse blocks that would straddle
     shards), so that ``"auto"`` never picks a strategy that would then refuse.
     ``heads_of`` says whose heads ``num_heads`` counts in messages (e.g. those of one
-    ``head_axis`` shard).
+    ``head_axis`` shard). ``segment_ids``: the call has packed rows; a custom function
+    must then take ``segment_ids=``, and packed dilated attention has no segment rule
+    to check (it runs whole sequences of some heads, :func:`packed_dilated`).
     """
     why = {"ring": None, "allgather": None, "heads": None}
     if num_heads % num_devices:
@@ -113,12 +128,18 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
         why["allgather"] = ("strategy='allgather' needs one of the library's operations "
                             "(ring_attention, dilated_attention, block_sparse_attention), "
                             f"got {_fn_name(op.fn)}")
+        if segment_ids and not accepts(op.fn, "segment_ids"):
+            for s in ("ring", "heads"):
+                why[s] = why[s] or (f"segment_ids needs a function that takes "
+                                    f"segment_ids=, and {_fn_name(op.fn)} does not")
     sequence = None
     if op.kind == "dilated" and layout != "contiguous":
         sequence = f"dilated attention shards the sequence contiguously, got layout={layout!r}"
     elif op.kind == "block_sparse" and layout == "striped":
         sequence = ("block-sparse attention needs shards made of whole blocks, got "
                     "layout='striped'")
+    elif seq_len is not None and op.kind == "dilated" and segment_ids:
+        pass  # packed rows: every strategy runs whole sequences (packed_dilated)
     elif seq_len is not None and op.kind in ("dilated", "block_sparse"):
         try:
             n = seq_len // num_devices
@@ -150,13 +171,15 @@ def check_strategy(strategy) -> str:
 
 
 def require(op: Operation, strategy: str, *, num_heads: int, num_devices: int,
-            layout: str, seq_len: int | None = None, heads_of: str = "") -> None:
+            layout: str, seq_len: int | None = None, heads_of: str = "",
+            segment_ids: bool = False) -> None:
     """Raise ``ValueError`` naming the strategies that can serve when ``strategy``
-    cannot. (``"ring"`` is left to the operation, whose own messages say why.)"""
-    if strategy == "ring":
+    cannot. (``"ring"`` without segment ids is left to the operation, whose own
+    messages say why.)"""
+    if strategy == "ring" and not segment_ids:
         return
     why = servable(op, num_heads=num_heads, num_devices=num_devices, layout=layout,
-                   seq_len=seq_len, heads_of=heads_of)
+                   seq_len=seq_len, heads_of=heads_of, segment_ids=segment_ids)
     if why.get(strategy) is None:
         return
     others = [s for s, w in why.items() if w is None]
@@ -229,23 +252,27 @@ def _kernel_args(options, head_dim: int, *, dropout=False) -> KernelArgs:
                       dropout_rate=rate, block_q=block_q, block_k=block_k)
 
 
-def _device_plans(branches, seq_len: int, num_heads: int, local_heads: int,
-                  local_kv: int, mode: str, rule: str, device: int):
-    """The branch plans of the heads of ``device`` (``[d h, (d+1) h)``), numbered
-    locally but with their *global* offsets (and head groups)."""
+def _head_plans(branches, seq_len: int, num_heads: int, heads, local_kv: int, mode: str,
+                rule: str):
+    """The branch plans of the query heads ``heads`` (global indices, ascending; local
+    head ``i`` is global head ``heads[i]``, repeats allowed), numbered locally but with
+    their *global* offsets (and head groups); ``local_kv`` kv heads held locally, local
+    query head ``i`` reading kv head ``i // (len(heads) / local_kv)``."""
     full = branch_plans.plan_branches(branches, seq_len=seq_len, num_heads=num_heads,
                                       num_kv_heads=num_heads, mode=mode,
                                       offsets_rule=rule)
-    lo, hi = device * local_heads, (device + 1) * local_heads
+    heads = np.asarray(heads)
     plans = []
     for p in full:
-        sel = (p.query_heads >= lo) & (p.query_heads < hi)
-        if not sel.any():
+        offset_of = dict(zip(p.query_heads.tolist(), p.offsets.tolist()))
+        mine = np.array([i for i, j in enumerate(heads.tolist()) if j in offset_of],
+                        np.int64)
+        if not mine.size:
             continue
-        heads, offsets = p.query_heads[sel] - lo, p.offsets[sel]
-        kv_offsets, kv_heads, group = branch_plans.kv_head_plan(heads, offsets,
-                                                                local_heads, local_kv)
-        plans.append(branch_plans.BranchPlan(p.branch, heads, offsets, kv_offsets,
+        offsets = np.array([offset_of[j] for j in heads[mine].tolist()], np.int64)
+        kv_offsets, kv_heads, group = branch_plans.kv_head_plan(mine, offsets, len(heads),
+                                                                local_kv)
+        plans.append(branch_plans.BranchPlan(p.branch, mine, offsets, kv_offsets,
                                              kv_heads, group))
     return plans
 
@@ -274,8 +301,16 @@ def _by_device(axis_name: str, variants: list, call):
 
 
 def _dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
-                   num_heads: int):
-    """Single-device dilated attention of this device's heads, global head numbering."""
+                   num_heads: int, segment_ids=None, heads_of=None):
+    """Single-device dilated attention of this device's heads over the whole sequence,
+    global head numbering: ``(out, lse)`` [B, T, h, D], [B, T, h].
+
+    ``heads_of``: None when ``q``/``k``/``v`` hold this device's ``h = H / P`` heads
+    (:func:`seq_to_heads`; device ``d`` has heads ``[d h, (d+1) h)``); else an int
+    [P, c] table of the global heads each device runs, taken here from ``q``/``k``/``v``
+    holding all heads (gathered). With ``segment_ids`` [B, T] the packed program
+    (:func:`jax_dilated.ops.dilated._packed`) runs instead of the unpacked one.
+    """
     o = options
     branches = branch_plans.validate_branches(o["segment_lengths"], o["dilation_rates"])
     mode, rule = o.get("mode", "longnet"), o.get("head_offsets", "modulo")
@@ -284,26 +319,40 @@ def _dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
     if rng is not None:  # every device's heads draw their own masks
         rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
     kernel = get_kernel(o.get("implementation"))
-    t, h, hkv = q.shape[1], q.shape[2], k.shape[2]
+    t = q.shape[1]
+    if heads_of is None:
+        h, hkv = q.shape[2], k.shape[2]
+        table = [np.arange(d * h, (d + 1) * h) for d in range(num_devices)]
+    else:
+        # one kv head per query head: the kv head each of this device's heads reads
+        table = list(heads_of)
+        h = hkv = len(table[0])
+        mine = jnp.asarray(np.asarray(heads_of, np.int32))[jax.lax.axis_index(axis_name)]
+        q = jnp.take(q, mine, axis=2)
+        k, v = (jnp.take(x, mine // (num_heads // x.shape[2]), axis=2) for x in (k, v))
     variants = []
-    for d in range(num_devices):
-        plans = _device_plans(branches, t, num_heads, h, hkv, mode, rule, d)
+    for heads in table:
+        plans = _head_plans(branches, t, num_heads, heads, hkv, mode, rule)
         variants.append((_plan_key(plans), plans))
 
     def run(plans, q, k, v, mask, rng):
-        if kernel.name == "xla":
-            out = dilated_local.dilated_local(kernel, args, plans, mode, q, k, v, mask, rng)[0]
+        if segment_ids is not None:
+            out, lse = dilated_ops._packed(kernel, args, plans, mode, q, k, v, mask,
+                                           segment_ids, o.get("max_documents"), rng)
+        elif kernel.name == "xla":
+            out, lse = dilated_local.dilated_local(kernel, args, plans, mode, q, k, v, mask,
+                                                   rng)
         else:
             results = [dilation.attend_dilated(
                 functools.partial(_attend_kernel, kernel, args,
                                   None if rng is None else jax.random.fold_in(rng, i)),
                 p.branch, p, q, k, v, mask) for i, p in enumerate(plans)]
-            out = dilated_ops.combine_branches(results, mode, q.dtype)[0]
+            out, lse = dilated_ops.combine_branches(results, mode, q.dtype)
         if mode == "head_groups" and len(plans) != len(branches):
             # this device's heads are in fewer groups than there are branches: the
             # output is divided by the number of all branches, not of these
             out = (out * (len(plans) / len(branches))).astype(q.dtype)
-        return out
+        return out, lse
 
     return _by_device(axis_name, variants,
                       lambda plans: run(plans, q, k, v, mask, rng))
@@ -313,50 +362,103 @@ def _attend_kernel(kernel, args, rng, q, k, v, valid):
     return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng)
 
 
-def heads_local(op: Operation, q, k, v, mask, *, axis_name: str, num_devices: int):
-    """Inside ``shard_map`` on contiguous shards: the ``"heads"`` strategy.
-
-    ``q`` [B, n, H, D], ``k``/``v`` [B, n, H_kv, D], ``mask`` None or [B, n]; returns
-    [B, n, H, D]. ``H`` must divide by ``P`` (checked by :func:`require`).
-    """
-    p, num_heads = num_devices, q.shape[2]
-    rep = _kv_repeat(k.shape[2], p)
+def _to_heads(q, k, v, mask, segment_ids, axis_name: str, num_devices: int):
+    """Contiguous shards -> this device's ``H / P`` heads of the whole sequence (kv heads
+    repeated first where ``P`` does not divide them); mask and ids gathered whole."""
+    rep = _kv_repeat(k.shape[2], num_devices)
     if rep > 1:
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))
-    mask = gather_tokens(mask, axis_name)
+    return (q, k, v, gather_tokens(mask, axis_name),
+            gather_tokens(segment_ids, axis_name))
+
+
+def heads_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name: str,
+                num_devices: int):
+    """Inside ``shard_map`` on contiguous shards: the ``"heads"`` strategy.
+
+    ``q`` [B, n, H, D], ``k``/``v`` [B, n, H_kv, D], ``mask`` and ``segment_ids`` None or
+    [B, n]; returns [B, n, H, D]. ``H`` must divide by ``P`` (checked by
+    :func:`require`). The ids are gathered whole, like the mask, and the single-device
+    operation gets them (exact attention: the kernel's document mask).
+    """
+    p, num_heads = num_devices, q.shape[2]
+    q, k, v, mask, ids = _to_heads(q, k, v, mask, segment_ids, axis_name, p)
     kw = {key: val for key, val in op.options.items()
-          if key not in ("seq_axis", "axis_name", "layout", "kv_mask")}
-    if op.kind == "exact":
+          if key not in ("seq_axis", "axis_name", "layout", "kv_mask", "segment_ids")}
+    extra = {} if ids is None else {"segment_ids": ids}
+    if op.kind == "exact" and ids is not None:
+        # packed rows: the kernel's document mask (equal ids attend wherever they are;
+        # dilated attention's packed program would cut repeated runs apart)
+        kernel = get_kernel(kw.get("implementation"))
+        out = kernel.attention(q, k, v, _kernel_args(kw, q.shape[-1]), kv_valid=mask,
+                               q_segment_ids=ids, k_segment_ids=ids)[0].astype(q.dtype)
+    elif op.kind == "exact":
         # exact attention on one device: one segment of the whole sequence, rate 1
         out = dilated_ops.dilated_attention(
             q, k, v, segment_lengths=(q.shape[1],), dilation_rates=(1,), kv_mask=mask,
             **{key: kw[key] for key in ("is_causal", "scale", "implementation",
                                         "block_q", "block_k") if key in kw})
     elif op.kind == "dilated":
-        out = _dilated_heads(kw, q, k, v, mask, axis_name, p, num_heads)
+        out = _dilated_heads(kw, q, k, v, mask, axis_name, p, num_heads, ids)[0]
     elif op.kind == "block_sparse":
-        out = _block_sparse_heads(op.fn, kw, q, k, v, mask, axis_name, p, num_heads)
+        out = _block_sparse_heads(op.fn, kw, q, k, v, mask, axis_name, p, num_heads, extra)
     else:
-        out = op.fn(q, k, v, kv_mask=mask)
+        out = op.fn(q, k, v, kv_mask=mask, **extra)
     return heads_to_seq(out, axis_name)
 
 
-def _block_sparse_heads(fn, kw, q, k, v, mask, axis_name, num_devices, num_heads):
+def packed_dilated(options, q, k, v, mask, segment_ids, *, axis_name: str,
+                   num_devices: int, gather: bool = False):
+    """Dilated attention over packed rows, the sequence sharded contiguously over
+    ``axis_name`` (inside ``shard_map``): ``(out [B, n, H, D], lse [B, n, H])``.
+
+    A document may start anywhere, so the segment grid no longer sits on the shards:
+    every device runs the single-device packed program on the *whole* sequence of
+    some heads (global head numbering), then an all-to-all brings its rows back.
+
+    * ``H % P == 0`` (and not ``gather``): the heads strategy's all-to-all
+      (:func:`seq_to_heads`), ``H / P`` heads per device; each device sends about
+      ``(P - 1) / P`` of its q, k, v shards and the output back.
+    * otherwise: q, k, v, mask and ids are all-gathered (``P - 1`` shards received
+      per array), device ``d`` runs heads ``d c .. d c + c - 1`` of ``c = ceil(H / P)``
+      (the last devices repeat head ``H - 1`` where ``P c > H``, work that is thrown
+      away), and the output comes back with an all-to-all. It holds the whole q, k, v
+      (``O(T H D)`` per device) and does ``c / H`` of the work instead of ``1 / P``.
+
+    ``options``: the keywords of :func:`jax_dilated.dilated_attention` (segment
+    lengths, rates, mode, offsets, causal, scale, dropout, implementation, blocks,
+    ``max_documents``).
+    """
+    p, h = num_devices, q.shape[2]
+    if not gather and h % p == 0:
+        q, k, v, mask, ids = _to_heads(q, k, v, mask, segment_ids, axis_name, p)
+        out, lse = _dilated_heads(options, q, k, v, mask, axis_name, p, h, ids)
+        return heads_to_seq(out, axis_name), heads_to_seq(lse, axis_name)
+    c = -(-h // p)
+    table = np.minimum(np.arange(p * c).reshape(p, c), h - 1)
+    q, k, v, mask, ids = (gather_tokens(x, axis_name)
+                          for x in (q, k, v, mask, segment_ids))
+    out, lse = _dilated_heads(options, q, k, v, mask, axis_name, p, h, ids, heads_of=table)
+    # [B, T, c] per device -> [B, n, P c]: the first H are the heads, in order
+    return (heads_to_seq(out, axis_name)[:, :, :h], heads_to_seq(lse, axis_name)[:, :, :h])
+
+
+def _block_sparse_heads(fn, kw, q, k, v, mask, axis_name, num_devices, num_heads, extra):
     """Block-sparse attention of this device's heads: a per-head pattern is cut to them."""
     bs = validation.check_positive_int("block_size", kw["block_size"])
     nb = -(-q.shape[1] // bs)
     pattern = resolve_mask(kw["pattern"], nb, nb, num_heads)
     if pattern.shape[0] == 1:
-        return fn(q, k, v, kv_mask=mask)
+        return fn(q, k, v, kv_mask=mask, **extra)
     h = q.shape[2]
     if not isinstance(pattern, np.ndarray):  # traced: this device's slice of it
         mine = jax.lax.dynamic_slice_in_dim(pattern, jax.lax.axis_index(axis_name) * h, h)
-        return fn(q, k, v, kv_mask=mask, pattern=mine)
+        return fn(q, k, v, kv_mask=mask, pattern=mine, **extra)
     variants = [(pattern[d * h:(d + 1) * h].tobytes(), pattern[d * h:(d + 1) * h])
                 for d in range(num_devices)]
     return _by_device(axis_name, variants,
-                      lambda m: fn(q, k, v, kv_mask=mask, pattern=m))
+                      lambda m: fn(q, k, v, kv_mask=mask, pattern=m, **extra))
 
 
 # -------------------------------------------------------------- allgather strategy
@@ -371,20 +473,28 @@ def _chunk_block(layout: str, n: int, given):
     return best if best >= min(64, chunk) else chunk
 
 
-def allgather_local(op: Operation, q, k, v, mask, *, axis_name: str, num_devices: int,
-                    layout: str):
+def allgather_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name: str,
+                    num_devices: int, layout: str):
     """Inside ``shard_map`` on ``layout`` shards: the ``"allgather"`` strategy.
 
-    ``q`` [B, n, H, D], ``k``/``v`` [B, n, H_kv, D], ``mask`` None or [B, n];
-    returns [B, n, H, D] (this device's queries against every key).
+    ``q`` [B, n, H, D], ``k``/``v`` [B, n, H_kv, D], ``mask`` and ``segment_ids`` None
+    or [B, n]; returns [B, n, H, D] (this device's queries against every key). The ids
+    are gathered with the keys: the kernel compares the local queries' ids [B, n] with
+    the gathered keys' [B, T]. Packed dilated attention gathers q, k, v and ids and
+    runs some heads of the whole sequence (:func:`packed_dilated`).
     """
     o = op.options
+    if op.kind == "dilated" and segment_ids is not None:
+        return packed_dilated(o, q, k, v, mask, segment_ids, axis_name=axis_name,
+                              num_devices=num_devices, gather=True)[0]
     if op.kind == "dilated":
         return _dilated_allgather(o, q, k, v, mask, axis_name, num_devices)
     p, n = num_devices, q.shape[1]
-    kall, vall, mall = (gather_tokens(x, axis_name) for x in (k, v, mask))
+    kall, vall, mall, idsall = (gather_tokens(x, axis_name)
+                                for x in (k, v, mask, segment_ids))
     if op.kind == "block_sparse":
-        return _block_sparse_allgather(o, q, kall, vall, mall, axis_name, p, layout)
+        return _block_sparse_allgather(o, q, kall, vall, mall, axis_name, p, layout,
+                                       segment_ids, idsall)
     # positions of this device's queries and of the gathered keys (in layout order)
     q_pos = layouts.local_positions(layout, jax.lax.axis_index(axis_name), p, n)
     k_pos = jnp.asarray(layouts.global_order(n * p, p, layout), jnp.int32)
@@ -392,8 +502,10 @@ def allgather_local(op: Operation, q, k, v, mask, *, axis_name: str, num_devices
     args = dataclasses.replace(args, block_q=_chunk_block(layout, n, args.block_q),
                                block_k=_chunk_block(layout, n, args.block_k))
     kernel = get_kernel(o.get("implementation"))
+    ids = {} if segment_ids is None else dict(q_segment_ids=segment_ids,
+                                              k_segment_ids=idsall)
     out = kernel.attention(q, kall, vall, args, q_positions=q_pos, k_positions=k_pos,
-                           kv_valid=mall)[0]
+                           kv_valid=mall, **ids)[0]
     return out.astype(q.dtype)
 
 
@@ -443,45 +555,48 @@ class _SparseGather:
     num_devices: int
 
 
-def _sparse_sides(spec: _SparseGather, q, k, v, valid):
+def _sparse_sides(spec: _SparseGather, q, k, v, valid, ids):
     p, n = spec.num_devices, q.shape[1]
     me = jax.lax.axis_index(spec.axis_name)
-    query = QuerySide(q, layouts.local_positions(spec.layout, me, p, n), me)
+    q_ids, k_ids = (None, None) if ids is None else ids
+    query = QuerySide(q, layouts.local_positions(spec.layout, me, p, n), me, q_ids)
     keys = KeySide((k, v), jnp.asarray(layouts.global_order(n * p, p, spec.layout),
-                                       jnp.int32), valid, 0)
+                                       jnp.int32), valid, 0, segments=k_ids)
     return query, keys
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sparse_gathered(spec, q, k, v, valid, aux):
-    return _sparse_fwd(spec, q, k, v, valid, aux)[0]
+def _sparse_gathered(spec, q, k, v, valid, aux, ids):
+    return _sparse_fwd(spec, q, k, v, valid, aux, ids)[0]
 
 
-def _sparse_fwd(spec, q, k, v, valid, aux):
+def _sparse_fwd(spec, q, k, v, valid, aux, ids):
     steps = block_sparse_ops._ClassSteps(spec.kernel, spec.plan, aux)
-    query, keys = _sparse_sides(spec, q, k, v, valid)
+    query, keys = _sparse_sides(spec, q, k, v, valid, ids)
     o, lse, *lse_lo = steps.partial(query, keys)  # lse_lo where the kernel splits lse
-    return o, (q, k, v, valid, aux, o, lse, lse_lo)
+    return o, (q, k, v, valid, aux, ids, o, lse, lse_lo)
 
 
 def _sparse_bwd(spec, res, do):
-    q, k, v, valid, aux, o, lse, lse_lo = res
+    q, k, v, valid, aux, ids, o, lse, lse_lo = res
     steps = block_sparse_ops._ClassSteps(spec.kernel, spec.plan, aux)
-    query, keys = _sparse_sides(spec, q, k, v, valid)
+    query, keys = _sparse_sides(spec, q, k, v, valid, ids)
     zero = jnp.zeros_like(lse)
     if lse_lo:  # the log-sum-exp's low part is folded into do and delta
         do, delta = softmax.backward_rows(do, o, lse_lo[0], zero)
     else:
         delta = softmax.backward_delta(do, o, zero)
     dq, dk, dv = steps.grads(query, keys, RowGrads(do, lse, delta))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _sparse_gathered.defvjp(_sparse_fwd, _sparse_bwd)
 
 
-def _block_sparse_allgather(o, q, kall, vall, mall, axis_name, p, layout):
-    """This device's query blocks against the gathered keys, over the listed blocks."""
+def _block_sparse_allgather(o, q, kall, vall, mall, axis_name, p, layout, ids=None,
+                            idsall=None):
+    """This device's query blocks against the gathered keys, over the listed blocks
+    (with ``ids`` [B, n] / ``idsall`` [B, T]: the document ids of both)."""
     bs = validation.check_positive_int("block_size", o["block_size"])
     n, h, hkv = q.shape[1], q.shape[2], kall.shape[2]
     gq = ring_blocks(n, p, layout, bs)           # [P, n / bs] global query blocks
@@ -493,7 +608,8 @@ def _block_sparse_allgather(o, q, kall, vall, mall, axis_name, p, layout):
     classes, aux = head_classes(mask, h, hkv, gq, gk, args.is_causal)
     plan = block_sparse_ops._Plan(kernel, args, classes, h, gq, gk)
     spec = _SparseGather(kernel, plan, axis_name, layout, p)
-    out = _sparse_gathered(spec, q, kall, vall, mall, aux)
+    out = _sparse_gathered(spec, q, kall, vall, mall, aux,
+                           None if ids is None else (ids, idsall))
     return out.astype(q.dtype)
 
 
@@ -537,7 +653,7 @@ def _causal_share(p: int, layout: str, causal: bool) -> float:
 
 def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
              head_dim: int, num_devices: int, dtype="float32",
-             layout: str = "contiguous") -> dict:
+             layout: str = "contiguous", segment_ids: bool = False) -> dict:
     """``{strategy: StrategyCost}`` for the three concrete strategies.
 
     ``op``: an :class:`Operation` or the function given to ``jd.sharded``. The
@@ -559,6 +675,13 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
       one shard of queries and ``K'`` of kv heads after the GQA repeat; holds a head
       slice of the whole sequence (as much as the shards); no overlap; the work is
       always balanced (``1 / P``) but needs ``H % P == 0``.
+
+    Packed dilated attention (``segment_ids=True``) runs whole sequences of some heads
+    under every strategy (:func:`packed_dilated`): ``"ring"`` is then the heads
+    figures when ``H % P == 0``, and otherwise, like ``"allgather"``, the gathered
+    program: q, k, v gathered forward and reduce-scattered backward,
+    ``2 (P - 1) (Q + 2 K)``, plus the output's all-to-alls; it holds the whole q, k, v
+    and their gradients and does ``ceil(H / P) / H`` of the work.
     """
     op = op if isinstance(op, Operation) else describe(op)
     e = jnp.dtype(dtype).itemsize
@@ -567,12 +690,24 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     kshard = b * n * hkv * d * e
     qshard = b * n * h * d * e
     causal = bool(op.options.get("is_causal", False))
-    why = servable(op, num_heads=h, num_devices=p, layout=layout, seq_len=t)
+    why = servable(op, num_heads=h, num_devices=p, layout=layout, seq_len=t,
+                   segment_ids=segment_ids)
     base_held = 2 * qshard + 2 * kshard  # q, out, k, v shards
     grads_held = 2 * qshard + 2 * kshard  # dq, do, dk, dv
     out = {}
 
-    if op.kind == "dilated" and why["ring"] is None:
+    packed = segment_ids and op.kind == "dilated"
+    if packed:
+        c = -(-h // p)
+        out_shard = qshard * p * c / h  # one device's rows of the P c heads computed
+        gathered = StrategyCost(
+            "allgather", 2 * (p - 1) * (qshard + 2 * kshard)
+            + 2 * (p - 1) / p * out_shard,
+            base_held + grads_held + 2 * p * (qshard + 2 * kshard) + 2 * p * out_shard,
+            False, c / h, why["allgather"])
+        out["allgather"] = gathered
+        out["ring"] = dataclasses.replace(gathered, strategy="ring", reason=why["ring"])
+    elif op.kind == "dilated" and why["ring"] is None:
         sent, held_gather, held_ring = 0.0, 0.0, 0.0
         try:
             branches = branch_plans.validate_branches(op.options["segment_lengths"],
@@ -620,6 +755,9 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     held_heads = base_held + grads_held + 2 * (2 * qshard + 2 * kprime)
     out["heads"] = StrategyCost("heads", sent_heads, held_heads, False, 1.0 / p,
                                 why["heads"])
+    if packed and h % p == 0:  # the packed ring path is the heads all-to-all
+        out["ring"] = dataclasses.replace(out["heads"], strategy="ring",
+                                          reason=why["ring"])
     return out
 
 
@@ -650,7 +788,7 @@ def _device_kind() -> str:
 
 def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
            head_dim: int, num_devices: int, dtype="float32", layout: str = "contiguous",
-           platform: str | None = None):
+           platform: str | None = None, segment_ids: bool = False):
     """``(strategy, costs, why)``: the strategy ``"auto"`` picks for this call.
 
     Among the strategies that can serve, the one with the least estimated time,
@@ -660,17 +798,23 @@ def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     ``flops / bandwidth`` the device kind's balance (``_BALANCE``: flops one byte
     moved costs). On CPU no transfer overlaps and the work of ring and allgather
     costs ``_CPU_SEQ_SHARDED_WORK`` times as much (measured; see the constant). Ties (within 10%) go to the one holding less memory, then to the
-    order ring, heads, allgather.
+    order ring, heads, allgather. ``segment_ids``: the call has packed rows (only
+    strategies that can serve them are considered; :func:`estimate`).
     """
     op = op if isinstance(op, Operation) else describe(op)
     costs = estimate(op, batch=batch, seq_len=seq_len, num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     num_devices=num_devices, dtype=dtype, layout=layout)
+                     num_devices=num_devices, dtype=dtype, layout=layout,
+                     segment_ids=segment_ids)
     kind = platform or _device_kind()
     balance = _BALANCE.get(kind, _BALANCE["gpu"])
     flops = _flops(op, batch, seq_len, num_heads, head_dim)
     cpu = kind == "cpu"  # see _CPU_SEQ_SHARDED_WORK
-    times = {s: (c.work * flops * (_CPU_SEQ_SHARDED_WORK if cpu and s != "heads" else 1.0)
+    # packed dilated attention runs whole sequences under every strategy: no small calls
+    small_calls = {s for s in costs if s != "heads"
+                   and not (segment_ids and op.kind == "dilated")}
+    times = {s: (c.work * flops * (_CPU_SEQ_SHARDED_WORK if cpu and s in small_calls
+                                   else 1.0)
                  + (0.0 if c.overlap and not cpu else c.sent_bytes * balance))
              for s, c in costs.items() if c.reason is None}
     if not times:
@@ -707,7 +851,7 @@ def _flops(op: Operation, b, t, h, d) -> float:
 
 def explain_strategy(fn, query_shape, key_shape=None, *, num_devices: int,
                      dtype="float32", layout: str = "contiguous", platform=None,
-                     file=None, quiet: bool = False):
+                     file=None, quiet: bool = False, segment_ids: bool = False):
     """Which strategy ``strategy="auto"`` picks for ``fn`` on these shapes, and why.
 
     Args:
@@ -719,6 +863,7 @@ def explain_strategy(fn, query_shape, key_shape=None, *, num_devices: int,
       dtype, layout: of the call; platform: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (default:
         this machine's).
       file, quiet: where to print (default stdout); ``quiet`` only returns.
+      segment_ids: whether the call has packed rows (``segment_ids=``).
 
     Returns:
       ``(strategy, {strategy: StrategyCost}, why)``.
@@ -736,7 +881,8 @@ def explain_strategy(fn, query_shape, key_shape=None, *, num_devices: int,
     hkv = key_shape[2]
     pick, costs, why = choose(fn, batch=b, seq_len=t, num_heads=h, num_kv_heads=hkv,
                               head_dim=d, num_devices=num_devices, dtype=dtype,
-                              layout=layout, platform=platform)
+                              layout=layout, platform=platform,
+                              segment_ids=segment_ids)
     if not quiet:
         out = sys.stdout if file is None else file
         op = describe(fn)
