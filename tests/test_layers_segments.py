@@ -196,3 +196,49 @@ def test_qk_transform_positions_restart_at_each_document():
             for got, ref in zip(rows, one):
                 np.testing.assert_allclose(np.asarray(got[b:b + 1]), np.asarray(ref),
                                            rtol=1e-13, atol=1e-13)
+
+
+def test_attention_fn_reads_documents_from_the_mask_only_when_packed():
+    """``jd.attention_fn(packed=True)`` reads packed documents from Flax's document
+    mask (here with padding and causality on top), eagerly and under ``jit``; a mask
+    it cannot represent (documents that are not runs, or a document mask without
+    ``packed=True``) is a ValueError eagerly and NaN under ``jit``."""
+    rng = np.random.default_rng(6)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, T, 2, 4))) for _ in range(3))
+    ids = np.stack([np.repeat([1, 2, 3, 0], (5, 8, 7, 4)),   # 0: padding at the end
+                    np.repeat([1, 2], (11, 13))])
+    ids_j = jnp.asarray(ids, jnp.int32)
+
+    def flax_mask(ids):
+        return nnx.combine_masks(nnx.make_attention_mask(ids, ids, jnp.equal),
+                                 nnx.make_attention_mask(ids > 0, ids > 0),
+                                 nnx.make_causal_mask(ids))
+
+    want = jax.jit(lambda q, k, v, s: jd.dilated_attention(
+        q, k, v, **SEGS, is_causal=True, kv_mask=s > 0, segment_ids=s))(q, k, v, ids_j)
+    assert np.all(np.asarray(want)[0, 20:] == 0)  # padded rows: zeros
+    fn = jd.attention_fn(**SEGS, packed=True)
+    traced = jax.jit(lambda q, k, v, m: fn(q, k, v, mask=m))
+    for got in (fn(q, k, v, mask=np.asarray(flax_mask(ids))), traced(q, k, v, flax_mask(ids))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-10)
+
+    runs = np.repeat([1, 2, 1], (8, 8, 8))[None].repeat(2, 0)  # document 1 is not a run
+    with pytest.raises(ValueError, match="document mask"):
+        fn(q, k, v, mask=np.asarray(flax_mask(runs)))
+    assert np.isnan(np.asarray(traced(q, k, v, flax_mask(runs)))).all()
+    with pytest.raises(ValueError, match="packed=True"):
+        jd.attention_fn(**SEGS)(q, k, v, mask=np.asarray(flax_mask(ids)))
+
+
+def test_mesh_layer_passes_segment_ids_through_sharded():
+    """A layer built with a mesh (ring attention over 4 devices, via jd.sharded) with
+    ``segment_ids`` equals the one-device layer of the same parameters."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("seq",))
+    ring = jd.nnx.MultiheadRingAttention(E, H, mesh=mesh, seq_axis="seq",
+                                         param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    one = jd.nnx.MultiheadBlockSparseAttention(E, H, block_size=T, pattern=np.ones((1, 1), bool),
+                                               param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((2, T, E)))
+    run = nnx.jit(lambda m, x, s: m(x, is_causal=True, segment_ids=s))
+    np.testing.assert_allclose(np.asarray(run(ring, x, _ids())), np.asarray(run(one, x, _ids())),
+                               rtol=1e-10, atol=1e-10)

@@ -6,7 +6,8 @@
 ``nn.MultiHeadDotProductAttention(attention_fn=...)``. It takes Flax's shapes
 (``[batch..., length, heads, head_dim]``, any number of leading batch dimensions or
 none: they are flattened into one and restored), and splits Flax's mask into
-causality and key/query padding (anything else is refused).
+causality and key/query padding, and with ``packed=True`` packed documents too
+(anything else is refused).
 """
 
 from __future__ import annotations
@@ -83,22 +84,52 @@ class _MaskParts(NamedTuple):
     has_future: jax.Array  # scalar: some query may attend to a later key
     mask: jax.Array      # [B, T, T] the mask itself (bool)
     same_heads: jax.Array  # scalar: every head has the same mask
+    documents: jax.Array | None  # int32 [B, T] document start of each token (packed)
 
 
-def _mask_parts(mask, batch: int, seq_len: int, xp):
+def _cummax(x, xp):
+    """Running maximum along axis 1."""
+    return np.maximum.accumulate(x, axis=1) if xp is np else jax.lax.cummax(x, axis=1)
+
+
+def _documents(m, q_valid, kv_valid, xp):
+    """The packed documents a [B, T, T] mask describes, as each token's document start
+    (int32 [B, T]; a document is a run of consecutive tokens).
+
+    Every query that attends to something attends to its document's first visible key
+    (causal or not), which names the document; a key that only padded queries skip is
+    named through the first query attending to it; a token that neither attends nor is
+    attended to joins the document before it. Whether the mask really is this
+    document mask is checked by the caller (:func:`_expected`)."""
+    t = m.shape[-1]
+    idx = xp.arange(t)[None, :]
+    first_key = xp.argmax(m, axis=2)
+    via_query = xp.take_along_axis(first_key, xp.argmax(m, axis=1), axis=1)
+    label = xp.where(q_valid, first_key, xp.where(kv_valid, via_query, -1))
+    last = _cummax(xp.where(label >= 0, idx, -1), xp)  # last named token at or before
+    label = xp.where(last >= 0, xp.take_along_axis(label, xp.maximum(last, 0), axis=1), -1)
+    starts = xp.concatenate([xp.ones_like(label[:, :1], bool), label[:, 1:] != label[:, :-1]],
+                            axis=1)
+    return _cummax(xp.where(starts, idx, 0), xp).astype(xp.int32)
+
+
+def _mask_parts(mask, batch: int, seq_len: int, xp, packed: bool = False):
     """Split a bool [B or 1, heads or 1, T or 1, T or 1] mask into key padding, query
-    padding and causality (``xp``: np for a mask known at trace time, jnp for a traced
-    one)."""
+    padding, causality and (``packed``) documents (``xp``: np for a mask known at
+    trace time, jnp for a traced one)."""
     m = xp.broadcast_to(mask[:, 0], (batch, seq_len, seq_len))
     future = xp.triu(xp.ones((seq_len, seq_len), bool), 1)
     same_heads = xp.all(mask == mask[:, :1])
-    return _MaskParts(xp.any(m, axis=1), xp.any(m, axis=2), xp.any(m & future), m,
-                      same_heads)
+    kv_mask, q_valid = xp.any(m, axis=1), xp.any(m, axis=2)
+    documents = _documents(m, q_valid, kv_mask, xp) if packed else None
+    return _MaskParts(kv_mask, q_valid, xp.any(m & future), m, same_heads, documents)
 
 
 def _expected(parts: _MaskParts, causal, xp):
-    """The mask that (kv_mask, q_valid, causal) represent: [B, T, T]."""
+    """The mask that (kv_mask, q_valid, documents, causal) represent: [B, T, T]."""
     m = parts.q_valid[:, :, None] & parts.kv_mask[:, None, :]
+    if parts.documents is not None:
+        m = m & (parts.documents[:, :, None] == parts.documents[:, None, :])
     if causal:
         m = m & xp.tril(xp.ones(m.shape[1:], bool))
     return m
@@ -112,7 +143,7 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
                  is_causal: bool | None = None, implementation: str | None = None,
                  mesh=None, seq_axis: str | None = None, batch_axis: str | None = None,
                  head_axis: str | None = None, block_q: int | None = None,
-                 block_k: int | None = None):
+                 block_k: int | None = None, packed: bool = False):
     """A drop-in ``attention_fn`` running dilated attention inside Flax attention layers.
 
     One line turns a Flax layer into dilated attention::
@@ -130,28 +161,44 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
     The batch dimensions are flattened into one for dilated attention (which attends
     along ``length`` only) and restored on the output; ``length`` is the sequence.
 
-    Masks. Dilated attention takes causality and a key padding mask, not arbitrary
-    masks, so the layer's ``mask`` (broadcastable to ``[batch..., heads, q_len,
-    kv_len]``, bool or 0/1 float) must be one of:
+    Masks. Dilated attention takes causality, a key padding mask and packed
+    documents, not arbitrary masks, so the layer's ``mask`` (broadcastable to
+    ``[batch..., heads, q_len, kv_len]``, bool or 0/1 float) must be one of:
 
     * a causal mask (``make_causal_mask``) -> ``is_causal=True``;
     * a padding mask (``make_attention_mask(q_valid, kv_valid)``) -> ``kv_mask``;
-    * both combined (``combine_masks``), the same for every head.
+    * with ``packed=True`` only, a document mask of packed rows
+      (``make_attention_mask(seg, seg, jnp.equal)``, each document a run of
+      consecutive tokens) -> ``segment_ids``: dilated attention then restarts its
+      segment grid at each document (docs/semantics.md, "Packed sequences");
+    * these combined (``combine_masks``), the same for every head.
 
     Key padding is read as "some query may attend to the key", query padding as
-    "the query may attend to some key"; padded query rows output zeros. Causality is
+    "the query may attend to some key"; padded query rows output zeros. Documents
+    are read from the mask (a token that neither attends nor is attended to joins the
+    document before it) and the mask is then checked to be exactly what they, the
+    padding and causality allow. Flax layers forward no extra arguments to
+    ``attention_fn``, so the mask is the only way in; the layers of
+    :mod:`jax_dilated.nnx` / :mod:`jax_dilated.linen` take ``segment_ids`` directly,
+    without a [T, T] mask. Causality is
     ``is_causal`` if given here, else inferred from the mask (no query may attend to
     a later key); the layer's ``is_causal=True`` overlays a causal mask, as in Flax.
     A mask of any other structure (sliding window, masks that differ between heads,
-    block masks) cannot be represented: eagerly that raises ``ValueError``; under
-    ``jax.jit`` (mask traced) the output is NaN instead of a silently wrong number.
-    With an inferred causality and a traced mask both variants are compiled and the
-    mask picks one at run time (``lax.cond``); pass ``is_causal`` to compile one.
+    block masks, a document mask without ``packed=True``, documents that are not
+    runs of consecutive tokens) cannot be represented: eagerly that raises
+    ``ValueError``; under ``jax.jit`` (mask traced) the output is NaN instead of a
+    silently wrong number. With an inferred causality and a traced mask both
+    variants are compiled and the mask picks one at run time (``lax.cond``); pass
+    ``is_causal`` to compile one.
 
     Args:
       segment_lengths, dilation_rates, mode, head_offsets, scale, implementation,
         block_q, block_k: as in :func:`jax_dilated.dilated_attention`.
       is_causal: True / False to fix causality, None to infer it from the mask.
+      packed: also read packed documents from masks (static). Every masked call then
+        runs packed dilated attention (``segment_ids``; one document when the mask
+        has none), which costs more than the plain kernel: leave it off for rows of
+        one document.
       mesh, seq_axis, batch_axis, head_axis: run sequence-parallel over ``mesh``
         (``batch_axis`` shards the flattened batch).
 
@@ -186,6 +233,7 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
         mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
         block_q=block_q, block_k=block_k)
     fixed_causal = None if is_causal is None else check_flag("is_causal", is_causal)
+    packed = check_flag("packed", packed)
 
     def dilated_attention_fn(query, key, value, bias=None, mask=None,
                              broadcast_dropout: bool = True, dropout_rng=None,
@@ -243,53 +291,57 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
             mask = _flatten_mask(mask, batch_shape, heads, t)
         causal = True if (is_causal or fixed_causal) else fixed_causal  # None = infer
 
-        def run(causal_flag, kv_mask):
+        def run(causal_flag, kv_mask, segment_ids=None):
             with common.precision_context(precision):
-                return _run_core(query, key, value, kv_mask, dropout_rng if dropout_on else None,
+                return _run_core(query, key, value, kv_mask, segment_ids,
+                                 dropout_rng if dropout_on else None,
                                  core=core, is_causal=causal_flag,
                                  dropout_rate=float(dropout_rate) if dropout_on else 0.0)
 
-        out = run(bool(causal), None) if mask is None else _masked(mask, causal, b, t, run)
+        out = (run(bool(causal), None) if mask is None
+               else _masked(mask, causal, b, t, run, packed))
         return out.reshape(batch_shape + tuple(out.shape[1:]))
 
     return dilated_attention_fn
 
 
 @functools.partial(jax.jit, static_argnames=("core", "is_causal", "dropout_rate"))
-def _run_core(query, key, value, kv_mask, dropout_rng, *, core, is_causal, dropout_rate):
+def _run_core(query, key, value, kv_mask, segment_ids, dropout_rng, *, core, is_causal,
+              dropout_rate):
     """One compiled call of the attention core. Flax layers often run eagerly (NNX
     without ``nnx.jit``, Linen's ``init``/``apply``), where dispatching the core op by op
     costs far more than the attention; under an outer ``jit`` this nests and inlines."""
     return core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
-                dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+                segment_ids=segment_ids, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
 
 
-def _masked(mask, causal, b: int, t: int, run):
+def _masked(mask, causal, b: int, t: int, run, packed: bool = False):
     """``run`` under a flattened Flax mask [B or 1, heads or 1, T or 1, T or 1]: padded
-    query rows zero; a mask that is not causal/padding raises (concrete) or gives NaN
-    (traced)."""
+    query rows zero; a mask that is not causal/padding(/documents with ``packed``)
+    raises (concrete) or gives NaN (traced)."""
     xp = np if isinstance(mask, np.ndarray) else jnp
     mask = mask if mask.dtype == bool else mask != 0
     if causal:  # a causal overlay, as Flax applies is_causal on top of the mask
         mask = mask & xp.tril(xp.ones((t, t), bool))
     if xp is np:
-        return _with_concrete_mask(mask, causal, b, t, run)
-    parts = _mask_parts(mask, b, t, jnp)
+        return _with_concrete_mask(mask, causal, b, t, run, packed)
+    parts = _mask_parts(mask, b, t, jnp, packed)
     if causal is None:
-        out = jax.lax.cond(parts.has_future, lambda: run(False, parts.kv_mask),
-                           lambda: run(True, parts.kv_mask))
+        out = jax.lax.cond(parts.has_future,
+                           lambda: run(False, parts.kv_mask, parts.documents),
+                           lambda: run(True, parts.kv_mask, parts.documents))
         consistent = jnp.all(parts.mask == jnp.where(
             parts.has_future, _expected(parts, False, jnp), _expected(parts, True, jnp)))
     else:
-        out = run(causal, parts.kv_mask)
+        out = run(causal, parts.kv_mask, parts.documents)
         consistent = jnp.all(parts.mask == _expected(parts, causal, jnp))
     out = jnp.where(parts.q_valid[:, :, None, None], out, jnp.zeros((), out.dtype))
     return jnp.where(consistent & parts.same_heads, out, jnp.asarray(jnp.nan, out.dtype))
 
 
-def _with_concrete_mask(mask: np.ndarray, causal, b: int, t: int, run):
+def _with_concrete_mask(mask: np.ndarray, causal, b: int, t: int, run, packed: bool):
     """A mask known at trace time: decide causality in Python and check it exactly."""
-    parts = _mask_parts(mask, b, t, np)
+    parts = _mask_parts(mask, b, t, np, packed)
     if not parts.same_heads:
         raise ValueError(
             f"jd.attention_fn: the mask (flattened shape {mask.shape}) differs between "
@@ -298,11 +350,19 @@ def _with_concrete_mask(mask: np.ndarray, causal, b: int, t: int, run):
     if causal is None:
         causal = not bool(parts.has_future)
     if not np.array_equal(parts.mask, _expected(parts, causal, np)):
+        what = ("a causal, padding and/or document mask (it is not q_valid[p] & "
+                "kv_valid[t] & (doc[p] == doc[t])" if packed else
+                "a causal and/or padding mask (it is not q_valid[p] & kv_valid[t]")
+        hint = ("" if packed else " A document mask of packed rows needs "
+                "jd.attention_fn(..., packed=True), or use the segment_ids argument of "
+                "the jd.nnx / jd.linen layers.")
         raise ValueError(
-            "jd.attention_fn: the mask is not a causal and/or padding mask (it is not "
-            "q_valid[p] & kv_valid[t]" + (" & (t <= p)" if causal else "") + " for any "
-            "padding), so dilated attention cannot apply it. Use make_causal_mask / "
-            "make_attention_mask / combine_masks, or pass is_causal= to jd.attention_fn.")
-    out = run(causal, jnp.asarray(parts.kv_mask))
+            f"jd.attention_fn: the mask is not {what}" + (" & (t <= p)" if causal else "")
+            + " for any padding" + (" and documents of consecutive tokens" if packed else "")
+            + "), so dilated attention cannot apply it. Use make_causal_mask / "
+            "make_attention_mask / combine_masks, or pass is_causal= to jd.attention_fn."
+            + hint)
+    documents = None if parts.documents is None else jnp.asarray(parts.documents)
+    out = run(causal, jnp.asarray(parts.kv_mask), documents)
     return jnp.where(jnp.asarray(parts.q_valid)[:, :, None, None], out,
                      jnp.zeros((), out.dtype))
