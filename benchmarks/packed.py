@@ -29,8 +29,9 @@ per device for the ring) and results checked for equality:
 The simulated devices share this process's cores: the ring's wall time is the work
 of all devices plus what every ring step costs whether or not it computes (sending
 keys and values on, the step's conditional), which packing does not remove.
-``jd.sharded`` takes no ``segment_ids``, so the ring runs ``jd.ring_attention`` in
-``jax.shard_map`` on inputs and ids already in the layout (as a caller would).
+The ring runs ``jd.ring_attention`` in ``jax.shard_map`` on inputs and ids already
+in the layout (like the ring op's pre-laid-out variants: the attention alone, without
+``jd.sharded``'s permutation into the layout and back).
 ``--quick``: n = 8192 (documents of 512). Timing is for a quiet machine (the load
 warning says when a run was not).
 """
