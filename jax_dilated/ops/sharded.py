@@ -27,13 +27,10 @@ def _name(fn) -> str:
     return getattr(inner, "__name__", repr(inner))
 
 
-_accepts = strategies.accepts
-
-
 def _axis_keyword(fn) -> str:
     """``"seq_axis"``, or ``"axis_name"`` (deprecated, with a warning) for an operation
     written against the old spelling only."""
-    if _accepts(fn, "seq_axis") or not _accepts(fn, "axis_name"):
+    if strategies.accepts(fn, "seq_axis") or not strategies.accepts(fn, "axis_name"):
         return "seq_axis"
     validation.warn_renamed(
         "an operation taking axis_name= and not seq_axis=", "seq_axis=",
@@ -105,7 +102,7 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
     axis_kw = _axis_keyword(fn)
     # Only the ring takes a layout; dilated attention shards contiguously.
     layout_kw = {} if layout == "contiguous" else {"layout": layout}
-    if layout_kw and not _accepts(fn, "layout"):
+    if layout_kw and not strategies.accepts(fn, "layout"):
         raise ValueError(
             f"layout={layout!r} needs an operation that takes a layout (ring_attention); "
             f"{_name(fn)} shards the sequence contiguously: use layout='contiguous'."
