@@ -29,6 +29,11 @@ The backward is the ring's ``custom_vjp`` (the key/value blocks and their gradie
 accumulators travel together and return to their owners), so memory per device is
 O(n) for local branches and O(n / r) for spanning ones. The branches are then merged by
 :mod:`jax_dilated.core.softmax` exactly as on one device.
+
+Packed rows (``segment_ids``) do not run here: their segment grid restarts at every
+document, so segments do not sit on the shards, and each device runs the one-device
+packed program on the whole sequence of some heads instead
+(:func:`jax_dilated.ops.strategies.packed_dilated`; docs/semantics.md, section 2).
 """
 
 from __future__ import annotations

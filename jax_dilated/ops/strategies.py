@@ -14,8 +14,8 @@ each), an attention operation can run three ways (docs/semantics.md, section 8):
   JAX's autodiff inserts. Dilated attention gathers per branch that spans devices,
   over the devices of its segment only; block-sparse attention visits the listed
   blocks of the gathered keys. Anything travelling with the keys per token (the
-  padding mask today; document ids later) is gathered the same way
-  (:func:`gather_tokens`).
+  padding mask, the document ids of packed rows) is gathered the same way
+  (:func:`gather_tokens`); the kernel compares the local queries' ids with them.
 * ``"heads"`` (DeepSpeed-Ulysses): one ``all_to_all`` turns the sequence-sharded
   ``[B, n, H, D]`` into head-sharded ``[B, T, H / P, D]`` (the whole sequence, a
   ``1/P`` slice of the heads), the single-device operation runs unchanged on it, and
@@ -25,7 +25,13 @@ each), an attention operation can run three ways (docs/semantics.md, section 8):
   ``P`` while every device still reads whole GQA groups), so each device receives
   exactly the kv heads its query heads read. Dilated attention keeps the *global*
   head numbering for its offsets (a device whose heads have other offsets runs its
-  own static plan), so the result is the single-device one.
+  own static plan), so the result is the single-device one. Document ids are
+  gathered whole and given to the single-device operation.
+
+Packed dilated attention (``segment_ids``) restarts its segment grid at every document,
+so its segments do not sit on the shards: under every strategy each device runs the
+single-device packed program on the whole sequence of some heads
+(:func:`packed_dilated`).
 
 ``"auto"`` chooses one from the cost model of :func:`estimate` (bytes sent and memory
 held per device, whether the transfer overlaps compute); :func:`explain_strategy`
