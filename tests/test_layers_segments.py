@@ -7,8 +7,13 @@
   alone through the model, with rotary and with xPos positions (which restart at
   each document), and so do the gradients of every parameter (packed vs the sum over
   the documents alone), float64 ~1e-10.
+* The positions a ``qk_transform`` sees restart at each document (the model test
+  cannot see them: rotary and xPos scores are relative).
 * Bad ``segment_ids`` and ``decode=True`` with ``segment_ids`` are errors naming
-  ``segment_ids``; ``jd.attention_fn`` refuses a document mask (see its docstring).
+  ``segment_ids``.
+* ``jd.attention_fn(packed=True)`` reads documents from Flax's document mask (eager
+  and traced), and refuses what it cannot represent (ValueError eagerly, NaN traced).
+* A mesh-built layer passes ``segment_ids`` through ``jd.sharded``.
 """
 
 from __future__ import annotations
