@@ -85,6 +85,9 @@ CASES = {
                            [[5, 40, 1, 70, 12], [128]], False),
     "longnet_bounded": (dict(mode="longnet", max_documents=5),
                         [[5, 40, 1, 70, 12], [64, 64]], False),
+    # the aligned layout (max_documents) with causality, GQA's head groups and padding
+    "head_groups_bounded_causal_mask": (
+        dict(mode="head_groups", is_causal=True, max_documents=4), [[33, 1, 60, 34]], True),
 }
 
 

@@ -93,9 +93,11 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
         and the ids are all-gathered (``O(T H D)`` held per device) and each device
         computes ``ceil(H / P)`` heads (:func:`jax_dilated.ops.strategies.packed_dilated`).
         No segment-length restriction of the unpacked sharded path applies.
-      max_documents: a static bound on the documents per row with ``segment_ids``; it
-        shortens the internal streams of branches with rate > 1 to about ``T / r``
-        (default: ``T``). A row with more documents is an error (traced: NaN output).
+      max_documents: a static bound on the documents per row with ``segment_ids``.
+        Give it where you can: every segment of a document then gets its own slots
+        and packed rows cost about what their documents cost alone (without it, up
+        to about twice the kernel work). A row with more documents is a
+        ``ValueError`` (traced ids: NaN output).
     The math: for branch ``i`` a selected query attends to the selected keys of
     its segment; ``O_i`` and ``LSE_i`` are that softmax's output and log-sum-exp.
     longnet: ``O = sum_i exp(LSE_i) O_i / sum_i exp(LSE_i)``, which equals dense
@@ -200,11 +202,9 @@ def _packed(kernel, args, plans, mode, query, key, value, kv_mask, segment_ids,
         overflow = documents > max_documents
     results = []
     for i, plan in enumerate(plans):
-        length = dilated_packed.stream_length(query.shape[1], plan.branch.rate,
-                                              max_documents)
         *part, over = dilated_packed.packed_branch(
             kernel, args, plan, query, key, value, kv_mask, starts,
-            None if rng is None else jax.random.fold_in(rng, i), length)
+            None if rng is None else jax.random.fold_in(rng, i), max_documents)
         results.append(part)
         overflow = overflow | over
     o, lse = combine_branches(results, mode, query.dtype)

@@ -10,12 +10,14 @@ alone, exactly.
 
 Where segments no longer sit at fixed positions, the dense gather of the unpacked path
 (``core/dilation.py``: a reshape and a strided slice) cannot cut them out. Instead every
-head's selected positions are compacted, in order, into one stream per (row, head):
-groups then lie contiguously in the stream, the stream of offset ``o`` holds about
-``T / r`` tokens, and one kernel call over all streams, with each token's group as its
-segment id, is attention inside every group: the kernel skips the blocks with no pair
-of one group, so the work stays ``w / r`` keys per selected query, as unpacked. The
-results go back to the positions they came from, and the branches merge as unpacked.
+head's selected positions are gathered, in order, into one *stream* per (row, head), in
+which every group occupies a run of slots; attention inside every group is then one
+kernel call, a selected query still attending to ``w / r`` keys. With a static bound on
+the documents per row (``max_documents``) every group gets its own ``w / r`` slots and
+the streams are the unpacked operation's batch of segments; without one, the groups
+follow each other and the kernel tells them apart by segment id (:func:`packed_branch`).
+The results go back to the positions they came from, and the branches merge as
+unpacked.
 
 Shapes: query [B, T, H, D], key/value [B, T, Hkv, D], segment_ids [B, T] int32.
 """
@@ -29,7 +31,7 @@ import numpy as np
 from jax_dilated.backends.base import KernelArgs
 from jax_dilated.core import branch_plans
 
-__all__ = ["document_starts", "stream_length", "packed_branch"]
+__all__ = ["document_starts", "group_count", "packed_branch"]
 
 
 def document_starts(segment_ids):
@@ -42,28 +44,36 @@ def document_starts(segment_ids):
     return jax.lax.cummax(jnp.where(first, pos[None, :], 0), axis=1)
 
 
-def stream_length(seq_len: int, rate: int, max_documents: int | None) -> int:
-    """Static length of a branch's streams: every selected token of one head.
-
-    A head of offset ``o`` selects at most ``ceil((L - o) / r)`` tokens of a document of
-    ``L``, so at most ``ceil(T / r) + D - 1`` of a row of ``D`` documents; without a bound
-    on ``D``, ``T`` (every token).
-    """
-    if max_documents is None or rate == 1:
-        return seq_len
-    return min(seq_len, -(-seq_len // rate) + max_documents - 1)
+def group_count(seq_len: int, segment_length: int, max_documents: int) -> int:
+    """Static bound on the groups (segments of documents) of one branch in a row of at
+    most ``max_documents`` documents: ``sum_d ceil(L_d / w) <= (T + D (w - 1)) / w``."""
+    return (seq_len + max_documents * (segment_length - 1)) // segment_length
 
 
 def packed_branch(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query, key,
-                  value, kv_mask, starts, dropout_rng, length: int):
+                  value, kv_mask, starts, dropout_rng, max_documents: int | None):
     """One branch over packed rows: ``(o [B, T, Hq, D], lse, lse_lo [B, T, Hq])`` for the
     heads ``plan.query_heads`` (zero / ``-inf`` / 0 where a head selects nothing), and
-    ``overflow`` [B] bool: a row whose streams needed more than ``length`` slots (its
-    result is then incomplete; the caller refuses it).
+    ``overflow`` [B] bool: a row that needed more stream slots than the static layout
+    holds (its result is then incomplete; the caller refuses it).
+
+    Two layouts of the streams (module docstring):
+
+    * ``max_documents`` given (*aligned*): group ``g`` of a row (its ``g``-th segment of
+      a document, in order) owns slots ``[g w/r, (g+1) w/r)`` of every head's stream,
+      whatever the head's offset, for :func:`group_count` groups. The streams are then
+      a batch of ``[groups, w/r]`` independent sequences, exactly the unpacked
+      operation's batch of dilated segments: one kernel call without document ids,
+      with the empty slots (short last segments, unused groups) as invalid keys, costs
+      what the documents cost alone (kernel chunks of empty groups are skipped).
+    * otherwise (*compact*): each head's selected tokens in order, ``T`` slots, each
+      token's group as its kernel segment id; correct for any number of documents, but
+      groups straddle kernel blocks (up to about twice the work) and every stream is
+      ``T`` long.
 
     Args:
       starts: :func:`document_starts` of the segment ids.
-      length: the static stream length (:func:`stream_length`).
+      max_documents: the static bound on documents per row, or None.
     """
     b, t, h, d = query.shape
     w, r = plan.branch.segment_length, plan.branch.rate
@@ -74,8 +84,18 @@ def packed_branch(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
     rel = pos[None, :] - starts                                         # [B, T]
     offsets = jnp.asarray(plan.offsets, jnp.int32)
     selected = ((rel % w) % r)[..., None] == offsets                    # [B, T, Hs]
-    slot = jnp.cumsum(selected, axis=1, dtype=jnp.int32) - 1            # stream index
-    overflow = jnp.any(slot[:, -1] >= length, axis=-1)
+    aligned = max_documents is not None
+    if aligned:
+        per_group = w // r
+        groups = group_count(t, w, max_documents)
+        length = groups * per_group
+        ordinal = jnp.cumsum(rel % w == 0, axis=1, dtype=jnp.int32) - 1  # group of p
+        slot = (ordinal * per_group + (rel % w) // r)[..., None]         # [B, T, 1]
+        overflow = ordinal[:, -1] >= groups
+    else:
+        length = t  # the offset-0 head of a row of 1-token documents selects every token
+        slot = jnp.cumsum(selected, axis=1, dtype=jnp.int32) - 1        # [B, T, Hs]
+        overflow = jnp.any(slot[:, -1] >= length, axis=-1)
     # source position of every stream slot; T marks an empty slot
     rows = jnp.arange(b)[:, None, None]
     cols = jnp.arange(hs)[None, None, :]
@@ -85,33 +105,50 @@ def packed_branch(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
     filled = source < t
     src = jnp.minimum(source, t - 1)
 
-    def stream(x):  # [B, T, Hs, ...] -> [B Hs, length, 1, ...] along ``src``
-        y = jnp.take_along_axis(x, src.reshape(b, length, hs, *(1,) * (x.ndim - 3)), axis=1)
-        y = jnp.moveaxis(y, 2, 1)
-        return y.reshape(b * hs, length, 1, *y.shape[3:])
+    def stream(x):  # [B, T, Hs, ...] -> [B, length, Hs, ...] along ``src``
+        return jnp.take_along_axis(x, src.reshape(b, length, hs, *(1,) * (x.ndim - 3)),
+                                   axis=1)
+
+    def along_src(x):  # [B, T] -> [B, length, Hs]
+        return jnp.take_along_axis(x, src.reshape(b, -1), axis=1).reshape(src.shape)
 
     q = stream(query[:, :, heads])
     k = stream(key[:, :, kv_of])
     v = stream(value[:, :, kv_of])
-    # a group is one segment of one document: the absolute position where it starts
-    group = jnp.take_along_axis(starts, src.reshape(b, -1), axis=1).reshape(src.shape)
-    group = group + (jnp.take_along_axis(rel, src.reshape(b, -1), axis=1).reshape(src.shape)
-                     // w) * w
-    # Empty slots get different ids on the query side (-1) and the key side (-2): equal
-    # ids would make the empty tail of every stream one "group" whose blocks the kernel
-    # could not skip (dense work over T (1 - 1/r) slots for nothing).
-    q_group = jnp.where(filled, group, -1)
-    k_group = jnp.where(filled, group, -2)
-    valid = filled if kv_mask is None else filled & jnp.take_along_axis(
-        kv_mask, src.reshape(b, -1), axis=1).reshape(src.shape)
-    flat = lambda x: jnp.moveaxis(x, 2, 1).reshape(b * hs, length)  # noqa: E731
-    o, lse, lse_lo = kernel.attention(q, k, v, args, kv_valid=flat(valid),
-                                      q_segment_ids=flat(q_group), k_segment_ids=flat(k_group),
-                                      dropout_rng=dropout_rng)
+    valid = filled if kv_mask is None else filled & along_src(kv_mask)
+    if aligned:
+        def split(x):  # [B, length, Hs, ...] -> [B groups, w/r, Hs, ...]
+            return x.reshape(b * groups, per_group, *x.shape[2:])
 
-    def back(y, fill):  # [B Hs, length, 1, ...] -> [B, T, Hs, ...] at ``source``
-        y = jnp.moveaxis(y.reshape(b, hs, length, *y.shape[3:]), 1, 2)
-        out = jnp.full((b, t, hs, *y.shape[3:]), fill, y.dtype)
-        return out.at[rows, source, cols].set(y, mode="drop")
+        o, lse, lse_lo = kernel.attention(split(q), split(k), split(v), args,
+                                          kv_valid=split(valid), dropout_rng=dropout_rng)
+        o, lse, lse_lo = (x.reshape(b, length, *x.shape[2:]) for x in (o, lse, lse_lo))
+    else:
+        # a group is one segment of one document: the absolute position where it starts
+        group = along_src(starts) + (along_src(rel) // w) * w
+        # Empty slots get different ids on the query side (-1) and the key side (-2):
+        # equal ids would make the empty tail of every stream one "group" whose blocks
+        # the kernel could not skip.
+        q_group = jnp.where(filled, group, -1)
+        k_group = jnp.where(filled, group, -2)
+
+        def flat(x):  # [B, length, Hs, ...] -> [B Hs, length, 1, ...]
+            return jnp.moveaxis(x, 2, 1).reshape(b * hs, length, 1, *x.shape[3:])
+
+        def unflat(x):  # the inverse
+            return jnp.moveaxis(x.reshape(b, hs, length, *x.shape[3:]), 1, 2)
+
+        ids = lambda x: flat(x)[:, :, 0]  # noqa: E731
+        o, lse, lse_lo = kernel.attention(flat(q), flat(k), flat(v), args,
+                                          kv_valid=ids(valid), q_segment_ids=ids(q_group),
+                                          k_segment_ids=ids(k_group),
+                                          dropout_rng=dropout_rng)
+        o, lse, lse_lo = (unflat(x) for x in (o, lse, lse_lo))
+
+    def back(y, fill):  # [B, length, Hs, ...] -> [B, T, Hs, ...]: each token's slot
+        idx = jnp.minimum(slot, length - 1)
+        y = jnp.take_along_axis(y, idx.reshape(*idx.shape, *(1,) * (y.ndim - 3)), axis=1)
+        keep = selected.reshape(*selected.shape, *(1,) * (y.ndim - 3))
+        return jnp.where(keep, y, jnp.asarray(fill, y.dtype))
 
     return back(o, 0), back(lse, -jnp.inf), back(lse_lo, 0), overflow
