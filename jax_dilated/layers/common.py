@@ -37,6 +37,8 @@ __all__ = [
     "check_inputs",
     "precision_context",
     "check_decode_segment_ids",
+    "check_sinks_flag",
+    "check_mesh_scores",
     "layer_decode_step",
 ]
 
@@ -120,17 +122,23 @@ class AttentionCore:
         return self.kind == "dilated"
 
     def __call__(self, query, key, value, *, is_causal=False, kv_mask=None,
-                 segment_ids=None, dropout_rate=0.0, dropout_rng=None):
+                 segment_ids=None, dropout_rate=0.0, dropout_rng=None, sinks=None):
         """``[batch, seq, heads, head_dim]`` in, the same out (see the attention fn).
 
-        ``segment_ids`` (int ``[batch, seq]``, packed documents) reaches the attention
-        function only when given, so a drop-in ``attention_fn`` without that keyword
-        still serves unpacked calls."""
+        ``segment_ids`` (int ``[batch, seq]``, packed documents) and ``sinks`` (float
+        ``[heads]``, per-head sink logits) reach the attention function only when
+        given, so a drop-in ``attention_fn`` without those keywords still serves the
+        calls that do not use them. With a mesh, ``sinks`` is bound to the function
+        and replicated on every device (``jd.sharded`` has no per-head argument; see
+        :func:`check_sinks_flag` for the strategies this allows)."""
         kw = dict(self.options, is_causal=is_causal)
         if self.has_dropout:
             kw.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+        if sinks is not None:
+            kw.update(sinks=sinks)
         segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
         docs = {} if segment_ids is None else {"segment_ids": segment_ids}
+        check_mesh_scores(self, sinks is not None)
         if self.mesh is None:
             return self.fn(query, key, value, kv_mask=kv_mask, **docs, **kw)
         run = sharded(functools.partial(self.fn, **kw), self.mesh, seq_axis=self.seq_axis,
@@ -147,17 +155,29 @@ def _block_options(block_q, block_k) -> tuple:
                  if b is not None)
 
 
+def _score_options(window=None, logit_soft_cap=None) -> tuple:
+    """``window`` / ``logit_soft_cap`` options, validated, only those given (a user's
+    drop-in ``attention_fn`` need not take them). Whether ``window`` fits the call's
+    causality (``right == 0`` when causal) is checked by the call."""
+    window = validation.check_window(window)
+    logit_soft_cap = validation.check_logit_soft_cap(logit_soft_cap)
+    return tuple((name, x) for name, x in (("window", window),
+                                           ("logit_soft_cap", logit_soft_cap))
+                 if x is not None)
+
+
 def dilated_core(*, segment_lengths, dilation_rates, mode="longnet", head_offsets="modulo",
                  scale=None, implementation=None, attention_fn=None, mesh=None,
                  seq_axis=None, batch_axis=None, head_axis=None, block_q=None,
-                 block_k=None, strategy="ring") -> AttentionCore:
+                 block_k=None, strategy="ring", logit_soft_cap=None) -> AttentionCore:
     """Validated :class:`AttentionCore` for dilated attention.
 
     ``attention_fn`` (default :func:`jax_dilated.dilated_attention`) is called as
     ``attention_fn(q, k, v, segment_lengths=, dilation_rates=, mode=, head_offsets=,
     scale=, implementation=, is_causal=, kv_mask=, dropout_rate=, dropout_rng=)``
-    (plus ``block_q=`` / ``block_k=`` when given) and, with a mesh, also receives
-    ``seq_axis=`` inside ``shard_map``.
+    (plus ``block_q=`` / ``block_k=`` / ``logit_soft_cap=`` / ``sinks=`` when given)
+    and, with a mesh, also receives ``seq_axis=`` inside ``shard_map``. A sliding
+    window is a branch of ``segment_lengths`` (``jd.SlidingWindow``).
     """
     branches = branch_plans.validate_branches(segment_lengths, dilation_rates)
     if mode not in branch_plans.MODES:
@@ -172,19 +192,22 @@ def dilated_core(*, segment_lengths, dilation_rates, mode="longnet", head_offset
     options = (("segment_lengths", tuple(w for w, _ in branches)),
                ("dilation_rates", tuple(r for _, r in branches)), ("mode", mode),
                ("head_offsets", head_offsets), ("scale", scale),
-               ("implementation", implementation)) + _block_options(block_q, block_k)
+               ("implementation", implementation)) + _block_options(
+                   block_q, block_k) + _score_options(logit_soft_cap=logit_soft_cap)
     return AttentionCore("dilated", attention_fn, options, mesh, seq_axis, batch_axis,
                          head_axis, strategy=check_strategy(strategy))
 
 
 def ring_core(*, mesh, seq_axis, layout="contiguous", batch_axis=None, head_axis=None,
               scale=None, implementation=None, attention_fn=None, block_q=None,
-              block_k=None, strategy="ring") -> AttentionCore:
+              block_k=None, strategy="ring", window=None,
+              logit_soft_cap=None) -> AttentionCore:
     """Validated :class:`AttentionCore` for ring (exact, sequence-parallel) attention.
 
     ``attention_fn`` (default :func:`jax_dilated.ring_attention`) is called inside
     ``shard_map`` as ``attention_fn(q, k, v, seq_axis=, layout=, kv_mask=, is_causal=,
-    scale=, implementation=)`` (plus ``block_q=`` / ``block_k=`` when given).
+    scale=, implementation=)`` (plus ``block_q=`` / ``block_k=`` / ``window=`` /
+    ``logit_soft_cap=`` / ``sinks=`` when given).
     """
     if mesh is None:
         raise ValueError(
@@ -197,19 +220,21 @@ def ring_core(*, mesh, seq_axis, layout="contiguous", batch_axis=None, head_axis
     select_implementation(implementation)
     attention_fn = ring_attention if attention_fn is None else attention_fn
     options = (("scale", scale), ("implementation", implementation)) + _block_options(
-        block_q, block_k)
+        block_q, block_k) + _score_options(window, logit_soft_cap)
     return AttentionCore("ring", attention_fn, options, mesh, seq_axis, batch_axis,
                          head_axis, layout, check_strategy(strategy))
 
 
 def block_sparse_core(*, block_size, pattern, scale=None, implementation=None,
                       attention_fn=None, mesh=None, seq_axis=None, layout="contiguous",
-                      batch_axis=None, head_axis=None, strategy="ring") -> AttentionCore:
+                      batch_axis=None, head_axis=None, strategy="ring", window=None,
+                      logit_soft_cap=None) -> AttentionCore:
     """Validated :class:`AttentionCore` for block-sparse attention.
 
     ``attention_fn`` (default :func:`jax_dilated.block_sparse_attention`) is called as
     ``attention_fn(q, k, v, block_size=, pattern=, scale=, implementation=,
-    is_causal=, kv_mask=)`` and, with a mesh (a ring over ``seq_axis`` in
+    is_causal=, kv_mask=)`` (plus ``window=`` / ``logit_soft_cap=`` / ``sinks=`` when
+    given) and, with a mesh (a ring over ``seq_axis`` in
     ``layout``), also receives ``seq_axis=`` and ``layout=`` inside ``shard_map``.
     ``block_size`` is the pattern's block and the kernel's block alike.
     """
@@ -221,9 +246,42 @@ def block_sparse_core(*, block_size, pattern, scale=None, implementation=None,
     layouts.check_layout(layout)
     attention_fn = block_sparse_attention if attention_fn is None else attention_fn
     options = (("block_size", block_size), ("pattern", pattern), ("scale", scale),
-               ("implementation", implementation))
+               ("implementation", implementation)) + _score_options(window, logit_soft_cap)
     return AttentionCore("block_sparse", attention_fn, options, mesh, seq_axis, batch_axis,
                          head_axis, layout, check_strategy(strategy))
+
+
+def check_sinks_flag(sinks, core: AttentionCore) -> bool:
+    """A multi-head layer's ``sinks`` option, a Python bool (True: a learnable
+    ``[num_heads]`` sink logit per head), checked against the core's mesh options
+    (:func:`check_mesh_scores`)."""
+    if not isinstance(sinks, bool):
+        raise TypeError(
+            f"sinks must be a Python bool (True: a learnable [num_heads] sink logit per "
+            f"head), got {type(sinks).__name__} {getattr(sinks, 'shape', sinks)!r}; for "
+            f"fixed sink logits call the attention function with sinks=.")
+    check_mesh_scores(core, sinks)
+    return sinks
+
+
+def check_mesh_scores(core: AttentionCore, sinks: bool = False):
+    """Over a mesh, ``window`` / ``logit_soft_cap`` / sinks reach the attention
+    function only under ``strategy="ring"`` (the ``"allgather"`` and ``"heads"``
+    strategies rebuild the operation from its plain options, and ``"auto"`` may pick
+    them), and sinks, replicated into ``jd.sharded``'s ``fn``, need every head on each
+    device (no ``head_axis``). ValueError otherwise, at construction."""
+    if core.mesh is None:
+        return
+    given = [name for name, _ in core.options if name in ("window", "logit_soft_cap")]
+    given += ["sinks"] if sinks else []
+    if given and core.strategy != "ring":
+        raise ValueError(
+            f"{' / '.join(given)} over a mesh run with strategy='ring' only, got "
+            f"strategy={core.strategy!r} (the other strategies do not carry them yet).")
+    if sinks and core.head_axis is not None:
+        raise ValueError(
+            f"sinks=True with a mesh needs every head on each device, got head_axis="
+            f"{core.head_axis!r}; use head_axis=None.")
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -240,7 +298,7 @@ def check_decode_segment_ids(segment_ids):
 
 
 def layer_decode_step(core: AttentionCore, cache: decoding.KVCache, q, k, v, *, kv_mask,
-                      dropout_rng, precision):
+                      dropout_rng, precision, sinks=None):
     """A decoding step of a layer: ``(attn [B, n, H, D], new cache)`` for ``n`` new
     tokens (one, or a prompt; see :func:`jax_dilated.ops.decode.decode_tokens`). Decoding
     is causal, on one device, without dropout, padding mask or packed documents."""
@@ -256,5 +314,6 @@ def layer_decode_step(core: AttentionCore, cache: decoding.KVCache, q, k, v, *, 
         raise ValueError("decode=True takes no kv_mask: every cached token is attended to.")
     if dropout_rng is not None:
         raise ValueError("decoding runs without dropout: pass deterministic=True.")
+    extra = {} if sinks is None else {"sinks": sinks}
     with precision_context(precision):
-        return decoding.decode_tokens(cache, q, k, v, **dict(core.options))
+        return decoding.decode_tokens(cache, q, k, v, **dict(core.options), **extra)

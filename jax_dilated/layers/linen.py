@@ -46,9 +46,9 @@ class DilatedAttention(nn.Module):
     """:func:`jax_dilated.dilated_attention` as a Linen module (no parameters).
 
     Fields as :class:`jax_dilated.nnx.DilatedAttention`; call ``(query, key, value, *,
-    is_causal=False, kv_mask=None, segment_ids=None, deterministic=None,
+    is_causal=False, kv_mask=None, segment_ids=None, sinks=None, deterministic=None,
     dropout_rng=None)`` with ``[B, T, H, D]`` arrays (``segment_ids`` int [B, T]:
-    packed documents).
+    packed documents; ``sinks`` float [H]: per-head sink logits).
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -74,11 +74,12 @@ class DilatedAttention(nn.Module):
     deterministic: bool | None = None
     block_q: int | None = None
     block_k: int | None = None
+    logit_soft_cap: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
         # validate the fields on construction, as the NNX layers do
-        self._core()
+        common.check_mesh_scores(self._core())
         validation.check_dropout_rate(self.dropout_rate)
 
     def _core(self):
@@ -87,16 +88,18 @@ class DilatedAttention(nn.Module):
             mode=self.mode, head_offsets=self.head_offsets, scale=self.scale,
             implementation=self.implementation, attention_fn=self.attention_fn,
             mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis,
-            head_axis=self.head_axis, strategy=self.strategy, block_q=self.block_q, block_k=self.block_k)
+            head_axis=self.head_axis, strategy=self.strategy, block_q=self.block_q,
+            block_k=self.block_k, logit_soft_cap=self.logit_soft_cap)
 
     @nn.compact
     def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
-                 segment_ids=None, deterministic: bool | None = None, dropout_rng=None):
+                 segment_ids=None, sinks=None, deterministic: bool | None = None,
+                 dropout_rng=None):
         core = self._core()
         rate = validation.check_dropout_rate(self.dropout_rate)
         key_ = _dropout_key(self, rate, deterministic, dropout_rng)
         return core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
-                    segment_ids=segment_ids,
+                    segment_ids=segment_ids, sinks=sinks,
                     dropout_rate=rate if key_ is not None else 0.0, dropout_rng=key_)
 
 
@@ -104,7 +107,7 @@ class RingAttention(nn.Module):
     """Exact attention over a sequence sharded on ``seq_axis`` of ``mesh`` (Linen).
 
     Fields as :class:`jax_dilated.nnx.RingAttention`; call ``(query, key, value, *,
-    is_causal=False, kv_mask=None, segment_ids=None)``.
+    is_causal=False, kv_mask=None, segment_ids=None, sinks=None)``.
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -125,23 +128,27 @@ class RingAttention(nn.Module):
     attention_fn: Callable | None = None
     block_q: int | None = None
     block_k: int | None = None
+    window: Any = None
+    logit_soft_cap: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
-        self._core()  # validate the fields on construction, as the NNX layers do
+        # validate the fields on construction, as the NNX layers do
+        common.check_mesh_scores(self._core())
 
     def _core(self):
         return common.ring_core(mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
                                 batch_axis=self.batch_axis, head_axis=self.head_axis, strategy=self.strategy,
                                 scale=self.scale, implementation=self.implementation,
                                 attention_fn=self.attention_fn, block_q=self.block_q,
-                                block_k=self.block_k)
+                                block_k=self.block_k, window=self.window,
+                                logit_soft_cap=self.logit_soft_cap)
 
     @nn.compact
     def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
-                 segment_ids=None):
+                 segment_ids=None, sinks=None):
         return self._core()(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
-                            segment_ids=segment_ids)
+                            segment_ids=segment_ids, sinks=sinks)
 
 
 class _ParamGroup(nn.Module):
@@ -184,6 +191,8 @@ class _Multihead(nn.Module):
     qk_transform: Callable | None = None
     block_q: int | None = None
     block_k: int | None = None
+    logit_soft_cap: float | None = None
+    sinks: bool = False  # a learnable [num_heads] sink logit per head (params "sinks")
     dropout: float | None = None  # deprecated spelling of dropout_rate
 
     def _rate(self) -> float:
@@ -204,12 +213,14 @@ class _Multihead(nn.Module):
         if self.dropout is not None:  # the deprecated spelling (warns at the call)
             validation.check_dropout_rate(self.dropout, "dropout")
         if type(self) is not _Multihead:
+            core = self._core()
             projections.HeadsConfig.create(
                 self.embed_dim, self.num_heads, self.num_kv_heads, use_bias=self.use_bias,
                 layer_norm=self.layer_norm, layer_norm_eps=self.layer_norm_eps,
-                gamma_init=self.gamma_init).check_core(self._core())
+                gamma_init=self.gamma_init, sinks=self.sinks).check_core(core)
+            common.check_sinks_flag(self.sinks, core)
 
-    def _decode(self, core, q, k, v, kv_mask, dropout_rng):
+    def _decode(self, core, q, k, v, kv_mask, dropout_rng, sinks):
         """Decoding through the ``cache`` collection (created by the first call)."""
         initialized = self.has_variable("cache", "cached_key")
         if not initialized and not self.is_initializing():
@@ -225,13 +236,13 @@ class _Multihead(nn.Module):
                                          cache_index.value if initialized else 0)
         if not initialized:  # the initialising call: an ordinary causal forward pass
             with common.precision_context(self.precision):
-                return core(q, k, v, is_causal=True, kv_mask=kv_mask,
+                return core(q, k, v, is_causal=True, kv_mask=kv_mask, sinks=sinks,
                             dropout_rate=self._rate() if dropout_rng is not None else 0.0,
                             dropout_rng=dropout_rng)
         cache = decoding.KVCache(cached_key.value, cached_value.value, cache_index.value)
         attn, cache = common.layer_decode_step(core, cache, q, k, v, kv_mask=kv_mask,
                                                dropout_rng=dropout_rng,
-                                               precision=self.precision)
+                                               precision=self.precision, sinks=sinks)
         cached_key.value, cached_value.value, cache_index.value = cache
         return attn
 
@@ -246,9 +257,10 @@ class _Multihead(nn.Module):
         heads = projections.HeadsConfig.create(
             self.embed_dim, self.num_heads, self.num_kv_heads, use_bias=self.use_bias,
             layer_norm=self.layer_norm, layer_norm_eps=self.layer_norm_eps,
-            gamma_init=self.gamma_init)
+            gamma_init=self.gamma_init, sinks=self.sinks)
         core = self._core()
         heads.check_core(core)
+        common.check_sinks_flag(self.sinks, core)
         projections.check_qk_transform(self.qk_transform)
         rate = self._rate()
         if rate and not core.has_dropout:
@@ -264,13 +276,14 @@ class _Multihead(nn.Module):
                                      precision=self.precision)
         if self.decode if decode is None else decode:
             common.check_decode_segment_ids(segment_ids)
-            attn = self._decode(core, q, k, v, kv_mask, dropout_rng)
+            attn = self._decode(core, q, k, v, kv_mask, dropout_rng,
+                                projections.sink_logits(params))
         else:
             q, k = projections.apply_qk_transform(self.qk_transform, q, k,
                                                   segment_ids=segment_ids)
             with common.precision_context(self.precision):
                 attn = core(q, k, v, is_causal=is_causal, kv_mask=kv_mask,
-                            segment_ids=segment_ids,
+                            segment_ids=segment_ids, sinks=projections.sink_logits(params),
                             dropout_rate=rate if dropout_rng is not None else 0.0,
                             dropout_rng=dropout_rng)
         return projections.project_out(params, heads, attn, dtype=self.dtype,
@@ -303,7 +316,8 @@ class MultiheadDilatedAttention(_Multihead):
             mode=self.mode, head_offsets=self.head_offsets, scale=self.scale,
             implementation=self.implementation, attention_fn=self.attention_fn,
             mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis,
-            head_axis=self.head_axis, strategy=self.strategy, block_q=self.block_q, block_k=self.block_k)
+            head_axis=self.head_axis, strategy=self.strategy, block_q=self.block_q,
+            block_k=self.block_k, logit_soft_cap=self.logit_soft_cap)
 
 
 class MultiheadRingAttention(_Multihead):
@@ -321,13 +335,15 @@ class MultiheadRingAttention(_Multihead):
     """
 
     layout: str = "contiguous"
+    window: Any = None
 
     def _core(self):
         return common.ring_core(mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
                                 batch_axis=self.batch_axis, head_axis=self.head_axis, strategy=self.strategy,
                                 scale=self.scale, implementation=self.implementation,
                                 attention_fn=self.attention_fn, block_q=self.block_q,
-                                block_k=self.block_k)
+                                block_k=self.block_k, window=self.window,
+                                logit_soft_cap=self.logit_soft_cap)
 
 
 class MultiheadBlockSparseAttention(_Multihead):
@@ -349,6 +365,7 @@ class MultiheadBlockSparseAttention(_Multihead):
     block_size: int | None = None
     pattern: Any = None
     layout: str = "contiguous"
+    window: Any = None
 
     def _core(self):
         if self.block_q is not None or self.block_k is not None:
@@ -360,4 +377,5 @@ class MultiheadBlockSparseAttention(_Multihead):
             block_size=self.block_size, pattern=self.pattern, scale=self.scale,
             implementation=self.implementation, attention_fn=self.attention_fn,
             mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
-            batch_axis=self.batch_axis, head_axis=self.head_axis, strategy=self.strategy)
+            batch_axis=self.batch_axis, head_axis=self.head_axis, strategy=self.strategy,
+            window=self.window, logit_soft_cap=self.logit_soft_cap)

@@ -43,7 +43,8 @@ class DilatedAttention(nnx_rngs.DropoutMixin, nnx.Module):
 
     Args:
       segment_lengths, dilation_rates, mode, head_offsets, scale, implementation,
-        block_q, block_k: as in :func:`jax_dilated.dilated_attention`.
+        block_q, block_k, logit_soft_cap: as in :func:`jax_dilated.dilated_attention`
+        (a sliding window is a ``jd.SlidingWindow`` entry of ``segment_lengths``).
       dropout_rate: attention-probability dropout.
       attention_fn: a drop-in with the signature of :func:`jax_dilated.dilated_attention`.
       mesh, seq_axis: run sequence-parallel over ``mesh`` (the sequence sharded on
@@ -53,8 +54,9 @@ class DilatedAttention(nnx_rngs.DropoutMixin, nnx.Module):
       rngs: ``nnx.Rngs``; its ``dropout`` stream is kept for dropout.
 
     Call: ``(query [B, T, H, D], key, value [B, T, Hkv, D], *, is_causal=False,
-    kv_mask=None [B, T] bool, segment_ids=None [B, T] int, deterministic=None,
-    rngs=None) -> [B, T, H, D]``; ``segment_ids`` packs documents into a row (see
+    kv_mask=None [B, T] bool, segment_ids=None [B, T] int, sinks=None [H] float,
+    deterministic=None, rngs=None) -> [B, T, H, D]``; ``segment_ids`` packs documents
+    into a row, ``sinks`` are per-head sink logits (see
     :func:`jax_dilated.dilated_attention`).
 
     Example:
@@ -73,22 +75,25 @@ class DilatedAttention(nnx_rngs.DropoutMixin, nnx.Module):
                  mesh=None, seq_axis: str | None = None, batch_axis: str | None = None,
                  head_axis: str | None = None, strategy: str = "ring", deterministic: bool | None = None,
                  block_q: int | None = None, block_k: int | None = None,
-                 rngs: nnx.Rngs | None = None):
+                 logit_soft_cap: float | None = None, rngs: nnx.Rngs | None = None):
         self.core = common.dilated_core(
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
             head_offsets=head_offsets, scale=scale, implementation=implementation,
             attention_fn=attention_fn, mesh=mesh, seq_axis=seq_axis,
-            batch_axis=batch_axis, head_axis=head_axis, strategy=strategy, block_q=block_q, block_k=block_k)
+            batch_axis=batch_axis, head_axis=head_axis, strategy=strategy, block_q=block_q,
+            block_k=block_k, logit_soft_cap=logit_soft_cap)
+        common.check_mesh_scores(self.core)
         self.dropout_rate = validation.check_dropout_rate(dropout_rate)
         self.deterministic = deterministic
         self.rngs = nnx_rngs.fork_dropout_rngs(rngs, self.dropout_rate)
 
     def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
-                 segment_ids=None, deterministic: bool | None = None, rngs=None):
+                 segment_ids=None, sinks=None, deterministic: bool | None = None,
+                 rngs=None):
         dropout_rng = self._dropout_key(self.dropout_rate, deterministic, rngs,
                                         "DilatedAttention")
         return self.core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
-                         segment_ids=segment_ids,
+                         segment_ids=segment_ids, sinks=sinks,
                          dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
                          dropout_rng=dropout_rng)
 
@@ -104,11 +109,13 @@ class RingAttention(nnx.Module):
       mesh, seq_axis: the mesh and the axis of the ring.
       layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"``.
       batch_axis, head_axis: optional mesh axes for batch and heads.
-      scale, implementation, attention_fn, block_q, block_k: as for
-        :func:`jax_dilated.ring_attention`.
+      scale, implementation, attention_fn, block_q, block_k, window, logit_soft_cap:
+        as for :func:`jax_dilated.ring_attention` (``window=(left, right)``: a sliding
+        window over global positions).
 
-    Call: ``(query, key, value, *, is_causal=False, kv_mask=None, segment_ids=None)
-    -> [B, T, H, D]`` (``segment_ids`` int [B, T]: packed documents).
+    Call: ``(query, key, value, *, is_causal=False, kv_mask=None, segment_ids=None,
+    sinks=None) -> [B, T, H, D]`` (``segment_ids`` int [B, T]: packed documents;
+    ``sinks`` float [H]: per-head sink logits).
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -122,17 +129,20 @@ class RingAttention(nnx.Module):
                  batch_axis: str | None = None, head_axis: str | None = None, strategy: str = "ring",
                  scale: float | None = None, implementation: str | None = None,
                  attention_fn: Callable | None = None, block_q: int | None = None,
-                 block_k: int | None = None):
+                 block_k: int | None = None, window=None,
+                 logit_soft_cap: float | None = None):
         self.core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
                                      batch_axis=batch_axis, head_axis=head_axis, strategy=strategy,
                                      scale=scale, implementation=implementation,
                                      attention_fn=attention_fn, block_q=block_q,
-                                     block_k=block_k)
+                                     block_k=block_k, window=window,
+                                     logit_soft_cap=logit_soft_cap)
+        common.check_mesh_scores(self.core)
 
     def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
-                 segment_ids=None):
+                 segment_ids=None, sinks=None):
         return self.core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
-                         segment_ids=segment_ids)
+                         segment_ids=segment_ids, sinks=sinks)
 
 
 class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
@@ -141,11 +151,12 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
     def __init__(self, embed_dim, num_heads, core: common.AttentionCore, *, num_kv_heads,
                  dropout_rate, use_bias, layer_norm, layer_norm_eps, gamma_init, dtype,
                  param_dtype, precision, deterministic, decode, rngs: nnx.Rngs,
-                 qk_transform=None):
+                 qk_transform=None, sinks=False):
         self.heads = projections.HeadsConfig.create(
             embed_dim, num_heads, num_kv_heads, use_bias=use_bias, layer_norm=layer_norm,
-            layer_norm_eps=layer_norm_eps, gamma_init=gamma_init)
+            layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, sinks=sinks)
         self.heads.check_core(core)
+        common.check_sinks_flag(sinks, core)
         self.core = core
         self.dropout_rate = validation.check_dropout_rate(dropout_rate)
         if self.dropout_rate and not core.has_dropout:
@@ -234,7 +245,8 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
             q, k = projections.apply_qk_transform(self.qk_transform, q, k, cache.index)
             attn, cache = common.layer_decode_step(self.core, cache, q, k, v,
                                                    kv_mask=kv_mask, dropout_rng=dropout_rng,
-                                                   precision=self.precision)
+                                                   precision=self.precision,
+                                                   sinks=projections.sink_logits(params))
             self.cached_key[...], self.cached_value[...] = cache.key, cache.value
             self.cache_index[...] = cache.index
         else:
@@ -243,6 +255,7 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
             with common.precision_context(self.precision):
                 attn = self.core(q, k, v, is_causal=is_causal, kv_mask=kv_mask,
                                  segment_ids=segment_ids,
+                                 sinks=projections.sink_logits(params),
                                  dropout_rate=(self.dropout_rate if dropout_rng is not None
                                                else 0.0),
                                  dropout_rng=dropout_rng)
@@ -262,7 +275,12 @@ class MultiheadDilatedAttention(_Multihead):
       embed_dim: ``E``, divisible by ``num_heads``.
       num_heads: query heads ``H``.
       segment_lengths, dilation_rates, mode, head_offsets, scale, implementation,
-        block_q, block_k: the dilated attention (see :func:`jax_dilated.dilated_attention`).
+        block_q, block_k, logit_soft_cap: the dilated attention (see
+        :func:`jax_dilated.dilated_attention`; a ``jd.SlidingWindow(left)`` entry of
+        ``segment_lengths``, rate 1, is a sliding-window branch).
+      sinks: learn a sink logit per query head (parameter ``sinks.logit`` [H], in
+        ``param_dtype``, initialised to 0) joining every row's softmax denominator
+        (docs/semantics.md, "Sliding windows, soft-capping and sinks").
       num_kv_heads: key/value heads (grouped-query attention), dividing ``H``;
         default ``H``.
       dropout_rate: attention-probability dropout rate (``dropout=`` is its deprecated
@@ -291,8 +309,9 @@ class MultiheadDilatedAttention(_Multihead):
     Parameters (groups of ``nnx.Param``): ``query`` / ``key`` / ``value``:
     ``kernel`` [E, heads, D] (``("embed", "heads" | "kv_heads", "head_dim")``),
     ``bias`` [heads, D]; ``sub_ln``: ``scale``, ``bias`` [H, D]; ``out``: ``kernel``
-    [H, D, E], ``bias`` [E]. ``nnx.state(layer, nnx.Param)`` has the structure of the
-    Linen layer's ``params``.
+    [H, D, E], ``bias`` [E]; with ``sinks=True``, ``sinks``: ``logit`` [H]
+    (``("heads",)``). ``nnx.state(layer, nnx.Param)`` has the structure of the Linen
+    layer's ``params``.
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -316,6 +335,7 @@ class MultiheadDilatedAttention(_Multihead):
                  head_axis: str | None = None, strategy: str = "ring", deterministic: bool | None = None,
                  decode: bool = False, qk_transform: Callable | None = None,
                  block_q: int | None = None, block_k: int | None = None,
+                 logit_soft_cap: float | None = None, sinks: bool = False,
                  dropout: float | None = None, rngs: nnx.Rngs):
         dropout_rate = validation.renamed(
             dropout, None if dropout_rate == 0.0 else dropout_rate, old="dropout",
@@ -324,14 +344,15 @@ class MultiheadDilatedAttention(_Multihead):
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
             head_offsets=head_offsets, scale=scale, implementation=implementation,
             attention_fn=attention_fn, mesh=mesh, seq_axis=seq_axis,
-            batch_axis=batch_axis, head_axis=head_axis, strategy=strategy, block_q=block_q, block_k=block_k)
+            batch_axis=batch_axis, head_axis=head_axis, strategy=strategy, block_q=block_q,
+            block_k=block_k, logit_soft_cap=logit_soft_cap)
         super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
                          dropout_rate=0.0 if dropout_rate is None else dropout_rate,
                          use_bias=use_bias, layer_norm=layer_norm,
                          layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
                          param_dtype=param_dtype, precision=precision,
                          deterministic=deterministic, decode=decode, rngs=rngs,
-                         qk_transform=qk_transform)
+                         qk_transform=qk_transform, sinks=sinks)
 
 
 class MultiheadRingAttention(_Multihead):
@@ -340,7 +361,10 @@ class MultiheadRingAttention(_Multihead):
     The layer of :class:`MultiheadDilatedAttention` (same parameters, sub-LayerNorm,
     options) with :func:`jax_dilated.ring_attention` as its attention: ``mesh`` and
     ``seq_axis`` are required, ``layout`` picks the ring layout, ``block_q`` /
-    ``block_k`` the kernel blocks. Ring attention has no dropout and no decoding.
+    ``block_k`` the kernel blocks, ``window=(left, right)`` a sliding window (global
+    positions), ``logit_soft_cap`` the soft-cap, ``sinks=True`` a learnable sink logit
+    per head (as in :class:`MultiheadDilatedAttention`). Ring attention has no
+    dropout and no decoding.
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -360,17 +384,20 @@ class MultiheadRingAttention(_Multihead):
                  implementation: str | None = None, attention_fn: Callable | None = None,
                  batch_axis: str | None = None, head_axis: str | None = None, strategy: str = "ring",
                  qk_transform: Callable | None = None, block_q: int | None = None,
-                 block_k: int | None = None, rngs: nnx.Rngs):
+                 block_k: int | None = None, window=None,
+                 logit_soft_cap: float | None = None, sinks: bool = False,
+                 rngs: nnx.Rngs):
         core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
                                 batch_axis=batch_axis, head_axis=head_axis, strategy=strategy, scale=scale,
                                 implementation=implementation, attention_fn=attention_fn,
-                                block_q=block_q, block_k=block_k)
+                                block_q=block_q, block_k=block_k, window=window,
+                                logit_soft_cap=logit_soft_cap)
         super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
                          dropout_rate=0.0,
                          use_bias=use_bias, layer_norm=layer_norm,
                          layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
                          param_dtype=param_dtype, precision=precision, deterministic=None,
-                         decode=False, rngs=rngs, qk_transform=qk_transform)
+                         decode=False, rngs=rngs, qk_transform=qk_transform, sinks=sinks)
 
 
 class MultiheadBlockSparseAttention(_Multihead):
@@ -381,6 +408,8 @@ class MultiheadBlockSparseAttention(_Multihead):
     ``block_size`` and ``pattern`` (a :mod:`jax_dilated.block_patterns` pattern or a
     bool block mask) say which key blocks each query block attends to. With ``mesh``
     and ``seq_axis`` it runs over a ring in ``layout`` ("contiguous" or "zigzag").
+    ``window=(left, right)``, ``logit_soft_cap`` and ``sinks=True`` as in
+    :class:`MultiheadRingAttention` (the window applies on top of the pattern).
     Block-sparse attention has no dropout and no decoding.
 
     Example:
@@ -402,14 +431,16 @@ class MultiheadBlockSparseAttention(_Multihead):
                  attention_fn: Callable | None = None, mesh=None, seq_axis: str | None = None,
                  layout: str = "contiguous", batch_axis: str | None = None,
                  head_axis: str | None = None, strategy: str = "ring", qk_transform: Callable | None = None,
+                 window=None, logit_soft_cap: float | None = None, sinks: bool = False,
                  rngs: nnx.Rngs):
         core = common.block_sparse_core(
             block_size=block_size, pattern=pattern, scale=scale,
             implementation=implementation, attention_fn=attention_fn, mesh=mesh,
-            seq_axis=seq_axis, layout=layout, batch_axis=batch_axis, head_axis=head_axis, strategy=strategy)
+            seq_axis=seq_axis, layout=layout, batch_axis=batch_axis, head_axis=head_axis,
+            strategy=strategy, window=window, logit_soft_cap=logit_soft_cap)
         super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
                          dropout_rate=0.0,
                          use_bias=use_bias, layer_norm=layer_norm,
                          layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
                          param_dtype=param_dtype, precision=precision, deterministic=None,
-                         decode=False, rngs=rngs, qk_transform=qk_transform)
+                         decode=False, rngs=rngs, qk_transform=qk_transform, sinks=sinks)

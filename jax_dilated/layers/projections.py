@@ -29,7 +29,7 @@ from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.layers.common import AttentionCore
 from jax_dilated.ops.dilated_packed import document_starts
 
-__all__ = ["HeadsConfig", "ParamSpec", "param_specs", "project_qkv", "project_out",
+__all__ = ["HeadsConfig", "ParamSpec", "param_specs", "sink_logits", "project_qkv", "project_out",
            "check_qk_transform", "apply_qk_transform", "xavier_normal"]
 
 # logical sharding axes of the parameters
@@ -64,10 +64,11 @@ class HeadsConfig:
     layer_norm: bool = True
     layer_norm_eps: float = 1e-5
     gamma_init: float = 1.0
+    sinks: bool = False
 
     @classmethod
     def create(cls, embed_dim, num_heads, num_kv_heads=None, *, use_bias=True,
-               layer_norm=True, layer_norm_eps=1e-5, gamma_init=1.0):
+               layer_norm=True, layer_norm_eps=1e-5, gamma_init=1.0, sinks=False):
         embed_dim = validation.check_positive_int("embed_dim", embed_dim)
         num_heads = validation.check_positive_int("num_heads", num_heads)
         num_kv_heads = validation.check_positive_int(
@@ -84,8 +85,13 @@ class HeadsConfig:
         gamma_init = validation.check_positive_float("gamma_init", gamma_init)
         use_bias = validation.check_flag("use_bias", use_bias)
         layer_norm = validation.check_flag("layer_norm", layer_norm)
+        if not isinstance(sinks, bool):
+            raise TypeError(
+                f"sinks must be a Python bool (True: a learnable [num_heads] sink logit "
+                f"per head), got {type(sinks).__name__} {getattr(sinks, 'shape', sinks)!r};"
+                f" for fixed sink logits call the attention function with sinks=.")
         return cls(embed_dim, num_heads, num_kv_heads, use_bias, layer_norm,
-                   float(layer_norm_eps), float(gamma_init))
+                   float(layer_norm_eps), float(gamma_init), sinks)
 
     @property
     def head_dim(self) -> int:
@@ -107,12 +113,20 @@ class HeadsConfig:
 
 def param_specs(cfg: HeadsConfig) -> dict[str, tuple[ParamSpec, ...]]:
     """The parameters of a multi-head layer, by group (``query``, ``key``, ``value``,
-    ``out``, ``sub_ln``), in creation order.
+    ``sub_ln``, ``out``, ``sinks``), in creation order.
 
     Projections are Xavier-normal with gain 1 (query, key) or ``gamma_init`` (value,
     out), as LongNet / MAGNETO prescribe; biases are zero; the sub-LayerNorm starts at
     scale 1, bias 0. Kernel shapes: ``query`` [embed, heads, head_dim], ``key`` /
     ``value`` [embed, kv_heads, head_dim], ``out`` [heads, head_dim, embed].
+
+    With ``cfg.sinks``: ``sinks.logit`` [heads] (``("heads",)``), the per-head sink
+    logit joining every row's softmax denominator (docs/semantics.md, "Sliding
+    windows, soft-capping and sinks"). It starts at 0: at initialisation the sink
+    weighs as much as one key whose logit is 0 (the logit of orthogonal q and k), so
+    every row can already put some weight on "nothing", and its gradient is nonzero
+    from the first step (a very negative start would leave the sink unused and its
+    gradient vanishing).
     """
     e, h, hkv, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     zeros, ones = jax.nn.initializers.zeros, jax.nn.initializers.ones
@@ -134,7 +148,16 @@ def param_specs(cfg: HeadsConfig) -> dict[str, tuple[ParamSpec, ...]]:
         groups["sub_ln"] = (ParamSpec("scale", (h, d), ones, (HEADS, HEAD_DIM)),
                             ParamSpec("bias", (h, d), zeros, (HEADS, HEAD_DIM)))
     groups["out"] = tuple(out)
+    if cfg.sinks:  # last, so that the other parameters draw the same keys as without
+        groups["sinks"] = (ParamSpec("logit", (h,), zeros, (HEADS,)),)
     return groups
+
+
+def sink_logits(params):
+    """The layer's sink logits ``[heads]`` (``params["sinks"]["logit"]``), or None
+    for a layer without sinks. Passed in the parameter dtype: the sink joins the
+    softmax statistics, which are float32 (or float64) whatever the compute dtype."""
+    return params["sinks"]["logit"] if "sinks" in params else None
 
 
 # ---------------------------------------------------------------------- forward pass
