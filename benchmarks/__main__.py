@@ -17,8 +17,8 @@ import sys
 from benchmarks import harness
 
 # op modules in the order of `--help`
-OP_MODULES = ("dilated", "ring", "distributed", "block_sparse", "strategies", "packed", "gpu",
-              "lm")
+OP_MODULES = ("dilated", "ring", "distributed", "block_sparse", "strategies", "packed", "window",
+              "gpu", "lm")
 
 
 def _threads_from(argv: list[str]) -> int:
