@@ -203,7 +203,10 @@ OPERATIONS = ("dilated_attention mode='longnet'", "dilated_attention mode='head_
               "ring_attention is_causal=False", "ring_attention is_causal=True",
               "dilated_attention(seq_axis=...) local branches",
               "dilated_attention(seq_axis=...) branches spanning devices",
-              "block_sparse_attention", "dilated_attention_decode (KV cache)")
+              "block_sparse_attention", "dilated_attention_decode (KV cache)",
+              "ring_attention / block_sparse_attention window=(left, right)",
+              "dilated_attention jd.SlidingWindow branch",
+              "logit_soft_cap=c (every operation)", "sinks= (every operation)")
 
 
 @CPU_ONLY
@@ -216,11 +219,13 @@ def test_backend_report(capsys):
 
 
 @pytest.mark.parametrize("device, head_dim, expected", [
-    (H100, 128, ["cudnn", "cudnn", "cudnn", "xla", "cudnn", "xla", "xla", "xla"]),
-    (A100, 128, ["cudnn", "cudnn", "cudnn", "xla", "cudnn", "xla", "xla", "xla"]),
-    (V100, 128, ["xla"] * 8),
-    (TPU, 128, ["xla"] * 8),
-    (H100, 512, ["xla"] * 8),
+    (H100, 128, ["cudnn", "cudnn", "cudnn", "xla", "cudnn", "xla", "xla", "xla",
+                 "xla", "xla", "xla", "cudnn"]),
+    (A100, 128, ["cudnn", "cudnn", "cudnn", "xla", "cudnn", "xla", "xla", "xla",
+                 "xla", "xla", "xla", "cudnn"]),
+    (V100, 128, ["xla"] * 12),
+    (TPU, 128, ["xla"] * 12),
+    (H100, 512, ["xla"] * 12),
 ])
 def test_backend_report_described(device, head_dim, expected):
     rows = jd.backend_report(device, head_dim=head_dim, quiet=True, software_reason=None)
@@ -231,6 +236,10 @@ def test_backend_report_described(device, head_dim, expected):
         assert "backward on XLA" not in by_op[OPERATIONS[1]].reason
     if device is H100 and head_dim == 128:
         assert "widened" in by_op[OPERATIONS[0]].reason
+        # windows and soft-caps are refused by cuDNN, and the report says why
+        assert "sliding window" in by_op[OPERATIONS[8]].reason
+        assert "sliding window" in by_op[OPERATIONS[9]].reason
+        assert "soft-cap" in by_op[OPERATIONS[10]].reason
 
 
 # ------------------------------------------- the kernel classes, the module graph

@@ -50,6 +50,16 @@ def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice
         row("block_sparse_attention", spec(dtype, head_dim, block_sparse=True)),
         row("dilated_attention_decode (KV cache)",
             spec(dtype, head_dim, len_q=1, kv_valid=True)),
+        # issue 18 (docs/semantics.md, "Sliding windows, soft-capping and sinks")
+        row("ring_attention / block_sparse_attention window=(left, right)",
+            spec(dtype, head_dim, is_causal=True, positions="arbitrary", window=True)),
+        row("dilated_attention jd.SlidingWindow branch",
+            spec(dtype, head_dim, is_causal=True, window=True)),
+        row("logit_soft_cap=c (every operation)",
+            spec(dtype, head_dim, is_causal=True, soft_cap=True)),
+        row("sinks= (every operation)", causal, lse_cotangent=True,
+            note="the sinks are merged into the kernel's output and lse after it, so "
+                 "its backward takes an lse cotangent"),
     ]
 
 

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.core.validation import check_dropout, check_dropout_rate, check_flag
+from jax_dilated.core.validation import (check_dropout, check_dropout_rate, check_flag,
+                                         check_sinks)
 from jax_dilated.layers import common
 
 __all__ = ["attention_fn"]
@@ -143,7 +144,8 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
                  is_causal: bool | None = None, implementation: str | None = None,
                  mesh=None, seq_axis: str | None = None, batch_axis: str | None = None,
                  head_axis: str | None = None, block_q: int | None = None,
-                 block_k: int | None = None, packed: bool = False):
+                 block_k: int | None = None, packed: bool = False,
+                 logit_soft_cap: float | None = None, sinks=None):
     """A drop-in ``attention_fn`` running dilated attention inside Flax attention layers.
 
     One line turns a Flax layer into dilated attention::
@@ -191,9 +193,20 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
     variants are compiled and the mask picks one at run time (``lax.cond``); pass
     ``is_causal`` to compile one.
 
+    Sliding windows, soft-capping, sinks (docs/semantics.md, "Sliding windows,
+    soft-capping and sinks"). A sliding window is a branch of ``segment_lengths``
+    (``jd.SlidingWindow(left)``, rate 1), not a mask: Flax's sliding-window masks
+    are refused like any other mask it cannot represent. ``logit_soft_cap`` applies
+    to every branch. Flax's ``MultiHeadAttention`` / ``MultiHeadDotProductAttention``
+    have no sink parameter and pass nothing extra to ``attention_fn``, so ``sinks``
+    here is a fixed array ``[num_heads]`` (a constant of the layer, not trained); for
+    learnable sinks use the layers of :mod:`jax_dilated.nnx` / :mod:`jax_dilated.linen`
+    with ``sinks=True``.
+
     Args:
       segment_lengths, dilation_rates, mode, head_offsets, scale, implementation,
-        block_q, block_k: as in :func:`jax_dilated.dilated_attention`.
+        block_q, block_k, logit_soft_cap: as in :func:`jax_dilated.dilated_attention`.
+      sinks: None or a float array ``[num_heads]``: fixed per-head sink logits.
       is_causal: True / False to fix causality, None to infer it from the mask.
       packed: also read packed documents from masks (static). Every masked call then
         runs packed dilated attention (``segment_ids``; one document when the mask
@@ -231,7 +244,14 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
         segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
         head_offsets=head_offsets, scale=scale, implementation=implementation,
         mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
-        block_q=block_q, block_k=block_k)
+        block_q=block_q, block_k=block_k, logit_soft_cap=logit_soft_cap)
+    if sinks is not None:
+        shape = tuple(getattr(sinks, "shape", ()))
+        if len(shape) != 1:
+            raise ValueError(f"sinks must be None or a float array [num_heads], got shape "
+                             f"{shape}.")
+        sinks = check_sinks(sinks, shape[0])
+    common.check_mesh_scores(core, sinks is not None)
     fixed_causal = None if is_causal is None else check_flag("is_causal", is_causal)
     packed = check_flag("packed", packed)
 
@@ -266,6 +286,9 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
                              "attn_weights_value_einsum).")
         batch_shape = _batch_shape(query, key, value)
         t, heads = query.shape[-3:-1]
+        if sinks is not None and sinks.shape[0] != heads:
+            raise ValueError(f"jd.attention_fn(sinks=) has {sinks.shape[0]} sink logits but "
+                             f"the layer has num_heads={heads} (query {tuple(query.shape)}).")
         if key.shape[-3] != t:
             hint = (" (this looks like Flax's decode cache: decode with "
                     "jd.nnx.MultiheadDilatedAttention or jd.linen.MultiheadDilatedAttention "
@@ -293,7 +316,7 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
 
         def run(causal_flag, kv_mask, segment_ids=None):
             with common.precision_context(precision):
-                return _run_core(query, key, value, kv_mask, segment_ids,
+                return _run_core(query, key, value, kv_mask, segment_ids, sinks,
                                  dropout_rng if dropout_on else None,
                                  core=core, is_causal=causal_flag,
                                  dropout_rate=float(dropout_rate) if dropout_on else 0.0)
@@ -306,13 +329,14 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
 
 
 @functools.partial(jax.jit, static_argnames=("core", "is_causal", "dropout_rate"))
-def _run_core(query, key, value, kv_mask, segment_ids, dropout_rng, *, core, is_causal,
-              dropout_rate):
+def _run_core(query, key, value, kv_mask, segment_ids, sinks, dropout_rng, *, core,
+              is_causal, dropout_rate):
     """One compiled call of the attention core. Flax layers often run eagerly (NNX
     without ``nnx.jit``, Linen's ``init``/``apply``), where dispatching the core op by op
     costs far more than the attention; under an outer ``jit`` this nests and inlines."""
     return core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
-                segment_ids=segment_ids, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+                segment_ids=segment_ids, sinks=sinks, dropout_rate=dropout_rate,
+                dropout_rng=dropout_rng)
 
 
 def _masked(mask, causal, b: int, t: int, run, packed: bool = False):

@@ -39,7 +39,15 @@ class LongNetConfig:
       ffn_dim: hidden width of the feed-forward; default ``4 E`` (GELU) or
         ``8/3 E`` rounded up to a multiple of 8 (SwiGLU, same parameter count).
       segment_lengths, dilation_rates, mode, head_offsets: the dilated attention
-        (:func:`jax_dilated.dilated_attention`).
+        (:func:`jax_dilated.dilated_attention`); a ``jd.SlidingWindow(left)`` entry
+        of ``segment_lengths`` (rate 1) is a sliding-window branch (each token
+        attends to the ``left`` tokens before it).
+      logit_soft_cap: None or ``c > 0``: every attention logit ``s`` becomes
+        ``c tanh(s / c)``.
+      attention_sinks: a learnable sink logit per head in every attention layer
+        (``attn.sinks.logit`` [num_heads], initialised to 0) joining every row's
+        softmax denominator (docs/semantics.md, "Sliding windows, soft-capping and
+        sinks").
       positions: ``"xpos"`` (LongNet), ``"rotary"`` or ``"none"``.
       rotary_base: rotary wavelength base.
       xpos_scale_base: xPos decay length ``B``.
@@ -98,6 +106,8 @@ class LongNetConfig:
     implementation: str | None = None
     block_q: int | None = None
     block_k: int | None = None
+    logit_soft_cap: float | None = None
+    attention_sinks: bool = False
     dropout: float | None = dataclasses.field(default=None, repr=False, compare=False)
     attention_dropout: float | None = dataclasses.field(default=None, repr=False,
                                                         compare=False)
@@ -143,7 +153,11 @@ class LongNetConfig:
                 f"embed_dim / num_heads must be even, got {self.head_dim}.")
         for name in ("dropout_rate", "attention_dropout_rate"):
             validation.check_dropout_rate(getattr(self, name), f"LongNetConfig.{name}")
-        for name in ("tie_embeddings", "use_bias", "remat"):
+        try:
+            validation.check_logit_soft_cap(self.logit_soft_cap)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"LongNetConfig.{err}") from None
+        for name in ("tie_embeddings", "use_bias", "remat", "attention_sinks"):
             validation.check_flag(f"LongNetConfig.{name}", getattr(self, name))
         if self.positions == "xpos":
             XPos(self.rotary_base, self.xpos_scale_base)

@@ -103,6 +103,7 @@ class _Block(nnx.Module):
             param_dtype=cfg.param_dtype, implementation=cfg.implementation,
             block_q=cfg.block_q, block_k=cfg.block_k, mesh=mesh,
             seq_axis=seq_axis, batch_axis=batch_axis, qk_transform=cfg.qk_transform(),
+            logit_soft_cap=cfg.logit_soft_cap, sinks=cfg.attention_sinks,
             deterministic=False, rngs=rngs)
         self.ln_ffn = ln()
         self.ffn = _FeedForward(cfg, rngs)
@@ -171,7 +172,8 @@ class LongNetLM(nnx.Module):
 
     Parameters: ``embed.embedding`` [V, E] (``("vocab", "embed")``); per block
     ``blocks[i]``: ``ln_attn``, ``attn`` (see
-    :class:`jax_dilated.nnx.MultiheadDilatedAttention`), ``ln_ffn``, ``ffn.fc1``
+    :class:`jax_dilated.nnx.MultiheadDilatedAttention`; with
+    ``config.attention_sinks``, ``attn.sinks.logit`` [H]), ``ln_ffn``, ``ffn.fc1``
     [E, F], (``ffn.gate`` [E, F]), (``ffn.ln``), ``ffn.fc2`` [F, E]; ``final_ln``;
     ``head.kernel`` [E, V] when embeddings are untied.
 
