@@ -5,6 +5,7 @@ Public API only; the semantics are stated in docs/semantics.md.
 
 from jax_dilated import block_patterns, linen, models, nnx
 from jax_dilated.backends import backend_report
+from jax_dilated.core.branches import SlidingWindow
 from jax_dilated.core.layouts import from_layout, to_layout
 from jax_dilated.layers.factory import (
                                        create_multihead_attention,
@@ -22,6 +23,8 @@ __all__ = [
     # operations on arrays
     "dilated_attention", "ring_attention", "block_sparse_attention",
     "dilated_attention_decode",
+    # a sliding-window branch of dilated attention (an entry of segment_lengths)
+    "SlidingWindow",
     # global arrays over a mesh, and the ring layouts
     "sharded", "to_layout", "from_layout",
     # which context-parallel strategy (ring / allgather / heads) "auto" picks, and why

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+from jax_dilated.core.branches import SlidingWindow, is_window
+
 __all__ = [
     "Branch",
     "validate_branches",
@@ -42,11 +44,15 @@ class Branch:
       tokens: ``w`` when ``w < seq_len``; otherwise the whole sequence is one
       segment, and the smallest multiple of ``r`` that holds it selects the same
       positions (``p mod w = p`` for ``p < seq_len``) without padding up to ``w``.
+    window: a :class:`~jax_dilated.core.branches.SlidingWindow` for a sliding-window
+      branch (then the whole sequence is one segment at rate 1, and the kernel's
+      window, not the segment grid, says which keys a query sees), else None.
     """
 
     segment_length: int
     rate: int
     effective_length: int
+    window: SlidingWindow | None = None
 
     @property
     def dilated_length(self) -> int:
@@ -78,30 +84,50 @@ def _check_int_list(name: str, values) -> tuple[int, ...]:
 def validate_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, int], ...]:
     """Check a branch configuration and return it as ``((w_0, r_0), ...)``.
 
+    An entry of ``segment_lengths`` may be a
+    :class:`~jax_dilated.core.branches.SlidingWindow` (a sliding-window branch); it is
+    returned as is, and its dilation rate must be 1.
+
     Raises:
       TypeError / ValueError naming the argument when the lists are not lists of
       positive ints, differ in length, or a segment is not a multiple of its rate.
     """
-    ws = _check_int_list("segment_lengths", segment_lengths)
+    if isinstance(segment_lengths, (list, tuple)):
+        windows = {i: w for i, w in enumerate(segment_lengths) if is_window(w)}
+    else:
+        windows = {}
+    ws = list(_check_int_list("segment_lengths", [1 if i in windows else w for i, w in
+                                                  enumerate(segment_lengths)]
+                              if windows else segment_lengths))
     rs = _check_int_list("dilation_rates", dilation_rates)
     if len(ws) != len(rs):
         raise ValueError(
             "segment_lengths and dilation_rates must have the same length, got "
-            f"segment_lengths={list(ws)} (len {len(ws)}) and dilation_rates={list(rs)} "
-            f"(len {len(rs)})."
+            f"segment_lengths={list(segment_lengths)} (len {len(ws)}) and "
+            f"dilation_rates={list(rs)} (len {len(rs)})."
         )
+    for i, window in windows.items():
+        if rs[i] != 1:
+            raise ValueError(
+                f"a sliding-window branch runs at dilation rate 1, got {window!r} "
+                f"(segment_lengths[{i}]) with dilation_rates[{i}]={rs[i]} "
+                f"(dilation_rates={list(rs)}).")
+        ws[i] = window
     for w, r in zip(ws, rs):
-        if w % r:
+        if not is_window(w) and w % r:
             raise ValueError(
                 f"every segment length must be a multiple of its dilation rate, got "
-                f"segment length {w} with dilation rate {r} (segment_lengths={list(ws)}, "
-                f"dilation_rates={list(rs)})."
+                f"segment length {w} with dilation rate {r} (segment_lengths="
+                f"{list(segment_lengths)}, dilation_rates={list(rs)})."
             )
     return tuple(zip(ws, rs))
 
 
 def resolve_branch(segment_length: int, rate: int, seq_len: int) -> Branch:
-    """The :class:`Branch` for ``(w, r)`` on a sequence of ``seq_len`` tokens."""
+    """The :class:`Branch` for ``(w, r)`` on a sequence of ``seq_len`` tokens (a
+    sliding window: one segment of the whole sequence at rate 1, carrying the window)."""
+    if is_window(segment_length):
+        return Branch(seq_len, 1, seq_len, window=segment_length)
     if segment_length < seq_len:
         eff = segment_length
     else:

@@ -94,6 +94,12 @@ def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.Branc
       o [B, T, Hq, D] (zero where a head does not select a position), lse [B, T, Hq]
       (-inf there) and lse_lo [B, T, Hq] (0 there), for the heads ``plan.query_heads``.
     """
+    if plan.branch.window is not None:
+        # a sliding-window branch has no dilated segments: its callers run the windowed
+        # kernel (ops/dilated_window.py); reaching here would be a silently wrong result
+        raise ValueError(
+            f"sliding-window branch {plan.branch.window!r} is not served by this code path "
+            f"(dilated segments only); run it through jax_dilated.dilated_attention.")
     b, t = query.shape[:2]
     q = gather_dilated(query, branch, plan.offsets, plan.query_heads)
     k = gather_dilated(key, branch, plan.kv_offsets, plan.kv_heads)

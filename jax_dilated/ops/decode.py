@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.core import branch_plans, validation
+from jax_dilated.core import branch_plans, softmax, validation
+from jax_dilated.core.branches import is_window
 from jax_dilated.ops.dilated import combine_branches, dilated_attention
 
 __all__ = ["KVCache", "init_kv_cache", "dilated_attention_decode", "decode_step",
@@ -67,6 +68,8 @@ def _branch_decode(kernel, plan: branch_plans.BranchPlan, query, key_cache, valu
     """(o [B, 1, Hq, D], lse, lse_lo [B, 1, Hq]) of one branch for the heads
     ``plan.query_heads``."""
     b, cache_len, hkv = key_cache.shape[:3]
+    if plan.branch.window is not None:
+        return _window_decode(kernel, plan, query, key_cache, value_cache, p, args, num_heads)
     w, r = plan.branch.segment_length, plan.branch.rate
     n = min(w // r, -(-cache_len // r))  # selected keys per head in p's segment
     start = (p // w) * w
@@ -83,11 +86,30 @@ def _branch_decode(kernel, plan: branch_plans.BranchPlan, query, key_cache, valu
     return kernel.forward(q, k, v, args, kv_valid=kv_valid)
 
 
+def _window_decode(kernel, plan: branch_plans.BranchPlan, query, key_cache, value_cache, p,
+                   args: KernelArgs, num_heads: int):
+    """A sliding-window branch: the token at ``p`` reads only the cache slots
+    ``p - left .. p`` (``min(left + 1, max_len)`` keys, whatever the context)."""
+    b, cache_len, hkv = key_cache.shape[:3]
+    left, _ = plan.branch.window.resolve(is_causal=True)
+    n = min(left + 1, cache_len)
+    positions = p - (n - 1) + jnp.arange(n, dtype=jnp.int32)  # [n], the last one is p
+    heads = np.asarray(plan.query_heads)
+    kv_heads = np.asarray(plan.kv_heads)
+    index = jnp.clip(positions, 0, cache_len - 1)
+    k = key_cache[:, index][:, :, kv_heads].astype(query.dtype)  # [B, n, Hkv_g, D]
+    v = value_cache[:, index][:, :, kv_heads].astype(query.dtype)
+    q = query if len(heads) == num_heads else query[:, :, heads]
+    kv_valid = jnp.broadcast_to((positions >= 0)[None], (b, n))
+    return kernel.forward(q, k, v, args, kv_valid=kv_valid)
+
+
 def dilated_attention_decode(query, key_cache, value_cache, position, *, segment_lengths,
                              dilation_rates, mode: str = "longnet",
                              head_offsets: str = "modulo", scale: float | None = None,
                              implementation: str | None = None, block_q: int | None = None,
-                             block_k: int | None = None):
+                             block_k: int | None = None,
+                             logit_soft_cap: float | None = None, sinks=None):
     """Causal dilated attention of the token at ``position`` over a key/value cache.
 
     Args:
@@ -103,6 +125,11 @@ def dilated_attention_decode(query, key_cache, value_cache, position, *, segment
       block_q, block_k: kernel block sizes, as in :func:`jax_dilated.dilated_attention`
         (``block_k`` tiles the at most ``w / r`` keys a branch reads; with one query
         ``block_q`` has no effect and is accepted so that the same options serve both).
+      logit_soft_cap, sinks: as in :func:`jax_dilated.dilated_attention` (soft-capped
+        logits in every branch; the sinks join the combined denominator once).
+
+    A :class:`jax_dilated.SlidingWindow` branch (causal: ``right`` must be 0 or None)
+    reads only the cache slots ``position - left .. position``.
 
     Returns:
       [batch, 1, num_heads, head_dim] in the dtype of ``query``: equal to
@@ -139,15 +166,24 @@ def dilated_attention_decode(query, key_cache, value_cache, position, *, segment
     branches = branch_plans.validate_branches(segment_lengths, dilation_rates)
     plans = branch_plans.plan_branches(branches, seq_len=key_cache.shape[1], num_heads=h,
                                    num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
+    for w, _ in branches:  # an explicit right > 0 is an error (decoding is causal)
+        if is_window(w):
+            w.resolve(is_causal=True)
     kernel = get_kernel(implementation)
     block_q, block_k = validation.check_block_sizes(block_q, block_k)
+    sinks = validation.check_sinks(sinks, h)
     args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
-                      block_q=block_q, block_k=block_k)
+                      block_q=block_q, block_k=block_k,
+                      logit_soft_cap=validation.check_logit_soft_cap(logit_soft_cap))
     # a concrete position out of [0, max_len) raises here; a traced one gives NaN
     p, bad = validation.check_position(position, key_cache.shape[1])
     results = [_branch_decode(kernel, plan, query, key_cache, value_cache, p, args, h)
                for plan in plans]
-    out = combine_branches(results, mode, query.dtype)[0]
+    out, lse = combine_branches(results, mode, query.dtype)
+    if sinks is not None:  # once, on the combined denominator, as the forward pass
+        stats = softmax.stats_dtype(query.dtype)
+        out = softmax.add_sinks(out.astype(stats), lse, jnp.zeros_like(lse),
+                                sinks)[0].astype(query.dtype)
     return out if bad is None else jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)
 
 

@@ -24,7 +24,9 @@ import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, dilation, softmax, validation
-from jax_dilated.ops import dilated_local, dilated_packed, distributed
+from jax_dilated.core.branches import is_window
+from jax_dilated.backends.base import window_arg
+from jax_dilated.ops import dilated_local, dilated_packed, dilated_window, distributed
 
 __all__ = ["dilated_attention"]
 
@@ -39,7 +41,8 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
                       dropout_rate: float = 0.0, dropout_rng=None, seq_axis=None,
                       implementation: str | None = None, block_q: int | None = None,
                       block_k: int | None = None, return_lse: bool = False,
-                      segment_ids=None, max_documents: int | None = None, axis_name=None):
+                      segment_ids=None, max_documents: int | None = None, axis_name=None,
+                      logit_soft_cap: float | None = None, sinks=None):
     """LongNet dilated attention, on one device or with the sequence sharded over a mesh axis.
 
     Args:
@@ -98,6 +101,21 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
         and packed rows cost about what their documents cost alone (without it, up
         to about twice the kernel work). A row with more documents is a
         ``ValueError`` (traced ids: NaN output).
+      logit_soft_cap: ``c > 0`` or None: every branch's scaled logits ``s`` become
+        ``c tanh(s / c)`` before masking and the softmax.
+      sinks: float [num_heads] or None (traced, differentiable): head ``h``'s logit
+        ``s_h`` joins its softmax denominator once: longnet, the merged denominator of
+        all branches; head_groups, the denominator of the one branch the head runs
+        (the output still divided by the number of branches). With ``return_lse``
+        the log-sum-exp includes the sink. A row with no key outputs zeros.
+
+    A ``segment_lengths`` entry may be a :class:`jax_dilated.SlidingWindow`
+    ``(left, right)`` (dilation rate 1): that branch's heads attend, on the whole
+    sequence, to keys ``p - left <= t <= p + right`` (docs/semantics.md, section 2,
+    "Sliding-window branches, soft-capping and sinks"); it runs as one windowed
+    kernel call (O(window) per query), as a windowed ring with ``seq_axis``, and is
+    mixed with the other branches like any branch.
+
     The math: for branch ``i`` a selected query attends to the selected keys of
     its segment; ``O_i`` and ``LSE_i`` are that softmax's output and log-sum-exp.
     longnet: ``O = sum_i exp(LSE_i) O_i / sum_i exp(LSE_i)``, which equals dense
@@ -127,9 +145,30 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
     dropout_rate = validation.check_dropout(dropout_rate, dropout_rng)
     return_lse = validation.check_flag("return_lse", return_lse)
     block_q, block_k = validation.check_block_sizes(block_q, block_k)
+    logit_soft_cap = validation.check_logit_soft_cap(logit_soft_cap)
+    sinks = validation.check_sinks(sinks, h)
+    for w, _ in branches:  # an explicit right > 0 with causal attention is an error now
+        if is_window(w):
+            window_arg(w.resolve(is_causal))
     args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
                       is_causal=is_causal, dropout_rate=dropout_rate,
-                      block_q=block_q, block_k=block_k)
+                      block_q=block_q, block_k=block_k, logit_soft_cap=logit_soft_cap)
+    o, lse = _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets,
+                      kv_mask, dropout_rng, seq_axis, implementation, segment_ids,
+                      max_documents, segment_lengths, dilation_rates, scale)
+    if sinks is not None:  # once, on the combined denominator (docs/semantics.md, s. 2)
+        stats = softmax.stats_dtype(query.dtype)
+        o, lse, _ = softmax.add_sinks(o.astype(stats), lse, jnp.zeros_like(lse), sinks)
+        o = o.astype(query.dtype)
+    return (o, lse) if return_lse else o
+
+
+def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, kv_mask,
+             dropout_rng, seq_axis, implementation, segment_ids, max_documents,
+             segment_lengths, dilation_rates, scale):
+    """``(out, lse)`` of every path of :func:`dilated_attention`, before the sinks."""
+    is_causal, dropout_rate = args.is_causal, args.dropout_rate
+    block_q, block_k = args.block_q, args.block_k
     num_devices = 1 if seq_axis is None else validation.axis_size(
         seq_axis, "dilated_attention(seq_axis=...)")
     plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
@@ -144,6 +183,13 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
 
         get_kernel(implementation)  # validate the name now, at trace time
         _check_max_documents(max_documents)
+        if args.logit_soft_cap is not None:
+            # strategies.packed_dilated builds its kernel arguments from these options
+            # and does not read a soft-cap yet: refuse rather than drop it
+            raise ValueError(
+                "logit_soft_cap is not supported yet with both segment_ids and seq_axis "
+                f"(got logit_soft_cap={args.logit_soft_cap}); run packed rows on one "
+                "device, or without the soft-cap.")
         options = dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates,
                        mode=mode, head_offsets=head_offsets, is_causal=is_causal,
                        scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
@@ -152,25 +198,28 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
         o, lse = strategies.packed_dilated(options, query, key, value, kv_mask,
                                            segment_ids, axis_name=seq_axis,
                                            num_devices=num_devices)
-        return (o, lse) if return_lse else o
+        return o, lse
     if segment_ids is not None:
-        o, lse = _packed(get_kernel(implementation), args, plans, mode, query, key, value,
-                         kv_mask, segment_ids, max_documents, rng)
-        return (o, lse) if return_lse else o
+        return _packed(get_kernel(implementation), args, plans, mode, query, key, value,
+                       kv_mask, segment_ids, max_documents, rng)
     if seq_axis is None:
         kernel = get_kernel(implementation)
         if kernel.name == "xla":
             # The blockwise kernel streams chunks of segments into the output in place
             # (ops/dilated_local.py); cuDNN keeps one batched call per branch and its
             # own fused backward, which is what is fast on a GPU.
-            o, lse = dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
-                                                 kv_mask, rng)
-            return (o, lse) if return_lse else o
+            return dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
+                                               kv_mask, rng)
         results = []
         for i, plan in enumerate(plans):
             attend = functools.partial(
                 _kernel_attend, kernel, args,
                 None if rng is None else jax.random.fold_in(rng, i))
+            if plan.branch.window is not None:
+                results.append(dilated_window.local_partial(
+                    kernel, args, plan, query, key, value, kv_mask,
+                    None if rng is None else jax.random.fold_in(rng, i)))
+                continue
             results.append(dilation.attend_dilated(attend, plan.branch, plan, query, key,
                                                  value, kv_mask))
     else:
@@ -181,8 +230,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
             plans, sharded_branches, query, key, value, kv_mask, args,
             axis_name=seq_axis, num_devices=num_devices, implementation=implementation,
             dropout_rng=rng)
-    o, lse = combine_branches(results, mode, query.dtype)
-    return (o, lse) if return_lse else o
+    return combine_branches(results, mode, query.dtype)
 
 
 def _packed(kernel, args, plans, mode, query, key, value, kv_mask, segment_ids,
@@ -202,6 +250,11 @@ def _packed(kernel, args, plans, mode, query, key, value, kv_mask, segment_ids,
         overflow = documents > max_documents
     results = []
     for i, plan in enumerate(plans):
+        if plan.branch.window is not None:  # the window stays inside each document
+            results.append(dilated_window.local_partial(
+                kernel, args, plan, query, key, value, kv_mask,
+                None if rng is None else jax.random.fold_in(rng, i), segment_ids))
+            continue
         *part, over = dilated_packed.packed_branch(
             kernel, args, plan, query, key, value, kv_mask, starts,
             None if rng is None else jax.random.fold_in(rng, i), max_documents)

@@ -54,6 +54,7 @@ class _Call:
     args: KernelArgs
     plans: tuple[branch_plans.BranchPlan, ...]
     mode: str
+    groups: int  # head_groups: the output is divided by this (all branches of the call)
 
 
 def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key, value,
@@ -68,14 +69,32 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
       mode: ``"longnet"`` or ``"head_groups"``.
       query: [B, T, H, D]; key, value: [B, T, H_kv, D]; kv_mask: None or [B, T] bool.
       dropout_rng: None or a key (branch ``i`` folds in ``i``, its chunk ``c`` then ``c``).
+        A sliding-window branch (``plan.branch.window``) runs as one windowed kernel
+        call (:mod:`jax_dilated.ops.dilated_window`), mixed with the streamed
+        branches' result; without one the program is the streamed one alone.
 
     Returns:
       ``out`` [B, T, H, D] in query's dtype and ``lse`` [B, T, H] in the stats dtype,
       as :func:`jax_dilated.ops.dilated.combine_branches` defines them; differentiable
       in query, key and value through both.
     """
-    call = _Call(kernel, args, tuple(plans), mode)
-    return _attend(call, query, key, value, kv_mask, dropout_rng)
+    windows = [i for i, p in enumerate(plans) if p.branch.window is not None]
+    if not windows:  # the default program, unchanged
+        call = _Call(kernel, args, tuple(plans), mode, len(plans))
+        return _attend(call, query, key, value, kv_mask, dropout_rng)
+    # Sliding-window branches run as their own windowed kernel call
+    # (ops/dilated_window.py) and are mixed with the streamed branches' (out, lse).
+    from jax_dilated.ops import dilated_window  # (it imports nothing of this module)
+
+    dense = tuple(p for p in plans if p.branch.window is None)
+    partial = None
+    if dense:
+        partial = _attend(_Call(kernel, args, dense, mode, len(plans)), query, key, value,
+                          kv_mask, dropout_rng)
+    windowed = [(plans[i], dilated_window.local_partial(
+        kernel, args, plans[i], query, key, value, kv_mask,
+        _branch_rng(dropout_rng, len(plans) + i))) for i in windows]
+    return dilated_window.mix(partial, windowed, mode, len(plans), query.dtype)
 
 
 # --------------------------------------------------------------------------- chunks
@@ -263,7 +282,7 @@ def _forward(call: _Call, query, key, value, kv_mask, rng):
                 kv_valid=None if valid is None else br.gather_kv(valid),
                 dropout_rng=_chunk_rng(rng_i, c))
             if not longnet:
-                o_c = o_c / jnp.asarray(nb, o_c.dtype)
+                o_c = o_c / jnp.asarray(call.groups, o_c.dtype)
                 return (br.put_selected(o_acc, o_c, start),
                         br.put_selected(lse_acc, lse_c, start),
                         br.put_selected(lo_acc, lo_c, start))
@@ -296,7 +315,7 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, o, lse, lse_lo, do, 
     if head_groups:
         # O_j = O_branch / nb: the branch's output cotangent is dO / nb, and
         # rowsum(dO_branch * O_branch) = rowsum(dO * O_j), so delta is unchanged.
-        do = (do.astype(stats) / nb).astype(do.dtype)
+        do = (do.astype(stats) / call.groups).astype(do.dtype)
     lse_k = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: see dense.backward
     dq = jnp.zeros(query.shape, stats)
     dk = jnp.zeros(key.shape, stats)

@@ -30,6 +30,11 @@ accumulators travel together and return to their owners), so memory per device i
 O(n) for local branches and O(n / r) for spanning ones. The branches are then merged by
 :mod:`jax_dilated.core.softmax` exactly as on one device.
 
+A sliding-window branch (:class:`~jax_dilated.core.branches.SlidingWindow`) has no
+segment grid: it runs as the windowed ring over all ``P`` devices
+(:func:`jax_dilated.ops.dilated_window.ring_partial`; the steps whose visiting shard
+lies outside every local query's window are skipped), whatever the shard length.
+
 Packed rows (``segment_ids``) do not run here: their segment grid restarts at every
 document, so segments do not sit on the shards, and each device runs the one-device
 packed program on the whole sequence of some heads instead
@@ -44,6 +49,8 @@ import jax
 
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, dilation
+from jax_dilated.core.branches import is_window
+from jax_dilated.ops import dilated_window
 from jax_dilated.ops.ring import RingConfig, ring_partials
 
 __all__ = ["ShardedBranch", "shard_branches", "branch_partials"]
@@ -85,6 +92,9 @@ def shard_branches(branches, *, local_len: int, num_devices: int) -> list[Sharde
     total = n * p
     out = []
     for w, r in branches:
+        if is_window(w):  # the windowed ring over every device (one shard per step)
+            out.append(ShardedBranch(w, 1, p, branch_plans.Branch(n, 1, n, window=w)))
+            continue
         br = branch_plans.resolve_branch(w, r, total)
         if p == 1:
             out.append(ShardedBranch(w, r, 1, br))
@@ -140,6 +150,11 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
     results = []
     for i, (plan, sb) in enumerate(zip(plans, sharded_branches)):
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
+        if plan.branch.window is not None:
+            results.append(dilated_window.ring_partial(
+                args, plan, query, key, value, kv_mask, rng, axis_name=axis_name,
+                num_devices=num_devices, implementation=implementation))
+            continue
         if sb.is_local:
             local_rng = None if rng is None else jax.random.fold_in(rng, me)
 

@@ -24,6 +24,8 @@ __all__ = [
     "longnet_dilated_attention",
     "longnet_dense_form",
     "head_groups_dilated_attention",
+    "branch_mask",
+    "dilated_attention_full",
 ]
 
 
@@ -178,3 +180,86 @@ def head_groups_dilated_attention(q, k, v, *, segment_lengths, dilation_rates,
         outs.append(o_i)
         start += size
     return torch.cat(outs, dim=2) / g
+
+
+# ------------------------------------------- sliding-window branches, soft-cap, sinks
+
+
+def branch_mask(seq_len: int, branch, offset: int) -> torch.Tensor:
+    """bool [T, T]: may query ``p`` attend to key ``t`` in this branch (before the
+    causal rule and ``kv_mask``)?
+
+    ``branch`` is ``("segment", w, r)``: both selected at ``offset`` (``(p mod w) mod r
+    == offset``) and in the same segment ``floor(p / w)``; or ``("window", left,
+    right)``: ``p - left <= t <= p + right`` on the whole sequence.
+    """
+    pos = torch.arange(seq_len)
+    p, t = pos[:, None], pos[None, :]
+    if branch[0] == "window":
+        _, left, right = branch
+        return (t >= p - left) & (t <= p + right)
+    _, w, r = branch
+    sel = (pos % w) % r == offset
+    return sel[:, None] & sel[None, :] & ((p // w) == (t // w))
+
+
+def dilated_attention_full(q, k, v, *, branches, mode="longnet", head_offsets="modulo",
+                           is_causal=False, scale=None, kv_mask=None, logit_soft_cap=None,
+                           sinks=None):
+    """Dilated attention with window branches, soft-capping and sinks, densely.
+
+    Written from docs/semantics.md, section 2 ("Sliding-window branches,
+    soft-capping and sinks"). ``branches``: a list of ``("segment", w, r)`` and
+    ``("window", left, right)`` (right already resolved).
+
+    Logits ``l(p, t) = c tanh(scale q.k / c)`` (or ``scale q.k`` without a cap).
+    longnet: head ``j`` is one softmax over keys with logits ``l + log m(p, t)``,
+    ``m`` the number of branches (at head ``j``'s offsets) letting ``p`` see ``t``,
+    and the sink ``s_j`` joins that denominator once.
+    head_groups: head ``j`` of group ``i`` is the softmax of branch ``i`` alone with
+    the sink ``s_j`` in its denominator, divided by ``G``.
+    A row with nothing to attend to gives 0.
+    """
+    b, t_len, h, d = q.shape
+    rep = h // k.shape[2]
+    k = k.repeat_interleave(rep, dim=2)
+    v = v.repeat_interleave(rep, dim=2)
+    scale = _scale(scale, d)
+    logits = scale * torch.einsum("bqhd,bkhd->bhqk", q, k)
+    if logit_soft_cap is not None:
+        logits = logit_soft_cap * torch.tanh(logits / logit_soft_cap)
+    g = len(branches)
+    mult = torch.zeros((h, t_len, t_len), dtype=q.dtype)
+    if mode == "longnet":
+        for branch in branches:
+            rate = 1 if branch[0] == "window" else branch[2]
+            for j, offset in enumerate(_head_offsets(h, rate, head_offsets)):
+                mult[j] += branch_mask(t_len, branch, offset).to(q.dtype)
+    else:
+        base, extra = divmod(h, g)
+        start = 0
+        for i, branch in enumerate(branches):
+            size = base + (1 if i < extra else 0)
+            offset = 0 if branch[0] == "window" else i % branch[2]
+            for j in range(start, start + size):
+                mult[j] = branch_mask(t_len, branch, offset).to(q.dtype)
+            start += size
+    ok = (mult > 0)[None].expand(b, h, t_len, t_len)
+    pos = torch.arange(t_len)
+    if is_causal:
+        ok = ok & (pos[None, :] <= pos[:, None])
+    if kv_mask is not None:
+        ok = ok & kv_mask[:, None, None, :]
+    scores = torch.where(ok, logits + torch.log(mult.clamp(min=1))[None],
+                         torch.full_like(logits, float("-inf")))
+    if sinks is not None:
+        sink_col = sinks.to(q.dtype)[None, :, None, None].expand(b, h, t_len, 1)
+        scores = torch.cat([scores, sink_col], dim=-1)
+    top = scores.amax(dim=-1, keepdim=True).detach()
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    weights = torch.exp(scores - top)
+    denom = weights.sum(dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", weights[..., :t_len], v)
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = out / denom.permute(0, 2, 1)[..., None]
+    return out / g if mode == "head_groups" else out

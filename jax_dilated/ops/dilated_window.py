@@ -1,0 +1,99 @@
+"""Sliding-window branches of dilated attention (docs/semantics.md, section 2,
+"Sliding-window branches, soft-capping and sinks").
+
+A :class:`~jax_dilated.core.branches.SlidingWindow` branch has no segment grid: its
+heads attend, on the whole sequence, to the keys ``p - left <= t <= p + right``. It runs
+as one windowed kernel call (the kernel's trace-time band: O(window) work per query)
+on one device, or as the windowed ring across devices (steps outside every local
+query's window skipped), and its partial ``(o, lse, lse_lo)`` is mixed with the other
+branches' like any branch's: by the softmax denominators in longnet mode, side by side
+(divided by the number of branches) in head_groups mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated.backends.base import KernelArgs, window_arg
+from jax_dilated.core import branch_plans, softmax
+from jax_dilated.ops.ring import RingConfig, ring_partials
+
+__all__ = ["window_args", "local_partial", "ring_partial", "mix"]
+
+
+def window_args(args: KernelArgs, plan: branch_plans.BranchPlan) -> KernelArgs:
+    """``args`` with the branch's window, resolved for ``args.is_causal``."""
+    return dataclasses.replace(
+        args, window=window_arg(plan.branch.window.resolve(args.is_causal)))
+
+
+def _heads(plan: branch_plans.BranchPlan, query, key, value):
+    """The branch's query heads and its compact kv heads (query head ``i`` of the
+    branch reads kv head ``i // plan.kv_group``, as the kernel's GQA does)."""
+    heads = np.asarray(plan.query_heads)
+    if len(heads) != query.shape[2]:
+        query = jax.lax.slice_in_dim(query, int(heads[0]), int(heads[0]) + len(heads), axis=2)
+    kv = np.asarray(plan.kv_heads)
+    if not np.array_equal(kv, np.arange(key.shape[2])):
+        key, value = jnp.take(key, kv, axis=2), jnp.take(value, kv, axis=2)
+    return query, key, value
+
+
+def local_partial(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query, key,
+                  value, kv_mask, dropout_rng, segment_ids=None):
+    """One device: ``(o [B, T, Hq, D], lse, lse_lo [B, T, Hq])`` of the branch's heads
+    (``plan.query_heads``), differentiable; ``segment_ids`` [B, T] keeps every window
+    inside its document (packed rows: the same keys as the document alone)."""
+    q, k, v = _heads(plan, query, key, value)
+    ids = {} if segment_ids is None else dict(q_segment_ids=segment_ids,
+                                              k_segment_ids=segment_ids)
+    return kernel.attention(q, k, v, window_args(args, plan), kv_valid=kv_mask,
+                            dropout_rng=dropout_rng, **ids)
+
+
+def ring_partial(args: KernelArgs, plan: branch_plans.BranchPlan, query, key, value,
+                 kv_mask, dropout_rng, *, axis_name, num_devices: int, implementation):
+    """Inside ``shard_map`` (contiguous shards of ``axis_name``): the windowed ring's
+    ``(o, lse, lse_lo)`` of the local queries for the branch's heads (global
+    positions; ring steps outside every local query's window are skipped)."""
+    q, k, v = _heads(plan, query, key, value)
+    cfg = RingConfig(axis_name, num_devices, num_devices, "contiguous",
+                     window_args(args, plan), implementation)
+    return ring_partials(q, k, v, kv_mask, dropout_rng, cfg)
+
+
+def mix(partial, windowed, mode: str, num_branches: int, dtype):
+    """Mix the other branches' ``partial = (o, lse)`` (all heads, as
+    :func:`jax_dilated.ops.dilated.combine_branches` gives it; None when every branch
+    is a window) with the window branches' ``windowed = [(plan, (o, lse, lse_lo))]``.
+
+    longnet: merged by the softmax denominators (every branch holds every head).
+    head_groups: each window branch's heads take its ``o / num_branches`` and its
+    ``lse`` (the groups are disjoint, contiguous heads).
+    Returns ``(o in dtype, lse)``.
+    """
+    stats = softmax.stats_dtype(dtype)
+    if mode == "longnet":
+        if partial is None:
+            o, lse, lo = windowed[0][1]
+            o, rest = o.astype(stats), windowed[1:]
+        else:
+            o, lse = partial
+            o, lo, rest = o.astype(stats), jnp.zeros_like(lse), windowed
+        for _, (o_i, lse_i, lo_i) in rest:
+            o, lse, lo = softmax.merge_partials(o, lse, lo, o_i.astype(stats), lse_i, lo_i)
+        return o.astype(dtype), lse
+    o, lse = partial if partial is not None else (None, None)
+    for plan, (o_i, lse_i, _) in windowed:
+        a, b = int(plan.query_heads[0]), int(plan.query_heads[-1]) + 1
+        o_i = (o_i.astype(stats) / num_branches).astype(dtype)
+        if o is None:  # every branch is a window: the groups tile the heads in order
+            o, lse = o_i, lse_i
+            continue
+        o = jnp.concatenate([o[:, :, :a], o_i, o[:, :, b:]], axis=2)
+        lse = jnp.concatenate([lse[:, :, :a], lse_i.astype(lse.dtype), lse[:, :, b:]], axis=2)
+    return o.astype(dtype), lse

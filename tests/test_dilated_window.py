@@ -1,0 +1,293 @@
+"""Dilated attention with sliding-window branches, soft-capping and sinks (issue 18,
+phase 2; docs/semantics.md, section 2, "Sliding-window branches, soft-capping and
+sinks").
+
+A ``jd.SlidingWindow(left, right)`` entry of ``segment_lengths`` (rate 1) makes a branch
+whose heads attend to the keys ``p - left <= t <= p + right`` of the whole sequence;
+``logit_soft_cap`` caps every branch's logits; ``sinks`` join the combined denominator
+once (longnet) or each head's own branch softmax (head_groups).
+
+Parity cases compare the output and the gradients of q, k, v and sinks through a
+random cotangent with the float64 PyTorch reference
+(``torch_reference.dilated.dilated_attention_full``, dense masks written from the
+math) at the tolerances of ``_helpers.TOL``. Packed rows are compared with the
+documents alone, the sharded sequence (2 devices) and decoding with the one-device
+forward. Shapes are tiny (T <= 32) so the whole module stays cheap.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _mesh import build_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_dilated as jd
+from jax_dilated.ops import decode as decode_ops
+
+torch = pytest.importorskip("torch")  # the reference; without it the module skips
+
+from _helpers import TOL, as_np, assert_close, rounded, to_jax, to_torch  # noqa: E402
+from torch_reference.dilated import dilated_attention_full  # noqa: E402
+
+B, H, D = 2, 4, 8
+SCALE = 0.5
+SEGMENTS = (jd.SlidingWindow(3), 8, 16)
+RATES = (1, 2, 4)
+
+
+def make_inputs(seed, t, hkv, big=1.0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, t, H, D)) * big
+    k = rng.standard_normal((B, t, hkv, D))
+    v = rng.standard_normal((B, t, hkv, D))
+    g = rng.standard_normal((B, t, H, D))
+    sinks = rng.standard_normal(H)
+    return q, k, v, g, sinks
+
+
+def torch_branches(segments, rates, is_causal):
+    out = []
+    for w, r in zip(segments, rates):
+        if isinstance(w, jd.SlidingWindow):
+            out.append(("window", *w.resolve(is_causal)))
+        else:
+            out.append(("segment", w, r))
+    return out
+
+
+def reference(q, k, v, g, sinks, *, segments=SEGMENTS, rates=RATES, is_causal=False,
+              kv_mask=None, **kw):
+    """float64 output and d/d(q, k, v, sinks) of sum(g * out), PyTorch."""
+    tq, tk, tv = (to_torch(x, requires_grad=True) for x in (q, k, v))
+    ts = None if sinks is None else to_torch(sinks, requires_grad=True)
+    out = dilated_attention_full(
+        tq, tk, tv, branches=torch_branches(segments, rates, is_causal), scale=SCALE,
+        is_causal=is_causal, sinks=ts,
+        kv_mask=None if kv_mask is None else torch.as_tensor(kv_mask), **kw)
+    (to_torch(g) * out).sum().backward()
+    leaves = (tq, tk, tv) if ts is None else (tq, tk, tv, ts)
+    return as_np(out), tuple(as_np(x.grad) for x in leaves)
+
+
+def ours(q, k, v, g, sinks, dtype="float64", segments=SEGMENTS, rates=RATES, **kw):
+    """Our output and d/d(q, k, v, sinks) of sum(g * out), jitted."""
+    def loss(q, k, v, s):
+        out = jd.dilated_attention(q, k, v, segment_lengths=segments, dilation_rates=rates,
+                                   scale=SCALE, sinks=s, **kw)
+        return jnp.sum(out.astype(jnp.float64) * g), out
+
+    args = [to_jax(x, dtype) for x in (q, k, v)] + [None if sinks is None
+                                                    else jnp.asarray(sinks)]
+    argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(*args)
+    return out, grads
+
+
+CASES = [  # mode, is_causal, kv heads, kv_mask, soft-cap
+    ("longnet", False, 2, True, None),
+    ("longnet", True, 4, False, 1.5),
+    ("head_groups", False, 2, True, 1.5),
+    ("head_groups", True, 1, False, None),
+]
+
+
+@pytest.mark.parametrize("mode,is_causal,hkv,masked,cap", CASES)
+def test_parity_float64(mode, is_causal, hkv, masked, cap):
+    """A window branch mixed with dilated branches (T = 24: short last segments),
+    sinks, GQA, kv_mask, soft-cap: output and every gradient, float64."""
+    q, k, v, g, sinks = make_inputs(0, 24, hkv)
+    mask = None
+    if masked:
+        mask = np.random.default_rng(1).random((B, 24)) > 0.3
+    kw = dict(mode=mode, is_causal=is_causal, kv_mask=mask, logit_soft_cap=cap)
+    out, grads = ours(q, k, v, g, sinks, **kw)
+    want, want_grads = reference(q, k, v, g, sinks, **kw)
+    assert_close(out, want, TOL["float64"], "out")
+    for name, a, e in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+        assert_close(a, e, TOL["float64"], name)
+
+
+def test_windows_only_and_no_sinks():
+    """Two window branches (asymmetric and symmetric) in head_groups, no sinks; and
+    a longnet call whose only branch is a window equals the windowed kernel."""
+    q, k, v, g, _ = make_inputs(2, 20, 2)
+    segs, rates = (jd.SlidingWindow(2, 5), jd.SlidingWindow(4)), (1, 1)
+    out, grads = ours(q, k, v, g, None, segments=segs, rates=rates, mode="head_groups")
+    want, want_grads = reference(q, k, v, g, None, segments=segs, rates=rates,
+                                 mode="head_groups")
+    assert_close(out, want, TOL["float64"], "out")
+    for name, a, e in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert_close(a, e, TOL["float64"], name)
+    alone = jd.dilated_attention(q, k, v, segment_lengths=(jd.SlidingWindow(3, 1),),
+                                 dilation_rates=(1,), scale=SCALE)
+    want = jd.block_sparse_attention(q, k, v, block_size=20, pattern=np.ones((1, 1), bool),
+                                     window=(3, 1), scale=SCALE)
+    assert_close(alone, want, TOL["float64"], "window only")
+
+
+def test_soft_cap_large_logits():
+    """Logits ~ +-100 capped at 4: finite, equal to the reference (no overflow)."""
+    q, k, v, g, sinks = make_inputs(3, 24, 2, big=40.0)
+    kw = dict(is_causal=True, logit_soft_cap=4.0)
+    out, grads = ours(q, k, v, g, sinks, **kw)
+    want, want_grads = reference(q, k, v, g, sinks, **kw)
+    assert np.all(np.isfinite(as_np(out)))
+    assert_close(out, want, TOL["float64"], "out")
+    for name, a, e in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+        assert_close(a, e, TOL["float64"], name)
+
+
+@pytest.mark.parametrize("mode", ["longnet", "head_groups"])
+def test_sinks_fully_masked_rows(mode):
+    """Rows with no key (one batch row fully masked) output zeros with lse = sink, and
+    every gradient (d sinks included) is finite and matches the reference."""
+    q, k, v, g, sinks = make_inputs(4, 16, 2)
+    mask = np.ones((B, 16), bool)
+    mask[1] = False
+    kw = dict(mode=mode, kv_mask=mask)
+    out, grads = ours(q, k, v, g, sinks, **kw)
+    want, want_grads = reference(q, k, v, g, sinks, **kw)
+    assert np.all(as_np(out)[1] == 0)
+    assert_close(out, want, TOL["float64"], "out")
+    for name, a, e in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+        assert np.all(np.isfinite(as_np(a))), name
+        assert_close(a, e, TOL["float64"], name)
+    _, lse = jd.dilated_attention(q, k, v, segment_lengths=SEGMENTS, dilation_rates=RATES,
+                                  scale=SCALE, sinks=sinks, return_lse=True, **kw)
+    np.testing.assert_allclose(as_np(lse)[1], np.broadcast_to(sinks, (16, H)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_low_precision(dtype):
+    """float32 / bfloat16 inputs against the float64 reference on the rounded inputs."""
+    q, k, v, g, sinks = make_inputs(5, 24, 2)
+    q, k, v = (rounded(x, dtype) for x in (q, k, v))
+    kw = dict(is_causal=True, logit_soft_cap=2.0)
+    out, grads = ours(q, k, v, g, sinks, dtype=dtype, **kw)
+    assert out.dtype == jnp.dtype(dtype)
+    want, want_grads = reference(q, k, v, g, sinks, **kw)
+    assert_close(out, want, TOL[dtype], "out")
+    for name, a, e in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+        assert_close(a, e, TOL[dtype] * 2, name)
+
+
+def test_packed_rows_equal_documents_alone():
+    """segment_ids: the window stays inside its document, so a packed row (documents
+    of 7 and 17 tokens) gives what each document gives alone (and with GQA, causal,
+    soft-cap and sinks)."""
+    q, k, v, _, sinks = make_inputs(6, 24, 2)
+    ids = np.array([[0] * 7 + [1] * 17] * B)
+    for mode in ("longnet", "head_groups"):
+        kw = dict(segment_lengths=SEGMENTS, dilation_rates=RATES, mode=mode,
+                  is_causal=True, scale=SCALE, logit_soft_cap=3.0, sinks=sinks)
+        packed = jd.dilated_attention(q, k, v, segment_ids=ids, **kw)
+        alone = [jd.dilated_attention(q[:, s], k[:, s], v[:, s], **kw)
+                 for s in (slice(0, 7), slice(7, 24))]
+        assert_close(packed, np.concatenate(alone, axis=1), TOL["float64"], mode)
+
+
+def _sharded(p, **kw):
+    """``dilated_attention(seq_axis=...)`` inside shard_map on ``p`` devices, global
+    arrays; the sinks replicated."""
+    mesh = build_mesh((p,), ("seq",), "explicit")
+    spec = P(None, "seq")
+    ids = kw.pop("segment_ids", None)
+
+    def local(q, k, v, sinks, *ids_local):
+        return jd.dilated_attention(q, k, v, seq_axis="seq", sinks=sinks,
+                                    segment_ids=ids_local[0] if ids_local else None, **kw)
+
+    extra = () if ids is None else (spec,)
+    sm = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (P(),) + extra,
+                       out_specs=spec, check_vma=True)
+
+    def fn(q, k, v, sinks):
+        put = [jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+        more = () if ids is None else (jax.sharding.reshard(jnp.asarray(ids),
+                                                            NamedSharding(mesh, spec)),)
+        out = sm(*put, jax.sharding.reshard(sinks, NamedSharding(mesh, P())), *more)
+        return jax.sharding.reshard(out, NamedSharding(mesh, P()))
+
+    return fn
+
+
+@pytest.mark.parametrize("mode", ["longnet", "head_groups"])
+def test_seq_axis_equals_one_device(mode):
+    """2 devices: the window branch runs as the windowed ring (a window wider than a
+    step of the causal ring reaches the previous shard), mixed with a local and a
+    spanning branch; output and gradients equal one device."""
+    q, k, v, g, sinks = make_inputs(7, 32, 2)
+    kw = dict(segment_lengths=(jd.SlidingWindow(5), 8, 32), dilation_rates=(1, 2, 4),
+              mode=mode, is_causal=True, scale=SCALE, logit_soft_cap=2.0)
+    fn = _sharded(2, **kw)
+
+    def one(q, k, v, s):
+        return jd.dilated_attention(q, k, v, sinks=s, **kw)
+
+    args = (q, k, v, jnp.asarray(sinks))
+    for f_a, f_b, what in ((fn, one, "out"),):
+        assert_close(jax.jit(f_a)(*args), jax.jit(f_b)(*args), TOL["float64"], what)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * g)  # noqa: E731
+    ga = jax.jit(jax.grad(loss(fn), (0, 1, 2, 3)))(*args)
+    gb = jax.jit(jax.grad(loss(one), (0, 1, 2, 3)))(*args)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), ga, gb):
+        assert_close(a, b, TOL["float64"], name)
+
+
+def test_packed_seq_axis_equals_one_device():
+    """Packed rows with seq_axis (strategies.packed_dilated) and a window branch."""
+    q, k, v, _, sinks = make_inputs(8, 32, 2)
+    ids = np.array([[0] * 11 + [1] * 21] * B)
+    kw = dict(segment_lengths=(jd.SlidingWindow(4), 8), dilation_rates=(1, 2),
+              is_causal=True, scale=SCALE)
+    got = jax.jit(_sharded(2, segment_ids=ids, **kw))(q, k, v, jnp.asarray(sinks))
+    want = jd.dilated_attention(q, k, v, segment_ids=ids, sinks=sinks, **kw)
+    assert_close(got, want, TOL["float64"], "packed seq_axis")
+
+
+def test_decode_window_branch():
+    """Decoding with a window branch (and soft-cap, sinks, GQA) equals the causal
+    forward's row at the position; decode_step writes and attends the same."""
+    q, k, v, _, sinks = make_inputs(9, 20, 2)
+    cfg = dict(segment_lengths=SEGMENTS, dilation_rates=RATES, scale=SCALE,
+               logit_soft_cap=2.0, sinks=sinks)
+    for mode in ("longnet", "head_groups"):
+        full = jd.dilated_attention(q, k, v, is_causal=True, mode=mode, **cfg)
+        step = jax.jit(lambda qq, kk, vv, p, mode=mode: jd.dilated_attention_decode(
+            qq, kk, vv, p, mode=mode, **cfg))
+        for pos in (0, 2, 13, 19):
+            got = step(q[:, pos:pos + 1], k, v, pos)
+            assert_close(got, full[:, pos:pos + 1], TOL["float64"], f"{mode} {pos}")
+    cache = decode_ops.init_kv_cache(B, 20, 2, D, jnp.float64)
+    outs = []
+    for pos in range(5):
+        out, cache = decode_ops.decode_step(cache, q[:, pos:pos + 1], k[:, pos:pos + 1],
+                                            v[:, pos:pos + 1], **cfg)
+        outs.append(out)
+    full = jd.dilated_attention(q[:, :5], k[:, :5], v[:, :5], is_causal=True, **cfg)
+    assert_close(jnp.concatenate(outs, axis=1), full, TOL["float64"], "decode_step")
+
+
+def test_bad_input():
+    x = np.zeros((1, 16, 4, 8))
+    call = lambda **kw: jd.dilated_attention(x, x, x, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="dilation_rates"):
+        call(segment_lengths=(jd.SlidingWindow(4), 8), dilation_rates=(2, 2))
+    with pytest.raises(ValueError, match="left"):
+        jd.SlidingWindow(-1)
+    with pytest.raises(TypeError, match="right"):
+        jd.SlidingWindow(2, 1.5)
+    with pytest.raises(ValueError, match="right=2"):
+        call(segment_lengths=(jd.SlidingWindow(4, 2),), dilation_rates=(1,), is_causal=True)
+    with pytest.raises(ValueError, match="right=2"):
+        jd.dilated_attention_decode(x[:, :1], x, x, 3,
+                                    segment_lengths=(jd.SlidingWindow(4, 2),),
+                                    dilation_rates=(1,))
+    with pytest.raises(ValueError, match="sinks"):
+        call(segment_lengths=(8,), dilation_rates=(1,), sinks=np.zeros(3))
+    with pytest.raises(ValueError, match="logit_soft_cap"):
+        call(segment_lengths=(8,), dilation_rates=(1,), logit_soft_cap=-1.0)
