@@ -30,6 +30,16 @@ Ops (``python -m benchmarks <op> --help`` lists each one's options):
                 against the documents as a batch (<= 1.3x, equal results; both modes,
                 segments scaled to the document), block-sparse with the ids against
                 the static pattern of the same blocks (<= 1.3x); PASS/FAIL per target.
+  window        sliding windows, soft-capping and sinks (issue 18), three interleaved
+                sets with temp memory and PASS/FAIL: the causal ring over P simulated
+                devices with window=(W, 0) against the same ring without (target <= 0.25x
+                fwd+bwd; plus the ring steps and kernel blocks the skip rules run, from
+                the positions: the shards still travel every hop), the token window on
+                one device (jd.ring_attention and block-sparse + window=) against the
+                smallest block-sparse LocalWindow cover of it (<= 1.2x), soft-cap and
+                sinks against plain exact attention (<= 1.10x). Every variant is checked
+                at a small size against a dense masked computation and, for windows,
+                jax.nn.dot_product_attention(local_window_size=...).
 
 Every op shares (``benchmarks/harness.py``): ``--threads N`` (default 2) pins the process
 to N CPUs before JAX and torch start and gives torch N threads; ``--repeats`` interleaved

@@ -28,9 +28,9 @@ ratios), one per target of the issue, each variant with its compiled temp memory
 Equality: the variants of a set compute different things (that is the point), so
 every variant is checked at a small size (``--check-seq-len``; windows and blocks
 scaled down with the sequence, the same devices and layout) against a dense masked
-computation written here in plain ``jnp`` (the mask, ``c tanh(s / c)``, the sink in
-the denominator, written from docs/semantics.md section 1), output and gradients
-(``vjp`` with a random cotangent), and the windowed variants also against
+computation written here in float64 NumPy (the mask, ``c tanh(s / c)``, the sink in
+the denominator and their gradients, from docs/semantics.md section 1), output and
+gradients (``vjp`` with a random cotangent), and the windowed variants also against
 ``jax.nn.dot_product_attention(local_window_size=...)``. A result beyond the
 tolerance is marked ``**`` and fails its target.
 
@@ -160,22 +160,24 @@ def cover(window: tuple[int, int], block: int) -> tuple[int, int]:
 
 # ------------------------------------------------------------- reference, checks
 
-def dense_reference(q, k, v, *, scale: float, causal: bool = False, window=None,
+def dense_reference(q, k, v, ct, *, scale: float, causal: bool = False, window=None,
                     block_mask=None, block: int | None = None, soft_cap=None, sinks=None):
-    """Attention as docs/semantics.md section 1 defines it, dense, in float32 ``jnp``.
+    """``(out, dq, dk, dv)``: attention as docs/semantics.md section 1 defines it and its
+    gradients (vjp with the cotangent ``ct``), dense, in float64 NumPy.
 
-    q, k, v [B, n, H, D]; ``block_mask`` [n / B, n / B] bool (blocks of ``block``
-    tokens) and ``window`` (left, right) and ``causal`` restrict the keys of query
-    ``p``; ``soft_cap`` c maps the scaled logits s to ``c tanh(s / c)``; ``sinks`` [H]
-    join every row's denominator: ``O = sum_t e^{l_t} v_t / (e^{s_h} + sum_t e^{l_t})``.
-    A row with nothing to attend to is zero. Differentiable (``jax.vjp``).
+    q, k, v, ct [B, n, H, D]. Query ``p`` may attend key ``t`` when ``t <= p``
+    (``causal``), ``p - left <= t <= p + right`` (``window``) and ``block_mask[p // B,
+    t // B]`` (blocks of ``block`` tokens). Logits ``x = scale q.k``, soft-capped to
+    ``s = c tanh(x / c)``; weights ``P_t = e^{s_t} / (e^{s_h} + sum_t e^{s_t})`` with
+    head ``h``'s sink ``s_h`` (none: no such term); ``O = P V``, zero for a row
+    without keys. Backward: ``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO O))`` (the
+    sink has no value: it takes no part in ``rowsum(dO O)``), ``dX = dS (1 - tanh^2(x /
+    c))``, ``dQ = scale dX K``, ``dK = scale dX^T Q``.
     """
-    import jax.numpy as jnp
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    q, k, v, ct = (np.asarray(x, np.float64) for x in (q, k, v, ct))
     n = q.shape[1]
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
+    x = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    s = x if soft_cap is None else soft_cap * np.tanh(x / soft_cap)
     p, t = np.arange(n)[:, None], np.arange(n)[None, :]
     allowed = np.ones((n, n), bool)
     if causal:
@@ -183,25 +185,33 @@ def dense_reference(q, k, v, *, scale: float, causal: bool = False, window=None,
     if window is not None:
         allowed &= (t >= p - window[0]) & (t <= p + window[1])
     if block_mask is not None:
-        allowed &= np.asarray(block_mask)[p // block, t // block]
-    s = jnp.where(allowed, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    if sinks is not None:
-        m = jnp.maximum(m, jnp.asarray(sinks, jnp.float32)[None, :, None, None])
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, m) - m), 0.0)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + jnp.exp(jnp.asarray(sinks, jnp.float32)[None, :, None, None] - m)
-    w = e / jnp.where(denom > 0, denom, 1.0)
-    return jnp.einsum("bhqk,bkhd->bqhd", w, v)
+        allowed &= np.asarray(block_mask, bool)[p // block, t // block]
+    m = np.max(np.where(allowed, s, -np.inf), axis=-1, keepdims=True)
+    sink = None if sinks is None else np.asarray(sinks, np.float64)[None, :, None, None]
+    if sink is not None:
+        m = np.maximum(m, sink)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.where(allowed, np.exp(np.where(allowed, s, m) - m), 0.0)
+    denom = e.sum(-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - m))
+    w = e / np.where(denom > 0, denom, 1.0)
+    out = np.einsum("bhqk,bkhd->bqhd", w, v)
+    dv = np.einsum("bhqk,bqhd->bkhd", w, ct)
+    dp = np.einsum("bqhd,bkhd->bhqk", ct, v)
+    delta = np.einsum("bqhd,bqhd->bhq", ct, out)[..., None]
+    dx = w * (dp - delta)
+    if soft_cap is not None:
+        dx = dx * (1.0 - np.tanh(x / soft_cap) ** 2)
+    dq = np.einsum("bhqk,bkhd->bqhd", dx, k) * scale
+    dk = np.einsum("bhqk,bqhd->bkhd", dx, q) * scale
+    return out, dq, dk, dv
 
 
-def _with_grads(fn, q, k, v, ct):
-    """``(out, dq, dk, dv)`` of ``fn`` at (q, k, v) with cotangent ``ct``."""
+def _with_grads(fwd_bwd, q, k, v, ct):
+    """``(out, dq, dk, dv)`` of ``fwd_bwd`` (a :func:`_forward_backward`) at (q, k, v)
+    with cotangent ``ct`` (jitted: eager would dispatch the kernel's pieces one by one)."""
     import jax
-    out, vjp = jax.vjp(fn, q, k, v)
-    return (out, *vjp(ct.astype(out.dtype)))
+    out, grads = jax.jit(fwd_bwd)(q, k, v, ct)
+    return (out, *grads)
 
 
 # ----------------------------------------------------------------- the variants
@@ -217,6 +227,12 @@ class Variant:
     place: Callable
     back: Callable = np.asarray
     time_forward: bool = True
+
+    @functools.cached_property
+    def fwd_bwd(self) -> Callable:
+        """:func:`_forward_backward` of ``fn``, one function object: the check, the
+        memory analysis and the timed call of the same shapes compile it once."""
+        return _forward_backward(self.fn)
 
 
 def _forward_backward(fn):
@@ -342,24 +358,26 @@ def check_variants(variants: dict[str, Variant], host: list[np.ndarray], args) -
     import jax.numpy as jnp
     dtype = jnp.dtype(args.dtype)
     rtol = CHECK_RTOL[args.dtype]
-    # the reference sees the inputs as the variants do (rounded to the dtype)
-    q, k, v, ct = (jnp.asarray(jnp.asarray(x, dtype), jnp.float32) for x in host)
+    # the references see the inputs as the variants do (rounded to the dtype)
+    q, k, v, ct = (np.asarray(jnp.asarray(x, dtype), np.float32) for x in host)
     scale = args.head_dim ** -0.5
-    out = {}
+    out, nn_cache = {}, {}
     for name, var in variants.items():
         placed = [var.place(x) for x in host]
         got = [np.asarray(var.back(x), np.float64)
-               for x in _with_grads(var.fn, *placed[:3], placed[3])]
-        refs = {"dense": functools.partial(dense_reference, scale=scale, **var.computes)}
+               for x in _with_grads(var.fwd_bwd, *placed)]
+        wants = {"dense": dense_reference(q, k, v, ct, scale=scale, **var.computes)}
         c = var.computes
         if c.get("window") and not any(c.get(x) is not None
                                        for x in ("block_mask", "soft_cap", "sinks")):
-            refs["jax.nn local_window_size"] = functools.partial(
-                jax.nn.dot_product_attention, scale=scale, is_causal=c.get("causal", False),
-                local_window_size=c["window"])
+            key = (c.get("causal", False), tuple(c["window"]), q.shape)
+            if key not in nn_cache:  # one program per window (and shapes)
+                nn_cache[key] = _with_grads(_forward_backward(functools.partial(
+                    jax.nn.dot_product_attention, scale=scale, is_causal=key[0],
+                    local_window_size=key[1])), *(jnp.asarray(x) for x in (q, k, v, ct)))
+            wants["jax.nn local_window_size"] = nn_cache[key]
         res = {}
-        for ref_name, ref in refs.items():
-            want = _with_grads(ref, q, k, v, ct)
+        for ref_name, want in wants.items():
             res[ref_name] = {key: harness.max_rel_diff(a, np.asarray(r, np.float64))
                              for key, a, r in zip(("output", "dq", "dk", "dv"), got, want)}
         worst = max(d["rel_to_max"] for r in res.values() for d in r.values())
@@ -377,10 +395,10 @@ def time_variants(name: str, variants: dict[str, Variant], reference: str, host,
     for vname, var in variants.items():
         progress.start(f"{name}: {vname}: compile")
         inputs = [var.place(x) for x in host]
-        fwd_bwd = _forward_backward(var.fn)
         results[vname] = {"memory_forward_backward":
-                          harness.compiled_memory(fwd_bwd, *inputs).to_json()}
-        fb = jax.jit(fwd_bwd).lower(*inputs).compile()
+                          harness.compiled_memory(var.fwd_bwd, *inputs).to_json()}
+        # the same function on the same shapes: JAX's cache returns that executable
+        fb = jax.jit(var.fwd_bwd).lower(*inputs).compile()
         calls[FWD_BWD][vname] = functools.partial(fb, *inputs)
         if var.time_forward:
             fw = jax.jit(var.fn).lower(*inputs[:3]).compile()
@@ -411,14 +429,15 @@ def _host(rng, args, n: int) -> list[np.ndarray]:
 def _part(name, build, reference, args, rng, progress, n, **sizes) -> dict:
     """A part: the checks at the small size (``build`` with scaled sizes), then timing."""
     out = {"seq_len": n, **sizes}
+    variants = build(n, **sizes)
     for small in _check_len(args, n):
         progress.start(f"{name}: equality checks at n={small}")
         scaled = {key: _scaled(x, small, n) for key, x in sizes.items()}
+        checked = variants if small == n else build(small, **scaled)
         out["check"] = {"seq_len": small, **scaled,
-                        "variants": check_variants(build(small, **scaled),
-                                                   _host(rng, args, small), args)}
+                        "variants": check_variants(checked, _host(rng, args, small), args)}
         progress.done()
-    out.update(time_variants(name, build(n, **sizes), reference, _host(rng, args, n), args,
+    out.update(time_variants(name, variants, reference, _host(rng, args, n), args,
                              progress))
     return out
 

@@ -386,3 +386,58 @@ def test_packed_op_runs_end_to_end_at_a_tiny_size(tmp_path):
     assert any("ring packed zigzag: fwd+bwd time" in t for t in names)
     assert not any("forward time" in t for t in names)  # --no-forward: not timed
     assert packed.ring_work(None, 64, 2, "contiguous", True)["steps_run"] == 3
+
+
+# ------------------------------------------------------ window (issue 18)
+
+def test_window_op_runs_end_to_end_at_a_tiny_size(tmp_path):
+    """``python -m benchmarks window`` in this process at a tiny size: every part runs and
+    every variant agrees with the dense masked reference (and jax.nn's local window);
+    the block cover, the ring's executed work (by hand) and a lying variant's check."""
+    from benchmarks import window
+    op = harness.OPS["window"]
+    parser = argparse.ArgumentParser()
+    op.add_arguments(parser)
+    harness.add_common_arguments(parser, op)
+    args = parser.parse_args(
+        ["--ring-seq-len", "32", "--ring-window", "8", "--devices", "2", "--local-seq-len",
+         "32", "--local-window", "8", "--block", "4", "--cap-seq-len", "32", "--heads", "2",
+         "--head-dim", "4", "--check-seq-len", "32", "--no-forward", "--repeats", "1",
+         "--warmup", "0", "--lead-in", "0", "--json", str(tmp_path / "w.json")])
+    harness.resolve_common(args, op)
+    args.load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(1.5, 1.5))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        payload = op.run(args)
+    text = out.getvalue()
+    assert "issue 18 targets" in text and "WARNING: load average 1.50" in text
+    assert payload["benchmark"] == "window" and "environment" in payload
+    for part in ("ring", "local", "softcap"):
+        checks = payload[part]["check"]["variants"]
+        assert set(checks) == set(payload[part]["variants"])
+        for name, check in checks.items():
+            assert check["agree"] and check["seq_len"] == 32, (part, name, check)
+        for res in payload[part]["variants"].values():
+            assert res["forward_backward"]["median_s"] > 0 and "forward" not in res
+            assert res["memory_forward_backward"]["temp"] >= 0
+    assert "jax.nn local_window_size" in payload["ring"]["check"]["variants"]["ring, window"]
+    # window 8 of blocks of 4: LocalWindow(2, 0) (checked at the timed size, n=32)
+    assert payload["local"]["cover"]["pattern"] == "LocalWindow(2, 0)"
+    assert (payload["local"]["check"]["window"], payload["local"]["check"]["block"]) == (8, 4)
+    assert window._scaled(4096, 1024, 65536) == 64
+    assert window.cover((1000, 0), 512) == (2, 0) and window.cover((1025, 3), 512) == (3, 1)
+    names = [t["target"] for t in payload["targets"]]
+    assert any(t.startswith("ring window 8: forward+backward") for t in names)
+    assert all(isinstance(t["pass"], bool) for t in payload["targets"])
+    # the issue's ring: device d computes shards d and d - 1 only; blocks of 512 within
+    # 8 blocks of the window: 108 on the diagonal step (136 causal), 36 on the step before
+    w = window.ring_work(65536, 8, "contiguous", 4096)
+    full = window.ring_work(65536, 8, "contiguous", None)
+    assert (w["steps_run"], w["blocks_run"]) == (15, 108 + 7 * (108 + 36))
+    assert (full["steps_run"], full["blocks_run"]) == (36, 8 * 136 + 28 * 256)
+    # a variant that does not compute what it claims fails its check
+    liar = window.Variant(functools.partial(jax.nn.dot_product_attention, is_causal=True),
+                          {"causal": True, "window": (3, 0)}, jnp.asarray)
+    rng = np.random.default_rng(1)
+    host = [rng.standard_normal((1, 16, 2, 4), dtype=np.float32) for _ in range(4)]
+    assert not window.check_variants({"liar": liar}, host, args)["liar"]["agree"]
