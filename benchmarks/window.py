@@ -426,20 +426,33 @@ def _host(rng, args, n: int) -> list[np.ndarray]:
     return [rng.standard_normal(shape, dtype=np.float32) for _ in range(4)]
 
 
-def _part(name, build, reference, args, rng, progress, n, **sizes) -> dict:
-    """A part: the checks at the small size (``build`` with scaled sizes), then timing."""
+def _part(name, build, reference, args, rng, progress, n, *, amplitude: float = 1.0,
+          **sizes) -> dict:
+    """A part: the checks at the small size (``build`` with scaled sizes; queries times
+    ``amplitude``), then timing."""
     out = {"seq_len": n, **sizes}
     variants = build(n, **sizes)
     for small in _check_len(args, n):
         progress.start(f"{name}: equality checks at n={small}")
         scaled = {key: _scaled(x, small, n) for key, x in sizes.items()}
         checked = variants if small == n else build(small, **scaled)
-        out["check"] = {"seq_len": small, **scaled,
-                        "variants": check_variants(checked, _host(rng, args, small), args)}
+        host = _host(rng, args, small)
+        host[0] = host[0] * np.float32(amplitude)
+        out["check"] = {"seq_len": small, "query_amplitude": amplitude, **scaled,
+                        "variants": check_variants(checked, host, args)}
         progress.done()
     out.update(time_variants(name, variants, reference, _host(rng, args, n), args,
                              progress))
     return out
+
+
+def cap_amplitude(soft_cap: float) -> float:
+    """Query amplitude of the softcap part's check: random inputs give scaled logits of
+    about unit size (``scale = 1 / sqrt(head_dim)``), where ``c tanh(s / c)`` barely differs from ``s`` for the default
+    ``c = 50`` (by ``s^3 / 3c^2``, near the float32 tolerance); queries times ``c / 2``
+    give logits of about ``c / 2``, which the cap visibly bends (the timed inputs are
+    not scaled: the cost does not depend on the values)."""
+    return max(1.0, soft_cap / 2)
 
 
 # ------------------------------------------------------------------ ring work
@@ -531,7 +544,7 @@ def run(args: argparse.Namespace) -> dict:
     if "softcap" in args.parts:
         payload["softcap"] = _part(
             "softcap", lambda n: cap_variants(args, n, sinks), PLAIN, args, rng, progress,
-            args.cap_seq_len)
+            args.cap_seq_len, amplitude=cap_amplitude(args.soft_cap))
         payload["softcap"]["sinks"] = sinks.tolist()
     progress.close()
     payload["environment"] = harness.environment(args.threads, args.load)

@@ -435,6 +435,14 @@ def test_window_op_runs_end_to_end_at_a_tiny_size(tmp_path):
     full = window.ring_work(65536, 8, "contiguous", None)
     assert (w["steps_run"], w["blocks_run"]) == (15, 108 + 7 * (108 + 36))
     assert (full["steps_run"], full["blocks_run"]) == (36, 8 * 136 + 28 * 256)
+    # the softcap check's inputs are bent by the cap: ignoring it would fail the check
+    amp = payload["softcap"]["check"]["query_amplitude"]
+    assert amp == window.cap_amplitude(50.0) == 25.0
+    rng = np.random.default_rng(2)
+    q, k, v, ct = (rng.standard_normal((1, 16, 2, 4)) for _ in range(4))
+    capped, plain = (window.dense_reference(amp * q, k, v, ct, scale=0.5, causal=True,
+                                            soft_cap=c)[0] for c in (50.0, None))
+    assert np.max(np.abs(capped - plain)) > 100 * window.CHECK_RTOL["float32"]
     # a variant that does not compute what it claims fails its check
     liar = window.Variant(functools.partial(jax.nn.dot_product_attention, is_causal=True),
                           {"causal": True, "window": (3, 0)}, jnp.asarray)
