@@ -36,10 +36,11 @@ tolerance is marked ``**`` and fails its target.
 
 The simulated devices share this process's cores: the ring's wall time is the work
 of all devices plus the transfers, which a window does not remove. The unwindowed
-causal ring at n = 65536 is about 15 TFLOP forward+backward: minutes per call on two
-cores (``--lead-in 0 --warmup 0 --repeats 1`` calls it once). ``--quick``: n = 8192
-(ring window 512, n / 16 as in the issue), 4096 and 2048. Timing is for a quiet machine (the load warning
-says when a run was not).
+causal ring at n = 65536 is about 15 TFLOP forward+backward (8256 kernel blocks of
+512 x 512, four times the packed op's 32768-token ring): long calls on two cores, so
+``--lead-in 0`` (and few ``--repeats``) keeps the ring part short. ``--quick``:
+n = 8192 (ring window 512, n / 16 as in the issue), 4096 and 2048. Timing is for a
+quiet machine (the load warning says when a run was not).
 """
 
 from __future__ import annotations
