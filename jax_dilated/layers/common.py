@@ -128,9 +128,8 @@ class AttentionCore:
         ``segment_ids`` (int ``[batch, seq]``, packed documents) and ``sinks`` (float
         ``[heads]``, per-head sink logits) reach the attention function only when
         given, so a drop-in ``attention_fn`` without those keywords still serves the
-        calls that do not use them. With a mesh, ``sinks`` is bound to the function
-        and replicated on every device (``jd.sharded`` has no per-head argument; see
-        :func:`check_sinks_flag` for the strategies this allows)."""
+        calls that do not use them. Sinks over a mesh are refused
+        (:func:`check_mesh_scores`)."""
         kw = dict(self.options, is_causal=is_causal)
         if self.has_dropout:
             kw.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
@@ -265,23 +264,23 @@ def check_sinks_flag(sinks, core: AttentionCore) -> bool:
 
 
 def check_mesh_scores(core: AttentionCore, sinks: bool = False):
-    """Over a mesh, ``window`` / ``logit_soft_cap`` / sinks reach the attention
-    function only under ``strategy="ring"`` (the ``"allgather"`` and ``"heads"``
-    strategies rebuild the operation from its plain options, and ``"auto"`` may pick
-    them), and sinks, replicated into ``jd.sharded``'s ``fn``, need every head on each
-    device (no ``head_axis``). ValueError otherwise, at construction."""
+    """Over a mesh, ``window`` / ``logit_soft_cap`` reach the attention function only
+    under ``strategy="ring"`` (the ``"allgather"`` and ``"heads"`` strategies rebuild
+    the operation from its plain options, and ``"auto"`` may pick them), and sinks
+    not at all yet: ``jd.sharded`` takes no per-head array, and sink logits closed
+    over inside ``jax.shard_map`` fail to differentiate on Explicit meshes. ValueError
+    otherwise, at construction (and at the call for the call's ``sinks``)."""
     if core.mesh is None:
         return
+    if sinks:
+        raise ValueError(
+            "sinks over a mesh are not supported yet (jd.sharded takes no per-head "
+            "sink logits): build the layer without mesh= to use sinks, or sinks=False.")
     given = [name for name, _ in core.options if name in ("window", "logit_soft_cap")]
-    given += ["sinks"] if sinks else []
     if given and core.strategy != "ring":
         raise ValueError(
             f"{' / '.join(given)} over a mesh run with strategy='ring' only, got "
             f"strategy={core.strategy!r} (the other strategies do not carry them yet).")
-    if sinks and core.head_axis is not None:
-        raise ValueError(
-            f"sinks=True with a mesh needs every head on each device, got head_axis="
-            f"{core.head_axis!r}; use head_axis=None.")
 
 
 # ---------------------------------------------------------------------------- decoding

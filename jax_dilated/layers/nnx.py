@@ -280,7 +280,9 @@ class MultiheadDilatedAttention(_Multihead):
         ``segment_lengths``, rate 1, is a sliding-window branch).
       sinks: learn a sink logit per query head (parameter ``sinks.logit`` [H], in
         ``param_dtype``, initialised to 0) joining every row's softmax denominator
-        (docs/semantics.md, "Sliding windows, soft-capping and sinks").
+        (docs/semantics.md, "Sliding windows, soft-capping and sinks"); not with
+        ``mesh`` yet (ValueError: ``jd.sharded`` takes no per-head sink logits).
+        Over a mesh ``logit_soft_cap`` (and windows) need ``strategy="ring"``.
       num_kv_heads: key/value heads (grouped-query attention), dividing ``H``;
         default ``H``.
       dropout_rate: attention-probability dropout rate (``dropout=`` is its deprecated
@@ -362,9 +364,9 @@ class MultiheadRingAttention(_Multihead):
     options) with :func:`jax_dilated.ring_attention` as its attention: ``mesh`` and
     ``seq_axis`` are required, ``layout`` picks the ring layout, ``block_q`` /
     ``block_k`` the kernel blocks, ``window=(left, right)`` a sliding window (global
-    positions), ``logit_soft_cap`` the soft-cap, ``sinks=True`` a learnable sink logit
-    per head (as in :class:`MultiheadDilatedAttention`). Ring attention has no
-    dropout and no decoding.
+    positions), ``logit_soft_cap`` the soft-cap (both with ``strategy="ring"``; the
+    ``sinks`` option is refused over a mesh for now). Ring attention has no dropout and
+    no decoding.
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -408,8 +410,9 @@ class MultiheadBlockSparseAttention(_Multihead):
     ``block_size`` and ``pattern`` (a :mod:`jax_dilated.block_patterns` pattern or a
     bool block mask) say which key blocks each query block attends to. With ``mesh``
     and ``seq_axis`` it runs over a ring in ``layout`` ("contiguous" or "zigzag").
-    ``window=(left, right)``, ``logit_soft_cap`` and ``sinks=True`` as in
-    :class:`MultiheadRingAttention` (the window applies on top of the pattern).
+    ``window=(left, right)`` and ``logit_soft_cap`` as in
+    :class:`MultiheadRingAttention` (the window applies on top of the pattern),
+    ``sinks=True`` as in :class:`MultiheadDilatedAttention` (one device only).
     Block-sparse attention has no dropout and no decoding.
 
     Example:
