@@ -344,8 +344,17 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
                       is_causal=is_causal, block_q=block_q, block_k=block_k,
                       window=window_arg(window), logit_soft_cap=logit_soft_cap)
     get_kernel(implementation)  # validate the name now, at trace time
-    cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation)
-    o, lse, lse_lo = _ring(query, key, value, kv_mask, None, cfg, None, segment_ids)
+    if num_devices == 1:
+        # One device holds every key, in token order in every layout: the kernel's own
+        # call, whose default positions let it plan causal and window blocks at trace
+        # time (a ring passes traced positions) and which needs no ring loop.
+        o, lse, lse_lo = get_kernel(implementation).attention(
+            query, key, value, args, kv_valid=kv_mask, q_segment_ids=segment_ids,
+            k_segment_ids=segment_ids)
+        o = o.astype(softmax.stats_dtype(query.dtype))
+    else:
+        cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation)
+        o, lse, lse_lo = _ring(query, key, value, kv_mask, None, cfg, None, segment_ids)
     if sinks is not None:
         o, lse, _ = softmax.add_sinks(o, lse, lse_lo, sinks)
     o = o.astype(query.dtype)
