@@ -168,6 +168,28 @@ def test_strategy_errors_name_what_can_serve():
         attn(q, k, v)
 
 
+def test_ring_only_options_are_refused_by_the_other_strategies():
+    """window=, logit_soft_cap=, sinks= (and dilated SlidingWindow branches) reach only
+    the operation's own ring: the strategies that rebuild the call refuse them, and
+    auto picks the ring (never a result without them)."""
+    q, k, v, _, _ = _inputs(4, 2)
+    cases = [
+        functools.partial(jd.ring_attention, is_causal=True, window=(8, 0)),
+        functools.partial(jd.ring_attention, logit_soft_cap=2.0),
+        functools.partial(jd.ring_attention, sinks=jnp.zeros(4)),
+        functools.partial(jd.dilated_attention, segment_lengths=(jd.SlidingWindow(8), 16),
+                          dilation_rates=(1, 2)),
+    ]
+    for fn, what in zip(cases, ("window=", "logit_soft_cap=", "sinks=", "SlidingWindow")):
+        for strategy in ("heads", "allgather"):
+            attn = jd.sharded(fn, _mesh(2), seq_axis="seq", strategy=strategy)
+            with pytest.raises(ValueError, match=rf"does not carry .*{what}.*"
+                                                 r"use strategy='ring'"):
+                attn(q, k, v)
+        assert jd.explain_strategy(fn, q.shape, k.shape, num_devices=2,
+                                   quiet=True)[0] == "ring"
+
+
 def test_auto_picks_a_strategy_that_serves_and_explains_it(capsys):
     q, k, v, g, mask = _inputs(6, 2)
     ring = functools.partial(jd.ring_attention, is_causal=True)

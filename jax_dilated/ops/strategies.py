@@ -53,6 +53,7 @@ import numpy as np
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.backends.base import KeySide, QuerySide, RowGrads
 from jax_dilated.core import branch_plans, dilation, layouts, softmax, validation
+from jax_dilated.core.branches import is_window
 from jax_dilated.ops import block_sparse as block_sparse_ops
 from jax_dilated.ops import dilated as dilated_ops
 from jax_dilated.ops import dilated_local, distributed
@@ -159,10 +160,26 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
             sequence = str(err).rstrip(".")
     if sequence:
         why["ring"] = why["allgather"] = sequence
+    unsupported = _ring_only_options(op)
+    if unsupported:
+        for s in ("allgather", "heads"):
+            why[s] = why[s] or (f"strategy={s!r} does not carry {unsupported} yet (only "
+                                "the operation's own ring does)")
     if op.options.get("return_lse"):
         for s in why:
             why[s] = why[s] or "jd.sharded returns the output only: return_lse=True"
     return why
+
+
+def _ring_only_options(op: Operation) -> str:
+    """The options of ``op`` that only its own ring applies (the other strategies
+    rebuild the call from plain options and would drop them), as ``"a=, b="``."""
+    names = [name for name in ("window", "logit_soft_cap", "sinks")
+             if op.options.get(name) is not None]
+    if op.kind == "dilated" and any(is_window(entry) for entry in
+                                    op.options.get("segment_lengths", ())):
+        names.append("segment_lengths with a SlidingWindow branch")
+    return ", ".join(f"{n}=" if " " not in n else n for n in names)
 
 
 def _fn_name(fn) -> str:
@@ -843,12 +860,15 @@ def _flops(op: Operation, b, t, h, d) -> float:
     causal = 0.5 if op.options.get("is_causal", False) else 1.0
     if op.kind == "dilated":
         try:
-            branches = branch_plans.validate_branches(op.options["segment_lengths"],
-                                                      op.options["dilation_rates"])
+            pairs = branch_plans.validate_branches(op.options["segment_lengths"],
+                                                   op.options["dilation_rates"])
         except (ValueError, TypeError, KeyError):
             return 10.0 * b * t * t * h * d * causal
         total = 0.0
-        for w, r in branches:
+        for w, r in pairs:
+            if is_window(w):  # every query, its window of keys
+                total += 10.0 * b * t * min(w.left + (w.right or 0) + 1, t) * h * d
+                continue
             seg = min(w, t)
             total += 10.0 * b * (t / r) * (seg / r) * h * d * causal
         return total
