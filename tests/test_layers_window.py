@@ -5,15 +5,16 @@ tests/test_window.py).
 * The NNX and Linen multi-head layers with ``window=`` (ring, block-sparse) or a
   ``jd.SlidingWindow`` branch (dilated), ``logit_soft_cap=`` and ``sinks=True`` equal
   the functional op on the same projections (written out here with einsums, the
-  learned sink logits passed as ``sinks=``), float64 ~1e-10; the ring layer (a mesh
-  of 2 devices, no sinks) is compared with single-device exact attention
-  (block-sparse with every block). The parameterless layers pass
+  learned sink logits passed as ``sinks=``), float64 ~1e-10, and so do the sink
+  logits' gradients; the ring layer (a mesh of 2 devices, the sinks going through
+  ``jd.sharded``) is compared with single-device exact attention (block-sparse with
+  every block). The parameterless layers pass
   ``logit_soft_cap`` / ``window`` / ``sinks`` to their op.
 * The sink parameter (``sinks.logit`` [H], zeros at initialisation) gets a finite,
   nonzero gradient and changes the output.
 * Bad options are refused at construction naming the argument (NNX and Linen), and
-  over a mesh where they cannot reach the op (strategies other than "ring"; sinks,
-  which ``jd.sharded`` cannot take yet).
+  over a mesh where they cannot reach the op (the "allgather" and "heads"
+  strategies).
 * ``jd.attention_fn(logit_soft_cap=, sinks=)`` with a ``jd.SlidingWindow`` branch
   equals ``jd.dilated_attention`` with the same options.
 * ``LongNetConfig`` validates ``logit_soft_cap``, ``attention_sinks`` and window
@@ -60,8 +61,8 @@ WINDOW_SEGS = dict(segment_lengths=(jd.SlidingWindow(3), 8), dilation_rates=(1, 
 
 
 def _layers():
-    """kind -> (nnx class, linen class, options, the op on the projections). Sinks
-    are not available over a mesh yet (``jd.sharded`` takes no per-head array)."""
+    """kind -> (nnx class, linen class, options, the op on the projections). Over a
+    mesh the sinks are an argument of ``jd.sharded``'s call (ring strategy)."""
     mesh = jax.make_mesh((2,), ("seq",))
     return {
         "dilated": (jd.nnx.MultiheadDilatedAttention, jd.linen.MultiheadDilatedAttention,
@@ -76,7 +77,7 @@ def _layers():
                          functools.partial(_exact, window=(5, 0))),
         "ring": (jd.nnx.MultiheadRingAttention, jd.linen.MultiheadRingAttention,
                  dict(mesh=mesh, seq_axis="seq", layout="zigzag", window=(6, 0),
-                      logit_soft_cap=CAP),
+                      logit_soft_cap=CAP, sinks=True),
                  functools.partial(_exact, window=(6, 0))),
     }
 
@@ -103,6 +104,12 @@ def test_multihead_layers_equal_the_op(kind):
                       **kw)
     got_linen = jax.jit(lambda p, x: linen.apply({"params": p}, x, is_causal=True))(params, x)
     np.testing.assert_allclose(np.asarray(got_linen), np.asarray(want), **TOL)
+    if "sinks" in params:  # the sink logits' gradient (over a mesh: through jd.sharded)
+        g = jnp.asarray(np.random.default_rng(2).standard_normal((2, T, E)))
+        want_g = jax.jit(jax.grad(lambda p: jnp.sum(_by_hand(p, x, op) * g)))(params)
+        got_g = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x, is_causal=True) * g)))(layer)
+        np.testing.assert_allclose(np.asarray(got_g["sinks"]["logit"][...]),
+                                   np.asarray(want_g["sinks"]["logit"]), **TOL)
 
 
 def test_parameterless_layers_pass_the_options():
@@ -126,8 +133,11 @@ def test_parameterless_layers_pass_the_options():
         linen.apply({}, q, k, v, is_causal=True)))(q, k, v)
     for out in got:
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), **TOL)
-    with pytest.raises(ValueError, match="sinks over a mesh are not supported"):
-        ring(q, k, v, is_causal=True, sinks=sinks)
+    want, *got = jax.jit(lambda q, k, v, s: (
+        _exact(q, k, v, s, (4, 0)), ring(q, k, v, is_causal=True, sinks=s),
+        linen.apply({}, q, k, v, is_causal=True, sinks=s)))(q, k, v, sinks)
+    for out in got:
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), **TOL)
 
 
 def test_sinks_parameter_is_learned():
@@ -174,22 +184,18 @@ def test_bad_options_are_refused_at_construction():
         jd.linen.MultiheadDilatedAttention(embed_dim=E, num_heads=H,
                                            segment_lengths=(jd.SlidingWindow(3), 8),
                                            dilation_rates=(2, 2))
-    # over a mesh: only the ring strategy carries them; no sinks yet
-    with pytest.raises(ValueError, match="strategy='ring' only"):
+    # over a mesh: only the operation's own ring carries them ("auto" picks it)
+    with pytest.raises(ValueError, match="strategy='ring' .* only"):
         jd.nnx.MultiheadRingAttention(E, H, mesh=mesh, seq_axis="seq", window=(4, 0),
                                       strategy="heads", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="strategy='ring' only"):
+    with pytest.raises(ValueError, match="strategy='ring' .* only"):
         jd.linen.MultiheadDilatedAttention(embed_dim=E, num_heads=H, **WINDOW_SEGS,
                                            logit_soft_cap=CAP, mesh=mesh, seq_axis="seq",
-                                           strategy="auto")
-    with pytest.raises(ValueError, match="sinks over a mesh are not supported"):
+                                           strategy="allgather")
+    with pytest.raises(ValueError, match="sinks over a mesh run with strategy='ring'"):
         jd.nnx.MultiheadRingAttention(E, H, mesh=mesh, seq_axis="seq", sinks=True,
-                                      rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="sinks over a mesh are not supported"):
-        jd.linen.MultiheadBlockSparseAttention(embed_dim=E, num_heads=H, **bs, sinks=True,
-                                               mesh=mesh, seq_axis="seq")
-    with pytest.raises(ValueError, match="sinks over a mesh are not supported"):
-        jd.attention_fn(**WINDOW_SEGS, sinks=np.zeros(H), mesh=mesh, seq_axis="seq")
+                                      strategy="heads", rngs=nnx.Rngs(0))
+
     # causality is the call's: a right extent is refused there
     layer = jd.nnx.MultiheadBlockSparseAttention(E, H, **bs, window=(2, 2), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="is_causal=True"):

@@ -128,22 +128,24 @@ class AttentionCore:
         ``segment_ids`` (int ``[batch, seq]``, packed documents) and ``sinks`` (float
         ``[heads]``, per-head sink logits) reach the attention function only when
         given, so a drop-in ``attention_fn`` without those keywords still serves the
-        calls that do not use them. Sinks over a mesh are refused
-        (:func:`check_mesh_scores`)."""
+        calls that do not use them. Over a mesh the sinks go to
+        :func:`jax_dilated.sharded` as an argument (replicated, with their gradient)."""
         kw = dict(self.options, is_causal=is_causal)
         if self.has_dropout:
             kw.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-        if sinks is not None:
-            kw.update(sinks=sinks)
         segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
-        docs = {} if segment_ids is None else {"segment_ids": segment_ids}
+        per_call = {} if segment_ids is None else {"segment_ids": segment_ids}
+        if sinks is not None:
+            per_call["sinks"] = sinks
         check_mesh_scores(self, sinks is not None)
         if self.mesh is None:
-            return self.fn(query, key, value, kv_mask=kv_mask, **docs, **kw)
+            return self.fn(query, key, value, kv_mask=kv_mask, **per_call, **kw)
+        # sinks are an argument of the sharded call, not bound here: closed over inside
+        # shard_map they would not differentiate on Explicit meshes
         run = sharded(functools.partial(self.fn, **kw), self.mesh, seq_axis=self.seq_axis,
                       batch_axis=self.batch_axis, head_axis=self.head_axis,
                       layout=self.layout, strategy=self.strategy)
-        return run(query, key, value, kv_mask=kv_mask, **docs)
+        return run(query, key, value, kv_mask=kv_mask, **per_call)
 
 
 def _block_options(block_q, block_k) -> tuple:
@@ -264,23 +266,21 @@ def check_sinks_flag(sinks, core: AttentionCore) -> bool:
 
 
 def check_mesh_scores(core: AttentionCore, sinks: bool = False):
-    """Over a mesh, ``window`` / ``logit_soft_cap`` reach the attention function only
-    under ``strategy="ring"`` (the ``"allgather"`` and ``"heads"`` strategies rebuild
-    the operation from its plain options, and ``"auto"`` may pick them), and sinks
-    not at all yet: ``jd.sharded`` takes no per-head array, and sink logits closed
-    over inside ``jax.shard_map`` fail to differentiate on Explicit meshes. ValueError
-    otherwise, at construction (and at the call for the call's ``sinks``)."""
-    if core.mesh is None:
+    """Over a mesh, ``window`` / ``logit_soft_cap`` / sinks reach the attention function
+    only through the operation's own ring: ``strategy="allgather"`` and ``"heads"``
+    rebuild the operation from its plain options and refuse them
+    (:func:`jax_dilated.ops.strategies.servable`; ``"auto"`` then picks the ring).
+    ValueError at construction for those two strategies (and at the call for the
+    call's ``sinks``)."""
+    if core.mesh is None or core.strategy not in ("allgather", "heads"):
         return
-    if sinks:
-        raise ValueError(
-            "sinks over a mesh are not supported yet (jd.sharded takes no per-head "
-            "sink logits): build the layer without mesh= to use sinks, or sinks=False.")
     given = [name for name, _ in core.options if name in ("window", "logit_soft_cap")]
-    if given and core.strategy != "ring":
+    given += ["sinks"] if sinks else []
+    if given:
         raise ValueError(
-            f"{' / '.join(given)} over a mesh run with strategy='ring' only, got "
-            f"strategy={core.strategy!r} (the other strategies do not carry them yet).")
+            f"{' / '.join(given)} over a mesh run with strategy='ring' (or 'auto', which "
+            f"picks it) only, got strategy={core.strategy!r} (the other strategies do "
+            f"not carry them yet).")
 
 
 # ---------------------------------------------------------------------------- decoding

@@ -12,6 +12,8 @@ Explicit axes (``jax.make_mesh`` makes Explicit ones).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -75,13 +77,17 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         per call by the cost model of :func:`jax_dilated.explain_strategy`).
 
     Returns:
-      ``g(query, key, value, *, kv_mask=None, segment_ids=None)`` on global arrays,
+      ``g(query, key, value, *, kv_mask=None, segment_ids=None, sinks=None)`` on global
+      arrays,
       returning the global ``[batch, seq, heads, head_dim]`` output in token order.
       ``segment_ids`` (int ``[batch, seq]``, packed documents) is sharded and laid out
       like ``kv_mask``; ``"ring"`` passes the local shard to ``fn`` (which must take
       ``segment_ids=``), ``"heads"`` gives the single-device operation the whole
       sequence's ids, ``"allgather"`` gathers them with the keys (packed dilated
-      attention: docs/semantics.md, section 8).
+      attention: docs/semantics.md, section 8). ``sinks`` (float ``[num_heads]``, the
+      attention sinks of docs/semantics.md, section 1) go to ``fn`` as ``sinks=``,
+      replicated (sliced by ``head_axis``), with their gradient; only ``"ring"``
+      carries them (``"auto"`` then picks it).
 
     Example:
       >>> import functools, jax, jax_dilated as jd
@@ -111,7 +117,7 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
     qkv_spec = P(batch_axis, seq_axis, head_axis, None)
     mask_spec = P(batch_axis, seq_axis)
 
-    def run(query, key, value, *, kv_mask=None, segment_ids=None):
+    def run(query, key, value, *, kv_mask=None, segment_ids=None, sinks=None):
         # check the global shapes here: inside shard_map a mistake would be reported
         # with shard shapes, or by JAX's sharding machinery
         b, t, h, hkv, tk = validation.check_qkv(query, key, value)
@@ -128,6 +134,10 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         validation.check_kv_mask(kv_mask, query.shape[0], key.shape[1])
         segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
         packed = segment_ids is not None
+        sinks = validation.check_sinks(sinks, h)
+        if sinks is not None and not strategies.accepts(fn, "sinks"):
+            raise ValueError(f"sinks= needs a function that takes sinks=, and "
+                             f"{_name(fn)} does not.")
         if head_axis is not None:
             hsize = mesh.shape[head_axis]
             if h % hsize or hkv % hsize:
@@ -137,15 +147,19 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                     f"divisible by it."
                 )
         chosen = strategy
+        # a call with sinks: the strategies that rebuild the call cannot carry them
+        # (strategies.servable), so the operation is described with them bound
+        op_call = op if sinks is None else dataclasses.replace(
+            op, options={**op.options, "sinks": True})
         heads_per_shard = h // mesh.shape[head_axis] if head_axis is not None else h
         if strategy == "auto":
             kv_per_shard = hkv // mesh.shape[head_axis] if head_axis is not None else hkv
             chosen = strategies.choose(
-                op, batch=b, seq_len=t, num_heads=heads_per_shard,
+                op_call, batch=b, seq_len=t, num_heads=heads_per_shard,
                 num_kv_heads=kv_per_shard, head_dim=query.shape[-1], num_devices=num,
                 dtype=query.dtype, layout=layout, segment_ids=packed)[0]
         strategies.require(
-            op, chosen, num_heads=heads_per_shard, num_devices=num, layout=layout,
+            op_call, chosen, num_heads=heads_per_shard, num_devices=num, layout=layout,
             seq_len=t, heads_of="" if head_axis is None else
             f" in each shard of head_axis={head_axis!r}", segment_ids=packed)
         # the heads strategy needs no layout: it moves whole heads, not tokens
@@ -170,8 +184,11 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         args = [to(x, qkv_spec) for x in (query, key, value)] + [
             to(x, mask_spec) for x in given]
         specs = [qkv_spec] * 3 + [mask_spec] * len(given)
+        if sinks is not None:  # per head: replicated over the sequence
+            args.append(_place(sinks, mesh, P(head_axis)))
+            specs.append(P(head_axis))
 
-        def compute(q, k, v, mask, ids):
+        def compute(q, k, v, mask, ids, sink):
             if chosen == "heads":
                 return strategies.heads_local(op, q, k, v, mask, ids, axis_name=seq_axis,
                                               num_devices=num)
@@ -180,17 +197,20 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                                                   axis_name=seq_axis, num_devices=num,
                                                   layout=lay)
             extra = {} if ids is None else {"segment_ids": ids}
+            if sink is not None:
+                extra["sinks"] = sink
             return fn(q, k, v, kv_mask=mask, **{axis_kw: seq_axis}, **layout_kw, **extra)
 
         def local(q, k, v, *tokens):
             tokens = iter(tokens)
             mask = None if kv_mask is None else next(tokens)
             ids = None if segment_ids is None else next(tokens)
+            sink = None if sinks is None else next(tokens)
             if in_shard:
                 q, k, v, mask, ids = (None if x is None else
                                       layouts.shard_to_layout(x, seq_axis, num, lay)
                                       for x in (q, k, v, mask, ids))
-            out = compute(q, k, v, mask, ids)
+            out = compute(q, k, v, mask, ids, sink)
             return layouts.shard_from_layout(out, seq_axis, num, lay) if in_shard else out
 
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,
