@@ -364,8 +364,8 @@ class MultiheadRingAttention(_Multihead):
     options) with :func:`jax_dilated.ring_attention` as its attention: ``mesh`` and
     ``seq_axis`` are required, ``layout`` picks the ring layout, ``block_q`` /
     ``block_k`` the kernel blocks, ``window=(left, right)`` a sliding window (global
-    positions), ``logit_soft_cap`` the soft-cap (both with ``strategy="ring"``; the
-    ``sinks`` option is refused over a mesh for now). Ring attention has no dropout and
+    positions), ``logit_soft_cap`` the soft-cap and ``sinks`` (all three with
+    ``strategy="ring"`` or ``"auto"``). Ring attention has no dropout and
     no decoding.
 
     Example:
