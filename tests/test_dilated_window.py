@@ -156,8 +156,9 @@ def test_sinks_fully_masked_rows(mode):
     for name, a, e in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
         assert np.all(np.isfinite(as_np(a))), name
         assert_close(a, e, TOL["float64"], name)
-    _, lse = jd.dilated_attention(q, k, v, segment_lengths=SEGMENTS, dilation_rates=RATES,
-                                  scale=SCALE, sinks=sinks, return_lse=True, **kw)
+    _, lse = jax.jit(lambda q, k, v: jd.dilated_attention(
+        q, k, v, segment_lengths=SEGMENTS, dilation_rates=RATES, scale=SCALE, sinks=sinks,
+        return_lse=True, **kw))(q, k, v)
     np.testing.assert_allclose(as_np(lse)[1], np.broadcast_to(sinks, (16, H)))
 
 
@@ -183,10 +184,11 @@ def test_packed_rows_equal_documents_alone():
     ids = np.array([[0] * 7 + [1] * 17] * B)
     for mode in ("longnet", "head_groups"):
         kw = dict(segment_lengths=SEGMENTS, dilation_rates=RATES, mode=mode,
-                  is_causal=True, scale=SCALE, logit_soft_cap=3.0, sinks=sinks)
-        packed = jd.dilated_attention(q, k, v, segment_ids=ids, **kw)
-        alone = [jd.dilated_attention(q[:, s], k[:, s], v[:, s], **kw)
-                 for s in (slice(0, 7), slice(7, 24))]
+                  is_causal=True, scale=SCALE, logit_soft_cap=3.0)
+        attn = jax.jit(lambda q, k, v, s, ids=None, kw=kw: jd.dilated_attention(
+            q, k, v, sinks=s, segment_ids=ids, **kw))
+        packed = attn(q, k, v, sinks, ids)
+        alone = [attn(q[:, s], k[:, s], v[:, s], sinks) for s in (slice(0, 7), slice(7, 24))]
         assert_close(packed, np.concatenate(alone, axis=1), TOL["float64"], mode)
 
 
@@ -245,7 +247,8 @@ def test_packed_seq_axis_equals_one_device():
     kw = dict(segment_lengths=(jd.SlidingWindow(4), 8), dilation_rates=(1, 2),
               is_causal=True, scale=SCALE)
     got = jax.jit(_sharded(2, segment_ids=ids, **kw))(q, k, v, jnp.asarray(sinks))
-    want = jd.dilated_attention(q, k, v, segment_ids=ids, sinks=sinks, **kw)
+    want = jax.jit(lambda q, k, v: jd.dilated_attention(q, k, v, segment_ids=ids,
+                                                        sinks=sinks, **kw))(q, k, v)
     assert_close(got, want, TOL["float64"], "packed seq_axis")
 
 
@@ -256,7 +259,8 @@ def test_decode_window_branch():
     cfg = dict(segment_lengths=SEGMENTS, dilation_rates=RATES, scale=SCALE,
                logit_soft_cap=2.0, sinks=sinks)
     for mode in ("longnet", "head_groups"):
-        full = jd.dilated_attention(q, k, v, is_causal=True, mode=mode, **cfg)
+        full = jax.jit(lambda q, k, v, mode=mode: jd.dilated_attention(
+            q, k, v, is_causal=True, mode=mode, **cfg))(q, k, v)
         step = jax.jit(lambda qq, kk, vv, p, mode=mode: jd.dilated_attention_decode(
             qq, kk, vv, p, mode=mode, **cfg))
         for pos in (0, 2, 13, 19):
@@ -264,9 +268,9 @@ def test_decode_window_branch():
             assert_close(got, full[:, pos:pos + 1], TOL["float64"], f"{mode} {pos}")
     cache = decode_ops.init_kv_cache(B, 20, 2, D, jnp.float64)
     outs = []
+    step = jax.jit(lambda c, qq, kk, vv: decode_ops.decode_step(c, qq, kk, vv, **cfg))
     for pos in range(5):
-        out, cache = decode_ops.decode_step(cache, q[:, pos:pos + 1], k[:, pos:pos + 1],
-                                            v[:, pos:pos + 1], **cfg)
+        out, cache = step(cache, q[:, pos:pos + 1], k[:, pos:pos + 1], v[:, pos:pos + 1])
         outs.append(out)
     full = jd.dilated_attention(q[:, :5], k[:, :5], v[:, :5], is_causal=True, **cfg)
     assert_close(jnp.concatenate(outs, axis=1), full, TOL["float64"], "decode_step")

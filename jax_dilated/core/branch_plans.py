@@ -63,20 +63,23 @@ class Branch:
         return -(-seq_len // self.effective_length)
 
 
-def _check_int_list(name: str, values) -> tuple[int, ...]:
+def _check_int_list(name: str, values, shown=None) -> tuple[int, ...]:
+    """``values`` as positive ints (errors quote ``shown``, default ``values``)."""
+    shown = values if shown is None else shown
     if isinstance(values, (int, np.integer)) or not isinstance(values, Sequence):
         raise TypeError(
-            f"{name} must be a list or tuple of positive ints, got {values!r} "
+            f"{name} must be a list or tuple of positive ints, got {shown!r} "
             f"of type {type(values).__name__}."
         )
     if len(values) == 0:
-        raise ValueError(f"{name} must not be empty, got {values!r}.")
+        raise ValueError(f"{name} must not be empty, got {shown!r}.")
     out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"{name} must hold ints, got {values!r} (element {v!r}).")
+            also = " or jax_dilated.SlidingWindow entries" if name == "segment_lengths" else ""
+            raise TypeError(f"{name} must hold ints{also}, got {shown!r} (element {v!r}).")
         if v <= 0:
-            raise ValueError(f"{name} must hold positive ints, got {values!r}.")
+            raise ValueError(f"{name} must hold positive ints, got {shown!r}.")
         out.append(int(v))
     return tuple(out)
 
@@ -98,7 +101,7 @@ def validate_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, int],
         windows = {}
     ws = list(_check_int_list("segment_lengths", [1 if i in windows else w for i, w in
                                                   enumerate(segment_lengths)]
-                              if windows else segment_lengths))
+                              if windows else segment_lengths, segment_lengths))
     rs = _check_int_list("dilation_rates", dilation_rates)
     if len(ws) != len(rs):
         raise ValueError(
