@@ -122,16 +122,18 @@ def test_sharded_packed_equals_single_device(op, options, strategy, p, layout, h
     _check(got, want)
 
 
-def test_dilated_seq_axis_packed_equals_one_device():
+@pytest.mark.parametrize("cap", [None, 0.5])
+def test_dilated_seq_axis_packed_equals_one_device(cap):
     """Inside shard_map (contiguous shards of 16 on 2 devices, a document across the
     boundary): output, lse and gradients equal the one-device call. 3 heads on 2
     devices take the gathered path (2 heads per device, head 2 computed twice).
     Segment lengths the unpacked sharded path would refuse (6 straddles shards of 16)
-    are fine: packed segments follow the documents."""
+    are fine: packed segments follow the documents. A soft-cap (0.5, below most
+    logits) reaches the devices' kernels."""
     q, k, v, g, mask = _inputs(3, 1, seed=3)
     ids = np.repeat(np.array([[1, 2, 3], [6, 6, 7]]), [5, 22, 5], axis=1).astype(np.int32)
     kw = dict(segment_lengths=(6, 16), dilation_rates=(2, 4), is_causal=True,
-              max_documents=3)
+              max_documents=3, logit_soft_cap=cap)
     mesh = build_mesh((2,), ("seq",), "auto")
     spec = P(None, "seq")
     dist = jax.shard_map(

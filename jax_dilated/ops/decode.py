@@ -31,7 +31,8 @@ import numpy as np
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.core.branches import is_window
-from jax_dilated.ops.dilated import combine_branches, dilated_attention
+from jax_dilated.ops.branch_combine import combine_branches
+from jax_dilated.ops.dilated import dilated_attention
 
 __all__ = ["KVCache", "init_kv_cache", "dilated_attention_decode", "decode_step",
            "decode_tokens"]

@@ -26,7 +26,9 @@ from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, dilation, softmax, validation
 from jax_dilated.core.branches import is_window
 from jax_dilated.backends.base import window_arg
-from jax_dilated.ops import dilated_local, dilated_packed, dilated_window, distributed
+from jax_dilated.ops import (dilated_local, dilated_packed, dilated_window, distributed,
+                             head_parallel)
+from jax_dilated.ops.branch_combine import combine_branches
 
 __all__ = ["dilated_attention"]
 
@@ -94,7 +96,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
         some heads: an all-to-all to ``H / P`` heads when ``P`` divides the heads
         (moving about a shard of q, k, v and the output per device), else q, k, v
         and the ids are all-gathered (``O(T H D)`` held per device) and each device
-        computes ``ceil(H / P)`` heads (:func:`jax_dilated.ops.strategies.packed_dilated`).
+        computes ``ceil(H / P)`` heads (:func:`jax_dilated.ops.head_parallel.packed_dilated`).
         No segment-length restriction of the unpacked sharded path applies.
       max_documents: a static bound on the documents per row with ``segment_ids``.
         Give it where you can: every segment of a document then gets its own slots
@@ -178,30 +180,21 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
     if segment_ids is not None and seq_axis is not None:
         # documents start anywhere, so segments no longer sit on the shards: every
         # device runs the packed program on the whole sequence of some heads
-        # (strategies.packed_dilated). Imported here: strategies builds on this module.
-        from jax_dilated.ops import strategies
-
         get_kernel(implementation)  # validate the name now, at trace time
-        _check_max_documents(max_documents)
-        if args.logit_soft_cap is not None:
-            # strategies.packed_dilated builds its kernel arguments from these options
-            # and does not read a soft-cap yet: refuse rather than drop it
-            raise ValueError(
-                "logit_soft_cap is not supported yet with both segment_ids and seq_axis "
-                f"(got logit_soft_cap={args.logit_soft_cap}); run packed rows on one "
-                "device, or without the soft-cap.")
+        dilated_packed.check_max_documents(max_documents)
         options = dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates,
                        mode=mode, head_offsets=head_offsets, is_causal=is_causal,
                        scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                        implementation=implementation, block_q=block_q, block_k=block_k,
-                       max_documents=max_documents)
-        o, lse = strategies.packed_dilated(options, query, key, value, kv_mask,
+                       max_documents=max_documents, logit_soft_cap=args.logit_soft_cap)
+        o, lse = head_parallel.packed_dilated(options, query, key, value, kv_mask,
                                            segment_ids, axis_name=seq_axis,
                                            num_devices=num_devices)
         return o, lse
     if segment_ids is not None:
-        return _packed(get_kernel(implementation), args, plans, mode, query, key, value,
-                       kv_mask, segment_ids, max_documents, rng)
+        return dilated_packed.packed_attention(get_kernel(implementation), args, plans, mode,
+                                               query, key, value, kv_mask, segment_ids,
+                                               max_documents, rng)
     if seq_axis is None:
         kernel = get_kernel(implementation)
         if kernel.name == "xla":
@@ -231,67 +224,3 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
             axis_name=seq_axis, num_devices=num_devices, implementation=implementation,
             dropout_rng=rng)
     return combine_branches(results, mode, query.dtype)
-
-
-def _packed(kernel, args, plans, mode, query, key, value, kv_mask, segment_ids,
-            max_documents, rng):
-    """Dilated attention over packed rows (:mod:`jax_dilated.ops.dilated_packed`)."""
-    _check_max_documents(max_documents)
-    starts = dilated_packed.document_starts(segment_ids)
-    overflow = jnp.zeros(query.shape[0], bool)
-    if max_documents is not None:
-        documents = jnp.sum(starts == jnp.arange(starts.shape[1]), axis=1)
-        if not isinstance(documents, jax.core.Tracer):
-            most = int(jnp.max(documents))
-            if most > max_documents:
-                raise ValueError(
-                    f"segment_ids has a row of {most} documents (maximal runs of equal "
-                    f"ids), more than max_documents={max_documents}.")
-        overflow = documents > max_documents
-    results = []
-    for i, plan in enumerate(plans):
-        if plan.branch.window is not None:  # the window stays inside each document
-            results.append(dilated_window.local_partial(
-                kernel, args, plan, query, key, value, kv_mask,
-                None if rng is None else jax.random.fold_in(rng, i), segment_ids))
-            continue
-        *part, over = dilated_packed.packed_branch(
-            kernel, args, plan, query, key, value, kv_mask, starts,
-            None if rng is None else jax.random.fold_in(rng, i), max_documents)
-        results.append(part)
-        overflow = overflow | over
-    o, lse = combine_branches(results, mode, query.dtype)
-    # a row with more documents than max_documents (reachable only under jit, where the
-    # ids are traced): NaN, never a result computed from cut streams
-    o = jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, o.dtype), o)
-    return o, lse
-
-
-def _check_max_documents(max_documents):
-    if max_documents is not None and (isinstance(max_documents, bool)
-                                      or not isinstance(max_documents, int)
-                                      or max_documents < 1):
-        raise ValueError(f"max_documents must be None or a positive int, got "
-                         f"{max_documents!r}.")
-
-
-def combine_branches(results, mode: str, dtype):
-    """``(out, lse)`` from every branch's ``(o_i, lse_i, lse_lo_i)`` (docs/semantics.md,
-    section 2; the log-sum-exp in two parts, :mod:`jax_dilated.core.softmax`).
-
-    longnet: merged by the softmax denominators (``softmax.merge_partials``, exact
-    gradients through the mixing weights), ``lse = log sum_i exp(lse_i)``;
-    head_groups: the groups' heads side by side (contiguous and in order), the
-    output divided by the number of branches, each head's ``lse`` that of its branch.
-    ``out`` is in ``dtype``, ``lse`` [batch, seq, heads] in the statistics dtype.
-    """
-    if mode == "longnet":
-        stats = softmax.stats_dtype(dtype)
-        o, lse, lse_lo = results[0][0].astype(stats), *results[0][1:]
-        for o_i, lse_i, lo_i in results[1:]:
-            o, lse, lse_lo = softmax.merge_partials(o, lse, lse_lo, o_i.astype(stats),
-                                                    lse_i, lo_i)
-        return o.astype(dtype), lse
-    o = jnp.concatenate([o_i for o_i, *_ in results], axis=2)
-    lse = jnp.concatenate([lse_i for _, lse_i, _ in results], axis=2)
-    return (o / len(results)).astype(dtype), lse

@@ -75,7 +75,7 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
 
     Returns:
       ``out`` [B, T, H, D] in query's dtype and ``lse`` [B, T, H] in the stats dtype,
-      as :func:`jax_dilated.ops.dilated.combine_branches` defines them; differentiable
+      as :func:`jax_dilated.ops.branch_combine.combine_branches` defines them; differentiable
       in query, key and value through both.
     """
     windows = [i for i, p in enumerate(plans) if p.branch.window is not None]

@@ -30,8 +30,11 @@ import numpy as np
 
 from jax_dilated.backends.base import KernelArgs
 from jax_dilated.core import branch_plans
+from jax_dilated.ops import dilated_window
+from jax_dilated.ops.branch_combine import combine_branches
 
-__all__ = ["document_starts", "group_count", "packed_branch"]
+__all__ = ["document_starts", "group_count", "packed_branch", "packed_attention",
+           "check_max_documents"]
 
 
 def document_starts(segment_ids):
@@ -152,3 +155,49 @@ def packed_branch(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
         return jnp.where(keep, y, jnp.asarray(fill, y.dtype))
 
     return back(o, 0), back(lse, -jnp.inf), back(lse_lo, 0), overflow
+
+
+def packed_attention(kernel, args: KernelArgs, plans, mode: str, query, key, value,
+                     kv_mask, segment_ids, max_documents: int | None, rng):
+    """``(out [B, T, H, D], lse [B, T, H])`` of dilated attention over packed rows, every
+    branch of ``plans`` (window branches: the windowed kernel inside each document),
+    combined as unpacked; a row with more than ``max_documents`` documents is a
+    ``ValueError`` (concrete ids) or NaN output (traced ids)."""
+    check_max_documents(max_documents)
+    starts = document_starts(segment_ids)
+    overflow = jnp.zeros(query.shape[0], bool)
+    if max_documents is not None:
+        documents = jnp.sum(starts == jnp.arange(starts.shape[1]), axis=1)
+        if not isinstance(documents, jax.core.Tracer):
+            most = int(jnp.max(documents))
+            if most > max_documents:
+                raise ValueError(
+                    f"segment_ids has a row of {most} documents (maximal runs of equal "
+                    f"ids), more than max_documents={max_documents}.")
+        overflow = documents > max_documents
+    results = []
+    for i, plan in enumerate(plans):
+        if plan.branch.window is not None:  # the window stays inside each document
+            results.append(dilated_window.local_partial(
+                kernel, args, plan, query, key, value, kv_mask,
+                None if rng is None else jax.random.fold_in(rng, i), segment_ids))
+            continue
+        *part, over = packed_branch(
+            kernel, args, plan, query, key, value, kv_mask, starts,
+            None if rng is None else jax.random.fold_in(rng, i), max_documents)
+        results.append(part)
+        overflow = overflow | over
+    o, lse = combine_branches(results, mode, query.dtype)
+    # a row with more documents than max_documents (reachable only under jit, where the
+    # ids are traced): NaN, never a result computed from cut streams
+    o = jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, o.dtype), o)
+    return o, lse
+
+
+def check_max_documents(max_documents):
+    """``max_documents``: None or a positive int (ValueError otherwise)."""
+    if max_documents is not None and (isinstance(max_documents, bool)
+                                      or not isinstance(max_documents, int)
+                                      or max_documents < 1):
+        raise ValueError(f"max_documents must be None or a positive int, got "
+                         f"{max_documents!r}.")

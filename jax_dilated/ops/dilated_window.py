@@ -68,7 +68,7 @@ def ring_partial(args: KernelArgs, plan: branch_plans.BranchPlan, query, key, va
 
 def mix(partial, windowed, mode: str, num_branches: int, dtype):
     """Mix the other branches' ``partial = (o, lse)`` (all heads, as
-    :func:`jax_dilated.ops.dilated.combine_branches` gives it; None when every branch
+    :func:`jax_dilated.ops.branch_combine.combine_branches` gives it; None when every branch
     is a window) with the window branches' ``windowed = [(plan, (o, lse, lse_lo))]``.
 
     longnet: merged by the softmax denominators (every branch holds every head).

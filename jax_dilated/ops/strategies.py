@@ -43,21 +43,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends import KernelArgs, get_kernel
+from jax_dilated.backends import get_kernel
 from jax_dilated.backends.base import KeySide, QuerySide, RowGrads
 from jax_dilated.core import branch_plans, dilation, layouts, softmax, validation
 from jax_dilated.core.branches import is_window
 from jax_dilated.ops import block_sparse as block_sparse_ops
 from jax_dilated.ops import dilated as dilated_ops
-from jax_dilated.ops import dilated_local, distributed
+from jax_dilated.ops import distributed, head_parallel
 from jax_dilated.ops.block_sparse_plan import head_classes, resolve_mask, ring_blocks
+from jax_dilated.ops.branch_combine import combine_branches
+# the head-parallel transforms are part of this module's public names
+from jax_dilated.ops.head_parallel import (gather_tokens, heads_to_seq, packed_dilated,
+                                           seq_to_heads)
 from jax_dilated.ops.ring import ring_attention
 
 __all__ = ["STRATEGIES", "Operation", "describe", "accepts", "check_strategy", "servable",
@@ -214,25 +217,6 @@ def require(op: Operation, strategy: str, *, num_heads: int, num_devices: int,
 # ----------------------------------------------------------------- the transforms
 
 
-def seq_to_heads(x, axis_name: str):
-    """Inside ``shard_map``: contiguous sequence shard ``[B, n, H, ...]`` -> head shard
-    ``[B, T, H / P, ...]`` (device ``d`` gets heads ``[d H/P, (d+1) H/P)`` of the
-    whole sequence, in token order). One ``all_to_all``; its transpose is
-    :func:`heads_to_seq`."""
-    return jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True)
-
-
-def heads_to_seq(x, axis_name: str):
-    """Inverse of :func:`seq_to_heads`: ``[B, T, H / P, ...]`` -> ``[B, n, H, ...]``."""
-    return jax.lax.all_to_all(x, axis_name, 1, 2, tiled=True)
-
-
-def gather_tokens(x, axis_name: str):
-    """All devices' shards ``[B, n, ...]`` of a per-token array -> ``[B, T, ...]`` in
-    shard order (keys, values, the padding mask; any int per token alike)."""
-    return None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
-
-
 def _group_gather(x, axis_name: str, num_devices: int, group: int):
     """``[B, L, ...]`` of the ``group`` consecutive devices of this device's group,
     concatenated in device order along axis 1 (all of them when ``group == P``)."""
@@ -256,146 +240,6 @@ def _group_gather(x, axis_name: str, num_devices: int, group: int):
 # ------------------------------------------------------------------ heads strategy
 
 
-def _kv_repeat(num_kv_heads: int, num_devices: int) -> int:
-    """How often each kv head is repeated so that the kv heads divide by ``P``."""
-    return 1 if num_kv_heads % num_devices == 0 else (
-        num_devices // math.gcd(num_kv_heads, num_devices))
-
-
-def _kernel_args(options, head_dim: int, *, dropout=False) -> KernelArgs:
-    block_q, block_k = validation.check_block_sizes(options.get("block_q"),
-                                                    options.get("block_k"))
-    rate = 0.0
-    if dropout:
-        rate = validation.check_dropout(options.get("dropout_rate", 0.0),
-                                        options.get("dropout_rng"))
-    return KernelArgs(scale=validation.check_scale(options.get("scale"), head_dim),
-                      is_causal=validation.check_flag("is_causal",
-                                                      options.get("is_causal", False)),
-                      dropout_rate=rate, block_q=block_q, block_k=block_k)
-
-
-def _head_plans(branches, seq_len: int, num_heads: int, heads, local_kv: int, mode: str,
-                rule: str):
-    """The branch plans of the query heads ``heads`` (global indices, ascending; local
-    head ``i`` is global head ``heads[i]``, repeats allowed), numbered locally but with
-    their *global* offsets (and head groups); ``local_kv`` kv heads held locally, local
-    query head ``i`` reading kv head ``i // (len(heads) / local_kv)``."""
-    full = branch_plans.plan_branches(branches, seq_len=seq_len, num_heads=num_heads,
-                                      num_kv_heads=num_heads, mode=mode,
-                                      offsets_rule=rule)
-    heads = np.asarray(heads)
-    plans = []
-    for p in full:
-        offset_of = dict(zip(p.query_heads.tolist(), p.offsets.tolist()))
-        mine = np.array([i for i, j in enumerate(heads.tolist()) if j in offset_of],
-                        np.int64)
-        if not mine.size:
-            continue
-        offsets = np.array([offset_of[j] for j in heads[mine].tolist()], np.int64)
-        kv_offsets, kv_heads, group = branch_plans.kv_head_plan(mine, offsets, len(heads),
-                                                                local_kv)
-        plans.append(branch_plans.BranchPlan(p.branch, mine, offsets, kv_offsets,
-                                             kv_heads, group))
-    return plans
-
-
-def _plan_key(plans):
-    return tuple((p.branch, p.query_heads.tobytes(), p.offsets.tobytes()) for p in plans)
-
-
-def _by_device(axis_name: str, variants: list, call):
-    """``call(variant)`` for this device's variant (``variants[d]``): static when all
-    devices share one, else a ``lax.switch`` over the distinct ones."""
-    distinct, index = [], []
-    for v in variants:
-        key = v[0]
-        for j, (k, _) in enumerate(distinct):
-            if k == key:
-                index.append(j)
-                break
-        else:
-            index.append(len(distinct))
-            distinct.append(v)
-    if len(distinct) == 1:
-        return call(distinct[0][1])
-    which = jnp.asarray(np.asarray(index, np.int32))[jax.lax.axis_index(axis_name)]
-    return jax.lax.switch(which, [functools.partial(call, v) for _, v in distinct])
-
-
-def _dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
-                   num_heads: int, segment_ids=None, heads_of=None):
-    """Single-device dilated attention of this device's heads over the whole sequence,
-    global head numbering: ``(out, lse)`` [B, T, h, D], [B, T, h].
-
-    ``heads_of``: None when ``q``/``k``/``v`` hold this device's ``h = H / P`` heads
-    (:func:`seq_to_heads`; device ``d`` has heads ``[d h, (d+1) h)``); else an int
-    [P, c] table of the global heads each device runs, taken here from ``q``/``k``/``v``
-    holding all heads (gathered). With ``segment_ids`` [B, T] the packed program
-    (:func:`jax_dilated.ops.dilated._packed`) runs instead of the unpacked one.
-    """
-    o = options
-    branches = branch_plans.validate_branches(o["segment_lengths"], o["dilation_rates"])
-    mode, rule = o.get("mode", "longnet"), o.get("head_offsets", "modulo")
-    args = _kernel_args(o, q.shape[-1], dropout=True)
-    rng = o.get("dropout_rng") if args.dropout_rate > 0 else None
-    if rng is not None:  # every device's heads draw their own masks
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
-    kernel = get_kernel(o.get("implementation"))
-    t = q.shape[1]
-    if heads_of is None:
-        h, hkv = q.shape[2], k.shape[2]
-        table = [np.arange(d * h, (d + 1) * h) for d in range(num_devices)]
-    else:
-        # one kv head per query head: the kv head each of this device's heads reads
-        table = list(heads_of)
-        h = hkv = len(table[0])
-        mine = jnp.asarray(np.asarray(heads_of, np.int32))[jax.lax.axis_index(axis_name)]
-        q = jnp.take(q, mine, axis=2)
-        k, v = (jnp.take(x, mine // (num_heads // x.shape[2]), axis=2) for x in (k, v))
-    variants = []
-    for heads in table:
-        plans = _head_plans(branches, t, num_heads, heads, hkv, mode, rule)
-        variants.append((_plan_key(plans), plans))
-
-    def run(plans, q, k, v, mask, rng):
-        if segment_ids is not None:
-            out, lse = dilated_ops._packed(kernel, args, plans, mode, q, k, v, mask,
-                                           segment_ids, o.get("max_documents"), rng)
-        elif kernel.name == "xla":
-            out, lse = dilated_local.dilated_local(kernel, args, plans, mode, q, k, v, mask,
-                                                   rng)
-        else:
-            results = [dilation.attend_dilated(
-                functools.partial(_attend_kernel, kernel, args,
-                                  None if rng is None else jax.random.fold_in(rng, i)),
-                p.branch, p, q, k, v, mask) for i, p in enumerate(plans)]
-            out, lse = dilated_ops.combine_branches(results, mode, q.dtype)
-        if mode == "head_groups" and len(plans) != len(branches):
-            # this device's heads are in fewer groups than there are branches: the
-            # output is divided by the number of all branches, not of these
-            out = (out * (len(plans) / len(branches))).astype(q.dtype)
-        return out, lse
-
-    return _by_device(axis_name, variants,
-                      lambda plans: run(plans, q, k, v, mask, rng))
-
-
-def _attend_kernel(kernel, args, rng, q, k, v, valid):
-    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng)
-
-
-def _to_heads(q, k, v, mask, segment_ids, axis_name: str, num_devices: int):
-    """Contiguous shards -> this device's ``H / P`` heads of the whole sequence (kv heads
-    repeated first where ``P`` does not divide them); mask and ids gathered whole."""
-    rep = _kv_repeat(k.shape[2], num_devices)
-    if rep > 1:
-        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))
-    return (q, k, v, gather_tokens(mask, axis_name),
-            gather_tokens(segment_ids, axis_name))
-
-
 def heads_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name: str,
                 num_devices: int):
     """Inside ``shard_map`` on contiguous shards: the ``"heads"`` strategy.
@@ -406,7 +250,7 @@ def heads_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name: st
     operation gets them (exact attention: the kernel's document mask).
     """
     p, num_heads = num_devices, q.shape[2]
-    q, k, v, mask, ids = _to_heads(q, k, v, mask, segment_ids, axis_name, p)
+    q, k, v, mask, ids = head_parallel.to_heads(q, k, v, mask, segment_ids, axis_name, p)
     kw = {key: val for key, val in op.options.items()
           if key not in ("seq_axis", "axis_name", "layout", "kv_mask", "segment_ids")}
     extra = {} if ids is None else {"segment_ids": ids}
@@ -414,7 +258,8 @@ def heads_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name: st
         # packed rows: the kernel's document mask (equal ids attend wherever they are;
         # dilated attention's packed program would cut repeated runs apart)
         kernel = get_kernel(kw.get("implementation"))
-        out = kernel.attention(q, k, v, _kernel_args(kw, q.shape[-1]), kv_valid=mask,
+        out = kernel.attention(q, k, v, head_parallel.kernel_args(kw, q.shape[-1]),
+                               kv_valid=mask,
                                q_segment_ids=ids, k_segment_ids=ids)[0].astype(q.dtype)
     elif op.kind == "exact":
         # exact attention on one device: one segment of the whole sequence, rate 1
@@ -423,48 +268,12 @@ def heads_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name: st
             **{key: kw[key] for key in ("is_causal", "scale", "implementation",
                                         "block_q", "block_k") if key in kw})
     elif op.kind == "dilated":
-        out = _dilated_heads(kw, q, k, v, mask, axis_name, p, num_heads, ids)[0]
+        out = head_parallel.dilated_heads(kw, q, k, v, mask, axis_name, p, num_heads, ids)[0]
     elif op.kind == "block_sparse":
         out = _block_sparse_heads(op.fn, kw, q, k, v, mask, axis_name, p, num_heads, extra)
     else:
         out = op.fn(q, k, v, kv_mask=mask, **extra)
     return heads_to_seq(out, axis_name)
-
-
-def packed_dilated(options, q, k, v, mask, segment_ids, *, axis_name: str,
-                   num_devices: int, gather: bool = False):
-    """Dilated attention over packed rows, the sequence sharded contiguously over
-    ``axis_name`` (inside ``shard_map``): ``(out [B, n, H, D], lse [B, n, H])``.
-
-    A document may start anywhere, so the segment grid no longer sits on the shards:
-    every device runs the single-device packed program on the *whole* sequence of
-    some heads (global head numbering), then an all-to-all brings its rows back.
-
-    * ``H % P == 0`` (and not ``gather``): the heads strategy's all-to-all
-      (:func:`seq_to_heads`), ``H / P`` heads per device; each device sends about
-      ``(P - 1) / P`` of its q, k, v shards and the output back.
-    * otherwise: q, k, v, mask and ids are all-gathered (``P - 1`` shards received
-      per array), device ``d`` runs heads ``d c .. d c + c - 1`` of ``c = ceil(H / P)``
-      (the last devices repeat head ``H - 1`` where ``P c > H``, work that is thrown
-      away), and the output comes back with an all-to-all. It holds the whole q, k, v
-      (``O(T H D)`` per device) and does ``c / H`` of the work instead of ``1 / P``.
-
-    ``options``: the keywords of :func:`jax_dilated.dilated_attention` (segment
-    lengths, rates, mode, offsets, causal, scale, dropout, implementation, blocks,
-    ``max_documents``).
-    """
-    p, h = num_devices, q.shape[2]
-    if not gather and h % p == 0:
-        q, k, v, mask, ids = _to_heads(q, k, v, mask, segment_ids, axis_name, p)
-        out, lse = _dilated_heads(options, q, k, v, mask, axis_name, p, h, ids)
-        return heads_to_seq(out, axis_name), heads_to_seq(lse, axis_name)
-    c = -(-h // p)
-    table = np.minimum(np.arange(p * c).reshape(p, c), h - 1)
-    q, k, v, mask, ids = (gather_tokens(x, axis_name)
-                          for x in (q, k, v, mask, segment_ids))
-    out, lse = _dilated_heads(options, q, k, v, mask, axis_name, p, h, ids, heads_of=table)
-    # [B, T, c] per device -> [B, n, P c]: the first H are the heads, in order
-    return (heads_to_seq(out, axis_name)[:, :, :h], heads_to_seq(lse, axis_name)[:, :, :h])
 
 
 def _block_sparse_heads(fn, kw, q, k, v, mask, axis_name, num_devices, num_heads, extra):
@@ -480,7 +289,7 @@ def _block_sparse_heads(fn, kw, q, k, v, mask, axis_name, num_devices, num_heads
         return fn(q, k, v, kv_mask=mask, pattern=mine, **extra)
     variants = [(pattern[d * h:(d + 1) * h].tobytes(), pattern[d * h:(d + 1) * h])
                 for d in range(num_devices)]
-    return _by_device(axis_name, variants,
+    return head_parallel.by_device(axis_name, variants,
                       lambda m: fn(q, k, v, kv_mask=mask, pattern=m, **extra))
 
 
@@ -521,7 +330,7 @@ def allgather_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name
     # positions of this device's queries and of the gathered keys (in layout order)
     q_pos = layouts.local_positions(layout, jax.lax.axis_index(axis_name), p, n)
     k_pos = jnp.asarray(layouts.global_order(n * p, p, layout), jnp.int32)
-    args = _kernel_args(o, q.shape[-1])
+    args = head_parallel.kernel_args(o, q.shape[-1])
     args = dataclasses.replace(args, block_q=_chunk_block(layout, n, args.block_q),
                                block_k=_chunk_block(layout, n, args.block_k))
     kernel = get_kernel(o.get("implementation"))
@@ -537,7 +346,7 @@ def _dilated_allgather(o, q, k, v, mask, axis_name, num_devices):
     dilated keys/values (over the ``g`` devices of the segment) instead of a ring."""
     branches = branch_plans.validate_branches(o["segment_lengths"], o["dilation_rates"])
     t, h, hkv = q.shape[1], q.shape[2], k.shape[2]
-    args = _kernel_args(o, q.shape[-1], dropout=True)
+    args = head_parallel.kernel_args(o, q.shape[-1], dropout=True)
     rng = o.get("dropout_rng") if args.dropout_rate > 0 else None
     mode = o.get("mode", "longnet")
     plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
@@ -564,7 +373,7 @@ def _dilated_allgather(o, q, k, v, mask, axis_name, num_devices):
                                     kv_valid=validg, dropout_rng=brng)
 
         results.append(dilation.attend_dilated(attend, sb.cut, plan, q, k, v, mask))
-    return dilated_ops.combine_branches(results, mode, q.dtype)[0]
+    return combine_branches(results, mode, q.dtype)[0]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -626,7 +435,8 @@ def _block_sparse_allgather(o, q, kall, vall, mall, axis_name, p, layout, ids=No
     gk = gq.reshape(1, -1)                       # the gathered keys, in layout order
     nb = gq.size
     mask = resolve_mask(o["pattern"], nb, nb, h)
-    args = dataclasses.replace(_kernel_args(o, q.shape[-1]), block_q=bs, block_k=bs)
+    args = dataclasses.replace(head_parallel.kernel_args(o, q.shape[-1]), block_q=bs,
+                               block_k=bs)
     kernel = get_kernel(o.get("implementation"))
     classes, aux = head_classes(mask, h, hkv, gq, gk, args.is_causal)
     plan = block_sparse_ops._Plan(kernel, args, classes, h, gq, gk)
@@ -771,7 +581,7 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
         out["allgather"] = StrategyCost("allgather", 6 * (p - 1) * kshard,
                                         base_held + grads_held + 4 * p * kshard, False,
                                         share, why["allgather"])
-    rep = _kv_repeat(hkv, p)
+    rep = head_parallel.kv_repeat(hkv, p)
     kprime = kshard * rep
     sent_heads = 2 * (p - 1) / p * (2 * qshard + 2 * kprime)
     # the shards and, as large, their head-sharded copies (q, out, k', v' and grads)

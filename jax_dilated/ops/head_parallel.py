@@ -1,0 +1,224 @@
+"""Head parallelism inside ``shard_map``: the all-to-all between sequence shards and
+head shards, and dilated attention of this device's heads over the whole sequence.
+
+The ``"heads"`` strategy of :mod:`jax_dilated.ops.strategies` builds on these, and so
+does packed dilated attention with ``seq_axis`` (:func:`packed_dilated`), which
+:func:`jax_dilated.dilated_attention` calls: this module sits below both (it imports
+neither), so neither import goes in a circle.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated.backends import KernelArgs, get_kernel
+from jax_dilated.core import branch_plans, dilation, validation
+from jax_dilated.ops import dilated_local, dilated_packed
+from jax_dilated.ops.branch_combine import combine_branches
+
+__all__ = ["seq_to_heads", "heads_to_seq", "gather_tokens", "kv_repeat", "kernel_args",
+           "head_plans", "plan_key", "by_device", "dilated_heads", "attend_kernel",
+           "to_heads", "packed_dilated"]
+
+
+def seq_to_heads(x, axis_name: str):
+    """Inside ``shard_map``: contiguous sequence shard ``[B, n, H, ...]`` -> head shard
+    ``[B, T, H / P, ...]`` (device ``d`` gets heads ``[d H/P, (d+1) H/P)`` of the
+    whole sequence, in token order). One ``all_to_all``; its transpose is
+    :func:`heads_to_seq`."""
+    return jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True)
+
+
+def heads_to_seq(x, axis_name: str):
+    """Inverse of :func:`seq_to_heads`: ``[B, T, H / P, ...]`` -> ``[B, n, H, ...]``."""
+    return jax.lax.all_to_all(x, axis_name, 1, 2, tiled=True)
+
+
+def gather_tokens(x, axis_name: str):
+    """All devices' shards ``[B, n, ...]`` of a per-token array -> ``[B, T, ...]`` in
+    shard order (keys, values, the padding mask; any int per token alike)."""
+    return None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+
+
+def kv_repeat(num_kv_heads: int, num_devices: int) -> int:
+    """How often each kv head is repeated so that the kv heads divide by ``P``."""
+    return 1 if num_kv_heads % num_devices == 0 else (
+        num_devices // math.gcd(num_kv_heads, num_devices))
+
+
+def kernel_args(options, head_dim: int, *, dropout=False) -> KernelArgs:
+    block_q, block_k = validation.check_block_sizes(options.get("block_q"),
+                                                    options.get("block_k"))
+    rate = 0.0
+    if dropout:
+        rate = validation.check_dropout(options.get("dropout_rate", 0.0),
+                                        options.get("dropout_rng"))
+    return KernelArgs(scale=validation.check_scale(options.get("scale"), head_dim),
+                      is_causal=validation.check_flag("is_causal",
+                                                      options.get("is_causal", False)),
+                      dropout_rate=rate, block_q=block_q, block_k=block_k,
+                      logit_soft_cap=validation.check_logit_soft_cap(
+                          options.get("logit_soft_cap")))
+
+
+def head_plans(branches, seq_len: int, num_heads: int, heads, local_kv: int, mode: str,
+                rule: str):
+    """The branch plans of the query heads ``heads`` (global indices, ascending; local
+    head ``i`` is global head ``heads[i]``, repeats allowed), numbered locally but with
+    their *global* offsets (and head groups); ``local_kv`` kv heads held locally, local
+    query head ``i`` reading kv head ``i // (len(heads) / local_kv)``."""
+    full = branch_plans.plan_branches(branches, seq_len=seq_len, num_heads=num_heads,
+                                      num_kv_heads=num_heads, mode=mode,
+                                      offsets_rule=rule)
+    heads = np.asarray(heads)
+    plans = []
+    for p in full:
+        offset_of = dict(zip(p.query_heads.tolist(), p.offsets.tolist()))
+        mine = np.array([i for i, j in enumerate(heads.tolist()) if j in offset_of],
+                        np.int64)
+        if not mine.size:
+            continue
+        offsets = np.array([offset_of[j] for j in heads[mine].tolist()], np.int64)
+        kv_offsets, kv_heads, group = branch_plans.kv_head_plan(mine, offsets, len(heads),
+                                                                local_kv)
+        plans.append(branch_plans.BranchPlan(p.branch, mine, offsets, kv_offsets,
+                                             kv_heads, group))
+    return plans
+
+
+def plan_key(plans):
+    return tuple((p.branch, p.query_heads.tobytes(), p.offsets.tobytes()) for p in plans)
+
+
+def by_device(axis_name: str, variants: list, call):
+    """``call(variant)`` for this device's variant (``variants[d]``): static when all
+    devices share one, else a ``lax.switch`` over the distinct ones."""
+    distinct, index = [], []
+    for v in variants:
+        key = v[0]
+        for j, (k, _) in enumerate(distinct):
+            if k == key:
+                index.append(j)
+                break
+        else:
+            index.append(len(distinct))
+            distinct.append(v)
+    if len(distinct) == 1:
+        return call(distinct[0][1])
+    which = jnp.asarray(np.asarray(index, np.int32))[jax.lax.axis_index(axis_name)]
+    return jax.lax.switch(which, [functools.partial(call, v) for _, v in distinct])
+
+
+def dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
+                   num_heads: int, segment_ids=None, heads_of=None):
+    """Single-device dilated attention of this device's heads over the whole sequence,
+    global head numbering: ``(out, lse)`` [B, T, h, D], [B, T, h].
+
+    ``heads_of``: None when ``q``/``k``/``v`` hold this device's ``h = H / P`` heads
+    (:func:`seq_to_heads`; device ``d`` has heads ``[d h, (d+1) h)``); else an int
+    [P, c] table of the global heads each device runs, taken here from ``q``/``k``/``v``
+    holding all heads (gathered). With ``segment_ids`` [B, T] the packed program
+    (:func:`jax_dilated.ops.dilated_packed.packed_attention`) runs instead of the
+    unpacked one.
+    """
+    o = options
+    branches = branch_plans.validate_branches(o["segment_lengths"], o["dilation_rates"])
+    mode, rule = o.get("mode", "longnet"), o.get("head_offsets", "modulo")
+    args = kernel_args(o, q.shape[-1], dropout=True)
+    rng = o.get("dropout_rng") if args.dropout_rate > 0 else None
+    if rng is not None:  # every device's heads draw their own masks
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+    kernel = get_kernel(o.get("implementation"))
+    t = q.shape[1]
+    if heads_of is None:
+        h, hkv = q.shape[2], k.shape[2]
+        table = [np.arange(d * h, (d + 1) * h) for d in range(num_devices)]
+    else:
+        # one kv head per query head: the kv head each of this device's heads reads
+        table = list(heads_of)
+        h = hkv = len(table[0])
+        mine = jnp.asarray(np.asarray(heads_of, np.int32))[jax.lax.axis_index(axis_name)]
+        q = jnp.take(q, mine, axis=2)
+        k, v = (jnp.take(x, mine // (num_heads // x.shape[2]), axis=2) for x in (k, v))
+    variants = []
+    for heads in table:
+        plans = head_plans(branches, t, num_heads, heads, hkv, mode, rule)
+        variants.append((plan_key(plans), plans))
+
+    def run(plans, q, k, v, mask, rng):
+        if segment_ids is not None:
+            out, lse = dilated_packed.packed_attention(kernel, args, plans, mode, q, k, v, mask,
+                                           segment_ids, o.get("max_documents"), rng)
+        elif kernel.name == "xla":
+            out, lse = dilated_local.dilated_local(kernel, args, plans, mode, q, k, v, mask,
+                                                   rng)
+        else:
+            results = [dilation.attend_dilated(
+                functools.partial(attend_kernel, kernel, args,
+                                  None if rng is None else jax.random.fold_in(rng, i)),
+                p.branch, p, q, k, v, mask) for i, p in enumerate(plans)]
+            out, lse = combine_branches(results, mode, q.dtype)
+        if mode == "head_groups" and len(plans) != len(branches):
+            # this device's heads are in fewer groups than there are branches: the
+            # output is divided by the number of all branches, not of these
+            out = (out * (len(plans) / len(branches))).astype(q.dtype)
+        return out, lse
+
+    return by_device(axis_name, variants,
+                      lambda plans: run(plans, q, k, v, mask, rng))
+
+
+def attend_kernel(kernel, args, rng, q, k, v, valid):
+    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng)
+
+
+def to_heads(q, k, v, mask, segment_ids, axis_name: str, num_devices: int):
+    """Contiguous shards -> this device's ``H / P`` heads of the whole sequence (kv heads
+    repeated first where ``P`` does not divide them); mask and ids gathered whole."""
+    rep = kv_repeat(k.shape[2], num_devices)
+    if rep > 1:
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))
+    return (q, k, v, gather_tokens(mask, axis_name),
+            gather_tokens(segment_ids, axis_name))
+
+
+def packed_dilated(options, q, k, v, mask, segment_ids, *, axis_name: str,
+                   num_devices: int, gather: bool = False):
+    """Dilated attention over packed rows, the sequence sharded contiguously over
+    ``axis_name`` (inside ``shard_map``): ``(out [B, n, H, D], lse [B, n, H])``.
+
+    A document may start anywhere, so the segment grid no longer sits on the shards:
+    every device runs the single-device packed program on the *whole* sequence of
+    some heads (global head numbering), then an all-to-all brings its rows back.
+
+    * ``H % P == 0`` (and not ``gather``): the heads strategy's all-to-all
+      (:func:`seq_to_heads`), ``H / P`` heads per device; each device sends about
+      ``(P - 1) / P`` of its q, k, v shards and the output back.
+    * otherwise: q, k, v, mask and ids are all-gathered (``P - 1`` shards received
+      per array), device ``d`` runs heads ``d c .. d c + c - 1`` of ``c = ceil(H / P)``
+      (the last devices repeat head ``H - 1`` where ``P c > H``, work that is thrown
+      away), and the output comes back with an all-to-all. It holds the whole q, k, v
+      (``O(T H D)`` per device) and does ``c / H`` of the work instead of ``1 / P``.
+
+    ``options``: the keywords of :func:`jax_dilated.dilated_attention` (segment
+    lengths, rates, mode, offsets, causal, scale, dropout, implementation, blocks,
+    ``max_documents``).
+    """
+    p, h = num_devices, q.shape[2]
+    if not gather and h % p == 0:
+        q, k, v, mask, ids = to_heads(q, k, v, mask, segment_ids, axis_name, p)
+        out, lse = dilated_heads(options, q, k, v, mask, axis_name, p, h, ids)
+        return heads_to_seq(out, axis_name), heads_to_seq(lse, axis_name)
+    c = -(-h // p)
+    table = np.minimum(np.arange(p * c).reshape(p, c), h - 1)
+    q, k, v, mask, ids = (gather_tokens(x, axis_name)
+                          for x in (q, k, v, mask, segment_ids))
+    out, lse = dilated_heads(options, q, k, v, mask, axis_name, p, h, ids, heads_of=table)
+    # [B, T, c] per device -> [B, n, P c]: the first H are the heads, in order
+    return (heads_to_seq(out, axis_name)[:, :, :h], heads_to_seq(lse, axis_name)[:, :, :h])
