@@ -38,7 +38,7 @@ lies outside every local query's window are skipped), whatever the shard length.
 Packed rows (``segment_ids``) do not run here: their segment grid restarts at every
 document, so segments do not sit on the shards, and each device runs the one-device
 packed program on the whole sequence of some heads instead
-(:func:`jax_dilated.ops.strategies.packed_dilated`; docs/semantics.md, section 2).
+(:func:`jax_dilated.ops.head_parallel.packed_dilated`; docs/semantics.md, section 2).
 """
 
 from __future__ import annotations
