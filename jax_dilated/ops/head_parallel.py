@@ -52,6 +52,8 @@ def kv_repeat(num_kv_heads: int, num_devices: int) -> int:
 
 
 def kernel_args(options, head_dim: int, *, dropout=False) -> KernelArgs:
+    """The kernel arguments of an operation's bound ``options`` (scale, causality,
+    blocks, soft-cap; the dropout rate only with ``dropout``), validated."""
     block_q, block_k = validation.check_block_sizes(options.get("block_q"),
                                                     options.get("block_k"))
     rate = 0.0
