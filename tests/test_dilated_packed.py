@@ -88,6 +88,9 @@ CASES = {
     # the aligned layout (max_documents) with causality, GQA's head groups and padding
     "head_groups_bounded_causal_mask": (
         dict(mode="head_groups", is_causal=True, max_documents=4), [[33, 1, 60, 34]], True),
+    # the padded layout (max_documents * 32 <= 128: documents moved to multiples of 32)
+    "longnet_padded_causal_mask": (
+        dict(mode="longnet", is_causal=True, max_documents=4), [[33, 1, 60, 34]], True),
 }
 
 
@@ -117,6 +120,33 @@ def test_packed_rows_low_precision(dtype):
     got = _jax(q, k, v, g, ids, None, dtype, mode="longnet", is_causal=True)
     for a, b_, what in zip(got, want, ("out", "dq", "dk", "dv")):
         assert_close(a, b_, TOL[dtype], what)
+
+
+def test_padded_layout_moves_documents_to_multiples_of_the_unit():
+    """Which layout serves which call, and the padded layout itself: every token in
+    one slot, in order, every document starting at a multiple of the unit."""
+    from jax_dilated.core import branch_plans
+    from jax_dilated.ops import dilated_packed as dp
+
+    def plans(segs, t):
+        return branch_plans.plan_branches(tuple(zip(segs, RATES)), seq_len=t, num_heads=4,
+                                          num_kv_heads=2, mode="longnet",
+                                          offsets_rule="modulo")
+
+    assert dp.padded_unit(plans(SEGS, 128), 128, 4) == 32
+    assert dp.padded_unit(plans(SEGS, 128), 128, 5) is None  # 5 * 32 > 128
+    assert dp.padded_unit(plans(SEGS, 128), 128, None) is None
+    assert dp.padded_unit(plans((8, 24, 32), 128), 128, 2) is None  # 24 does not divide 32
+    lengths = [[5, 40, 1, 70, 12], [128]]
+    _, _, _, _, ids = _rows(lengths, seed=5)
+    dest, source = (np.asarray(x) for x in dp.padded_layout(jnp.asarray(ids), 32, 5))
+    assert source.shape == (2, dp.group_count(128, 32, 5) * 32)
+    for row, doc_lengths in enumerate(lengths):
+        np.testing.assert_array_equal(source[row][dest[row]], np.arange(128))
+        assert np.all(np.diff(dest[row]) > 0)
+        firsts = np.cumsum([0] + doc_lengths[:-1])
+        assert np.all(dest[row][firsts] % 32 == 0)
+        assert np.sum(source[row] < 128) == 128  # the other slots are empty
 
 
 def test_one_document_is_the_unpacked_call():

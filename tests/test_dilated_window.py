@@ -17,6 +17,8 @@ forward. Shapes are tiny (T <= 32) so the whole module stays cheap.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,17 +181,20 @@ def test_low_precision(dtype):
 def test_packed_rows_equal_documents_alone():
     """segment_ids: the window stays inside its document, so a packed row (documents
     of 7 and 17 tokens) gives what each document gives alone (and with GQA, causal,
-    soft-cap and sinks)."""
+    soft-cap and sinks); with ``max_documents`` and segments (4, 8) the segment-grid
+    branches take the padded layout (ops/dilated_packed.py) beside the window."""
     q, k, v, _, sinks = make_inputs(6, 24, 2)
     ids = np.array([[0] * 7 + [1] * 17] * B)
-    for mode in ("longnet", "head_groups"):
-        kw = dict(segment_lengths=SEGMENTS, dilation_rates=RATES, mode=mode,
+    layouts = ((SEGMENTS, None), ((jd.SlidingWindow(3), 4, 8), 2))
+    for mode, (segments, bound) in itertools.product(("longnet", "head_groups"), layouts):
+        kw = dict(segment_lengths=segments, dilation_rates=RATES, mode=mode,
                   is_causal=True, scale=SCALE, logit_soft_cap=3.0)
-        attn = jax.jit(lambda q, k, v, s, ids=None, kw=kw: jd.dilated_attention(
-            q, k, v, sinks=s, segment_ids=ids, **kw))
+        attn = jax.jit(lambda q, k, v, s, ids=None, kw=kw, bound=bound: jd.dilated_attention(
+            q, k, v, sinks=s, segment_ids=ids, max_documents=None if ids is None else bound,
+            **kw))
         packed = attn(q, k, v, sinks, ids)
         alone = [attn(q[:, s], k[:, s], v[:, s], sinks) for s in (slice(0, 7), slice(7, 24))]
-        assert_close(packed, np.concatenate(alone, axis=1), TOL["float64"], mode)
+        assert_close(packed, np.concatenate(alone, axis=1), TOL["float64"], (mode, bound))
 
 
 def _sharded(p, **kw):

@@ -43,7 +43,7 @@ from jax_dilated.core import branch_plans, dilation, softmax
 from jax_dilated.core.arrays import pad_axis
 from jax_dilated.core.vma import varying_like
 
-__all__ = ["dilated_local"]
+__all__ = ["dilated_local", "streamed"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -80,8 +80,8 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
     """
     windows = [i for i, p in enumerate(plans) if p.branch.window is not None]
     if not windows:  # the default program, unchanged
-        call = _Call(kernel, args, tuple(plans), mode, len(plans))
-        return _attend(call, query, key, value, kv_mask, dropout_rng)
+        return streamed(kernel, args, plans, mode, len(plans), query, key, value, kv_mask,
+                        dropout_rng)
     # Sliding-window branches run as their own windowed kernel call
     # (ops/dilated_window.py) and are mixed with the streamed branches' (out, lse).
     from jax_dilated.ops import dilated_window  # (it imports nothing of this module)
@@ -89,12 +89,21 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
     dense = tuple(p for p in plans if p.branch.window is None)
     partial = None
     if dense:
-        partial = _attend(_Call(kernel, args, dense, mode, len(plans)), query, key, value,
-                          kv_mask, dropout_rng)
+        partial = streamed(kernel, args, dense, mode, len(plans), query, key, value, kv_mask,
+                           dropout_rng)
     windowed = [(plans[i], dilated_window.local_partial(
         kernel, args, plans[i], query, key, value, kv_mask,
         _branch_rng(dropout_rng, len(plans) + i))) for i in windows]
     return dilated_window.mix(partial, windowed, mode, len(plans), query.dtype)
+
+
+def streamed(kernel: Kernel, args: KernelArgs, plans, mode: str, num_branches: int, query,
+             key, value, kv_mask, dropout_rng):
+    """The streamed program of the (segment-grid) branches ``plans``: ``(out, lse)`` as
+    :func:`dilated_local` returns it for them, head_groups outputs divided by
+    ``num_branches`` (all branches of the call, sliding windows included)."""
+    call = _Call(kernel, args, tuple(plans), mode, num_branches)
+    return _attend(call, query, key, value, kv_mask, dropout_rng)
 
 
 # --------------------------------------------------------------------------- chunks
