@@ -129,6 +129,26 @@ def test_soft_cap_far_beyond_the_cap():
     check("soft cap, |logits| >> c", "float64", out, grads, *want)
 
 
+@pytest.mark.parametrize("cap,dtype", [(50.0, "float32"), (400.0, "float64")])
+def test_soft_cap_row_at_minus_the_cap(cap, dtype):
+    """Logits far beyond the cap both ways, and a row whose every logit sits at ``-c``
+    (so its probabilities are ``exp(-2c)`` against any fixed shift of ``c``: the
+    running maximum keeps them exact)."""
+    q, k, v, g = make_inputs(9, 32)
+    direction = np.random.default_rng(2).standard_normal(D)
+    k = k + 4.0 * direction  # every key leans one way ...
+    q = q * 3.0 * cap ** 0.5
+    q[:, 0] = -30.0 * cap ** 0.5 * direction / np.linalg.norm(direction)  # ... row 0 against
+    args = KernelArgs(scale=SCALE, block_q=8, block_k=8, logit_soft_cap=cap)
+    out, grads = grad_step(lambda q, k, v: xla.attention(q, k, v, args)[0])(
+        *(to_jax(x, dtype) for x in (g, q, k, v)))
+    q, k, v, g = (rounded(x, dtype) for x in (q, k, v, g))
+    logits = SCALE * np.einsum("bqhd,bkhd->bqhk", q[:, :1, :HKV], k)
+    assert np.all(logits < -4 * cap)  # row 0: every capped logit is -c (to rounding)
+    want = reference(q, k, v, g, logit_soft_cap=cap)
+    check(f"cap {cap}", dtype, out, grads, *want)
+
+
 def test_banded_kernel_visits_only_the_band():
     """Static positions: the band lists hold O(window) key blocks per query block."""
     geo = xla.layout._Blocking(1024, 1024, 64, 64)
