@@ -20,6 +20,13 @@ The accumulated pair ``(O, LSE)`` is, per mode:
 * head_groups: head ``j``'s branch output divided by the number of branches, and
   that branch's ``LSE`` (the groups' heads are disjoint).
 
+Packed rows (ops/dilated_packed.py) run the same program through *slots*: a row of
+``T'`` slots in which every document starts at a multiple of every segment length,
+given by ``source`` [B, T'] (the packed position of each slot's token, ``T`` for an
+empty slot). Chunks then gather their rows from the packed arrays and scatter their
+results back into packed accumulators, so nothing of size ``T'`` is made; empty
+slots are invalid keys, and their queries are dropped.
+
 The backward (a ``jax.custom_vjp``) walks the same chunks. Both modes
 differentiate through the *global* statistics: with ``P = exp(s - LSE)`` over a
 branch's keys, branch ``i`` contributes ``P v`` to ``O`` in longnet mode (its
@@ -41,6 +48,7 @@ import numpy as np
 from jax_dilated.backends.base import Kernel, KernelArgs
 from jax_dilated.core import branch_plans, dilation, softmax
 from jax_dilated.core.arrays import pad_axis
+from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
 
 __all__ = ["dilated_local", "streamed"]
@@ -98,12 +106,16 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
 
 
 def streamed(kernel: Kernel, args: KernelArgs, plans, mode: str, num_branches: int, query,
-             key, value, kv_mask, dropout_rng):
+             key, value, kv_mask, dropout_rng, source=None):
     """The streamed program of the (segment-grid) branches ``plans``: ``(out, lse)`` as
     :func:`dilated_local` returns it for them, head_groups outputs divided by
-    ``num_branches`` (all branches of the call, sliding windows included)."""
+    ``num_branches`` (all branches of the call, sliding windows included).
+
+    ``source``: None, or [B, T'] int32 slots (module docstring) that every segment
+    length divides; arrays, ``kv_mask`` and results stay in the packed layout.
+    """
     call = _Call(kernel, args, tuple(plans), mode, num_branches)
-    return _attend(call, query, key, value, kv_mask, dropout_rng)
+    return _attend(call, query, key, value, kv_mask, dropout_rng, source)
 
 
 # --------------------------------------------------------------------------- chunks
@@ -148,13 +160,23 @@ class _Branch:
     sequence is padded to ``S w`` first).
     """
 
-    def __init__(self, call: _Call, i: int, query, key):
+    def __init__(self, call: _Call, i: int, query, key, source=None):
         self.plan = call.plans[i]
         self.branch = self.plan.branch
         b, t, h, d = query.shape
         self.batch, self.seq_len, self.heads = b, t, h
         self.kv_heads = key.shape[2]
         self.w = self.branch.effective_length
+        # slots: the chunks' rows come from (and go back to) the packed arrays, through
+        # ``index`` [B T'] (flat packed row of every slot, B T for an empty one)
+        self.index = self.filled = None
+        if source is not None:
+            t = source.shape[1]
+            if t % self.w:
+                raise AssertionError("the slots are cut by every segment")  # pragma: no cover
+            self.filled = source < self.seq_len
+            rows = source + jnp.arange(b, dtype=source.dtype)[:, None] * self.seq_len
+            self.index = jnp.where(self.filled, rows, b * self.seq_len).reshape(-1)
         self.segments = self.branch.num_segments(t)
         self.padded = self.segments * self.w
         self.items = b * self.segments
@@ -174,14 +196,48 @@ class _Branch:
         self.kv_sources = [np.flatnonzero(self.plan.kv_heads == j) for j in range(self.kv_heads)]
 
     def view(self, x, fill=0):
-        """[B, T, ...] -> [B S, w, ...]."""
+        """[B, T, ...] -> [B S, w, ...] (slots: the packed rows, [B T, ...])."""
+        if self.index is not None:
+            return x.reshape(self.batch * self.seq_len, *x.shape[2:])
         x = pad_axis(x, 1, self.padded, fill)
         return x.reshape(self.items, self.w, *x.shape[2:])
 
     def unview(self, x):
         """Inverse of :meth:`view`: [B S, w, ...] -> [B, T, ...]."""
+        if self.index is not None:
+            return x.reshape(self.batch, self.seq_len, *x.shape[1:])
         x = x.reshape(self.batch, self.padded, *x.shape[2:])
         return jax.lax.slice_in_dim(x, 0, self.seq_len, axis=1)
+
+    def _rows(self, start, size: int):
+        """Slots: the packed rows of items ``[start, start + size)``, [size w]."""
+        return jax.lax.dynamic_slice_in_dim(self.index, start * self.w, size * self.w)
+
+    def load(self, x_v, start, size: int, fill=None):
+        """Items ``[start, start + size)`` of a view: [size, w, ...]. Slots: gathered
+        from the packed rows; an empty slot holds ``fill`` (None: any finite row, for
+        keys masked invalid and queries whose results are dropped)."""
+        if self.index is None:
+            return _slice(x_v, start, size)
+        rows = self._rows(start, size)
+        got = (jnp.take(x_v, rows, axis=0, mode="clip") if fill is None else
+               jnp.take(x_v, rows, axis=0, mode="fill", fill_value=fill))
+        return got.reshape(size, self.w, *x_v.shape[1:])
+
+    def store(self, acc, part, start, head0: int):
+        """``acc`` with ``part`` [n, w, H_b, ...] written at items ``start`` on, heads
+        ``head0`` on (slots: scattered to the packed rows, empty slots dropped)."""
+        if self.index is None:
+            return _update(acc, part, start, head0)
+        rows = self._rows(start, part.shape[0])
+        part = part.reshape(-1, *part.shape[2:]).astype(acc.dtype)
+        return acc.at[rows, head0:head0 + part.shape[1]].set(part, mode="drop")
+
+    def read(self, acc, start, size: int, head0: int, heads: int):
+        """The ``[size, w, heads, ...]`` part of ``acc`` that :meth:`store` writes."""
+        if self.index is None:
+            return _read(acc, start, size, head0, heads)
+        return self.load(acc, start, size)[:, :, head0:head0 + heads]
 
     def gather_q(self, x):
         """Chunk [n, w, H, ...] -> its dilated query heads [n, w/r, H_b, ...]."""
@@ -206,6 +262,10 @@ class _Branch:
         """
         r = self.branch.rate
         offset = int(self.plan.offsets[0])
+        if self.index is not None:  # the selected slots' packed rows
+            rows = self._rows(start, y.shape[0]).reshape(-1, self.w // r, r)[:, :, offset]
+            return acc.at[rows.reshape(-1), self.h0:self.h0 + self.hs].set(
+                y.reshape(-1, *y.shape[2:]).astype(acc.dtype), mode="drop")
         view = acc.reshape(acc.shape[0], self.w // r, r, *acc.shape[2:])
         idx = (start, 0, offset, self.h0) + (0,) * (acc.ndim - 3)
         view = jax.lax.dynamic_update_slice(view, jnp.expand_dims(y, 2).astype(acc.dtype), idx)
@@ -223,7 +283,15 @@ class _Branch:
         return jnp.stack(parts, axis=2)
 
     def valid(self, kv_mask):
-        """Key validity [B S, w, H_kv] or None (every key of every segment exists)."""
+        """Key validity [B S, w, H_kv] or None (every key of every segment exists);
+        slots: a filled slot whose packed key is valid."""
+        if self.index is not None:
+            valid = self.filled
+            if kv_mask is not None:
+                valid = valid & jnp.take(kv_mask.reshape(-1), self.index, mode="clip").reshape(
+                    valid.shape)
+            valid = jnp.broadcast_to(valid[:, :, None], (*valid.shape, self.kv_heads))
+            return valid.reshape(self.items, self.w, self.kv_heads)
         valid = dilation.key_validity(kv_mask, self.branch, self.batch, self.seq_len)
         if valid is None:
             return None
@@ -231,15 +299,22 @@ class _Branch:
         return self.view(valid, False)
 
 
-def _loop(chunks: _Chunks, body, carry):
-    """``body(carry, start, size, c)`` over every chunk ``c`` (traced start in the loop)."""
+def _loop(chunks: _Chunks, body, carry, br: _Branch):
+    """``body(carry, start, size, c)`` over every chunk ``c`` (traced start in the loop);
+    slots: a chunk of empty slots only is skipped (it would compute nothing)."""
+    if br.index is not None:
+        def step(acc, start, size, c):
+            need = jnp.any(br._rows(start, size) < br.batch * br.seq_len)
+            return maybe_skip(need, lambda a: body(a, start, size, c), acc)
+    else:
+        step = body
     if chunks.full == 1:
-        carry = body(carry, 0, chunks.size, 0)
+        carry = step(carry, 0, chunks.size, 0)
     elif chunks.full > 1:
         carry = jax.lax.fori_loop(
-            0, chunks.full, lambda c, acc: body(acc, c * chunks.size, chunks.size, c), carry)
+            0, chunks.full, lambda c, acc: step(acc, c * chunks.size, chunks.size, c), carry)
     if chunks.rest:
-        carry = body(carry, chunks.full * chunks.size, chunks.rest, chunks.full)
+        carry = step(carry, chunks.full * chunks.size, chunks.rest, chunks.full)
     return carry
 
 
@@ -262,7 +337,7 @@ def _read(acc, start, size: int, head0: int, heads: int):
 # --------------------------------------------------------------------------- forward
 
 
-def _forward(call: _Call, query, key, value, kv_mask, rng):
+def _forward(call: _Call, query, key, value, kv_mask, rng, source):
     b, t, h, d = query.shape
     stats = softmax.stats_dtype(query.dtype)
     longnet = call.mode == "longnet"
@@ -276,7 +351,7 @@ def _forward(call: _Call, query, key, value, kv_mask, rng):
     # not the last write, and XLA keeps the accumulator in the output buffer instead of
     # copying it there at the end (a sequence-sized temporary less).
     for n_done, i in enumerate(reversed(range(nb))):
-        br = _Branch(call, i, query, key)
+        br = _Branch(call, i, query, key, source)
         q_v, k_v, v_v = br.view(query), br.view(key), br.view(value)
         valid_v = br.valid(kv_mask)
         rng_i = _branch_rng(rng, i)
@@ -286,8 +361,8 @@ def _forward(call: _Call, query, key, value, kv_mask, rng):
             o_acc, lse_acc, lo_acc = acc
             valid = _slice(valid_v, start, size)
             o_c, lse_c, lo_c = call.kernel.forward(
-                br.gather_q(_slice(q_v, start, size)), br.gather_kv(_slice(k_v, start, size)),
-                br.gather_kv(_slice(v_v, start, size)), call.args,
+                br.gather_q(br.load(q_v, start, size)), br.gather_kv(br.load(k_v, start, size)),
+                br.gather_kv(br.load(v_v, start, size)), call.args,
                 kv_valid=None if valid is None else br.gather_kv(valid),
                 dropout_rng=_chunk_rng(rng_i, c))
             if not longnet:
@@ -300,15 +375,15 @@ def _forward(call: _Call, query, key, value, kv_mask, rng):
                                     br.scatter_q(lse_c, -jnp.inf), br.scatter_q(lo_c, 0))
             else:
                 # merge at the positions this branch selects only, then write them back
-                old = tuple(_read(x, start, size, br.h0, br.hs)
+                old = tuple(br.read(x, start, size, br.h0, br.hs)
                             for x in (o_acc, lse_acc, lo_acc))
                 merged = softmax.merge_partials(*(br.gather_q(x) for x in old),
                                                 o_c.astype(stats), lse_c, lo_c)
                 o_c, lse_c, lo_c = (br.scatter_q(x, x_old) for x, x_old in zip(merged, old))
-            return tuple(_update(x, y, start, br.h0)
+            return tuple(br.store(x, y, start, br.h0)
                          for x, y in zip((o_acc, lse_acc, lo_acc), (o_c, lse_c, lo_c)))
 
-        acc = _loop(br.chunks, body, (br.view(o), br.view(lse, -jnp.inf), br.view(lse_lo)))
+        acc = _loop(br.chunks, body, (br.view(o), br.view(lse, -jnp.inf), br.view(lse_lo)), br)
         o, lse, lse_lo = (br.unview(x) for x in acc)
     return o.astype(query.dtype), lse, lse_lo
 
@@ -316,7 +391,8 @@ def _forward(call: _Call, query, key, value, kv_mask, rng):
 # --------------------------------------------------------------------------- backward
 
 
-def _backward(call: _Call, query, key, value, kv_mask, rng, o, lse, lse_lo, do, dlse):
+def _backward(call: _Call, query, key, value, kv_mask, rng, source, o, lse, lse_lo, do,
+              dlse):
     stats = softmax.stats_dtype(query.dtype)
     nb = len(call.plans)
     head_groups = call.mode == "head_groups"
@@ -331,7 +407,7 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, o, lse, lse_lo, do, 
     dv = jnp.zeros(value.shape, stats)
     dq, dk, dv = varying_like((dq, dk, dv), (query, key, value, do))
     for n_done, i in enumerate(reversed(range(nb))):  # order: as in _forward
-        br = _Branch(call, i, query, key)
+        br = _Branch(call, i, query, key, source)
         q_v, k_v, v_v, do_v = br.view(query), br.view(key), br.view(value), br.view(do)
         lse_v, delta_v = br.view(lse_k), br.view(delta)
         valid_v = br.valid(kv_mask)
@@ -343,26 +419,28 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, o, lse, lse_lo, do, 
             dq_acc, dk_acc, dv_acc = acc
             valid = _slice(valid_v, start, size)
             dq_c, dk_c, dv_c = call.kernel.backward(
-                br.gather_q(_slice(q_v, start, size)), br.gather_kv(_slice(k_v, start, size)),
-                br.gather_kv(_slice(v_v, start, size)), br.gather_q(_slice(do_v, start, size)),
-                br.gather_q(_slice(lse_v, start, size)),
-                br.gather_q(_slice(delta_v, start, size)), call.args,
+                # empty slots' queries (slots): no cotangent, and lse = inf, so p = 0
+                br.gather_q(br.load(q_v, start, size)), br.gather_kv(br.load(k_v, start, size)),
+                br.gather_kv(br.load(v_v, start, size)),
+                br.gather_q(br.load(do_v, start, size, 0)),
+                br.gather_q(br.load(lse_v, start, size, jnp.inf)),
+                br.gather_q(br.load(delta_v, start, size, 0)), call.args,
                 kv_valid=None if valid is None else br.gather_kv(valid),
                 dropout_rng=_chunk_rng(rng_i, c))
             dk_c, dv_c = br.scatter_kv(dk_c.astype(stats)), br.scatter_kv(dv_c.astype(stats))
             if not first:  # the accumulators start at zero
-                dk_c = dk_c + _slice(dk_acc, start, size)
-                dv_c = dv_c + _slice(dv_acc, start, size)
+                dk_c = dk_c + br.load(dk_acc, start, size)
+                dv_c = dv_c + br.load(dv_acc, start, size)
             if head_groups:  # disjoint heads: this branch alone writes its heads' dq
                 dq_acc = br.put_selected(dq_acc, dq_c, start)
             else:
                 dq_c = br.scatter_q(dq_c.astype(stats), 0)
                 if not first:
-                    dq_c = dq_c + _read(dq_acc, start, size, br.h0, br.hs)
-                dq_acc = _update(dq_acc, dq_c, start, br.h0)
-            return dq_acc, _update(dk_acc, dk_c, start, 0), _update(dv_acc, dv_c, start, 0)
+                    dq_c = dq_c + br.read(dq_acc, start, size, br.h0, br.hs)
+                dq_acc = br.store(dq_acc, dq_c, start, br.h0)
+            return dq_acc, br.store(dk_acc, dk_c, start, 0), br.store(dv_acc, dv_c, start, 0)
 
-        dq_v, dk_v, dv_v = _loop(br.chunks, body, (br.view(dq), br.view(dk), br.view(dv)))
+        dq_v, dk_v, dv_v = _loop(br.chunks, body, (br.view(dq), br.view(dk), br.view(dv)), br)
         dq, dk, dv = br.unview(dq_v), br.unview(dk_v), br.unview(dv_v)
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 
@@ -371,20 +449,21 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, o, lse, lse_lo, do, 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(call, query, key, value, kv_mask, rng):
-    return _forward(call, query, key, value, kv_mask, rng)[:2]
+def _attend(call, query, key, value, kv_mask, rng, source):
+    return _forward(call, query, key, value, kv_mask, rng, source)[:2]
 
 
-def _attend_fwd(call, query, key, value, kv_mask, rng):
-    o, lse, lse_lo = _forward(call, query, key, value, kv_mask, rng)
-    return (o, lse), (query, key, value, kv_mask, rng, o, lse, lse_lo)
+def _attend_fwd(call, query, key, value, kv_mask, rng, source):
+    o, lse, lse_lo = _forward(call, query, key, value, kv_mask, rng, source)
+    return (o, lse), (query, key, value, kv_mask, rng, source, o, lse, lse_lo)
 
 
 def _attend_bwd(call, res, cotangents):
-    query, key, value, kv_mask, rng, o, lse, lse_lo = res
+    query, key, value, kv_mask, rng, source, o, lse, lse_lo = res
     do, dlse = cotangents
-    dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, o, lse, lse_lo, do, dlse)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, o, lse, lse_lo, do,
+                           dlse)
+    return dq, dk, dv, None, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

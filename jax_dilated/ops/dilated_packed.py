@@ -25,9 +25,10 @@ segments against the row, as in a LongNet), every document is moved to start at 
 multiple of ``A`` in a row of ``T' = floor((T + D (A - 1)) / A) A <= 2T`` slots
 (:func:`padded_layout`), where the unpacked segment grid restarts at each document by
 itself. The unpacked one-device program (``dilated_local``: chunk streaming, in-place
-accumulation) then runs on that row with the empty slots as invalid keys (the
-kernel's blocks without a valid key are skipped), and one gather brings the results
-back: the packed row costs about what its documents cost as a batch.
+accumulation) then runs on those slots, its chunks gathering their rows from the
+packed arrays and scattering results into packed accumulators (nothing of size
+``T'`` is made), with the empty slots as invalid keys (kernel blocks without a valid
+key are skipped): the packed row costs about what its documents cost as a batch.
 
 Shapes: query [B, T, H, D], key/value [B, T, Hkv, D], segment_ids [B, T] int32.
 """
@@ -182,11 +183,12 @@ def padded_unit(plans, seq_len: int, max_documents: int | None) -> int | None:
 
 
 def padded_layout(segment_ids, unit: int, max_documents: int):
-    """Where every token goes when each document starts at a multiple of ``unit``:
-    ``(dest [B, T], source [B, T'])`` int32, ``dest`` the slot of each token, ``source``
-    the token of each slot (``T`` for an empty one), ``T' = group_count(T, unit,
-    max_documents) * unit``. A document of ``L`` tokens takes ``ceil(L / unit) unit``
-    slots, so the slots suffice for ``max_documents`` documents."""
+    """The slots of the padded layout: ``source`` [B, T'] int32, the position of the
+    token in each slot (``T`` for an empty one) when every document starts at a
+    multiple of ``unit``; ``T' = group_count(T, unit, max_documents) * unit``. A
+    document of ``L`` tokens takes ``ceil(L / unit) unit`` slots, so the slots suffice
+    for ``max_documents`` documents (a row with more loses its last tokens: the caller
+    refuses it)."""
     b, t = segment_ids.shape
     length = group_count(t, unit, max_documents) * unit
     pos = jnp.arange(t, dtype=jnp.int32)
@@ -195,66 +197,8 @@ def padded_layout(segment_ids, unit: int, max_documents: int):
                             jnp.ones_like(segment_ids[:, :1], bool)], axis=1)
     gap = jnp.where(last, (-(rel + 1)) % unit, 0)  # empty slots after a document's end
     dest = pos[None, :] + jnp.cumsum(gap, axis=1, dtype=jnp.int32) - gap
-    source = jnp.full((b, length), t, jnp.int32).at[jnp.arange(b)[:, None], dest].set(
-        jnp.broadcast_to(pos, (b, t)), mode="drop")  # (past the end: too many documents)
-    return jnp.minimum(dest, length - 1), source
-
-
-def _take_rows(x, index):
-    """``x[b, index[b, i]]`` along axis 1, zero where ``index`` is out of range."""
-    return jax.vmap(lambda x_b, i_b: jnp.take(x_b, i_b, axis=0, mode="fill",
-                                              fill_value=0))(x, index)
-
-
-@jax.custom_vjp
-def _to_slots(x, dest, source):
-    """[B, T, ...] -> [B, T', ...]: each token into its slot, zeros in empty slots. Its
-    transpose is the gather back (``dest`` is one-to-one), not a scatter-add."""
-    return _take_rows(x, source)
-
-
-def _to_slots_fwd(x, dest, source):
-    return _to_slots(x, dest, source), (dest, source)
-
-
-def _to_slots_bwd(res, g):
-    dest, source = res
-    return _take_rows(g, dest), None, None
-
-
-_to_slots.defvjp(_to_slots_fwd, _to_slots_bwd)
-
-
-@jax.custom_vjp
-def _from_slots(y, dest, source):
-    """[B, T', ...] -> [B, T, ...]: each token's slot (the inverse of :func:`_to_slots`)."""
-    return _take_rows(y, dest)
-
-
-def _from_slots_fwd(y, dest, source):
-    return _from_slots(y, dest, source), (dest, source)
-
-
-def _from_slots_bwd(res, g):
-    dest, source = res
-    return _take_rows(g, source), None, None
-
-
-_from_slots.defvjp(_from_slots_fwd, _from_slots_bwd)
-
-
-def _padded_partial(kernel, args: KernelArgs, plans, mode: str, num_branches: int, query,
-                    key, value, kv_mask, segment_ids, unit: int, max_documents: int, rng):
-    """``(out, lse)`` of the segment-grid branches ``plans`` through the padded layout."""
-    t = query.shape[1]
-    dest, source = padded_layout(segment_ids, unit, max_documents)
-    valid = source < t
-    if kv_mask is not None:
-        valid = valid & _take_rows(kv_mask, source)
-    q, k, v = (_to_slots(x, dest, source) for x in (query, key, value))
-    o, lse = dilated_local.streamed(kernel, args, plans, mode, num_branches, q, k, v, valid,
-                                    rng)
-    return _from_slots(o, dest, source), _from_slots(lse, dest, source)
+    return jnp.full((b, length), t, jnp.int32).at[jnp.arange(b)[:, None], dest].set(
+        jnp.broadcast_to(pos, (b, t)), mode="drop")
 
 
 def packed_attention(kernel, args: KernelArgs, plans, mode: str, query, key, value,
@@ -301,12 +245,14 @@ def packed_attention(kernel, args: KernelArgs, plans, mode: str, query, key, val
 
 def _padded(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_mask,
             segment_ids, unit: int, max_documents: int, rng):
-    """``(out, lse)`` of every branch with the segment-grid branches through the padded
-    layout; sliding-window branches stay in the packed row (windowed kernel inside each
+    """``(out, lse)`` of every branch, the segment-grid branches through the slots of
+    the padded layout (the unpacked streamed program, reading and writing the packed
+    rows); sliding-window branches stay in the packed row (windowed kernel inside each
     document) and are mixed as on the unpacked path."""
     dense = [p for p in plans if p.branch.window is None]
-    partial = _padded_partial(kernel, args, dense, mode, len(plans), query, key, value,
-                              kv_mask, segment_ids, unit, max_documents, rng)
+    partial = dilated_local.streamed(kernel, args, dense, mode, len(plans), query, key,
+                                     value, kv_mask, rng,
+                                     source=padded_layout(segment_ids, unit, max_documents))
     windowed = [(p, dilated_window.local_partial(
         kernel, args, p, query, key, value, kv_mask,
         None if rng is None else jax.random.fold_in(rng, len(plans) + i), segment_ids))
