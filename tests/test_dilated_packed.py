@@ -123,8 +123,8 @@ def test_packed_rows_low_precision(dtype):
 
 
 def test_padded_layout_moves_documents_to_multiples_of_the_unit():
-    """Which layout serves which call, and the padded layout itself: every token in
-    one slot, in order, every document starting at a multiple of the unit."""
+    """When the slots serve, and the padded layout itself: every token in one slot, in
+    order, every document starting at a multiple of the unit."""
     from jax_dilated.core import branch_plans
     from jax_dilated.ops import dilated_packed as dp
 
@@ -133,10 +133,12 @@ def test_padded_layout_moves_documents_to_multiples_of_the_unit():
                                           num_kv_heads=2, mode="longnet",
                                           offsets_rule="modulo")
 
-    assert dp.padded_unit(plans(SEGS, 128), 128, 4) == 32
-    assert dp.padded_unit(plans(SEGS, 128), 128, 5) is None  # 5 * 32 > 128
-    assert dp.padded_unit(plans(SEGS, 128), 128, None) is None
-    assert dp.padded_unit(plans((8, 24, 32), 128), 128, 2) is None  # 24 does not divide 32
+    # the slots serve rows of up to 128 / 32 = 4 documents: CASES take them statically
+    # (max_documents <= 4), by a lax.cond on the count (no bound, or a bound of 5),
+    # and fall back to the streams for rows of 5 documents
+    assert dp.slots_capacity(plans(SEGS, 128), 128) == (32, 4)
+    assert dp.slots_capacity(plans((8, 24, 32), 128), 128) is None  # 24 does not divide 32
+    assert dp.slots_capacity(plans((8, 16, 128), 128), 128) is None  # room for one document
     lengths = [[5, 40, 1, 70, 12], [128]]
     _, _, _, _, ids = _rows(lengths, seed=5)
     source = np.asarray(dp.padded_layout(jnp.asarray(ids), 32, 5))

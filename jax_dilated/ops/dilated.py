@@ -99,9 +99,10 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
         computes ``ceil(H / P)`` heads (:func:`jax_dilated.ops.head_parallel.packed_dilated`).
         No segment-length restriction of the unpacked sharded path applies.
       max_documents: a static bound on the documents per row with ``segment_ids``.
-        Give it where you can: every segment of a document then gets its own slots
-        and packed rows cost about what their documents cost alone (without it, up
-        to about twice the kernel work). A row with more documents is a
+        Give it where you can: packed rows then cost about what their documents cost
+        as a batch when every segment length divides the largest ``A`` and
+        ``max_documents * A <= seq`` (else about 1.5-2x; without a bound 5-7x;
+        docs/semantics.md, "Packed sequences"). A row with more documents is a
         ``ValueError`` (traced ids: NaN output).
       logit_soft_cap: ``c > 0`` or None: every branch's scaled logits ``s`` become
         ``c tanh(s / c)`` before masking and the softmax.

@@ -224,6 +224,31 @@ class _Branch:
                jnp.take(x_v, rows, axis=0, mode="fill", fill_value=fill))
         return got.reshape(size, self.w, *x_v.shape[1:])
 
+    def dilated(self, x_v, start, size: int, kind: str, fill=None):
+        """The dilated chunk [size, w/r, H_b, ...] of a view for the branch's query
+        (``kind="q"``) or gathered kv heads (``"kv"``). Slots, when the heads form one
+        run at one offset (head_groups; every rate-1 branch): only the selected rows
+        and heads are gathered, where :meth:`load` would fetch every row and head."""
+        offsets, heads = ((self.plan.offsets, self.plan.query_heads) if kind == "q"
+                          else (self.plan.kv_offsets, self.plan.kv_heads))
+        gather = self.gather_q if kind == "q" else self.gather_kv
+        one_run = (np.all(offsets == offsets[0])
+                   and np.array_equal(heads, np.arange(heads[0], heads[0] + len(heads))))
+        if self.index is None or not one_run:
+            return gather(self.load(x_v, start, size, fill))
+        r = self.branch.rate
+        rows = self._rows(start, size).reshape(size, self.w // r, r)[:, :, int(offsets[0])]
+        starts = jnp.stack([rows.reshape(-1), jnp.full((rows.size,), int(heads[0]),
+                                                       rows.dtype)], axis=-1)
+        dims = jax.lax.GatherDimensionNumbers(offset_dims=tuple(range(1, x_v.ndim)),
+                                              collapsed_slice_dims=(0,),
+                                              start_index_map=(0, 1))
+        mode = (jax.lax.GatherScatterMode.CLIP if fill is None
+                else jax.lax.GatherScatterMode.FILL_OR_DROP)
+        got = jax.lax.gather(x_v, starts, dims, (1, len(heads), *x_v.shape[2:]), mode=mode,
+                             fill_value=fill)
+        return got.reshape(size, self.w // r, len(heads), *x_v.shape[2:])
+
     def store(self, acc, part, start, head0: int):
         """``acc`` with ``part`` [n, w, H_b, ...] written at items ``start`` on, heads
         ``head0`` on (slots: scattered to the packed rows, empty slots dropped)."""
@@ -361,8 +386,8 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
             o_acc, lse_acc, lo_acc = acc
             valid = _slice(valid_v, start, size)
             o_c, lse_c, lo_c = call.kernel.forward(
-                br.gather_q(br.load(q_v, start, size)), br.gather_kv(br.load(k_v, start, size)),
-                br.gather_kv(br.load(v_v, start, size)), call.args,
+                br.dilated(q_v, start, size, "q"), br.dilated(k_v, start, size, "kv"),
+                br.dilated(v_v, start, size, "kv"), call.args,
                 kv_valid=None if valid is None else br.gather_kv(valid),
                 dropout_rng=_chunk_rng(rng_i, c))
             if not longnet:
@@ -420,11 +445,10 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, o, lse, lse_
             valid = _slice(valid_v, start, size)
             dq_c, dk_c, dv_c = call.kernel.backward(
                 # empty slots' queries (slots): no cotangent, and lse = inf, so p = 0
-                br.gather_q(br.load(q_v, start, size)), br.gather_kv(br.load(k_v, start, size)),
-                br.gather_kv(br.load(v_v, start, size)),
-                br.gather_q(br.load(do_v, start, size, 0)),
-                br.gather_q(br.load(lse_v, start, size, jnp.inf)),
-                br.gather_q(br.load(delta_v, start, size, 0)), call.args,
+                br.dilated(q_v, start, size, "q"), br.dilated(k_v, start, size, "kv"),
+                br.dilated(v_v, start, size, "kv"), br.dilated(do_v, start, size, "q", 0),
+                br.dilated(lse_v, start, size, "q", jnp.inf),
+                br.dilated(delta_v, start, size, "q", 0), call.args,
                 kv_valid=None if valid is None else br.gather_kv(valid),
                 dropout_rng=_chunk_rng(rng_i, c))
             dk_c, dv_c = br.scatter_kv(dk_c.astype(stats)), br.scatter_kv(dv_c.astype(stats))

@@ -19,10 +19,10 @@ follow each other and the kernel tells them apart by segment id (:func:`packed_b
 The results go back to the positions they came from, and the branches merge as
 unpacked.
 
-A third layout serves the common case without streams: with ``max_documents = D``,
-when every segment length divides the largest ``A`` and ``D A <= T`` (short
-segments against the row, as in a LongNet), every document is moved to start at a
-multiple of ``A`` in a row of ``T' = floor((T + D (A - 1)) / A) A <= 2T`` slots
+A third layout serves the common case without streams: when every segment length
+divides the largest ``A`` and a row holds ``D <= T / A`` documents (short segments
+against the row, as in a LongNet), every document is moved to start at a multiple
+of ``A`` in a row of ``T' = floor((T + D (A - 1)) / A) A <= 2T`` slots
 (:func:`padded_layout`), where the unpacked segment grid restarts at each document by
 itself. The unpacked one-device program (``dilated_local``: chunk streaming, in-place
 accumulation) then runs on those slots, its chunks gathering their rows from the
@@ -45,7 +45,7 @@ from jax_dilated.ops import dilated_local, dilated_window
 from jax_dilated.ops.branch_combine import combine_branches
 
 __all__ = ["document_starts", "group_count", "packed_branch", "packed_attention",
-           "check_max_documents", "padded_unit", "padded_layout"]
+           "check_max_documents", "slots_capacity", "padded_layout"]
 
 
 def document_starts(segment_ids):
@@ -168,18 +168,18 @@ def packed_branch(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
     return back(o, 0), back(lse, -jnp.inf), back(lse_lo, 0), overflow
 
 
-def padded_unit(plans, seq_len: int, max_documents: int | None) -> int | None:
-    """The alignment ``A`` of the padded layout (module docstring), or None where it
-    does not serve: no ``max_documents``, no segment-grid branch, a segment length that
-    does not divide the largest, or ``max_documents * A > seq_len`` (the row would more
-    than double)."""
+def slots_capacity(plans, seq_len: int) -> tuple[int, int] | None:
+    """``(A, D_max)``: the alignment ``A`` of the padded layout (module docstring) and
+    the most documents per row it serves without more than doubling the row, ``seq_len
+    // A``; None where it does not serve: no segment-grid branch, a segment length that
+    does not divide the largest, or room for fewer than 2 documents."""
     lengths = [p.branch.effective_length for p in plans if p.branch.window is None]
-    if max_documents is None or not lengths:
+    if not lengths:
         return None
     unit = max(lengths)
-    if any(unit % w for w in lengths) or max_documents * unit > seq_len:
+    if any(unit % w for w in lengths) or seq_len // unit < 2:
         return None
-    return unit
+    return unit, seq_len // unit
 
 
 def padded_layout(segment_ids, unit: int, max_documents: int):
@@ -206,24 +206,47 @@ def packed_attention(kernel, args: KernelArgs, plans, mode: str, query, key, val
     """``(out [B, T, H, D], lse [B, T, H])`` of dilated attention over packed rows, every
     branch of ``plans`` (window branches: the windowed kernel inside each document),
     combined as unpacked; a row with more than ``max_documents`` documents is a
-    ``ValueError`` (concrete ids) or NaN output (traced ids)."""
+    ``ValueError`` (concrete ids) or NaN output (traced ids).
+
+    The layout (module docstring): the slots where they serve ``max_documents``; else
+    the streams, bounded by ``max_documents`` or compact. Where the slots serve fewer
+    documents than the bound allows (or there is no bound), a row batch with few
+    enough documents still takes the slots: chosen now for concrete ids, by a
+    ``lax.cond`` on the count for traced ones.
+    """
     check_max_documents(max_documents)
     starts = document_starts(segment_ids)
-    overflow = jnp.zeros(query.shape[0], bool)
-    if max_documents is not None:
-        documents = jnp.sum(starts == jnp.arange(starts.shape[1]), axis=1)
-        if not isinstance(documents, jax.core.Tracer):
-            most = int(jnp.max(documents))
-            if most > max_documents:
-                raise ValueError(
-                    f"segment_ids has a row of {most} documents (maximal runs of equal "
-                    f"ids), more than max_documents={max_documents}.")
-        overflow = documents > max_documents
-    unit = padded_unit(plans, query.shape[1], max_documents)
-    if unit is not None:
-        o, lse = _padded(kernel, args, plans, mode, query, key, value, kv_mask,
-                         segment_ids, unit, max_documents, rng)
+    documents = jnp.sum(starts == jnp.arange(starts.shape[1]), axis=1)
+    concrete = not isinstance(documents, jax.core.Tracer)
+    if max_documents is not None and concrete:
+        most = int(jnp.max(documents))
+        if most > max_documents:
+            raise ValueError(
+                f"segment_ids has a row of {most} documents (maximal runs of equal "
+                f"ids), more than max_documents={max_documents}.")
+    call = (kernel, args, plans, mode, query, key, value, kv_mask, segment_ids)
+    slots = slots_capacity(plans, query.shape[1])
+    if slots is None:
+        return _streams(*call, starts, documents, max_documents, rng)
+    unit, capacity = slots
+    if max_documents is not None and max_documents <= capacity:
+        o, lse = _padded(*call, unit, max_documents, rng)
+        overflow = documents > max_documents  # (traced ids only)
         return jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, o.dtype), o), lse
+    fits = jnp.max(documents) <= capacity
+    if concrete:
+        return (_padded(*call, unit, capacity, rng) if bool(fits) else
+                _streams(*call, starts, documents, max_documents, rng))
+    return jax.lax.cond(fits, lambda: _padded(*call, unit, capacity, rng),
+                        lambda: _streams(*call, starts, documents, max_documents, rng))
+
+
+def _streams(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_mask,
+             segment_ids, starts, documents, max_documents: int | None, rng):
+    """``(out, lse)`` through every branch's streams (:func:`packed_branch`); NaN in a
+    row with more than ``max_documents`` documents."""
+    overflow = (jnp.zeros(query.shape[0], bool) if max_documents is None
+                else documents > max_documents)
     results = []
     for i, plan in enumerate(plans):
         if plan.branch.window is not None:  # the window stays inside each document
