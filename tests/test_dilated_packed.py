@@ -112,12 +112,14 @@ def test_packed_rows_equal_documents_alone(name):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_packed_rows_low_precision(dtype):
-    lengths = [[5, 40, 1, 70, 12]]
+@pytest.mark.parametrize("lengths,bound", [([[5, 40, 1, 70, 12]], None),  # streams
+                                           ([[33, 1, 60, 34]], 4)])       # slots
+def test_packed_rows_low_precision(dtype, lengths, bound):
     q, k, v, g, ids = _rows(lengths, seed=7)
     q, k, v, g = (rounded(x, dtype) for x in (q, k, v, g))
     want = _reference(q, k, v, g, lengths, None, mode="longnet", is_causal=True)
-    got = _jax(q, k, v, g, ids, None, dtype, mode="longnet", is_causal=True)
+    got = _jax(q, k, v, g, ids, None, dtype, mode="longnet", is_causal=True,
+               max_documents=bound)
     for a, b_, what in zip(got, want, ("out", "dq", "dk", "dv")):
         assert_close(a, b_, TOL[dtype], what)
 
