@@ -293,11 +293,8 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
     time (e.g. causal: shard ``d`` is needed by devices ``>= d`` only; a local
     window: by its neighbours only), so an unrolled ring with a partial
     permutation per hop, or one cut short after the last needed hop (with dk/dv
-    sent back to their owners), could skip it. The cut-short ring is what a
-    ``window=`` that looks back only does on contiguous shards
-    (``RingConfig.hops`` in ops/ring.py); a window written as a block pattern
-    (``LocalWindow``) and other static schedules still travel the whole ring, and
-    with a traced mask nothing can be skipped statically.
+    sent back to their owners), could skip it. That is not implemented; with a
+    traced mask nothing can be skipped statically.
 
     Example:
       >>> import jax, jax_dilated as jd
