@@ -22,11 +22,6 @@ log-sum-exp saved, key/value blocks and their gradient accumulators travel; afte
 ``P`` hops the accumulators are back with their owners. Nothing of global length is
 ever materialised: memory per device is O(T / P).
 
-A sliding window that reaches ``left`` tokens back and never forward, on contiguous
-shards of ``n``, needs only the ``ceil(left / n)`` shards before each device's own
-(:meth:`RingConfig.hops`): both rings stop after that many hops, so the blocks
-further away are never sent, and the gradient accumulators go home in one transfer.
-
 Steps whose visiting block is entirely masked (causal, padding, no document shared
 with the local queries, or outside every local query's sliding window) are skipped with ``lax.cond`` (:meth:`RingSteps.needed`);
 inside a step the kernel skips masked blocks, and its blocks are aligned to the zigzag
@@ -77,25 +72,10 @@ class RingConfig:
     implementation: str | None
     steps: Callable[..., RingSteps] | None = None
 
-    def perm(self, shift: int = 1):
-        """ppermute pairs: every device sends to the device ``shift`` places on in its
-        ring (1: the next one)."""
+    def perm(self):
+        """ppermute pairs: every device sends to the next device of its ring."""
         g = self.ring_size
-        return [(j, j - j % g + (j % g + shift) % g) for j in range(self.axis_size)]
-
-    def hops(self, n: int) -> int:
-        """Ring steps after the local block that can hold a key of a local query:
-        ``P - 1``, or, for a sliding window that reaches back ``left`` tokens and never
-        forward (``right = 0``, or causal) on contiguous shards of ``n`` tokens, the
-        ``ceil(left / n)`` shards before this one: the ring stops there, and the
-        blocks further away are never sent."""
-        full = self.ring_size - 1
-        window = self.args.window
-        if window is None or self.layout != "contiguous":
-            return full
-        if window[1] > 0 and not self.args.is_causal:
-            return full  # keys of later shards are in the window: the whole ring
-        return min(full, -(-window[0] // n))
+        return [(j, j - j % g + (j % g + 1) % g) for j in range(self.axis_size)]
 
     def ring_index(self):
         """This device's index inside its ring (traced)."""
@@ -159,8 +139,7 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = 
     adapter) stop after P - 1 hops and fold the last block after the loop: for them
     the extra hop cost memory at P = 2 (XLA kernel without its ring steps, n=32768,
     8 heads: forward only 289 vs 225 MiB, forward+backward 289 vs 284 MiB) and
-    nothing at P = 4, 8. A ring shortened by a window (:meth:`RingConfig.hops`) stops
-    after its hops; its local block, packed before the loop, is the one kept.
+    nothing at P = 4, 8.
     """
     steps, query, keys = _setup(cfg, q, k, aux, segment_ids)
     p, me = cfg.ring_size, query.index
@@ -172,8 +151,6 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = 
 
     acc = varying_like(softmax.empty_partial(q.shape, softmax.stats_dtype(q.dtype)), (q, k))
     block = (steps.pack_kv(k, v), kv_valid, segment_ids)
-    home = block[0]
-    short = cfg.hops(q.shape[1]) < p - 1  # a window that ends the ring early
     if p == 1:
         acc = fold(acc, block, me)
     else:
@@ -182,15 +159,13 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = 
             nxt = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())  # send first, then compute
             return (fold(acc, block, (me - s) % p), nxt), None
 
-        hops = cfg.hops(q.shape[1]) if short else p if steps.keep_packed else p - 1
+        hops = p if steps.keep_packed else p - 1
         (acc, block), _ = jax.lax.scan(step, (acc, block), jnp.arange(hops))
         if hops < p:
             acc = fold(acc, block, (me - hops) % p)
-        if not short:
-            home = block[0]  # after P hops the local block is home again
     if not keep_kv:
         return acc
-    return (*acc, home if steps.keep_packed else None)
+    return (*acc, block[0] if steps.keep_packed else None)
 
 
 def _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg: RingConfig, aux=None,
@@ -213,8 +188,7 @@ def _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg: RingConfig,
     block = (steps.pack_kv(k, v) if packed_kv is None else packed_kv, kv_valid, segment_ids)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, stats), (q, block[0]))
     dq, dkv = grads(varying_like(zeros, (q, k, do)), block, me)
-    hops = cfg.hops(q.shape[1])
-    if p > 1 and hops > 0:
+    if p > 1:
         def step(carry, s):
             dq, block, dkv = carry
             block = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())
@@ -222,10 +196,9 @@ def _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg: RingConfig,
             dq, dkv = grads((dq, dkv), block, (me - s) % p)
             return (dq, block, dkv), None
 
-        (dq, _, dkv), _ = jax.lax.scan(step, (dq, block, dkv), jnp.arange(1, hops + 1))
-        # after ``hops`` hops each accumulator sits that many devices past its owner
-        # (one device short of it after the whole ring's P - 1): one transfer home
-        dkv = jax.lax.ppermute(dkv, cfg.axis_name, cfg.perm(-hops))
+        (dq, _, dkv), _ = jax.lax.scan(step, (dq, block, dkv), jnp.arange(1, p))
+        # after P - 1 hops each accumulator sits one device short of its owner
+        dkv = jax.lax.ppermute(dkv, cfg.axis_name, cfg.perm())
     dk, dv = steps.unpack_kv(dkv)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
