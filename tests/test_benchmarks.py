@@ -346,6 +346,19 @@ def test_xformers_shim_is_softmax_attention(causal):
 
 # ------------------------------------------------------------------ packed (issue 17)
 
+def _run_on_a_loaded_machine(op, args, targets_title: str):
+    """Run ``op`` with ``args`` while the load average reads 1.5 on 2 cores: its payload,
+    after checking that the table printed the targets and the load warning."""
+    harness.resolve_common(args, op)
+    args.load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(1.5, 1.5))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        payload = op.run(args)
+    text = out.getvalue()
+    assert targets_title in text and "WARNING: load average 1.50" in text
+    return payload
+
+
 def test_packed_op_runs_end_to_end_at_a_tiny_size(tmp_path):
     """``python -m benchmarks packed`` in this process at a tiny size: every part runs,
     packed results equal the documents run alone, the ring's executed work is what the
@@ -360,13 +373,7 @@ def test_packed_op_runs_end_to_end_at_a_tiny_size(tmp_path):
          "--block", "8", "--layouts", "zigzag", "--modes", "longnet", "--segment-lengths",
          "16", "--dilation-rates", "2", "--no-forward", "--repeats", "1", "--warmup",
          "0", "--json", str(tmp_path / "p.json")])
-    harness.resolve_common(args, op)
-    args.load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(1.5, 1.5))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        payload = op.run(args)
-    text = out.getvalue()
-    assert "issue 17 targets" in text and "WARNING: load average 1.50" in text
+    payload = _run_on_a_loaded_machine(op, args, "issue 17 targets")
     assert payload["benchmark"] == "packed" and "environment" in payload
     for part in ("ring", "block_sparse"):
         for res in payload[part]["variants"].values():
@@ -404,13 +411,7 @@ def test_window_op_runs_end_to_end_at_a_tiny_size(tmp_path):
          "32", "--local-window", "8", "--block", "4", "--cap-seq-len", "32", "--heads", "2",
          "--head-dim", "4", "--check-seq-len", "32", "--no-forward", "--repeats", "1",
          "--warmup", "0", "--lead-in", "0", "--json", str(tmp_path / "w.json")])
-    harness.resolve_common(args, op)
-    args.load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(1.5, 1.5))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        payload = op.run(args)
-    text = out.getvalue()
-    assert "issue 18 targets" in text and "WARNING: load average 1.50" in text
+    payload = _run_on_a_loaded_machine(op, args, "issue 18 targets")
     assert payload["benchmark"] == "window" and "environment" in payload
     for part in ("ring", "local", "softcap"):
         checks = payload[part]["check"]["variants"]
