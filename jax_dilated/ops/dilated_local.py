@@ -51,7 +51,7 @@ from jax_dilated.core.arrays import pad_axis
 from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
 
-__all__ = ["dilated_local", "streamed"]
+__all__ = ["dilated_local"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -66,7 +66,7 @@ class _Call:
 
 
 def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key, value,
-                  kv_mask, dropout_rng):
+                  kv_mask, dropout_rng, *, source=None, segment_ids=None):
     """All branches of dilated attention on one device: ``(out, lse)``.
 
     Args:
@@ -80,6 +80,10 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
         A sliding-window branch (``plan.branch.window``) runs as one windowed kernel
         call (:mod:`jax_dilated.ops.dilated_window`), mixed with the streamed
         branches' result; without one the program is the streamed one alone.
+      source: None, or the slots of packed rows ([B, T'] int32, module docstring) that
+        every segment length divides; arrays, ``kv_mask`` and results stay packed.
+      segment_ids: with ``source``, the packed rows' ids [B, T]: a sliding-window
+        branch stays inside each document.
 
     Returns:
       ``out`` [B, T, H, D] in query's dtype and ``lse`` [B, T, H] in the stats dtype,
@@ -88,8 +92,8 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
     """
     windows = [i for i, p in enumerate(plans) if p.branch.window is not None]
     if not windows:  # the default program, unchanged
-        return streamed(kernel, args, plans, mode, len(plans), query, key, value, kv_mask,
-                        dropout_rng)
+        return _attend(_Call(kernel, args, tuple(plans), mode, len(plans)), query, key, value,
+                       kv_mask, dropout_rng, source)
     # Sliding-window branches run as their own windowed kernel call
     # (ops/dilated_window.py) and are mixed with the streamed branches' (out, lse).
     from jax_dilated.ops import dilated_window  # (it imports nothing of this module)
@@ -97,25 +101,12 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
     dense = tuple(p for p in plans if p.branch.window is None)
     partial = None
     if dense:
-        partial = streamed(kernel, args, dense, mode, len(plans), query, key, value, kv_mask,
-                           dropout_rng)
+        partial = _attend(_Call(kernel, args, dense, mode, len(plans)), query, key, value,
+                          kv_mask, dropout_rng, source)
     windowed = [(plans[i], dilated_window.local_partial(
         kernel, args, plans[i], query, key, value, kv_mask,
-        _branch_rng(dropout_rng, len(plans) + i))) for i in windows]
+        _branch_rng(dropout_rng, len(plans) + i), segment_ids)) for i in windows]
     return dilated_window.mix(partial, windowed, mode, len(plans), query.dtype)
-
-
-def streamed(kernel: Kernel, args: KernelArgs, plans, mode: str, num_branches: int, query,
-             key, value, kv_mask, dropout_rng, source=None):
-    """The streamed program of the (segment-grid) branches ``plans``: ``(out, lse)`` as
-    :func:`dilated_local` returns it for them, head_groups outputs divided by
-    ``num_branches`` (all branches of the call, sliding windows included).
-
-    ``source``: None, or [B, T'] int32 slots (module docstring) that every segment
-    length divides; arrays, ``kv_mask`` and results stay in the packed layout.
-    """
-    call = _Call(kernel, args, tuple(plans), mode, num_branches)
-    return _attend(call, query, key, value, kv_mask, dropout_rng, source)
 
 
 # --------------------------------------------------------------------------- chunks

@@ -268,21 +268,12 @@ def _streams(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_m
 
 def _padded(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_mask,
             segment_ids, unit: int, max_documents: int, rng):
-    """``(out, lse)`` of every branch, the segment-grid branches through the slots of
-    the padded layout (the unpacked streamed program, reading and writing the packed
-    rows); sliding-window branches stay in the packed row (windowed kernel inside each
-    document) and are mixed as on the unpacked path."""
-    dense = [p for p in plans if p.branch.window is None]
-    partial = dilated_local.streamed(kernel, args, dense, mode, len(plans), query, key,
-                                     value, kv_mask, rng,
-                                     source=padded_layout(segment_ids, unit, max_documents))
-    windowed = [(p, dilated_window.local_partial(
-        kernel, args, p, query, key, value, kv_mask,
-        None if rng is None else jax.random.fold_in(rng, len(plans) + i), segment_ids))
-        for i, p in enumerate(plans) if p.branch.window is not None]
-    if not windowed:
-        return partial
-    return dilated_window.mix(partial, windowed, mode, len(plans), query.dtype)
+    """``(out, lse)`` through the slots of the padded layout: the unpacked one-device
+    program reading and writing the packed rows (sliding-window branches: the windowed
+    kernel inside each document of the packed row)."""
+    return dilated_local.dilated_local(
+        kernel, args, plans, mode, query, key, value, kv_mask, rng,
+        source=padded_layout(segment_ids, unit, max_documents), segment_ids=segment_ids)
 
 
 def check_max_documents(max_documents):
