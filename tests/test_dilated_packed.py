@@ -91,6 +91,8 @@ CASES = {
     # the padded layout (max_documents * 32 <= 128: documents moved to multiples of 32)
     "longnet_padded_causal_mask": (
         dict(mode="longnet", is_causal=True, max_documents=4), [[33, 1, 60, 34]], True),
+    "head_groups_padded_two_rows": (
+        dict(mode="head_groups", max_documents=4), [[33, 1, 60, 34], [64, 64]], False),
 }
 
 
