@@ -204,6 +204,12 @@ class _Branch:
         """Slots: the packed rows of items ``[start, start + size)``, [size w]."""
         return jax.lax.dynamic_slice_in_dim(self.index, start * self.w, size * self.w)
 
+    def _selected_rows(self, start, size: int, offset: int):
+        """Slots: the packed rows that offset ``offset`` selects in items ``[start,
+        start + size)``, [size, w/r]."""
+        r = self.branch.rate
+        return self._rows(start, size).reshape(size, self.w // r, r)[:, :, offset]
+
     def load(self, x_v, start, size: int, fill=None):
         """Items ``[start, start + size)`` of a view: [size, w, ...]. Slots: gathered
         from the packed rows; an empty slot holds ``fill`` (None: any finite row, for
@@ -228,7 +234,7 @@ class _Branch:
         if self.index is None or not one_run:
             return gather(self.load(x_v, start, size, fill))
         r = self.branch.rate
-        rows = self._rows(start, size).reshape(size, self.w // r, r)[:, :, int(offsets[0])]
+        rows = self._selected_rows(start, size, int(offsets[0]))
         starts = jnp.stack([rows.reshape(-1), jnp.full((rows.size,), int(heads[0]),
                                                        rows.dtype)], axis=-1)
         dims = jax.lax.GatherDimensionNumbers(offset_dims=tuple(range(1, x_v.ndim)),
@@ -279,7 +285,7 @@ class _Branch:
         r = self.branch.rate
         offset = int(self.plan.offsets[0])
         if self.index is not None:  # the selected slots' packed rows
-            rows = self._rows(start, y.shape[0]).reshape(-1, self.w // r, r)[:, :, offset]
+            rows = self._selected_rows(start, y.shape[0], offset)
             return acc.at[rows.reshape(-1), self.h0:self.h0 + self.hs].set(
                 y.reshape(-1, *y.shape[2:]).astype(acc.dtype), mode="drop")
         view = acc.reshape(acc.shape[0], self.w // r, r, *acc.shape[2:])
