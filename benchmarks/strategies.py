@@ -10,6 +10,8 @@ over ``P`` simulated CPU devices with ``s`` = ``"ring"``, ``"allgather"`` and
 * bytes each device sends, from the shapes the strategy moves (the cost model of
   :func:`jax_dilated.ops.strategies.estimate`), and the collectives in the compiled
   HLO (a ring's ``collective-permute`` sits in a loop: the HLO shows it once);
+* for dilated attention, the per-branch mix of the cost model (one strategy per
+  branch, column ``per_branch``) where it differs from the three;
 * what ``"auto"`` picks (:func:`jax_dilated.explain_strategy`) and whether the
   compiled ``"auto"`` program is that strategy's;
 * forward+backward time of every strategy, interleaved (``--no-timing`` skips it):
@@ -29,6 +31,9 @@ from benchmarks import harness
 from benchmarks.harness import fmt_bytes, fmt_ms, int_list, str_list
 
 STRATEGIES = ("ring", "allgather", "heads")
+# dilated attention: the per-branch mix of the cost model, where it differs from all three
+MIX = "per_branch"
+COLUMNS = (*STRATEGIES, MIX)
 DEFAULTS = dict(seq_lens=(8192, 32768), kv_heads=(8, 2, 1), devices=8,
                 ops=("exact", "dilated", "block_sparse"))
 QUICK = dict(seq_lens=(2048,), kv_heads=(8, 1), devices=4, ops=("exact", "dilated"))
@@ -108,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
         pick, costs, why = jd.explain_strategy(fn, qshape, kshape, num_devices=p,
                                                dtype=dtype, layout=layout, quiet=True)
         row = {"op": op_name, "seq_len": n, "kv_heads": hkv, "layout": layout,
-               "auto": pick, "auto_why": why, "strategies": {}}
+               "auto": _label(pick), "auto_why": why, "strategies": {}}
         progress.start(f"{op_name} n={n} kv={hkv}: compile single device")
         specs1 = [jax.ShapeDtypeStruct(s, dtype) for s in (qshape, kshape, kshape, qshape)]
         # one device: the operation itself (exact attention as one dilated segment of n)
@@ -121,17 +126,22 @@ def run(args: argparse.Namespace) -> dict:
         specs = [jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding) for s in specs1]
         host = [rng.standard_normal(s.shape).astype(dtype) for s in specs1]
         calls = {}
-        for strategy in (*STRATEGIES, "auto"):
-            progress.start(f"{op_name} n={n} kv={hkv}: compile {strategy}")
+        variants = {s: s for s in STRATEGIES}
+        if MIX in costs:
+            variants[MIX] = costs[MIX].strategy
+        variants["auto"] = "auto"
+        for strategy, given in variants.items():
+            progress.start(f"{op_name} n={n} kv={hkv}: compile {_label(given)}")
             cost = costs.get(strategy)
             entry = {"estimate": None if cost is None else {
-                "sent_bytes": cost.sent_bytes, "held_bytes": cost.held_bytes,
-                "overlap": cost.overlap, "work": cost.work, "reason": cost.reason}}
+                "strategy": _label(cost.strategy), "sent_bytes": cost.sent_bytes,
+                "held_bytes": cost.held_bytes, "overlap": cost.overlap, "work": cost.work,
+                "reason": cost.reason}}
             if cost is not None and cost.reason is not None:
                 row["strategies"][strategy] = entry
                 progress.done()
                 continue
-            attn = jd.sharded(fn, mesh, seq_axis="seq", layout=layout, strategy=strategy)
+            attn = jd.sharded(fn, mesh, seq_axis="seq", layout=layout, strategy=given)
             step = jax.jit(dev.vjp_of(attn), in_shardings=sharding)
             compiled = step.lower(*specs).compile()
             mem = compiled.memory_analysis()
@@ -160,19 +170,24 @@ def run(args: argparse.Namespace) -> dict:
     return payload
 
 
+def _label(strategy) -> str:
+    """A strategy as text: a per-branch tuple as ``ring+heads+ring``."""
+    return strategy if isinstance(strategy, str) else "+".join(strategy)
+
+
 def print_summary(payload: dict) -> None:
     cfg = payload["config"]
-    headers = ["op", "n", "kv", "1 device", *(f"{s} mem" for s in STRATEGIES),
-               *(f"{s} sent" for s in STRATEGIES), "auto", "heads/1"]
+    headers = ["op", "n", "kv", "1 device", *(f"{s} mem" for s in COLUMNS),
+               *(f"{s} sent" for s in COLUMNS), "auto", "heads/1"]
     timed = any("fwd_bwd" in e for r in payload["rows"] for e in r["strategies"].values())
     if timed:
-        headers += [f"{s} ms" for s in (*STRATEGIES, "auto")]
+        headers += [f"{s} ms" for s in (*COLUMNS, "auto")]
     table = []
     for r in payload["rows"]:
         single = r["single_device"]["memory"]
         single_total = single["temp"] + single["argument"] + single["output"] - single["alias"]
         mem, sent, times = [], [], []
-        for s in STRATEGIES:
+        for s in COLUMNS:
             e = r["strategies"].get(s, {})
             mem.append(fmt_bytes(e["memory"]["total"]) if "memory" in e else "-")
             est = e.get("estimate")
@@ -182,7 +197,7 @@ def print_summary(payload: dict) -> None:
         ratio = (f"{heads['memory']['total'] / single_total:.2f}" if "memory" in heads
                  else "-")
         if timed:
-            for s in (*STRATEGIES, "auto"):
+            for s in (*COLUMNS, "auto"):
                 t = r["strategies"].get(s, {}).get("fwd_bwd")
                 times.append(fmt_ms(t["median_s"]) if t else "-")
         table.append([r["op"], str(r["seq_len"]), str(r["kv_heads"]),

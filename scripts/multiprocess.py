@@ -18,7 +18,8 @@ process then
    span devices run dilated rings across the processes), by
    ``jd.sharded(jd.block_sparse_attention, ...)`` (``--op block_sparse``) or all
    three (``--op all``), each with every ``--strategies`` entry (``ring``,
-   ``allgather``, ``heads``, ``auto``: their collectives cross the processes) --
+   ``allgather``, ``heads``, ``auto``, and for dilated attention per-branch entries
+   such as ``ring+heads+heads``: their collectives cross the processes) --
    forward and backward,
 4. gathers output and gradients with ``multihost_utils.process_allgather``.
 
@@ -77,7 +78,8 @@ def _parse(argv=None):
                    help="all: exact (ring_attention), dilated and block-sparse attention")
     p.add_argument("--strategies", default="ring",
                    help="jd.sharded strategies to run, comma-separated (ring, allgather, "
-                        "heads, auto)")
+                        "heads, auto; for dilated attention also one per branch joined "
+                        "by '+', e.g. ring+heads+allgather)")
     p.add_argument("--block-size", type=int, default=4,
                    help="block_sparse: block size (must divide the shard length)")
     p.add_argument("--segments", default="4,8,16,32",
@@ -211,17 +213,22 @@ def _worker(args) -> int:
         jd.block_sparse_attention, block_size=args.block_size,
         pattern=jd.block_patterns.LocalWindow(1) | jd.block_patterns.GlobalBlocks([0]),
         is_causal=args.causal)
-    strategies = args.strategies.split(",")
+    # "a+b+c": one strategy per dilated branch (dilated attention only)
+    strategies = [tuple(s.split("+")) if "+" in s else s
+                  for s in args.strategies.split(",")]
+    whole = [s for s in strategies if isinstance(s, str)]
 
     def named(label, strategy):
-        return label if strategy == "ring" else f"{label} strategy={strategy}"
+        if strategy == "ring":
+            return label
+        return f"{label} strategy={strategy if isinstance(strategy, str) else '+'.join(strategy)}"
 
     runs = []  # (label, layout, fn, strategy, reference)
     if args.op in ("ring", "all"):
         exact = functools.partial(jd.ring_attention, is_causal=args.causal)
         for layout in args.layouts.split(","):
             runs += [(named(f"layout={layout}", s), layout, exact, s, dense)
-                     for s in strategies]
+                     for s in whole]
     if args.op in ("dilated", "all"):
         dilated_ref = lambda q, k, v, mask: dilated(q, k, v, kv_mask=mask)  # noqa: E731
         runs += [(named(f"dilated segments={list(segments)} rates={list(rates)} "
@@ -230,7 +237,7 @@ def _worker(args) -> int:
     if args.op in ("block_sparse", "all"):
         sparse_ref = lambda q, k, v, mask: sparse(q, k, v, kv_mask=mask)  # noqa: E731
         runs += [(named(f"block_sparse block_size={args.block_size}", s), "contiguous",
-                  sparse, s, sparse_ref) for s in strategies]
+                  sparse, s, sparse_ref) for s in whole]
 
     wanted = {}  # reference results (process 0), one per distinct reference
 

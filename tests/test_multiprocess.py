@@ -83,8 +83,11 @@ def test_failure_is_reported_with_nonzero_exit(gloo_available):
 def test_strategies_two_processes_two_devices(gloo_available):
     """allgather and heads (ring: the tests above) for exact, dilated and block-sparse
     attention, in one launch: their all-gathers, all-to-alls and (dilated segments of 2
-    devices) in-group gathers cross the processes."""
-    proc = _run("--op", "all", "--strategies", "allgather,heads", "--layouts", "zigzag",
+    devices) in-group gathers cross the processes; and dilated attention with one
+    strategy per branch (the branch of 16 exchanges heads inside each process's pair
+    of devices, the branch of 32 across all four)."""
+    proc = _run("--op", "all", "--strategies", "allgather,heads,ring+heads+heads",
+                "--layouts", "zigzag",
                 "--segments", "4,16,32", "--rates", "1,2,4", "--tokens-per-device", "8",
                 "--timeout", "200")
     out = proc.stdout + proc.stderr
@@ -94,5 +97,7 @@ def test_strategies_two_processes_two_devices(gloo_available):
         assert (f"PASS dilated segments=[4, 16, 32] rates=[1, 2, 4] mode=longnet "
                 f"strategy={strategy} ") in out, out
         assert f"PASS block_sparse block_size=4 strategy={strategy} " in out, out
+    assert ("PASS dilated segments=[4, 16, 32] rates=[1, 2, 4] mode=longnet "
+            "strategy=ring+heads+heads ") in out, out
     assert "FAIL" not in out, out
     assert "ALL PASS (2 processes)" in out, out

@@ -84,6 +84,27 @@ CASES = [
      "contiguous", 4, 2),
     ("dilated", dict(segment_lengths=(8, 64), dilation_rates=(2, 8), is_causal=False),
      "allgather", 8, "contiguous", 8, 4),
+    # per-branch strategies (T=64 on P=4: 16 local, 32 spans 2 devices, 64 spans 4)
+    ("dilated", dict(DILATED, is_causal=True), ("ring", "allgather", "heads"), 4,
+     "contiguous", 4, 2),
+    # head_groups: 2 heads per branch; the branch of 64 spans both devices
+    ("dilated", dict(DILATED, mode="head_groups", is_causal=False),
+     ("heads", "heads", "heads"), 2, "contiguous", 6, 3),
+    # 8 devices, 4 kv heads: each dilated kv head repeated before the group all-to-all
+    ("dilated", dict(segment_lengths=(8, 32, 64), dilation_rates=(2, 4, 8), is_causal=True),
+     ("ring", "heads", "heads"), 8, "contiguous", 8, 4),
+    # soft-cap, sinks and a sliding-window branch go through every strategy of dilated
+    # attention (it runs them itself)
+    ("dilated", dict(segment_lengths=(jd.SlidingWindow(5), 32, 64), dilation_rates=(1, 2, 4),
+                     is_causal=True, logit_soft_cap=1.5,
+                     sinks=np.array([0.3, -1.0, 2.0, 0.0])), "allgather", 2, "contiguous",
+     4, 2),
+    ("dilated", dict(segment_lengths=(jd.SlidingWindow(5), 32, 64), dilation_rates=(1, 2, 4),
+                     is_causal=True, logit_soft_cap=1.5,
+                     sinks=np.array([0.3, -1.0, 2.0, 0.0])), "heads", 2, "contiguous", 4, 2),
+    ("dilated", dict(segment_lengths=(jd.SlidingWindow(5), 32, 64), dilation_rates=(1, 2, 4),
+                     mode="head_groups", logit_soft_cap=1.5), ("ring", "heads", "allgather"),
+     2, "contiguous", 6, 2),
     ("block_sparse", dict(block_size=8, pattern=bp.RandomBlocks(density=0.4, seed=1,
                                                                 per_head=True)),
      "heads", 4, "contiguous", 8, 4),
@@ -98,8 +119,14 @@ _FNS = {"exact": jd.ring_attention, "dilated": jd.dilated_attention,
         "block_sparse": jd.block_sparse_attention}
 
 
+def _case_id(c):
+    strategy = c[2] if isinstance(c[2], str) else "+".join(c[2])
+    extra = "-options" if "sinks" in c[1] or "logit_soft_cap" in c[1] else ""
+    return f"{c[0]}-{strategy}-P{c[3]}-{c[4]}{extra}"
+
+
 @pytest.mark.parametrize("op,options,strategy,p,layout,h,hkv", CASES,
-                         ids=[f"{c[0]}-{c[2]}-P{c[3]}-{c[4]}" for c in CASES])
+                         ids=[_case_id(c) for c in CASES])
 def test_strategy_equals_single_device(op, options, strategy, p, layout, h, hkv):
     q, k, v, g, mask = _inputs(h, hkv)
     if op == "exact":
@@ -142,11 +169,31 @@ def test_allgather_backward_is_a_reduce_scatter():
     assert "ppermute" not in text
 
 
+def test_per_branch_heads_is_an_all_to_all_among_the_segment_devices():
+    """A branch given "heads" exchanges heads with the devices of its segment only (an
+    all-to-all in groups of 2 for the branch of 32 on 4 devices, of all 4 for the
+    branch of 64); "ring" for every branch sends with ppermute and no all-to-all."""
+    q, k, v, g, _ = _inputs(4, 2)
+    dil = functools.partial(jd.dilated_attention, **DILATED)
+
+    def program(strategy):
+        attn = jd.sharded(dil, _mesh(4), seq_axis="seq", strategy=strategy)
+        return str(jax.make_jaxpr(lambda q, k, v: attn(q, k, v))(q, k, v))
+
+    mixed = program(("ring", "heads", "heads"))
+    assert "axis_index_groups=((0, 1), (2, 3))" in mixed and "ppermute" not in mixed
+    # per branch: q, k, v to heads, and o and the two-part lse back
+    assert mixed.count("all_to_all") == 2 * 6, mixed.count("all_to_all")
+    ring = program("ring")
+    assert "all_to_all" not in ring and "ppermute" in ring
+
+
 def test_strategy_errors_name_what_can_serve():
     q, k, v, _, _ = _inputs(6, 2)
     ring = functools.partial(jd.ring_attention, is_causal=True)
     with pytest.raises(ValueError, match=r"strategy must be one of \('ring', 'allgather', "
-                                         r"'heads', 'auto'\), got 'ulysses'"):
+                                         r"'heads', 'auto'\), or for dilated attention a "
+                                         r"tuple .* got 'ulysses'"):
         jd.sharded(ring, _mesh(4), seq_axis="seq", strategy="ulysses")
     attn = jd.sharded(ring, _mesh(4), seq_axis="seq", strategy="heads")
     with pytest.raises(ValueError, match=r"num_heads \(6\) divisible by the 4 devices.*"
@@ -169,18 +216,17 @@ def test_strategy_errors_name_what_can_serve():
 
 
 def test_ring_only_options_are_refused_by_the_other_strategies():
-    """window=, logit_soft_cap=, sinks= (and dilated SlidingWindow branches) reach only
-    the operation's own ring: the strategies that rebuild the call refuse them, and
-    auto picks the ring (never a result without them)."""
+    """window=, logit_soft_cap=, sinks= of exact attention reach only its own ring:
+    the strategies that rebuild the call refuse them, and auto picks the ring (never a
+    result without them). Dilated attention runs every strategy itself and carries
+    them (CASES above)."""
     q, k, v, _, _ = _inputs(4, 2)
     cases = [
         functools.partial(jd.ring_attention, is_causal=True, window=(8, 0)),
         functools.partial(jd.ring_attention, logit_soft_cap=2.0),
         functools.partial(jd.ring_attention, sinks=jnp.zeros(4)),
-        functools.partial(jd.dilated_attention, segment_lengths=(jd.SlidingWindow(8), 16),
-                          dilation_rates=(1, 2)),
     ]
-    for fn, what in zip(cases, ("window=", "logit_soft_cap=", "sinks=", "SlidingWindow")):
+    for fn, what in zip(cases, ("window=", "logit_soft_cap=", "sinks=")):
         for strategy in ("heads", "allgather"):
             attn = jd.sharded(fn, _mesh(2), seq_axis="seq", strategy=strategy)
             with pytest.raises(ValueError, match=rf"does not carry .*{what}.*"
@@ -188,6 +234,75 @@ def test_ring_only_options_are_refused_by_the_other_strategies():
                 attn(q, k, v)
         assert jd.explain_strategy(fn, q.shape, k.shape, num_devices=2,
                                    quiet=True)[0] == "ring"
+    window = functools.partial(jd.dilated_attention, logit_soft_cap=2.0,
+                               segment_lengths=(jd.SlidingWindow(8), 16),
+                               dilation_rates=(1, 2))
+    assert all(c.reason is None for c in jd.explain_strategy(
+        window, q.shape, k.shape, num_devices=2, quiet=True)[1].values())
+
+
+def test_per_branch_strategy_errors_name_the_branch():
+    q, k, v, _, _ = _inputs(6, 2)
+    dil = functools.partial(jd.dilated_attention, **DILATED)
+    with pytest.raises(ValueError, match=r"one entry of \('ring', 'allgather', 'heads'\) "
+                                         r"for each of the 3 branches, got \('ring', "
+                                         r"'heads'\)"):
+        jd.sharded(dil, _mesh(4), seq_axis="seq", strategy=("ring", "heads"))(q, k, v)
+    with pytest.raises(ValueError, match=r"strategy must be one of .* or for dilated "
+                                         r"attention a tuple .* got \('ring', 'ulysses'\)"):
+        jd.sharded(dil, _mesh(4), seq_axis="seq", strategy=("ring", "ulysses"))
+    with pytest.raises(ValueError, match=r"a per-branch strategy \('ring', 'heads'\) needs "
+                                         r"dilated_attention, got ring_attention"):
+        jd.sharded(jd.ring_attention, _mesh(4), seq_axis="seq",
+                   strategy=("ring", "heads"))(q, k, v)
+    # 6 heads: the branch of 64 spans 4 devices, the one of 32 spans 2
+    jd.sharded(dil, _mesh(4), seq_axis="seq", strategy=("ring", "heads", "ring"))
+    with pytest.raises(ValueError, match=r"branch 2 \(64, rate 4\) spans 4 devices and "
+                                         r"runs 6 query heads: its strategy 'heads' needs "
+                                         r"them divisible by 4; use 'ring' or 'allgather'"):
+        jd.sharded(dil, _mesh(4), seq_axis="seq", strategy=("ring", "heads", "heads"))(q, k, v)
+    window = functools.partial(jd.dilated_attention, segment_lengths=(jd.SlidingWindow(4), 64),
+                               dilation_rates=(1, 4))
+    with pytest.raises(ValueError, match=r"branch 0 \(SlidingWindow.*is a sliding window.*"
+                                         r"must be 'ring', got 'heads'"):
+        jd.sharded(window, _mesh(2), seq_axis="seq", strategy=("heads", "ring"))(q, k, v)
+    with pytest.raises(ValueError, match=r"strategy='heads' says how to parallelise the "
+                                         r"sequence axis: it needs seq_axis="):
+        dil(q, k, v, strategy="heads")
+    with pytest.raises(ValueError, match=r"strategy='heads' needs num_heads \(6\) "
+                                         r"divisible by the 4 devices of seq_axis='seq'"):
+        spec = jax.sharding.PartitionSpec(None, "seq")
+        jax.shard_map(lambda q, k, v: dil(q, k, v, seq_axis="seq", strategy="heads"),
+                      mesh=jax.sharding.Mesh(np.array(jax.devices()[:4]), ("seq",)),
+                      in_specs=spec, out_specs=spec)(q, k, v)
+
+
+def test_auto_mixes_branch_strategies_where_heads_cannot_serve_the_whole_call(capsys):
+    """12 heads on 8 CPU devices: no whole-call all-to-all, but the branch spanning 2
+    devices can run its own (12 % 2 == 0) while the one spanning 8 keeps its ring;
+    the mix is what auto runs, and it equals one device."""
+    dil = functools.partial(jd.dilated_attention, segment_lengths=(512, 2048, 8192),
+                            dilation_rates=(1, 2, 4), is_causal=True)
+    pick, costs, _ = jd.explain_strategy(dil, (1, 8192, 12, 64), num_devices=8,
+                                         platform="cpu")
+    assert pick == ("ring", "heads", "ring"), pick
+    assert costs["heads"].reason is not None and costs["per_branch"].strategy == pick
+    assert "('ring', 'heads', 'ring')" in capsys.readouterr().out
+    # the same pick at 1024 tokens (the branch of 256 spans 2 devices), run end to end
+    small = functools.partial(jd.dilated_attention, segment_lengths=(64, 256, 1024),
+                              dilation_rates=(1, 2, 4), is_causal=True)
+    rng = np.random.default_rng(3)
+    q, g = (rng.standard_normal((1, 1024, 12, D)) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1024, 6, D)) for _ in range(2))
+    mask = rng.random((1, 1024)) < 0.9
+    assert jd.explain_strategy(small, q.shape, k.shape, num_devices=8, platform="cpu",
+                               quiet=True)[0] == ("ring", "heads", "ring")
+    want = _value_and_grads(lambda q, k, v: small(q, k, v, kv_mask=mask), q, k, v, g)
+    attn = jd.sharded(small, _mesh(8), seq_axis="seq", strategy="auto")
+    _check(_value_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g), want)
+    # on a GPU the overlapped rings win for every branch: no mix
+    assert jd.explain_strategy(dil, (1, 8192, 12, 64), num_devices=8, platform="gpu",
+                               quiet=True)[0] == "ring"
 
 
 def test_auto_picks_a_strategy_that_serves_and_explains_it(capsys):
@@ -242,6 +357,19 @@ def test_layers_take_the_strategy():
         assert layer.core.strategy == strategy
         got = jax.jit(lambda q, k, v: layer(q, k, v, is_causal=True, kv_mask=mask))(q, k, v)
         _check([np.asarray(got)], [np.asarray(want)])
+    # a multi-head dilated layer with learnt sinks and a soft-cap, one strategy per
+    # branch over the mesh: the same as without a mesh
+    kw = dict(embed_dim=16, num_heads=2, segment_lengths=(16, 64), dilation_rates=(1, 4),
+              sinks=True, logit_soft_cap=2.0)
+    plain = jd.nnx.MultiheadDilatedAttention(**kw, rngs=nnx.Rngs(0))
+    plain.sinks.logit[...] = jnp.asarray([0.7, -0.4], plain.sinks.logit[...].dtype)
+    meshed = jd.nnx.MultiheadDilatedAttention(**kw, mesh=mesh, seq_axis="seq",
+                                              strategy=("ring", "heads"), rngs=nnx.Rngs(1))
+    nnx.update(meshed, nnx.state(plain))
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, T, 16)), jnp.float32)
+    want = plain(x, x, x, is_causal=True)
+    got = jax.jit(lambda x: meshed(x, x, x, is_causal=True))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     ring = jd.linen.RingAttention(mesh=mesh, seq_axis="seq", strategy="heads")
     got = ring.apply({}, q, k, v, is_causal=True, kv_mask=mask)
     _check([np.asarray(got)], [np.asarray(_dense(q, k, v, mask, True))])

@@ -104,7 +104,8 @@ class AttentionCore:
     options: its static keyword arguments (segment lengths, mode, scale, ...).
     mesh, seq_axis, batch_axis, head_axis, layout, strategy: with a mesh, ``fn`` runs
       sequence-parallel on global arrays through :func:`jax_dilated.sharded`
-      (``strategy``: ``"ring"``, ``"allgather"``, ``"heads"`` or ``"auto"``).
+      (``strategy``: ``"ring"``, ``"allgather"``, ``"heads"`` or ``"auto"``; for
+      dilated attention also a tuple with one of the first three per branch).
     """
 
     kind: str
@@ -115,7 +116,7 @@ class AttentionCore:
     batch_axis: str | None = None
     head_axis: str | None = None
     layout: str = "contiguous"
-    strategy: str = "ring"
+    strategy: str | tuple = "ring"
 
     @property
     def has_dropout(self) -> bool:
@@ -266,13 +267,15 @@ def check_sinks_flag(sinks, core: AttentionCore) -> bool:
 
 
 def check_mesh_scores(core: AttentionCore, sinks: bool = False):
-    """Over a mesh, ``window`` / ``logit_soft_cap`` / sinks reach the attention function
-    only through the operation's own ring: ``strategy="allgather"`` and ``"heads"``
-    rebuild the operation from its plain options and refuse them
-    (:func:`jax_dilated.ops.strategies.servable`; ``"auto"`` then picks the ring).
-    ValueError at construction for those two strategies (and at the call for the
-    call's ``sinks``)."""
-    if core.mesh is None or core.strategy not in ("allgather", "heads"):
+    """Over a mesh, ``window`` / ``logit_soft_cap`` / sinks of exact and block-sparse
+    attention reach the attention function only through the operation's own ring:
+    ``strategy="allgather"`` and ``"heads"`` rebuild the operation from its plain
+    options and refuse them (:func:`jax_dilated.ops.strategies.servable`; ``"auto"``
+    then picks the ring). ValueError at construction for those two strategies (and at
+    the call for the call's ``sinks``). The library's dilated attention runs every
+    strategy itself and carries them all."""
+    if (core.mesh is None or core.strategy not in ("allgather", "heads")
+            or (core.kind == "dilated" and core.fn is dilated_attention)):
         return
     given = [name for name, _ in core.options if name in ("window", "logit_soft_cap")]
     given += ["sinks"] if sinks else []

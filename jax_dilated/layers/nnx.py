@@ -280,9 +280,9 @@ class MultiheadDilatedAttention(_Multihead):
         ``segment_lengths``, rate 1, is a sliding-window branch).
       sinks: learn a sink logit per query head (parameter ``sinks.logit`` [H], in
         ``param_dtype``, initialised to 0) joining every row's softmax denominator
-        (docs/semantics.md, "Sliding windows, soft-capping and sinks"); not with
-        ``mesh`` yet (ValueError: ``jd.sharded`` takes no per-head sink logits).
-        Over a mesh ``logit_soft_cap`` (and windows) need ``strategy="ring"``.
+        (docs/semantics.md, "Sliding windows, soft-capping and sinks"). With a
+        ``mesh`` the sinks, ``logit_soft_cap`` and window branches go through every
+        ``strategy`` (dilated attention runs them all itself).
       num_kv_heads: key/value heads (grouped-query attention), dividing ``H``;
         default ``H``.
       dropout_rate: attention-probability dropout rate (``dropout=`` is its deprecated

@@ -1,14 +1,47 @@
 """Combining the branches of dilated attention: ``(out, lse)`` from every branch's
 partial (docs/semantics.md, section 2), shared by every path of
-:func:`jax_dilated.dilated_attention` and by decoding."""
+:func:`jax_dilated.dilated_attention` and by decoding; and the one-device program
+that produces them (:func:`one_device`)."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
-from jax_dilated.core import softmax
+from jax_dilated.core import dilation, softmax
+from jax_dilated.ops import dilated_local, dilated_window
 
-__all__ = ["combine_branches"]
+__all__ = ["combine_branches", "one_device"]
+
+
+def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng):
+    """``(out, lse)`` of unpacked dilated attention of ``plans`` on one device.
+
+    The blockwise XLA kernel streams chunks of segments into the output in place
+    (:mod:`jax_dilated.ops.dilated_local`); any other kernel (cuDNN) gets one batched
+    call per branch, with its own fused backward (what is fast on a GPU), and the
+    branches are combined afterwards. ``rng``: the dropout key or None.
+    """
+    if kernel.name == "xla":
+        return dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
+                                           kv_mask, rng)
+    results = []
+    for i, plan in enumerate(plans):
+        rng_i = None if rng is None else jax.random.fold_in(rng, i)
+        if plan.branch.window is not None:
+            results.append(dilated_window.local_partial(kernel, args, plan, query, key,
+                                                        value, kv_mask, rng_i))
+            continue
+        attend = functools.partial(_kernel_call, kernel, args, rng_i)
+        results.append(dilation.attend_dilated(attend, plan.branch, plan, query, key,
+                                               value, kv_mask))
+    return combine_branches(results, mode, query.dtype)
+
+
+def _kernel_call(kernel, args, rng, q, k, v, valid):
+    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng)
 
 
 def combine_branches(results, mode: str, dtype):

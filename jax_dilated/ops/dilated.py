@@ -17,24 +17,17 @@ whole output by the number of branches.
 
 from __future__ import annotations
 
-import functools
 
-import jax
 import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.core import branch_plans, dilation, softmax, validation
+from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.core.branches import is_window
 from jax_dilated.backends.base import window_arg
-from jax_dilated.ops import (dilated_local, dilated_packed, dilated_window, distributed,
-                             head_parallel)
-from jax_dilated.ops.branch_combine import combine_branches
+from jax_dilated.ops import dilated_packed, distributed, head_parallel
+from jax_dilated.ops.branch_combine import combine_branches, one_device
 
 __all__ = ["dilated_attention"]
-
-
-def _kernel_attend(kernel, args, rng, q, k, v, valid):
-    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng)
 
 
 def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
@@ -44,7 +37,8 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
                       implementation: str | None = None, block_q: int | None = None,
                       block_k: int | None = None, return_lse: bool = False,
                       segment_ids=None, max_documents: int | None = None, axis_name=None,
-                      logit_soft_cap: float | None = None, sinks=None):
+                      logit_soft_cap: float | None = None, sinks=None,
+                      strategy="ring"):
     """LongNet dilated attention, on one device or with the sequence sharded over a mesh axis.
 
     Args:
@@ -71,6 +65,17 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
         a shard run locally with no communication; a segment spanning ``g`` devices
         (``w = g n``, ``g | P``, or ``w >= T``; needs ``n % r == 0``) dilates locally
         and runs a ring over its ``g`` devices (:mod:`jax_dilated.ops.distributed`).
+      strategy: with ``seq_axis``, how the sequence axis is parallelised
+        (docs/semantics.md, section 8): ``"ring"`` (above), ``"allgather"`` (each
+        spanning branch gathers its segment's dilated keys and values over its ``g``
+        devices), ``"heads"`` (an all-to-all to the whole sequence of ``H / P`` heads
+        and the one-device program on it; needs ``H % P == 0``), or one entry per
+        branch of ``"ring"``, ``"allgather"``, ``"heads"`` (the last: an all-to-all
+        among the ``g`` devices of the branch's segment, to ``1 / g`` of its heads;
+        needs its query heads divisible by ``g``); a branch local to a shard moves
+        nothing whatever its entry. Packed rows run whole sequences of some heads under
+        every strategy (all-gathered under ``"allgather"``). Only ``"ring"`` without
+        ``seq_axis``.
       implementation: kernel; None chooses by device kind (``"xla"`` on CPU).
       block_q, block_k: kernel block sizes (None: the kernel's defaults).
       return_lse: also return the log-sum-exp ``[batch, seq, num_heads]`` (float32;
@@ -96,7 +101,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
         some heads: an all-to-all to ``H / P`` heads when ``P`` divides the heads
         (moving about a shard of q, k, v and the output per device), else q, k, v
         and the ids are all-gathered (``O(T H D)`` held per device) and each device
-        computes ``ceil(H / P)`` heads (:func:`jax_dilated.ops.head_parallel.packed_dilated`).
+        computes ``ceil(H / P)`` heads (:func:`jax_dilated.ops.head_parallel.dilated_over_heads`).
         No segment-length restriction of the unpacked sharded path applies.
       max_documents: a static bound on the documents per row with ``segment_ids``.
         Give it where you can: packed rows then cost about what their documents cost
@@ -150,6 +155,11 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
     block_q, block_k = validation.check_block_sizes(block_q, block_k)
     logit_soft_cap = validation.check_logit_soft_cap(logit_soft_cap)
     sinks = validation.check_sinks(sinks, h)
+    strategy = distributed.check_strategy(strategy, len(branches))
+    if seq_axis is None and strategy != "ring":
+        raise ValueError(f"strategy={strategy!r} says how to parallelise the sequence axis: "
+                         f"it needs seq_axis= (inside shard_map, or through jd.sharded); "
+                         f"on one device leave the default 'ring'.")
     for w, _ in branches:  # an explicit right > 0 with causal attention is an error now
         if is_window(w):
             window_arg(w.resolve(is_causal))
@@ -158,7 +168,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
                       block_q=block_q, block_k=block_k, logit_soft_cap=logit_soft_cap)
     o, lse = _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets,
                       kv_mask, dropout_rng, seq_axis, implementation, segment_ids,
-                      max_documents, segment_lengths, dilation_rates, scale)
+                      max_documents, segment_lengths, dilation_rates, scale, strategy)
     if sinks is not None:  # once, on the combined denominator (docs/semantics.md, s. 2)
         stats = softmax.stats_dtype(query.dtype)
         o, lse, _ = softmax.add_sinks(o.astype(stats), lse, jnp.zeros_like(lse), sinks)
@@ -168,60 +178,43 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
 
 def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, kv_mask,
              dropout_rng, seq_axis, implementation, segment_ids, max_documents,
-             segment_lengths, dilation_rates, scale):
+             segment_lengths, dilation_rates, scale, strategy):
     """``(out, lse)`` of every path of :func:`dilated_attention`, before the sinks."""
-    is_causal, dropout_rate = args.is_causal, args.dropout_rate
-    block_q, block_k = args.block_q, args.block_k
     num_devices = 1 if seq_axis is None else validation.axis_size(
         seq_axis, "dilated_attention(seq_axis=...)")
     plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
                                    num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
-    rng = dropout_rng if dropout_rate > 0.0 else None
+    rng = dropout_rng if args.dropout_rate > 0.0 else None
     segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
-    if segment_ids is not None and seq_axis is not None:
-        # documents start anywhere, so segments no longer sit on the shards: every
-        # device runs the packed program on the whole sequence of some heads
-        get_kernel(implementation)  # validate the name now, at trace time
+    kernel = get_kernel(implementation)  # validates the name now, at trace time
+    if seq_axis is None and segment_ids is not None:
+        return dilated_packed.packed_attention(kernel, args, plans, mode, query, key, value,
+                                               kv_mask, segment_ids, max_documents, rng)
+    if seq_axis is None:
+        return one_device(kernel, args, plans, mode, query, key, value, kv_mask, rng)
+    whole_heads = strategy == "heads"
+    if whole_heads and h % num_devices:
+        raise ValueError(f"strategy='heads' needs num_heads ({h}) divisible by the "
+                         f"{num_devices} devices of seq_axis={seq_axis!r}; use 'ring' or "
+                         f"'allgather'.")
+    if segment_ids is not None or whole_heads:
+        # every device runs the one-device program on the whole sequence of some heads
+        # (packed rows: documents start anywhere, so segments do not sit on the shards)
         dilated_packed.check_max_documents(max_documents)
         options = dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-                       mode=mode, head_offsets=head_offsets, is_causal=is_causal,
-                       scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                       implementation=implementation, block_q=block_q, block_k=block_k,
-                       max_documents=max_documents, logit_soft_cap=args.logit_soft_cap)
-        o, lse = head_parallel.packed_dilated(options, query, key, value, kv_mask,
-                                           segment_ids, axis_name=seq_axis,
-                                           num_devices=num_devices)
-        return o, lse
-    if segment_ids is not None:
-        return dilated_packed.packed_attention(get_kernel(implementation), args, plans, mode,
-                                               query, key, value, kv_mask, segment_ids,
-                                               max_documents, rng)
-    if seq_axis is None:
-        kernel = get_kernel(implementation)
-        if kernel.name == "xla":
-            # The blockwise kernel streams chunks of segments into the output in place
-            # (ops/dilated_local.py); cuDNN keeps one batched call per branch and its
-            # own fused backward, which is what is fast on a GPU.
-            return dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
-                                               kv_mask, rng)
-        results = []
-        for i, plan in enumerate(plans):
-            attend = functools.partial(
-                _kernel_attend, kernel, args,
-                None if rng is None else jax.random.fold_in(rng, i))
-            if plan.branch.window is not None:
-                results.append(dilated_window.local_partial(
-                    kernel, args, plan, query, key, value, kv_mask,
-                    None if rng is None else jax.random.fold_in(rng, i)))
-                continue
-            results.append(dilation.attend_dilated(attend, plan.branch, plan, query, key,
-                                                 value, kv_mask))
-    else:
-        get_kernel(implementation)  # validate the name now, at trace time
-        sharded_branches = distributed.shard_branches(branches, local_len=t,
-                                                      num_devices=num_devices)
-        results = distributed.branch_partials(
-            plans, sharded_branches, query, key, value, kv_mask, args,
-            axis_name=seq_axis, num_devices=num_devices, implementation=implementation,
-            dropout_rng=rng)
+                       mode=mode, head_offsets=head_offsets, is_causal=args.is_causal,
+                       scale=scale, dropout_rate=args.dropout_rate, dropout_rng=dropout_rng,
+                       implementation=implementation, block_q=args.block_q,
+                       block_k=args.block_k, max_documents=max_documents,
+                       logit_soft_cap=args.logit_soft_cap)
+        return head_parallel.dilated_over_heads(
+            options, query, key, value, kv_mask, segment_ids, axis_name=seq_axis,
+            num_devices=num_devices,
+            gather=strategy == "allgather")
+    sharded_branches = distributed.shard_branches(branches, local_len=t,
+                                                  num_devices=num_devices)
+    results = distributed.branch_partials(
+        plans, sharded_branches, query, key, value, kv_mask, args, axis_name=seq_axis,
+        num_devices=num_devices, implementation=implementation, dropout_rng=rng,
+        strategies=distributed.branch_strategies(strategy, plans, sharded_branches))
     return combine_branches(results, mode, query.dtype)

@@ -17,13 +17,27 @@ consecutive tokens. Every branch ``(w, r)`` runs in one of two ways:
   the same way as their global positions: every device sees its own keys and those of
   the earlier devices of its segment.
 
-Ring rather than all-gather: a ring step sends one ``n / r`` block and overlaps it with
-compute, and memory stays one block; an all-gather would hold all ``g`` blocks
-(``w / r`` tokens) at once and, for the backward, needs a reduce-scatter of the same
-size. Both send ``(g - 1) n / r`` tokens per device in total. Measured
-(``python -m benchmarks distributed --allgather``: global n=65536, 8 heads, head_dim
-64, float32, causal, the branch (65536, 16) alone at P=8): compiled forward+backward
-temp memory per device 40.1 MiB as a ring, 65.1 MiB as an all-gather.
+How a spanning branch brings its segment together is its *strategy* (``strategy=`` of
+:func:`jax_dilated.dilated_attention`, one entry per branch or one for all;
+docs/semantics.md, section 8):
+
+* ``"ring"`` (the default): the ring above. A step sends one ``n / r`` block and
+  overlaps it with compute, and memory stays one block.
+* ``"allgather"``: the ``g`` devices gather the segment's dilated keys and values
+  (all ``w / r`` tokens at once) and attend their own dilated queries to them in one
+  kernel call; the backward reduce-scatters dk/dv. The same ``(g - 1) n / r`` tokens
+  per device as the ring, more memory. Measured (``python -m benchmarks distributed
+  --allgather``: global n=65536, 8 heads, head_dim 64, float32, causal, the branch
+  (65536, 16) alone at P=8): compiled forward+backward temp memory per device
+  40.1 MiB as a ring, 65.1 MiB as an all-gather.
+* ``"heads"``: an all-to-all inside the group of ``g`` devices turns the dilated
+  ``[B, n / r, Hq, D]`` into ``[B, w / r, Hq / g, D]`` (the whole dilated segment of
+  a ``1 / g`` slice of the branch's heads; kv heads repeated first where ``g`` does
+  not divide them, as the ``"heads"`` strategy does), one kernel call runs on it, and
+  a second all-to-all brings ``(o, lse)`` back. Needs the branch's query heads
+  divisible by ``g``; it moves ``(g - 1) / g`` of the dilated q, k, v and output.
+
+A local branch moves nothing, whatever its entry says.
 
 The backward is the ring's ``custom_vjp`` (the key/value blocks and their gradient
 accumulators travel together and return to their owners), so memory per device is
@@ -38,22 +52,29 @@ lies outside every local query's window are skipped), whatever the shard length.
 Packed rows (``segment_ids``) do not run here: their segment grid restarts at every
 document, so segments do not sit on the shards, and each device runs the one-device
 packed program on the whole sequence of some heads instead
-(:func:`jax_dilated.ops.head_parallel.packed_dilated`; docs/semantics.md, section 2).
+(:func:`jax_dilated.ops.head_parallel.dilated_over_heads`; docs/semantics.md, section 2).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, dilation
 from jax_dilated.core.branches import is_window
 from jax_dilated.ops import dilated_window
+from jax_dilated.ops.head_parallel import kv_repeat
 from jax_dilated.ops.ring import RingConfig, ring_partials
 
-__all__ = ["ShardedBranch", "shard_branches", "branch_partials"]
+__all__ = ["BRANCH_STRATEGIES", "ShardedBranch", "shard_branches", "check_strategy",
+           "branch_strategies",
+           "group_gather", "branch_partials"]
+
+BRANCH_STRATEGIES = ("ring", "allgather", "heads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +150,123 @@ def shard_branches(branches, *, local_len: int, num_devices: int) -> list[Sharde
     return out
 
 
+def check_strategy(strategy, num_branches: int):
+    """``strategy`` as given (one of :data:`BRANCH_STRATEGIES`) or as a tuple with one
+    entry per branch; a ``ValueError`` for anything else."""
+    if isinstance(strategy, str):
+        if strategy not in BRANCH_STRATEGIES:
+            raise ValueError(f"strategy must be one of {BRANCH_STRATEGIES} or a sequence "
+                             f"of them, one per branch, got {strategy!r}.")
+        return strategy
+    entries = tuple(strategy) if isinstance(strategy, (tuple, list)) else None
+    if (entries is None or len(entries) != num_branches
+            or any(not isinstance(e, str) or e not in BRANCH_STRATEGIES for e in entries)):
+        raise ValueError(f"a per-branch strategy needs one entry of {BRANCH_STRATEGIES} "
+                         f"for each of the {num_branches} branches, got {strategy!r}.")
+    return entries
+
+
+def branch_strategies(strategy, plans, sharded_branches) -> tuple[str, ...]:
+    """The strategy of every branch: ``strategy`` is one of :data:`BRANCH_STRATEGIES`
+    for all branches or a sequence with one entry per branch (:func:`check_strategy`).
+
+    Raises:
+      ValueError naming the branch and the entries that can serve it, when a
+      sliding-window branch is given anything but ``"ring"`` (its windowed ring) or
+      ``"heads"`` is given to a spanning branch whose query heads do not divide by the
+      devices of its segment.
+    """
+    strategy = check_strategy(strategy, len(sharded_branches))
+    if isinstance(strategy, str):  # one word for all: window branches keep their ring
+        entries = tuple("ring" if sb.cut.window is not None else strategy
+                        for sb in sharded_branches)
+    else:
+        entries = strategy
+    for i, (e, plan, sb) in enumerate(zip(entries, plans, sharded_branches)):
+        name = f"branch {i} ({sb.segment_length!r}, rate {sb.rate})"
+        if sb.cut.window is not None and e != "ring":
+            raise ValueError(f"{name} is a sliding window: it runs as the windowed ring "
+                             f"over every device, so its strategy must be 'ring', got {e!r}.")
+        heads = len(plan.query_heads)
+        if e == "heads" and not sb.is_local and heads % sb.ring_size:
+            raise ValueError(
+                f"{name} spans {sb.ring_size} devices and runs {heads} query heads: its "
+                f"strategy 'heads' needs them divisible by {sb.ring_size}; use 'ring' or "
+                f"'allgather' for it.")
+    return entries
+
+
+def group_gather(x, axis_name: str, num_devices: int, group: int):
+    """``[B, L, ...]`` of the ``group`` consecutive devices of this device's group,
+    concatenated in device order along axis 1 (all of them when ``group == P``)."""
+    if x is None:
+        return None
+    if group == num_devices:
+        return jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+    # g - 1 shifts inside each group: blocks[s] is the block of ring index (i - s) % g
+    g, p = group, num_devices
+    blocks = [x]
+    for s in range(1, g):
+        perm = [(j, j - j % g + (j % g + s) % g) for j in range(p)]
+        blocks.append(jax.lax.ppermute(x, axis_name, perm))
+    # order by source ring index c: source c sits at s = (i - c) % g
+    stacked = jnp.stack([blocks[(-c) % g] for c in range(g)])  # [g, ...]: source (c - i)
+    i = jax.lax.axis_index(axis_name) % g
+    stacked = jnp.roll(stacked, i, axis=0)
+    return jnp.concatenate(list(stacked), axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """The ``size`` consecutive devices of ``axis_name`` (of ``num_devices``) that hold
+    one dilated segment, and the kernel that attends inside it."""
+
+    axis_name: str
+    num_devices: int
+    size: int
+    kernel: object
+    args: KernelArgs
+
+
+def _gathered(grp: _Group, rng, q, k, v, valid):
+    """Strategy ``"allgather"``: this device's dilated queries [N, L, Hq, D] against the
+    segment's dilated keys of all ``g`` devices (global positions inside it)."""
+    length = q.shape[1]
+    kg, vg, validg = (group_gather(x, grp.axis_name, grp.num_devices, grp.size)
+                      for x in (k, v, valid))
+    start = (jax.lax.axis_index(grp.axis_name) % grp.size) * length
+    return grp.kernel.attention(
+        q, kg, vg, grp.args, q_positions=start + jnp.arange(length, dtype=jnp.int32),
+        k_positions=jnp.arange(grp.size * length, dtype=jnp.int32), kv_valid=validg,
+        dropout_rng=rng)
+
+
+def _head_exchanged(grp: _Group, rng, q, k, v, valid):
+    """Strategy ``"heads"``: all-to-all inside the group to the whole dilated segment
+    [N, g L, Hq / g, D] of a slice of the heads, one kernel call, all-to-all back."""
+    g, p = grp.size, grp.num_devices
+    groups = None if g == p else [list(range(s, s + g)) for s in range(0, p, g)]
+    rep = kv_repeat(k.shape[2], g)
+    if rep > 1:  # query head i reads kv head i // group: a repeat keeps that mapping
+        k, v = (jnp.repeat(x, rep, axis=2) for x in (k, v))
+        valid = None if valid is None else jnp.repeat(valid, rep, axis=2)
+
+    def to_heads(x):
+        return None if x is None else jax.lax.all_to_all(
+            x, grp.axis_name, 2, 1, tiled=True, axis_index_groups=groups)
+
+    def to_tokens(x):
+        return jax.lax.all_to_all(x, grp.axis_name, 1, 2, tiled=True,
+                                  axis_index_groups=groups)
+
+    out = grp.kernel.attention(to_heads(q), to_heads(k), to_heads(v), grp.args,
+                               kv_valid=to_heads(valid), dropout_rng=rng)
+    return tuple(to_tokens(x) for x in out)
+
+
 def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
-                    *, axis_name, num_devices: int, implementation, dropout_rng):
+                    *, axis_name, num_devices: int, implementation, dropout_rng,
+                    strategies=None):
     """``[(o_i, lse_i, lse_lo_i)]`` of every branch for this device's queries (inside
     shard_map; the log-sum-exp in two parts, :mod:`jax_dilated.core.softmax`).
 
@@ -140,6 +276,7 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
       query: [B, n, H, D]; key, value: [B, n, Hkv, D]; kv_mask: None or [B, n].
       dropout_rng: None, or the key of the whole call; every branch, device and
         ring step draws its own mask from it.
+      strategies: :func:`branch_strategies` (None: every branch ``"ring"``).
 
     Returns:
       per branch, o [B, n, Hq, D] and lse, lse_lo [B, n, Hq] over the branch's global
@@ -147,27 +284,35 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
     """
     kernel = get_kernel(implementation)
     me = jax.lax.axis_index(axis_name)
+    strategies = ("ring",) * len(plans) if strategies is None else strategies
     results = []
-    for i, (plan, sb) in enumerate(zip(plans, sharded_branches)):
+    for i, (plan, sb, how) in enumerate(zip(plans, sharded_branches, strategies)):
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
         if plan.branch.window is not None:
             results.append(dilated_window.ring_partial(
                 args, plan, query, key, value, kv_mask, rng, axis_name=axis_name,
                 num_devices=num_devices, implementation=implementation))
             continue
+        # a ring folds in its device and step itself; the others draw per device here
+        device_rng = None if rng is None else jax.random.fold_in(rng, me)
         if sb.is_local:
-            local_rng = None if rng is None else jax.random.fold_in(rng, me)
-
-            def attend(q, k, v, valid, local_rng=local_rng):
-                return kernel.attention(q, k, v, args, kv_valid=valid,
-                                        dropout_rng=local_rng)
-        else:
+            attend = functools.partial(_local, kernel, args, device_rng)
+        elif how == "ring":
             cfg = RingConfig(axis_name, num_devices, sb.ring_size, "contiguous", args,
                              implementation)
-
-            def attend(q, k, v, valid, cfg=cfg, rng=rng):
-                return ring_partials(q, k, v, valid, rng, cfg)
-
+            attend = functools.partial(_ring, cfg, rng)
+        else:
+            grp = _Group(axis_name, num_devices, sb.ring_size, kernel, args)
+            attend = functools.partial(
+                _gathered if how == "allgather" else _head_exchanged, grp, device_rng)
         results.append(dilation.attend_dilated(attend, sb.cut, plan, query, key, value,
                                              kv_mask))
     return results
+
+
+def _local(kernel, args, rng, q, k, v, valid):
+    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng)
+
+
+def _ring(cfg, rng, q, k, v, valid):
+    return ring_partials(q, k, v, valid, rng, cfg)

@@ -2,7 +2,8 @@
 head shards, and dilated attention of this device's heads over the whole sequence.
 
 The ``"heads"`` strategy of :mod:`jax_dilated.ops.strategies` builds on these, and so
-does packed dilated attention with ``seq_axis`` (:func:`packed_dilated`), which
+does dilated attention with ``seq_axis`` (:func:`dilated_over_heads`: its ``"heads"``
+strategy, and packed rows under every strategy), which
 :func:`jax_dilated.dilated_attention` calls: this module sits below both (it imports
 neither), so neither import goes in a circle.
 """
@@ -17,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.core import branch_plans, dilation, validation
-from jax_dilated.ops import dilated_local, dilated_packed
-from jax_dilated.ops.branch_combine import combine_branches
+from jax_dilated.core import branch_plans, validation
+from jax_dilated.ops import dilated_packed
+from jax_dilated.ops.branch_combine import one_device
 
 __all__ = ["seq_to_heads", "heads_to_seq", "gather_tokens", "kv_repeat", "kernel_args",
-           "head_plans", "plan_key", "by_device", "dilated_heads", "attend_kernel",
-           "to_heads", "packed_dilated"]
+           "head_plans", "plan_key", "by_device", "dilated_heads",
+           "to_heads", "dilated_over_heads"]
 
 
 def seq_to_heads(x, axis_name: str):
@@ -156,15 +157,8 @@ def dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
         if segment_ids is not None:
             out, lse = dilated_packed.packed_attention(kernel, args, plans, mode, q, k, v, mask,
                                            segment_ids, o.get("max_documents"), rng)
-        elif kernel.name == "xla":
-            out, lse = dilated_local.dilated_local(kernel, args, plans, mode, q, k, v, mask,
-                                                   rng)
         else:
-            results = [dilation.attend_dilated(
-                functools.partial(attend_kernel, kernel, args,
-                                  None if rng is None else jax.random.fold_in(rng, i)),
-                p.branch, p, q, k, v, mask) for i, p in enumerate(plans)]
-            out, lse = combine_branches(results, mode, q.dtype)
+            out, lse = one_device(kernel, args, plans, mode, q, k, v, mask, rng)
         if mode == "head_groups" and len(plans) != len(branches):
             # this device's heads are in fewer groups than there are branches: the
             # output is divided by the number of all branches, not of these
@@ -173,10 +167,6 @@ def dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
 
     return by_device(axis_name, variants,
                       lambda plans: run(plans, q, k, v, mask, rng))
-
-
-def attend_kernel(kernel, args, rng, q, k, v, valid):
-    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng)
 
 
 def to_heads(q, k, v, mask, segment_ids, axis_name: str, num_devices: int):
@@ -190,14 +180,17 @@ def to_heads(q, k, v, mask, segment_ids, axis_name: str, num_devices: int):
             gather_tokens(segment_ids, axis_name))
 
 
-def packed_dilated(options, q, k, v, mask, segment_ids, *, axis_name: str,
-                   num_devices: int, gather: bool = False):
-    """Dilated attention over packed rows, the sequence sharded contiguously over
-    ``axis_name`` (inside ``shard_map``): ``(out [B, n, H, D], lse [B, n, H])``.
+def dilated_over_heads(options, q, k, v, mask, segment_ids, *, axis_name: str,
+                       num_devices: int, gather: bool = False):
+    """Dilated attention, the sequence sharded contiguously over ``axis_name`` (inside
+    ``shard_map``), run as single-device programs on the whole sequence of some heads:
+    ``(out [B, n, H, D], lse [B, n, H])``.
 
-    A document may start anywhere, so the segment grid no longer sits on the shards:
-    every device runs the single-device packed program on the *whole* sequence of
-    some heads (global head numbering), then an all-to-all brings its rows back.
+    Every device runs the single-device program (the packed one with ``segment_ids``
+    [B, n], this shard's ids) on the *whole* sequence of some heads (global head
+    numbering), then an all-to-all brings its rows back. It serves the ``"heads"``
+    strategy, and packed rows under every strategy: a document may start anywhere,
+    so the segment grid no longer sits on the shards.
 
     * ``H % P == 0`` (and not ``gather``): the heads strategy's all-to-all
       (:func:`seq_to_heads`), ``H / P`` heads per device; each device sends about

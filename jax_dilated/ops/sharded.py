@@ -51,7 +51,7 @@ def _place(x, mesh, spec):
 
 def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
             head_axis: str | None = None, layout: str = "contiguous",
-            strategy: str = "ring"):
+            strategy="ring"):
     """Wrap ``fn`` (``jd.ring_attention``, ``jd.dilated_attention``) to run on global arrays over ``mesh``.
 
     Args:
@@ -74,7 +74,12 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         operations only), ``"heads"`` (all-to-all to head-sharded arrays, ``fn``
         runs unchanged, without ``seq_axis``, on the whole sequence of ``H / P``
         heads; needs the heads divisible by the axis size) or ``"auto"`` (chosen
-        per call by the cost model of :func:`jax_dilated.explain_strategy`).
+        per call by the cost model of :func:`jax_dilated.explain_strategy`). For
+        dilated attention also a tuple with one of ``"ring"``, ``"allgather"``,
+        ``"heads"`` per branch (how each branch spanning devices brings its segment
+        together: its ring, a gather, or an all-to-all among its devices; passed on
+        as ``strategy=`` of :func:`jax_dilated.dilated_attention`), which ``"auto"``
+        may also pick.
 
     Returns:
       ``g(query, key, value, *, kv_mask=None, segment_ids=None, sinks=None)`` on global
@@ -103,7 +108,7 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                         f"{fn!r}.")
     validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
     layouts.check_layout(layout)
-    strategies.check_strategy(strategy)
+    strategy = strategies.check_strategy(strategy)
     op = strategies.describe(fn)
     axis_kw = _axis_keyword(fn)
     # Only the ring takes a layout; dilated attention shards contiguously.
@@ -152,8 +157,8 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         op_call = op if sinks is None else dataclasses.replace(
             op, options={**op.options, "sinks": True})
         heads_per_shard = h // mesh.shape[head_axis] if head_axis is not None else h
+        kv_per_shard = hkv // mesh.shape[head_axis] if head_axis is not None else hkv
         if strategy == "auto":
-            kv_per_shard = hkv // mesh.shape[head_axis] if head_axis is not None else hkv
             chosen = strategies.choose(
                 op_call, batch=b, seq_len=t, num_heads=heads_per_shard,
                 num_kv_heads=kv_per_shard, head_dim=query.shape[-1], num_devices=num,
@@ -161,7 +166,8 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         strategies.require(
             op_call, chosen, num_heads=heads_per_shard, num_devices=num, layout=layout,
             seq_len=t, heads_of="" if head_axis is None else
-            f" in each shard of head_axis={head_axis!r}", segment_ids=packed)
+            f" in each shard of head_axis={head_axis!r}", segment_ids=packed,
+            num_kv_heads=kv_per_shard)
         # the heads strategy needs no layout: it moves whole heads, not tokens
         lay = "contiguous" if chosen == "heads" else layout
         # Re-layout inside shard_map (O(T / P) moved per device) when the shards allow
@@ -189,14 +195,19 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
             specs.append(P(head_axis))
 
         def compute(q, k, v, mask, ids, sink):
-            if chosen == "heads":
+            if op.kind == "dilated":  # it runs every strategy itself (strategy=)
+                extra = {} if chosen == "ring" else {"strategy": chosen}
+            elif chosen == "heads":
                 return strategies.heads_local(op, q, k, v, mask, ids, axis_name=seq_axis,
                                               num_devices=num)
-            if chosen == "allgather":
+            elif chosen == "allgather":
                 return strategies.allgather_local(op, q, k, v, mask, ids,
                                                   axis_name=seq_axis, num_devices=num,
                                                   layout=lay)
-            extra = {} if ids is None else {"segment_ids": ids}
+            else:
+                extra = {}
+            if ids is not None:
+                extra["segment_ids"] = ids
             if sink is not None:
                 extra["sinks"] = sink
             return fn(q, k, v, kv_mask=mask, **{axis_kw: seq_axis}, **layout_kw, **extra)

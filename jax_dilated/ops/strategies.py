@@ -31,7 +31,7 @@ each), an attention operation can run three ways (docs/semantics.md, section 8):
 Packed dilated attention (``segment_ids``) restarts its segment grid at every document,
 so its segments do not sit on the shards: under every strategy each device runs the
 single-device packed program on the whole sequence of some heads
-(:func:`packed_dilated`).
+(:func:`dilated_over_heads`).
 
 ``"auto"`` chooses one from the cost model of :func:`estimate` (bytes sent and memory
 held per device, whether the transfer overlaps compute); :func:`explain_strategy`
@@ -51,21 +51,20 @@ import numpy as np
 
 from jax_dilated.backends import get_kernel
 from jax_dilated.backends.base import KeySide, QuerySide, RowGrads
-from jax_dilated.core import branch_plans, dilation, layouts, softmax, validation
+from jax_dilated.core import branch_plans, layouts, softmax, validation
 from jax_dilated.core.branches import is_window
 from jax_dilated.ops import block_sparse as block_sparse_ops
 from jax_dilated.ops import dilated as dilated_ops
 from jax_dilated.ops import distributed, head_parallel
 from jax_dilated.ops.block_sparse_plan import head_classes, resolve_mask, ring_blocks
-from jax_dilated.ops.branch_combine import combine_branches
 # the head-parallel transforms are part of this module's public names
-from jax_dilated.ops.head_parallel import (gather_tokens, heads_to_seq, packed_dilated,
+from jax_dilated.ops.head_parallel import (gather_tokens, heads_to_seq, dilated_over_heads,
                                            seq_to_heads)
 from jax_dilated.ops.ring import ring_attention
 
 __all__ = ["STRATEGIES", "Operation", "describe", "accepts", "check_strategy", "servable",
            "seq_to_heads", "heads_to_seq", "gather_tokens", "heads_local",
-           "allgather_local", "packed_dilated", "StrategyCost", "estimate", "choose",
+           "allgather_local", "dilated_over_heads", "StrategyCost", "estimate", "choose",
            "explain_strategy"]
 
 STRATEGIES = ("ring", "allgather", "heads", "auto")
@@ -128,7 +127,7 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
     ``heads_of`` says whose heads ``num_heads`` counts in messages (e.g. those of one
     ``head_axis`` shard). ``segment_ids``: the call has packed rows; a custom function
     must then take ``segment_ids=``, and packed dilated attention has no segment rule
-    to check (it runs whole sequences of some heads, :func:`packed_dilated`).
+    to check (it runs whole sequences of some heads, :func:`dilated_over_heads`).
     """
     why = {"ring": None, "allgather": None, "heads": None}
     if num_heads % num_devices:
@@ -149,7 +148,7 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
         sequence = ("block-sparse attention needs shards made of whole blocks, got "
                     "layout='striped'")
     elif seq_len is not None and op.kind == "dilated" and segment_ids:
-        pass  # packed rows: every strategy runs whole sequences (packed_dilated)
+        pass  # packed rows: every strategy runs whole sequences (dilated_over_heads)
     elif seq_len is not None and op.kind in ("dilated", "block_sparse"):
         try:
             n = seq_len // num_devices
@@ -176,13 +175,14 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
 
 def _ring_only_options(op: Operation) -> str:
     """The options of ``op`` that only its own ring applies (the other strategies
-    rebuild the call from plain options and would drop them), as ``"a=, b="``."""
+    rebuild the call from plain options and would drop them), as ``"a=, b="``.
+    Dilated attention runs every strategy itself (``strategy=`` of
+    :func:`jax_dilated.dilated_attention`), so it carries all of its options."""
+    if op.kind == "dilated":
+        return ""
     names = [name for name in ("window", "logit_soft_cap", "sinks")
              if op.options.get(name) is not None]
-    if op.kind == "dilated" and any(is_window(entry) for entry in
-                                    op.options.get("segment_lengths", ())):
-        names.append("segment_lengths with a SlidingWindow branch")
-    return ", ".join(f"{n}=" if " " not in n else n for n in names)
+    return ", ".join(f"{n}=" for n in names)
 
 
 def _fn_name(fn) -> str:
@@ -190,18 +190,32 @@ def _fn_name(fn) -> str:
     return getattr(inner, "__name__", repr(inner))
 
 
-def check_strategy(strategy) -> str:
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
-    return strategy
+def check_strategy(strategy):
+    """``strategy`` as given: one of :data:`STRATEGIES`, or (dilated attention) a
+    tuple of ``"ring"``, ``"allgather"``, ``"heads"``, one per branch (its length is
+    checked against the branches at the call)."""
+    if isinstance(strategy, str) and strategy in STRATEGIES:
+        return strategy
+    if (isinstance(strategy, (tuple, list)) and strategy
+            and all(isinstance(e, str) and e in distributed.BRANCH_STRATEGIES
+                    for e in strategy)):
+        return tuple(strategy)
+    raise ValueError(f"strategy must be one of {STRATEGIES}, or for dilated attention a "
+                     f"tuple with one of {distributed.BRANCH_STRATEGIES} per branch, got "
+                     f"{strategy!r}.")
 
 
-def require(op: Operation, strategy: str, *, num_heads: int, num_devices: int,
+def require(op: Operation, strategy, *, num_heads: int, num_devices: int,
             layout: str, seq_len: int | None = None, heads_of: str = "",
-            segment_ids: bool = False) -> None:
+            segment_ids: bool = False, num_kv_heads: int | None = None) -> None:
     """Raise ``ValueError`` naming the strategies that can serve when ``strategy``
     cannot. (``"ring"`` without segment ids is left to the operation, whose own
     messages say why.)"""
+    if isinstance(strategy, tuple):
+        return _require_per_branch(op, strategy, num_heads=num_heads,
+                                   num_kv_heads=num_kv_heads or num_heads,
+                                   num_devices=num_devices, layout=layout,
+                                   seq_len=seq_len, segment_ids=segment_ids)
     if strategy == "ring" and not segment_ids:
         return
     why = servable(op, num_heads=num_heads, num_devices=num_devices, layout=layout,
@@ -214,27 +228,31 @@ def require(op: Operation, strategy: str, *, num_heads: int, num_devices: int,
     raise ValueError(f"{why[strategy]}; {alt} (strategy='auto' chooses among those).")
 
 
+def _require_per_branch(op, strategy, *, num_heads, num_kv_heads, num_devices, layout,
+                        seq_len, segment_ids):
+    """A per-branch strategy: dilated attention only, one entry per branch, each able
+    to serve its branch (:func:`jax_dilated.ops.distributed.branch_strategies`)."""
+    if op.kind != "dilated":
+        raise ValueError(f"a per-branch strategy {strategy!r} needs dilated_attention, got "
+                         f"{op.name}; use one of {STRATEGIES}.")
+    branches = branch_plans.validate_branches(op.options["segment_lengths"],
+                                              op.options["dilation_rates"])
+    distributed.check_strategy(strategy, len(branches))
+    if segment_ids or seq_len is None:
+        return  # packed rows run whole sequences of some heads under every strategy
+    if layout != "contiguous":
+        raise ValueError(f"dilated attention shards the sequence contiguously, got "
+                         f"layout={layout!r}.")
+    plans = branch_plans.plan_branches(
+        branches, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        mode=op.options.get("mode", "longnet"),
+        offsets_rule=op.options.get("head_offsets", "modulo"))
+    sbs = distributed.shard_branches(branches, local_len=seq_len // num_devices,
+                                     num_devices=num_devices)
+    distributed.branch_strategies(strategy, plans, sbs)
+
+
 # ----------------------------------------------------------------- the transforms
-
-
-def _group_gather(x, axis_name: str, num_devices: int, group: int):
-    """``[B, L, ...]`` of the ``group`` consecutive devices of this device's group,
-    concatenated in device order along axis 1 (all of them when ``group == P``)."""
-    if x is None:
-        return None
-    if group == num_devices:
-        return gather_tokens(x, axis_name)
-    # g - 1 shifts inside each group: blocks[s] is the block of ring index (i - s) % g
-    g, p = group, num_devices
-    blocks = [x]
-    for s in range(1, g):
-        perm = [(j, j - j % g + (j % g + s) % g) for j in range(p)]
-        blocks.append(jax.lax.ppermute(x, axis_name, perm))
-    # order by source ring index c: source c sits at s = (i - c) % g
-    stacked = jnp.stack([blocks[(-c) % g] for c in range(g)])  # [g, ...]: source (c - i)
-    i = jax.lax.axis_index(axis_name) % g
-    stacked = jnp.roll(stacked, i, axis=0)
-    return jnp.concatenate(list(stacked), axis=1)
 
 
 # ------------------------------------------------------------------ heads strategy
@@ -247,7 +265,9 @@ def heads_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name: st
     ``q`` [B, n, H, D], ``k``/``v`` [B, n, H_kv, D], ``mask`` and ``segment_ids`` None or
     [B, n]; returns [B, n, H, D]. ``H`` must divide by ``P`` (checked by
     :func:`require`). The ids are gathered whole, like the mask, and the single-device
-    operation gets them (exact attention: the kernel's document mask).
+    operation gets them (exact attention: the kernel's document mask). Dilated
+    attention runs its strategies itself (``strategy=`` of
+    :func:`jax_dilated.dilated_attention`), so it does not come here.
     """
     p, num_heads = num_devices, q.shape[2]
     q, k, v, mask, ids = head_parallel.to_heads(q, k, v, mask, segment_ids, axis_name, p)
@@ -267,8 +287,6 @@ def heads_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name: st
             q, k, v, segment_lengths=(q.shape[1],), dilation_rates=(1,), kv_mask=mask,
             **{key: kw[key] for key in ("is_causal", "scale", "implementation",
                                         "block_q", "block_k") if key in kw})
-    elif op.kind == "dilated":
-        out = head_parallel.dilated_heads(kw, q, k, v, mask, axis_name, p, num_heads, ids)[0]
     elif op.kind == "block_sparse":
         out = _block_sparse_heads(op.fn, kw, q, k, v, mask, axis_name, p, num_heads, extra)
     else:
@@ -312,15 +330,11 @@ def allgather_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name
     ``q`` [B, n, H, D], ``k``/``v`` [B, n, H_kv, D], ``mask`` and ``segment_ids`` None
     or [B, n]; returns [B, n, H, D] (this device's queries against every key). The ids
     are gathered with the keys: the kernel compares the local queries' ids [B, n] with
-    the gathered keys' [B, T]. Packed dilated attention gathers q, k, v and ids and
-    runs some heads of the whole sequence (:func:`packed_dilated`).
+    the gathered keys' [B, T]. Exact and block-sparse attention only: dilated
+    attention runs its strategies itself (``strategy=`` of
+    :func:`jax_dilated.dilated_attention`).
     """
     o = op.options
-    if op.kind == "dilated" and segment_ids is not None:
-        return packed_dilated(o, q, k, v, mask, segment_ids, axis_name=axis_name,
-                              num_devices=num_devices, gather=True)[0]
-    if op.kind == "dilated":
-        return _dilated_allgather(o, q, k, v, mask, axis_name, num_devices)
     p, n = num_devices, q.shape[1]
     kall, vall, mall, idsall = (gather_tokens(x, axis_name)
                                 for x in (k, v, mask, segment_ids))
@@ -339,41 +353,6 @@ def allgather_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name
     out = kernel.attention(q, kall, vall, args, q_positions=q_pos, k_positions=k_pos,
                            kv_valid=mall, **ids)[0]
     return out.astype(q.dtype)
-
-
-def _dilated_allgather(o, q, k, v, mask, axis_name, num_devices):
-    """Distributed dilated attention whose spanning branches gather their segment's
-    dilated keys/values (over the ``g`` devices of the segment) instead of a ring."""
-    branches = branch_plans.validate_branches(o["segment_lengths"], o["dilation_rates"])
-    t, h, hkv = q.shape[1], q.shape[2], k.shape[2]
-    args = head_parallel.kernel_args(o, q.shape[-1], dropout=True)
-    rng = o.get("dropout_rng") if args.dropout_rate > 0 else None
-    mode = o.get("mode", "longnet")
-    plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
-                                       num_kv_heads=hkv, mode=mode,
-                                       offsets_rule=o.get("head_offsets", "modulo"))
-    sharded_branches = distributed.shard_branches(branches, local_len=t,
-                                                  num_devices=num_devices)
-    kernel = get_kernel(o.get("implementation"))
-    me = jax.lax.axis_index(axis_name)
-    results = []
-    for i, (plan, sb) in enumerate(zip(plans, sharded_branches)):
-        brng = None if rng is None else jax.random.fold_in(jax.random.fold_in(rng, i), me)
-
-        def attend(qd, kd, vd, valid, sb=sb, brng=brng):
-            if sb.is_local:
-                return kernel.attention(qd, kd, vd, args, kv_valid=valid, dropout_rng=brng)
-            g, length = sb.ring_size, qd.shape[1]
-            kg, vg, validg = (_group_gather(x, axis_name, num_devices, g)
-                              for x in (kd, vd, valid))
-            start = (me % g) * length
-            q_pos = start + jnp.arange(length, dtype=jnp.int32)
-            return kernel.attention(qd, kg, vg, args, q_positions=q_pos,
-                                    k_positions=jnp.arange(g * length, dtype=jnp.int32),
-                                    kv_valid=validg, dropout_rng=brng)
-
-        results.append(dilation.attend_dilated(attend, sb.cut, plan, q, k, v, mask))
-    return combine_branches(results, mode, q.dtype)[0]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -453,29 +432,40 @@ def _block_sparse_allgather(o, q, kall, vall, mall, axis_name, p, layout, ids=No
 class StrategyCost:
     """Per-device figures of one strategy for one call (forward + backward).
 
+    strategy: the strategy (a tuple with one entry per branch for the per-branch
+      mix of dilated attention).
     sent_bytes: bytes each device sends (forward and backward together).
     held_bytes: the largest inputs/outputs/transfer buffers a device holds at once
       for the attention (its shards, what it gathered or received, the output and
       gradient accumulators); kernel temporaries (the same for every strategy up to
       the block sizes) are not counted.
-    overlap: whether the transfers can overlap compute (a ring sends the next block
+    overlap: whether all transfers can overlap compute (a ring sends the next block
       while computing on this one).
     work: the largest share of the attention's arithmetic one device does (1 / P when
       balanced; causal contiguous shards put up to 2 / (P + 1) on the last device).
     reason: None when the strategy can serve, else why not.
+    small_work: the part of ``work`` done in kernel calls over a shard's tokens (a
+      ring's steps, the all-gather's blocks, dilated branches local to a shard), which
+      costs more than one call over a whole sequence on CPU (:data:`_CPU_SEQ_SHARDED_WORK`).
+    overlapped_bytes: the part of ``sent_bytes`` that overlaps compute (None: all of
+      it when ``overlap``, else none).
     """
 
-    strategy: str
+    strategy: str | tuple
     sent_bytes: float
     held_bytes: float
     overlap: bool
     work: float
     reason: str | None = None
+    small_work: float = 0.0
+    overlapped_bytes: float | None = None
 
-    def cost(self, comm_weight: float) -> float:
-        """``work + comm_weight * exposed bytes / held bytes of the input``: see :func:`choose`."""
-        exposed = 0.0 if self.overlap else self.sent_bytes
-        return self.work + comm_weight * exposed
+    def exposed_bytes(self, overlapping: bool = True) -> float:
+        """Bytes whose transfer compute does not hide (all of them when nothing
+        overlaps on the device, ``overlapping=False``)."""
+        hidden = (self.sent_bytes if self.overlap else 0.0) if self.overlapped_bytes \
+            is None else self.overlapped_bytes
+        return self.sent_bytes - (hidden if overlapping else 0.0)
 
 
 def _causal_share(p: int, layout: str, causal: bool) -> float:
@@ -484,10 +474,40 @@ def _causal_share(p: int, layout: str, causal: bool) -> float:
     return 2.0 / (p + 1)  # the last device's P blocks of the P (P + 1) / 2
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pricing:
+    """How :func:`choose` turns a :class:`StrategyCost` into an estimated time."""
+
+    kind: str  # device kind: "cpu", "gpu", "tpu"
+    flops: float  # of the whole call, forward and backward
+
+    @property
+    def cpu(self) -> bool:
+        return self.kind == "cpu"
+
+    @property
+    def balance(self) -> float:
+        return _BALANCE.get(self.kind, _BALANCE["gpu"])
+
+    def time(self, work: float, small_work: float, exposed: float) -> float:
+        factor = _CPU_SEQ_SHARDED_WORK if self.cpu else 1.0
+        return (work + (factor - 1.0) * small_work) * self.flops + exposed * self.balance
+
+    def of(self, c: StrategyCost) -> float:
+        return self.time(c.work, c.small_work, c.exposed_bytes(not self.cpu))
+
+
+def _pricing(op: Operation, platform, b, t, h, d) -> _Pricing:
+    return _Pricing(platform or _device_kind(), sum(_branch_flops(op, b, t, h, d)))
+
+
 def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
              head_dim: int, num_devices: int, dtype="float32",
-             layout: str = "contiguous", segment_ids: bool = False) -> dict:
-    """``{strategy: StrategyCost}`` for the three concrete strategies.
+             layout: str = "contiguous", segment_ids: bool = False,
+             platform: str | None = None) -> dict:
+    """``{strategy: StrategyCost}`` for the three concrete strategies, and for dilated
+    attention ``"per_branch"``: the best strategy for each branch on its own, where
+    that mix differs from all three (its ``strategy`` is the tuple).
 
     ``op``: an :class:`Operation` or the function given to ``jd.sharded``. The
     figures are per device, for a forward and backward pass, from the shapes alone
@@ -508,13 +528,20 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
       one shard of queries and ``K'`` of kv heads after the GQA repeat; holds a head
       slice of the whole sequence (as much as the shards); no overlap; the work is
       always balanced (``1 / P``) but needs ``H % P == 0``.
+    * a dilated branch spanning ``g`` devices as ``"heads"`` (per branch): the same
+      all-to-alls inside its group on its dilated ``n / r`` tokens,
+      ``2 (g - 1) / g (2 Q_b + 2 K_b')``, holding ``2 (2 Q_b + 2 K_b')``; needs its
+      query heads divisible by ``g``.
 
     Packed dilated attention (``segment_ids=True``) runs whole sequences of some heads
-    under every strategy (:func:`packed_dilated`): ``"ring"`` is then the heads
+    under every strategy (:func:`dilated_over_heads`): ``"ring"`` is then the heads
     figures when ``H % P == 0``, and otherwise, like ``"allgather"``, the gathered
     program: q, k, v gathered forward and reduce-scattered backward,
     ``2 (P - 1) (Q + 2 K)``, plus the output's all-to-alls; it holds the whole q, k, v
     and their gradients and does ``ceil(H / P) / H`` of the work.
+
+    ``platform`` (default: this machine's device kind) prices the per-branch choice
+    as :func:`choose` prices the strategies.
     """
     op = op if isinstance(op, Operation) else describe(op)
     e = jnp.dtype(dtype).itemsize
@@ -541,46 +568,19 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
         out["allgather"] = gathered
         out["ring"] = dataclasses.replace(gathered, strategy="ring", reason=why["ring"])
     elif op.kind == "dilated" and why["ring"] is None:
-        sent, held_gather, held_ring = 0.0, 0.0, 0.0
-        try:
-            branches = branch_plans.validate_branches(op.options["segment_lengths"],
-                                                      op.options["dilation_rates"])
-            plans = branch_plans.plan_branches(
-                branches, seq_len=t, num_heads=h, num_kv_heads=hkv,
-                mode=op.options.get("mode", "longnet"),
-                offsets_rule=op.options.get("head_offsets", "modulo"))
-            sbs = distributed.shard_branches(branches, local_len=n, num_devices=p)
-        except (ValueError, TypeError) as err:
-            why["ring"] = why["allgather"] = str(err)
-            sbs, plans = [], []
-        for plan, sb in zip(plans, sbs):
-            if sb.is_local:
-                continue
-            kb = b * (n // sb.rate) * len(plan.kv_heads) * d * e
-            sent += 6 * (sb.ring_size - 1) * kb
-            held_ring = max(held_ring, 4 * kb)
-            held_gather = max(held_gather, 4 * sb.ring_size * kb)
-        work = 1.0 / p  # every device holds whole segments or an equal part of one
-        # the sharded path materialises every branch's output before the merge, and
-        # in the backward its cotangent and dq (the single-device program that the
-        # heads strategy runs streams the branches into one accumulator instead)
-        branch_held = 3 * len(sbs) * qshard
-        out["ring"] = StrategyCost("ring", sent,
-                                   base_held + grads_held + held_ring + branch_held,
-                                   True, work, why["ring"])
-        out["allgather"] = StrategyCost(
-            "allgather", sent, base_held + grads_held + held_gather + branch_held, False,
-            work, why["allgather"])
+        out.update(_dilated_costs(op, why, b, t, h, hkv, d, p, e,
+                                  base_held + grads_held, qshard,
+                                  _pricing(op, platform, b, t, h, d)))
     else:
         share = _causal_share(p, layout, causal)
         if op.kind == "block_sparse":
             share = 1.0 / p if layout != "contiguous" or not causal else share
         out["ring"] = StrategyCost("ring", 6 * (p - 1) * kshard,
                                    base_held + grads_held + 4 * kshard, True, share,
-                                   why["ring"])
+                                   why["ring"], small_work=share)
         out["allgather"] = StrategyCost("allgather", 6 * (p - 1) * kshard,
                                         base_held + grads_held + 4 * p * kshard, False,
-                                        share, why["allgather"])
+                                        share, why["allgather"], small_work=share)
     rep = head_parallel.kv_repeat(hkv, p)
     kprime = kshard * rep
     sent_heads = 2 * (p - 1) / p * (2 * qshard + 2 * kprime)
@@ -592,6 +592,76 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
         out["ring"] = dataclasses.replace(out["heads"], strategy="ring",
                                           reason=why["ring"])
     return out
+
+
+def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
+                   pricing: _Pricing) -> dict:
+    """``ring``, ``allgather`` and, where it differs from both, ``per_branch`` costs of
+    unpacked distributed dilated attention (:func:`estimate`)."""
+    n = t // p
+    try:
+        branches = branch_plans.validate_branches(op.options["segment_lengths"],
+                                                  op.options["dilation_rates"])
+        plans = branch_plans.plan_branches(
+            branches, seq_len=t, num_heads=h, num_kv_heads=hkv,
+            mode=op.options.get("mode", "longnet"),
+            offsets_rule=op.options.get("head_offsets", "modulo"))
+        sbs = distributed.shard_branches(branches, local_len=n, num_devices=p)
+    except (ValueError, TypeError) as err:
+        return {s: StrategyCost(s, 0.0, 0.0, s == "ring", 1.0 / p, str(err))
+                for s in ("ring", "allgather")}
+    flops = _branch_flops(op, b, t, h, d)
+    total = max(sum(flops), 1.0)
+    # per branch: {entry: (sent, held, overlapped, small work share)}, and its work share
+    options, shares = [], [f / total / p for f in flops]
+    for plan, sb, share in zip(plans, sbs, shares):
+        if sb.is_local:
+            options.append({"ring": (0.0, 0.0, 0.0, share)})
+            continue
+        g = sb.ring_size
+        kb = b * (n // sb.rate) * len(plan.kv_heads) * d * e
+        sent = 6 * (g - 1) * kb
+        mine = {"ring": (sent, 4 * kb, sent, share), "allgather": (sent, 4 * g * kb, 0.0,
+                                                                   share)}
+        if plan.branch.window is not None:
+            del mine["allgather"]  # a window branch runs its windowed ring only
+        elif len(plan.query_heads) % g == 0:
+            qb = b * (n // sb.rate) * len(plan.query_heads) * d * e
+            kprime = kb * head_parallel.kv_repeat(len(plan.kv_heads), g)
+            mine["heads"] = (2 * (g - 1) / g * (2 * qb + 2 * kprime),
+                             2 * (2 * qb + 2 * kprime), 0.0, 0.0)
+        options.append(mine)
+    # every branch's output, and in the backward its cotangent and dq, are held
+    # before the merge (the one-device program of the heads strategy streams them)
+    branch_held = 3 * len(sbs) * qshard
+
+    def total_cost(name, entries):
+        parts = [opts[e] for opts, e in zip(options, entries)]
+        sent = sum(x[0] for x in parts)
+        overlapped = sum(x[2] for x in parts)
+        return StrategyCost(
+            name, sent, shards_held + max((x[1] for x in parts), default=0.0)
+            + branch_held, overlapped == sent, 1.0 / p, why[name] if isinstance(name, str)
+            else None, small_work=sum(x[3] for x in parts), overlapped_bytes=overlapped)
+
+    uniform = {}
+    for name in ("ring", "allgather"):
+        uniform[name] = total_cost(name, [name if name in opts else "ring"
+                                          for opts in options])
+    order = ("ring", "heads", "allgather")
+    best = []
+    for opts, share in zip(options, shares):  # each alone: least time, then memory
+        times = {s: pricing.time(share, x[3], x[0] - (0.0 if pricing.cpu else x[2]))
+                 for s, x in opts.items()}
+        low = min(times.values())
+        near = [s for s in order if s in times and times[s] <= 1.1 * low]
+        best.append(min(near, key=lambda s: (opts[s][1], order.index(s))))
+    mix = tuple(best)
+    if all(x != "heads" for x in mix) and len({x for x, o in zip(mix, options)
+                                               if len(o) > 1}) <= 1:
+        return uniform  # the same as one of the uniform strategies
+    uniform["per_branch"] = total_cost(mix, mix)
+    return uniform
 
 
 # Relative price of one exposed byte against the work of the whole attention: the
@@ -629,60 +699,58 @@ def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     flops of the whole attention (forward and backward, ``10 B T^2 H D`` dense;
     dilated: the branches' segments; block-sparse as dense, a bound) and
     ``flops / bandwidth`` the device kind's balance (``_BALANCE``: flops one byte
-    moved costs). On CPU no transfer overlaps and the work of ring and allgather
-    costs ``_CPU_SEQ_SHARDED_WORK`` times as much (measured; see the constant). Ties (within 10%) go to the one holding less memory, then to the
-    order ring, heads, allgather. ``segment_ids``: the call has packed rows (only
-    strategies that can serve them are considered; :func:`estimate`).
+    moved costs). On CPU no transfer overlaps and the work done in calls over a
+    shard's tokens costs ``_CPU_SEQ_SHARDED_WORK`` times as much (measured; see the
+    constant). Ties (within 10%) go to the one holding less memory, then to the
+    order ring, heads, per-branch mix, allgather. For dilated attention the
+    per-branch mix of :func:`estimate` competes too; ``strategy`` is then its tuple.
+    ``segment_ids``: the call has packed rows (only strategies that can serve them
+    are considered; :func:`estimate`).
     """
     op = op if isinstance(op, Operation) else describe(op)
     costs = estimate(op, batch=batch, seq_len=seq_len, num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim,
                      num_devices=num_devices, dtype=dtype, layout=layout,
-                     segment_ids=segment_ids)
-    kind = platform or _device_kind()
-    balance = _BALANCE.get(kind, _BALANCE["gpu"])
-    flops = _flops(op, batch, seq_len, num_heads, head_dim)
-    cpu = kind == "cpu"  # see _CPU_SEQ_SHARDED_WORK
-    # packed dilated attention runs whole sequences under every strategy: no small calls
-    small_calls = {s for s in costs if s != "heads"
-                   and not (segment_ids and op.kind == "dilated")}
-    times = {s: (c.work * flops * (_CPU_SEQ_SHARDED_WORK if cpu and s in small_calls
-                                   else 1.0)
-                 + (0.0 if c.overlap and not cpu else c.sent_bytes * balance))
-             for s, c in costs.items() if c.reason is None}
+                     segment_ids=segment_ids, platform=platform)
+    pricing = _pricing(op, platform, batch, seq_len, num_heads, head_dim)
+    times = {s: pricing.of(c) for s, c in costs.items() if c.reason is None}
     if not times:
         raise ValueError("no strategy can serve this call: " + "; ".join(
             f"{s}: {c.reason}" for s, c in costs.items()))
     best = min(times.values())
-    order = ("ring", "heads", "allgather")
+    order = ("ring", "heads", "per_branch", "allgather")
     near = [s for s in order if s in times and times[s] <= 1.1 * best]
-    pick = min(near, key=lambda s: (costs[s].held_bytes, order.index(s)))
-    why = (f"least estimated time (work {costs[pick].work:.3f} of {flops:.3g} flops, "
-           f"{'overlapped' if costs[pick].overlap and not cpu else 'exposed'} transfers of "
-           f"{costs[pick].sent_bytes / 2**20:.2f} MiB at {balance:g} flop/byte)")
+    key = min(near, key=lambda s: (costs[s].held_bytes, order.index(s)))
+    c = costs[key]
+    exposed = c.exposed_bytes(not pricing.cpu)
+    why = (f"least estimated time (work {c.work:.3f} of {pricing.flops:.3g} flops, "
+           f"{c.sent_bytes / 2**20:.2f} MiB sent, {exposed / 2**20:.2f} MiB of it "
+           f"exposed at {pricing.balance:g} flop/byte)")
     if len(near) > 1:
-        why += f"; within 10% of {[s for s in near if s != pick]}, and holds least memory"
-    return pick, costs, why
+        why += f"; within 10% of {[s for s in near if s != key]}, and holds least memory"
+    return c.strategy, costs, why
 
 
-def _flops(op: Operation, b, t, h, d) -> float:
-    """Forward + backward flops of the whole call (``10 B Lq Lk H D`` per dense block)."""
+def _branch_flops(op: Operation, b, t, h, d) -> list[float]:
+    """Forward + backward flops of the call (``10 B Lq Lk H D`` per dense block): one
+    entry per branch for dilated attention, else one entry."""
     causal = 0.5 if op.options.get("is_causal", False) else 1.0
-    if op.kind == "dilated":
-        try:
-            pairs = branch_plans.validate_branches(op.options["segment_lengths"],
-                                                   op.options["dilation_rates"])
-        except (ValueError, TypeError, KeyError):
-            return 10.0 * b * t * t * h * d * causal
-        total = 0.0
-        for w, r in pairs:
-            if is_window(w):  # every query, its window of keys
-                total += 10.0 * b * t * min(w.left + (w.right or 0) + 1, t) * h * d
-                continue
-            seg = min(w, t)
-            total += 10.0 * b * (t / r) * (seg / r) * h * d * causal
-        return total
-    return 10.0 * b * t * t * h * d * causal
+    dense = [10.0 * b * t * t * h * d * causal]
+    if op.kind != "dilated":
+        return dense
+    try:
+        pairs = branch_plans.validate_branches(op.options["segment_lengths"],
+                                               op.options["dilation_rates"])
+    except (ValueError, TypeError, KeyError):
+        return dense
+    flops = []
+    for w, r in pairs:
+        if is_window(w):  # every query, its window of keys
+            flops.append(10.0 * b * t * min(w.left + (w.right or 0) + 1, t) * h * d)
+            continue
+        seg = min(w, t)
+        flops.append(10.0 * b * (t / r) * (seg / r) * h * d * causal)
+    return flops
 
 
 def explain_strategy(fn, query_shape, key_shape=None, *, num_devices: int,
@@ -727,6 +795,7 @@ def explain_strategy(fn, query_shape, key_shape=None, *, num_devices: int,
               f"{pick} - {why}", file=out)
         for s, c in costs.items():
             state = "can serve" if c.reason is None else f"cannot serve: {c.reason}"
+            s = s if isinstance(c.strategy, str) else f"per-branch {c.strategy}"
             print(f"  {s:<9} sent {c.sent_bytes / 2**20:9.2f} MiB/device, held "
                   f"{c.held_bytes / 2**20:9.2f} MiB/device, "
                   f"{'overlapped' if c.overlap else 'not overlapped'}, work share "
