@@ -17,7 +17,6 @@ whole output by the number of branches.
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs, get_kernel

@@ -74,12 +74,12 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         operations only), ``"heads"`` (all-to-all to head-sharded arrays, ``fn``
         runs unchanged, without ``seq_axis``, on the whole sequence of ``H / P``
         heads; needs the heads divisible by the axis size) or ``"auto"`` (chosen
-        per call by the cost model of :func:`jax_dilated.explain_strategy`). For
-        dilated attention also a tuple with one of ``"ring"``, ``"allgather"``,
-        ``"heads"`` per branch (how each branch spanning devices brings its segment
-        together: its ring, a gather, or an all-to-all among its devices; passed on
-        as ``strategy=`` of :func:`jax_dilated.dilated_attention`), which ``"auto"``
-        may also pick.
+        per call by the cost model of :func:`jax_dilated.explain_strategy`).
+        :func:`jax_dilated.dilated_attention` runs every strategy itself: it gets
+        ``seq_axis=`` and the strategy as ``strategy=``, which may also be a tuple
+        with one of ``"ring"``, ``"allgather"``, ``"heads"`` per branch (how each
+        branch spanning devices brings its segment together: its ring, a gather, or
+        an all-to-all among its devices), and ``"auto"`` may pick such a tuple.
 
     Returns:
       ``g(query, key, value, *, kv_mask=None, segment_ids=None, sinks=None)`` on global

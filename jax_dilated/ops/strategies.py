@@ -28,14 +28,19 @@ each), an attention operation can run three ways (docs/semantics.md, section 8):
   own static plan), so the result is the single-device one. Document ids are
   gathered whole and given to the single-device operation.
 
+Dilated attention runs every strategy itself (``strategy=`` of
+:func:`jax_dilated.dilated_attention`, :mod:`jax_dilated.ops.distributed`), and also
+takes one per branch: a tuple such as ``("ring", "heads", "allgather")``, where
+``"heads"`` for a branch spanning ``g`` devices is an all-to-all among those ``g``.
 Packed dilated attention (``segment_ids``) restarts its segment grid at every document,
 so its segments do not sit on the shards: under every strategy each device runs the
 single-device packed program on the whole sequence of some heads
 (:func:`dilated_over_heads`).
 
-``"auto"`` chooses one from the cost model of :func:`estimate` (bytes sent and memory
-held per device, whether the transfer overlaps compute); :func:`explain_strategy`
-prints the choice and the numbers.
+``"auto"`` chooses one (for dilated attention possibly a per-branch tuple) from the
+cost model of :func:`estimate` (bytes sent and memory held per device, whether the
+transfer overlaps compute); :func:`explain_strategy` prints the choice and the
+numbers.
 """
 
 from __future__ import annotations
@@ -489,12 +494,19 @@ class _Pricing:
     def balance(self) -> float:
         return _BALANCE.get(self.kind, _BALANCE["gpu"])
 
-    def time(self, work: float, small_work: float, exposed: float) -> float:
+    def time(self, work: float, small_work: float, sent: float,
+             overlapped: float) -> float:
+        """``compute + exposed transfer``: an overlapped transfer hides behind the
+        compute only up to the compute's own time (a ring step waits for its next
+        block), and on CPU nothing overlaps."""
         factor = _CPU_SEQ_SHARDED_WORK if self.cpu else 1.0
-        return (work + (factor - 1.0) * small_work) * self.flops + exposed * self.balance
+        compute = (work + (factor - 1.0) * small_work) * self.flops
+        hidden = 0.0 if self.cpu else min(overlapped * self.balance, compute)
+        return compute + sent * self.balance - hidden
 
     def of(self, c: StrategyCost) -> float:
-        return self.time(c.work, c.small_work, c.exposed_bytes(not self.cpu))
+        return self.time(c.work, c.small_work, c.sent_bytes,
+                         c.sent_bytes - c.exposed_bytes())
 
 
 def _pricing(op: Operation, platform, b, t, h, d) -> _Pricing:
@@ -628,8 +640,11 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
         elif len(plan.query_heads) % g == 0:
             qb = b * (n // sb.rate) * len(plan.query_heads) * d * e
             kprime = kb * head_parallel.kv_repeat(len(plan.kv_heads), g)
+            # kernel calls over a segment's dilated tokens, as the ring's (measured
+            # on CPU: a mix with heads for the branch of 2 devices ran 1.05-1.10x
+            # the time of all rings, docs/benchmarks.md)
             mine["heads"] = (2 * (g - 1) / g * (2 * qb + 2 * kprime),
-                             2 * (2 * qb + 2 * kprime), 0.0, 0.0)
+                             2 * (2 * qb + 2 * kprime), 0.0, share)
         options.append(mine)
     # every branch's output, and in the backward its cotangent and dq, are held
     # before the merge (the one-device program of the heads strategy streams them)
@@ -638,7 +653,9 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
     def total_cost(name, entries):
         parts = [opts[e] for opts, e in zip(options, entries)]
         sent = sum(x[0] for x in parts)
-        overlapped = sum(x[2] for x in parts)
+        # a branch's ring hides its transfers behind its own compute only
+        overlapped = sum(min(x[2], share * pricing.flops / pricing.balance)
+                         for x, share in zip(parts, shares))
         return StrategyCost(
             name, sent, shards_held + max((x[1] for x in parts), default=0.0)
             + branch_held, overlapped == sent, 1.0 / p, why[name] if isinstance(name, str)
@@ -651,8 +668,7 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
     order = ("ring", "heads", "allgather")
     best = []
     for opts, share in zip(options, shares):  # each alone: least time, then memory
-        times = {s: pricing.time(share, x[3], x[0] - (0.0 if pricing.cpu else x[2]))
-                 for s, x in opts.items()}
+        times = {s: pricing.time(share, x[3], x[0], x[2]) for s, x in opts.items()}
         low = min(times.values())
         near = [s for s in order if s in times and times[s] <= 1.1 * low]
         best.append(min(near, key=lambda s: (opts[s][1], order.index(s))))
