@@ -257,9 +257,6 @@ def _require_per_branch(op, strategy, *, num_heads, num_kv_heads, num_devices, l
     distributed.branch_strategies(strategy, plans, sbs)
 
 
-# ----------------------------------------------------------------- the transforms
-
-
 # ------------------------------------------------------------------ heads strategy
 
 
@@ -450,7 +447,7 @@ class StrategyCost:
       balanced; causal contiguous shards put up to 2 / (P + 1) on the last device).
     reason: None when the strategy can serve, else why not.
     small_work: the part of ``work`` done in kernel calls over a shard's tokens (a
-      ring's steps, the all-gather's blocks, dilated branches local to a shard), which
+      ring's steps, the all-gather's blocks, dilated branches run on the shards), which
       costs more than one call over a whole sequence on CPU (:data:`_CPU_SEQ_SHARDED_WORK`).
     overlapped_bytes: the part of ``sent_bytes`` that overlaps compute (None: all of
       it when ``overlap``, else none).
@@ -465,12 +462,13 @@ class StrategyCost:
     small_work: float = 0.0
     overlapped_bytes: float | None = None
 
-    def exposed_bytes(self, overlapping: bool = True) -> float:
-        """Bytes whose transfer compute does not hide (all of them when nothing
-        overlaps on the device, ``overlapping=False``)."""
-        hidden = (self.sent_bytes if self.overlap else 0.0) if self.overlapped_bytes \
-            is None else self.overlapped_bytes
-        return self.sent_bytes - (hidden if overlapping else 0.0)
+    @property
+    def overlappable(self) -> float:
+        """Bytes whose transfer may overlap compute (``overlapped_bytes``, or by
+        ``overlap``)."""
+        if self.overlapped_bytes is not None:
+            return self.overlapped_bytes
+        return self.sent_bytes if self.overlap else 0.0
 
 
 def _causal_share(p: int, layout: str, causal: bool) -> float:
@@ -496,17 +494,32 @@ class _Pricing:
 
     def time(self, work: float, small_work: float, sent: float,
              overlapped: float) -> float:
-        """``compute + exposed transfer``: an overlapped transfer hides behind the
-        compute only up to the compute's own time (a ring step waits for its next
-        block), and on CPU nothing overlaps."""
+        """``compute + exposed transfer``, in flops (:meth:`exposed`)."""
+        return (self._compute(work, small_work)
+                + self.exposed(work, small_work, sent, overlapped) * self.balance)
+
+    def exposed(self, work: float, small_work: float, sent: float,
+                overlapped: float) -> float:
+        """Bytes whose transfer compute does not hide: an overlapped transfer hides
+        behind the compute only up to the compute's own time (a ring step waits for
+        its next block), and on CPU nothing overlaps."""
+        if self.cpu:
+            return sent
+        return sent - min(overlapped, self._compute(work, small_work) / self.balance)
+
+    def _compute(self, work: float, small_work: float) -> float:
         factor = _CPU_SEQ_SHARDED_WORK if self.cpu else 1.0
-        compute = (work + (factor - 1.0) * small_work) * self.flops
-        hidden = 0.0 if self.cpu else min(overlapped * self.balance, compute)
-        return compute + sent * self.balance - hidden
+        return (work + (factor - 1.0) * small_work) * self.flops
 
     def of(self, c: StrategyCost) -> float:
-        return self.time(c.work, c.small_work, c.sent_bytes,
-                         c.sent_bytes - c.exposed_bytes())
+        return self.time(*self._parts(c))
+
+    def exposed_of(self, c: StrategyCost) -> float:
+        return self.exposed(*self._parts(c))
+
+    @staticmethod
+    def _parts(c: StrategyCost):
+        return c.work, c.small_work, c.sent_bytes, c.overlappable
 
 
 def _pricing(op: Operation, platform, b, t, h, d) -> _Pricing:
@@ -738,7 +751,7 @@ def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     near = [s for s in order if s in times and times[s] <= 1.1 * best]
     key = min(near, key=lambda s: (costs[s].held_bytes, order.index(s)))
     c = costs[key]
-    exposed = c.exposed_bytes(not pricing.cpu)
+    exposed = pricing.exposed_of(c)
     why = (f"least estimated time (work {c.work:.3f} of {pricing.flops:.3g} flops, "
            f"{c.sent_bytes / 2**20:.2f} MiB sent, {exposed / 2**20:.2f} MiB of it "
            f"exposed at {pricing.balance:g} flop/byte)")
