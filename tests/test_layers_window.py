@@ -184,14 +184,18 @@ def test_bad_options_are_refused_at_construction():
         jd.linen.MultiheadDilatedAttention(embed_dim=E, num_heads=H,
                                            segment_lengths=(jd.SlidingWindow(3), 8),
                                            dilation_rates=(2, 2))
-    # over a mesh: only the operation's own ring carries them ("auto" picks it)
+    # over a mesh: only exact attention's own ring carries them ("auto" picks it);
+    # dilated attention runs every strategy itself and takes them (test_strategies.py)
     with pytest.raises(ValueError, match="strategy='ring' .* only"):
         jd.nnx.MultiheadRingAttention(E, H, mesh=mesh, seq_axis="seq", window=(4, 0),
                                       strategy="heads", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="strategy='ring' .* only"):
-        jd.linen.MultiheadDilatedAttention(embed_dim=E, num_heads=H, **WINDOW_SEGS,
-                                           logit_soft_cap=CAP, mesh=mesh, seq_axis="seq",
-                                           strategy="allgather")
+        jd.linen.MultiheadRingAttention(embed_dim=E, num_heads=H, mesh=mesh,
+                                        seq_axis="seq", logit_soft_cap=CAP,
+                                        strategy="allgather")
+    jd.linen.MultiheadDilatedAttention(embed_dim=E, num_heads=H, **WINDOW_SEGS,
+                                       logit_soft_cap=CAP, mesh=mesh, seq_axis="seq",
+                                       strategy="allgather")
     with pytest.raises(ValueError, match="sinks over a mesh run with strategy='ring'"):
         jd.nnx.MultiheadRingAttention(E, H, mesh=mesh, seq_axis="seq", sinks=True,
                                       strategy="heads", rngs=nnx.Rngs(0))
