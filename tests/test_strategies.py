@@ -270,7 +270,8 @@ def test_per_branch_strategy_errors_name_the_branch():
                                          r"sequence axis: it needs seq_axis="):
         dil(q, k, v, strategy="heads")
     with pytest.raises(ValueError, match=r"strategy='heads' needs num_heads \(6\) "
-                                         r"divisible by the 4 devices of seq_axis='seq'"):
+                                         r"divisible by the 4 devices of the sequence "
+                                         r"axis \('seq'\); use 'ring' or 'allgather'"):
         spec = jax.sharding.PartitionSpec(None, "seq")
         jax.shard_map(lambda q, k, v: dil(q, k, v, seq_axis="seq", strategy="heads"),
                       mesh=jax.sharding.Mesh(np.array(jax.devices()[:4]), ("seq",)),

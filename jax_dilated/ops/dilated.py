@@ -192,10 +192,9 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
     if seq_axis is None:
         return one_device(kernel, args, plans, mode, query, key, value, kv_mask, rng)
     whole_heads = strategy == "heads"
-    if whole_heads and h % num_devices:
-        raise ValueError(f"strategy='heads' needs num_heads ({h}) divisible by the "
-                         f"{num_devices} devices of seq_axis={seq_axis!r}; use 'ring' or "
-                         f"'allgather'.")
+    why = head_parallel.heads_unservable(h, num_devices) if whole_heads else None
+    if why:
+        raise ValueError(f"{why} ({seq_axis!r}); use 'ring' or 'allgather'.")
     if segment_ids is not None or whole_heads:
         # every device runs the one-device program on the whole sequence of some heads
         # (packed rows: documents start anywhere, so segments do not sit on the shards)

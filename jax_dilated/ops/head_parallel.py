@@ -22,7 +22,8 @@ from jax_dilated.core import branch_plans, validation
 from jax_dilated.ops import dilated_packed
 from jax_dilated.ops.branch_combine import one_device
 
-__all__ = ["seq_to_heads", "heads_to_seq", "gather_tokens", "kv_repeat", "kernel_args",
+__all__ = ["seq_to_heads", "heads_to_seq", "gather_tokens", "heads_unservable",
+           "kv_repeat", "kernel_args",
            "head_plans", "plan_key", "by_device", "dilated_heads",
            "to_heads", "dilated_over_heads"]
 
@@ -44,6 +45,15 @@ def gather_tokens(x, axis_name: str):
     """All devices' shards ``[B, n, ...]`` of a per-token array -> ``[B, T, ...]`` in
     shard order (keys, values, the padding mask; any int per token alike)."""
     return None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+
+
+def heads_unservable(num_heads: int, num_devices: int, heads_of: str = "") -> str | None:
+    """Why the ``"heads"`` strategy cannot split ``num_heads`` over ``num_devices``
+    (None when it can); ``heads_of`` says whose heads they are in the message."""
+    if num_heads % num_devices == 0:
+        return None
+    return (f"strategy='heads' needs num_heads ({num_heads}{heads_of}) divisible by the "
+            f"{num_devices} devices of the sequence axis")
 
 
 def kv_repeat(num_kv_heads: int, num_devices: int) -> int:

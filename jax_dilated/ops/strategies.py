@@ -135,9 +135,7 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
     to check (it runs whole sequences of some heads, :func:`dilated_over_heads`).
     """
     why = {"ring": None, "allgather": None, "heads": None}
-    if num_heads % num_devices:
-        why["heads"] = (f"strategy='heads' needs num_heads ({num_heads}{heads_of}) "
-                        f"divisible by the {num_devices} devices of the sequence axis")
+    why["heads"] = head_parallel.heads_unservable(num_heads, num_devices, heads_of)
     if op.kind == "custom":
         why["allgather"] = ("strategy='allgather' needs one of the library's operations "
                             "(ring_attention, dilated_attention, block_sparse_attention), "
