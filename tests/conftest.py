@@ -9,6 +9,12 @@
   ``benchmarks``).
 * A FutureWarning or DeprecationWarning that our code causes is an error (see
   ``_fail_on_our_warnings``); ``pytest.warns`` still catches the deliberate ones.
+* XLA compiles the generated CPU code without LLVM's optimisations
+  (``--xla_backend_optimization_level=0``, unless ``XLA_FLAGS`` already sets a
+  level): the suite compiles thousands of small programs and runs each once or
+  twice, so those optimisations cost more time than they save (about a fifth of a
+  module's time). They change how fast the code runs, not what the XLA program
+  computes; the subprocesses that tests start inherit the setting.
 """
 
 import contextlib
@@ -16,7 +22,11 @@ import os
 import sys
 import warnings
 
-import jax
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+
+import jax  # (after XLA_FLAGS is set)
 import pytest
 
 import jax_dilated
