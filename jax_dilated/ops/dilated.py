@@ -24,7 +24,7 @@ from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.core.branches import is_window
 from jax_dilated.backends.base import window_arg
 from jax_dilated.ops import dilated_packed, distributed, head_parallel
-from jax_dilated.ops.branch_combine import combine_branches, one_device
+from jax_dilated.ops.branch_combine import one_device
 
 __all__ = ["dilated_attention"]
 
@@ -211,8 +211,8 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
             gather=strategy == "allgather")
     sharded_branches = distributed.shard_branches(branches, local_len=t,
                                                   num_devices=num_devices)
-    results = distributed.branch_partials(
-        plans, sharded_branches, query, key, value, kv_mask, args, axis_name=seq_axis,
-        num_devices=num_devices, implementation=implementation, dropout_rng=rng,
-        strategies=distributed.branch_strategies(strategy, plans, sharded_branches))
-    return combine_branches(results, mode, query.dtype)
+    return distributed.sharded_dilated(
+        plans, sharded_branches, query, key, value, kv_mask, args, mode=mode,
+        axis_name=seq_axis, num_devices=num_devices, implementation=implementation,
+        dropout_rng=rng, strategies=distributed.branch_strategies(strategy, plans,
+                                                                  sharded_branches))

@@ -93,7 +93,7 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
     windows = [i for i, p in enumerate(plans) if p.branch.window is not None]
     if not windows:  # the default program, unchanged
         return _attend(_Call(kernel, args, tuple(plans), mode, len(plans)), query, key, value,
-                       kv_mask, dropout_rng, source)
+                       kv_mask, dropout_rng, source)[:2]
     # Sliding-window branches run as their own windowed kernel call
     # (ops/dilated_window.py) and are mixed with the streamed branches' (out, lse).
     from jax_dilated.ops import dilated_window  # (it imports nothing of this module)
@@ -107,6 +107,19 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
         kernel, args, plans[i], query, key, value, kv_mask,
         _branch_rng(dropout_rng, len(plans) + i), segment_ids)) for i in windows]
     return dilated_window.mix(partial, windowed, mode, len(plans), query.dtype)
+
+
+def streamed_partial(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_mask,
+                     dropout_rng, *, num_branches: int):
+    """The streamed program over some of a call's ``num_branches`` branches (``plans``,
+    none a sliding window): their partial ``(o, lse, lse_lo)`` over every head.
+
+    longnet: the branches merged; head_groups: the branches' heads hold their output
+    divided by ``num_branches`` and their ``lse``, the other heads 0 and ``-inf``.
+    :func:`jax_dilated.ops.dilated_window.mix` adds the call's other branches.
+    """
+    return _attend(_Call(kernel, args, tuple(plans), mode, num_branches), query, key, value,
+                   kv_mask, dropout_rng, None)
 
 
 # --------------------------------------------------------------------------- chunks
@@ -471,17 +484,19 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, o, lse, lse_
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attend(call, query, key, value, kv_mask, rng, source):
-    return _forward(call, query, key, value, kv_mask, rng, source)[:2]
+    """``(o, lse, lse_lo)``; as everywhere, ``lse_lo``'s cotangent is ignored
+    (core/softmax.py)."""
+    return _forward(call, query, key, value, kv_mask, rng, source)
 
 
 def _attend_fwd(call, query, key, value, kv_mask, rng, source):
     o, lse, lse_lo = _forward(call, query, key, value, kv_mask, rng, source)
-    return (o, lse), (query, key, value, kv_mask, rng, source, o, lse, lse_lo)
+    return (o, lse, lse_lo), (query, key, value, kv_mask, rng, source, o, lse, lse_lo)
 
 
 def _attend_bwd(call, res, cotangents):
     query, key, value, kv_mask, rng, source, o, lse, lse_lo = res
-    do, dlse = cotangents
+    do, dlse, _ = cotangents
     dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, o, lse, lse_lo, do,
                            dlse)
     return dq, dk, dv, None, None, None

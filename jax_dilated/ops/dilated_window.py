@@ -67,9 +67,10 @@ def ring_partial(args: KernelArgs, plan: branch_plans.BranchPlan, query, key, va
 
 
 def mix(partial, windowed, mode: str, num_branches: int, dtype):
-    """Mix the other branches' ``partial = (o, lse)`` (all heads, as
-    :func:`jax_dilated.ops.branch_combine.combine_branches` gives it; None when every branch
-    is a window) with the window branches' ``windowed = [(plan, (o, lse, lse_lo))]``.
+    """Mix the streamed branches' ``partial = (o, lse, lse_lo)`` (all heads, as
+    :func:`jax_dilated.ops.dilated_local.streamed_partial` gives it; None when there
+    are none) with the other branches' ``windowed = [(plan, (o, lse, lse_lo))]`` (the
+    sliding windows; on a mesh, also the branches that span devices).
 
     longnet: merged by the softmax denominators (every branch holds every head).
     head_groups: each window branch's heads take its ``o / num_branches`` and its
@@ -82,12 +83,12 @@ def mix(partial, windowed, mode: str, num_branches: int, dtype):
             o, lse, lo = windowed[0][1]
             o, rest = o.astype(stats), windowed[1:]
         else:
-            o, lse = partial
-            o, lo, rest = o.astype(stats), jnp.zeros_like(lse), windowed
+            o, lse, lo = partial
+            o, rest = o.astype(stats), windowed
         for _, (o_i, lse_i, lo_i) in rest:
             o, lse, lo = softmax.merge_partials(o, lse, lo, o_i.astype(stats), lse_i, lo_i)
         return o.astype(dtype), lse
-    o, lse = partial if partial is not None else (None, None)
+    o, lse = partial[:2] if partial is not None else (None, None)
     for plan, (o_i, lse_i, _) in windowed:
         a, b = int(plan.query_heads[0]), int(plan.query_heads[-1]) + 1
         o_i = (o_i.astype(stats) / num_branches).astype(dtype)

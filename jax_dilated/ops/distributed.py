@@ -4,7 +4,9 @@ Inside ``jax.shard_map`` each of the ``P`` devices of ``axis_name`` holds ``n = 
 consecutive tokens. Every branch ``(w, r)`` runs in one of two ways:
 
 * **local** (a segment fits in a shard, ``n % w == 0``): the shard is cut into whole
-  segments and the branch runs exactly as on one device. No communication.
+  segments and the branch runs exactly as on one device. No communication. With the
+  XLA kernel the local branches run together as the one-device streamed program
+  (:func:`sharded_dilated`).
 * **spanning** (a segment covers ``g = w / n`` devices, or the whole sequence when
   ``w >= T``): as ``n % r == 0``, the tokens a head selects on each device are the
   local positions ``a`` with ``a mod r == o``, and the dilated segment is the
@@ -66,13 +68,13 @@ import jax.numpy as jnp
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, dilation
 from jax_dilated.core.branches import is_window
-from jax_dilated.ops import dilated_window
+from jax_dilated.ops import dilated_local, dilated_window
 from jax_dilated.ops.head_parallel import kv_repeat
 from jax_dilated.ops.ring import RingConfig, ring_partials
 
 __all__ = ["BRANCH_STRATEGIES", "ShardedBranch", "shard_branches", "check_strategy",
            "branch_strategies",
-           "group_gather", "branch_partials"]
+           "group_gather", "sharded_dilated", "branch_partials"]
 
 BRANCH_STRATEGIES = ("ring", "allgather", "heads")
 
@@ -264,11 +266,46 @@ def _head_exchanged(grp: _Group, rng, q, k, v, valid):
     return tuple(to_tokens(x) for x in out)
 
 
+def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
+                    *, mode: str, axis_name, num_devices: int, implementation, dropout_rng,
+                    strategies=None):
+    """``(out, lse)`` of dilated attention for this device's queries (inside shard_map;
+    arguments as in :func:`branch_partials`, ``mode`` the call's).
+
+    With the blockwise XLA kernel, the local branches (not sliding windows) run
+    together as the one-device streamed program on the shard
+    (:func:`jax_dilated.ops.dilated_local.streamed_partial`): chunk-sized temporaries
+    instead of a shard-sized gather, result and scatter per branch. The others run
+    in :func:`branch_partials`, and :func:`jax_dilated.ops.dilated_window.mix`
+    combines the two as the call's mode says.
+    """
+    kernel = get_kernel(implementation)
+    streamed = [i for i, (plan, sb) in enumerate(zip(plans, sharded_branches))
+                if kernel.name == "xla" and sb.is_local and plan.branch.window is None]
+    rest = [i for i in range(len(plans)) if i not in streamed]
+    partial = None
+    if streamed:
+        # its own dropout stream: index len(plans) is no branch's, and each device draws
+        # its own masks, as the per-branch local calls below do
+        rng = None if dropout_rng is None else jax.random.fold_in(
+            jax.random.fold_in(dropout_rng, len(plans)), jax.lax.axis_index(axis_name))
+        partial = dilated_local.streamed_partial(
+            kernel, args, [plans[i] for i in streamed], mode, query, key, value, kv_mask,
+            rng, num_branches=len(plans))
+    results = branch_partials(plans, sharded_branches, query, key, value, kv_mask, args,
+                              axis_name=axis_name, num_devices=num_devices,
+                              implementation=implementation, dropout_rng=dropout_rng,
+                              strategies=strategies, only=rest)
+    return dilated_window.mix(partial, [(plans[i], r) for i, r in zip(rest, results)], mode,
+                              len(plans), query.dtype)
+
+
 def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
                     *, axis_name, num_devices: int, implementation, dropout_rng,
-                    strategies=None):
-    """``[(o_i, lse_i, lse_lo_i)]`` of every branch for this device's queries (inside
-    shard_map; the log-sum-exp in two parts, :mod:`jax_dilated.core.softmax`).
+                    strategies=None, only=None):
+    """``[(o_i, lse_i, lse_lo_i)]`` of every branch (of the branches ``only`` lists,
+    when given) for this device's queries (inside shard_map; the log-sum-exp in two
+    parts, :mod:`jax_dilated.core.softmax`).
 
     Args:
       plans: the :class:`branch_plans.BranchPlan` of every branch (heads and offsets).
@@ -287,6 +324,8 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
     strategies = ("ring",) * len(plans) if strategies is None else strategies
     results = []
     for i, (plan, sb, how) in enumerate(zip(plans, sharded_branches, strategies)):
+        if only is not None and i not in only:
+            continue
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
         if plan.branch.window is not None:
             results.append(dilated_window.ring_partial(
