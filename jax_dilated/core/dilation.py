@@ -77,7 +77,7 @@ def key_validity(kv_mask, branch: branch_plans.Branch, batch: int, seq_len: int)
 
 
 def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.BranchPlan, query, key,
-                   value, kv_mask):
+                   value, kv_mask, *, scatter: bool = True):
     """Dilate, attend inside every dilated segment, undilate: one branch's ``(o, lse,
     lse_lo)`` (the log-sum-exp in two parts, :mod:`jax_dilated.core.softmax`).
 
@@ -89,6 +89,8 @@ def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.Branc
         the local shard as one piece when a segment spans devices).
       plan: the heads, offsets and compact kv heads of the branch.
       query: [B, T, H, D]; key, value: [B, T, Hkv, D]; kv_mask: None or [B, T] bool.
+
+      scatter: False returns the dilated results as ``attend`` gives them.
 
     Returns:
       o [B, T, Hq, D] (zero where a head does not select a position), lse [B, T, Hq]
@@ -111,6 +113,8 @@ def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.Branc
         per_head = jnp.broadcast_to(valid[:, :, None], (b, t, key.shape[2]))
         valid = gather_dilated(per_head, branch, plan.kv_offsets, plan.kv_heads)
     o, lse, lse_lo = attend(q, k, v, valid)
+    if not scatter:
+        return o, lse, lse_lo
     return (scatter_dilated(o, branch, plan.offsets, b, t, 0),
             scatter_dilated(lse, branch, plan.offsets, b, t, -jnp.inf),
             scatter_dilated(lse_lo, branch, plan.offsets, b, t, 0))

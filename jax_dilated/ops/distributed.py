@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.core import branch_plans, dilation
+from jax_dilated.core import branch_plans, dilation, softmax
 from jax_dilated.core.branches import is_window
 from jax_dilated.ops import dilated_local, dilated_window
 from jax_dilated.ops.head_parallel import kv_repeat
@@ -276,8 +276,10 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
     together as the one-device streamed program on the shard
     (:func:`jax_dilated.ops.dilated_local.streamed_partial`): chunk-sized temporaries
     instead of a shard-sized gather, result and scatter per branch. The others run
-    in :func:`branch_partials`, and :func:`jax_dilated.ops.dilated_window.mix`
-    combines the two as the call's mode says.
+    in :func:`branch_partials`; in longnet mode the spanning ones are merged into the
+    streamed partial at the positions their heads select (``n / r`` rows each), and
+    :func:`jax_dilated.ops.dilated_window.mix` adds what is left (sliding windows; in
+    head_groups mode every other branch, on its own heads).
     """
     kernel = get_kernel(implementation)
     streamed = [i for i, (plan, sb) in enumerate(zip(plans, sharded_branches))
@@ -292,17 +294,39 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
         partial = dilated_local.streamed_partial(
             kernel, args, [plans[i] for i in streamed], mode, query, key, value, kv_mask,
             rng, num_branches=len(plans))
-    results = branch_partials(plans, sharded_branches, query, key, value, kv_mask, args,
-                              axis_name=axis_name, num_devices=num_devices,
-                              implementation=implementation, dropout_rng=dropout_rng,
-                              strategies=strategies, only=rest)
+    run = functools.partial(branch_partials, plans, sharded_branches, query, key, value,
+                            kv_mask, args, axis_name=axis_name, num_devices=num_devices,
+                            implementation=implementation, dropout_rng=dropout_rng,
+                            strategies=strategies)
+    spanning = [i for i in rest if plans[i].branch.window is None]
+    if mode == "longnet" and partial is not None and spanning:
+        # merged into the streamed partial at the positions their heads select, not
+        # scattered to shard-sized partials first
+        stats = softmax.stats_dtype(query.dtype)
+        partial = (partial[0].astype(stats), *partial[1:])
+        for i, part in zip(spanning, run(only=spanning, scatter=False)):
+            partial = _merge_selected(partial, sharded_branches[i].cut, plans[i], part)
+        rest = [i for i in rest if i not in spanning]
+    results = run(only=rest)
     return dilated_window.mix(partial, [(plans[i], r) for i, r in zip(rest, results)], mode,
                               len(plans), query.dtype)
 
 
+def _merge_selected(acc, cut, plan, part):
+    """The partial ``acc = (o, lse, lse_lo)`` [B, n, H, ...] (every head, stats dtype)
+    with a branch's dilated partial ``part`` ([B, n / r, H, ...], as ``attend`` gives it
+    for the cut ``cut``) merged in at the positions the branch's heads select."""
+    b, t = acc[0].shape[:2]
+    old = [dilation.gather_dilated(x, cut, plan.offsets, plan.query_heads) for x in acc]
+    o, lse, lse_lo = part
+    merged = softmax.merge_partials(*old, o.astype(acc[0].dtype), lse, lse_lo)
+    return tuple(dilation.scatter_dilated(m, cut, plan.offsets, b, t, x)
+                 for m, x in zip(merged, acc))
+
+
 def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
                     *, axis_name, num_devices: int, implementation, dropout_rng,
-                    strategies=None, only=None):
+                    strategies=None, only=None, scatter=True):
     """``[(o_i, lse_i, lse_lo_i)]`` of every branch (of the branches ``only`` lists,
     when given) for this device's queries (inside shard_map; the log-sum-exp in two
     parts, :mod:`jax_dilated.core.softmax`).
@@ -314,6 +338,9 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
       dropout_rng: None, or the key of the whole call; every branch, device and
         ring step draws its own mask from it.
       strategies: :func:`branch_strategies` (None: every branch ``"ring"``).
+      only: None, or the indices of the branches to run.
+      scatter: False gives each (non-window) branch's dilated partial as its
+        ``attend`` returns it, [B, n / r, Hq, ...] for a spanning branch.
 
     Returns:
       per branch, o [B, n, Hq, D] and lse, lse_lo [B, n, Hq] over the branch's global
@@ -345,7 +372,7 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
             attend = functools.partial(
                 _gathered if how == "allgather" else _head_exchanged, grp, device_rng)
         results.append(dilation.attend_dilated(attend, sb.cut, plan, query, key, value,
-                                             kv_mask))
+                                               kv_mask, scatter=scatter))
     return results
 
 
