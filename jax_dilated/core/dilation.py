@@ -89,12 +89,12 @@ def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.Branc
         the local shard as one piece when a segment spans devices).
       plan: the heads, offsets and compact kv heads of the branch.
       query: [B, T, H, D]; key, value: [B, T, Hkv, D]; kv_mask: None or [B, T] bool.
-
       scatter: False returns the dilated results as ``attend`` gives them.
 
     Returns:
       o [B, T, Hq, D] (zero where a head does not select a position), lse [B, T, Hq]
-      (-inf there) and lse_lo [B, T, Hq] (0 there), for the heads ``plan.query_heads``.
+      (-inf there) and lse_lo [B, T, Hq] (0 there), for the heads ``plan.query_heads``
+      (with ``scatter=False``: ``attend``'s [N, w/r, Hq, ...] results).
     """
     if plan.branch.window is not None:
         # a sliding-window branch has no dilated segments: its callers run the windowed
