@@ -57,6 +57,7 @@ __all__ = [
     "empty_partial",
     "backward_delta",
     "backward_rows",
+    "backward_scale",
     "add_sinks",
 ]
 
@@ -194,10 +195,17 @@ def backward_rows(do, o, lse_lo, dlse) -> tuple[jax.Array, jax.Array]:
     Returns:
       ``do'`` in ``do``'s dtype and ``delta'`` in the stats dtype.
     """
+    c, delta = backward_scale(do, o, lse_lo, dlse)
+    return (do.astype(c.dtype) * c[..., None]).astype(do.dtype), delta
+
+
+def backward_scale(do, o, lse_lo, dlse) -> tuple[jax.Array, jax.Array]:
+    """:func:`backward_rows` without ``do'``: the per-row factor ``c = exp(-lse_lo)``
+    and ``delta' = c delta`` (stats dtype), for a caller that scales ``do`` where it
+    reads it (a chunk at a time) instead of holding a scaled copy of the whole ``do``."""
     stats = stats_dtype(o.dtype)
     c = jnp.exp(-lse_lo.astype(stats))
-    delta = backward_delta(do, o, dlse) * c
-    return (do.astype(stats) * c[..., None]).astype(do.dtype), delta
+    return c, backward_delta(do, o, dlse) * c
 
 
 def _merge_weights(lse1, lo1, lse2, lo2):

@@ -431,11 +431,13 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, o, lse, lse_
     stats = softmax.stats_dtype(query.dtype)
     nb = len(call.plans)
     head_groups = call.mode == "head_groups"
-    do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
+    # do' = c do (softmax.backward_rows) is applied chunk by chunk, where do is read:
+    # a scaled copy of the whole do would be a sequence-sized temporary
+    c_do, delta = softmax.backward_scale(do, o, lse_lo, dlse)
     if head_groups:
         # O_j = O_branch / nb: the branch's output cotangent is dO / nb, and
         # rowsum(dO_branch * O_branch) = rowsum(dO * O_j), so delta is unchanged.
-        do = (do.astype(stats) / call.groups).astype(do.dtype)
+        c_do = c_do / call.groups
     lse_k = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: see dense.backward
     dq = jnp.zeros(query.shape, stats)
     dk = jnp.zeros(key.shape, stats)
@@ -444,19 +446,21 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, o, lse, lse_
     for n_done, i in enumerate(reversed(range(nb))):  # order: as in _forward
         br = _Branch(call, i, query, key, source)
         q_v, k_v, v_v, do_v = br.view(query), br.view(key), br.view(value), br.view(do)
-        lse_v, delta_v = br.view(lse_k), br.view(delta)
+        lse_v, delta_v, c_v = br.view(lse_k), br.view(delta), br.view(c_do)
         valid_v = br.valid(kv_mask)
         rng_i = _branch_rng(rng, i)
 
         def body(acc, start, size, c, br=br, q_v=q_v, k_v=k_v, v_v=v_v, do_v=do_v,
-                 lse_v=lse_v, delta_v=delta_v, valid_v=valid_v, rng_i=rng_i,
+                 lse_v=lse_v, delta_v=delta_v, c_v=c_v, valid_v=valid_v, rng_i=rng_i,
                  first=n_done == 0):
             dq_acc, dk_acc, dv_acc = acc
             valid = _slice(valid_v, start, size)
+            do_c = (br.dilated(do_v, start, size, "q", 0).astype(stats)
+                    * br.dilated(c_v, start, size, "q", 0)[..., None]).astype(do.dtype)
             dq_c, dk_c, dv_c = call.kernel.backward(
                 # empty slots' queries (slots): no cotangent, and lse = inf, so p = 0
                 br.dilated(q_v, start, size, "q"), br.dilated(k_v, start, size, "kv"),
-                br.dilated(v_v, start, size, "kv"), br.dilated(do_v, start, size, "q", 0),
+                br.dilated(v_v, start, size, "kv"), do_c,
                 br.dilated(lse_v, start, size, "q", jnp.inf),
                 br.dilated(delta_v, start, size, "q", 0), call.args,
                 kv_valid=None if valid is None else br.gather_kv(valid),

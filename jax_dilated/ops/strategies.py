@@ -657,9 +657,7 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
             mine["heads"] = (2 * (g - 1) / g * (2 * qb + 2 * kprime),
                              2 * (2 * qb + 2 * kprime), 0.0, share)
         options.append(mine)
-    # every branch's output, and in the backward its cotangent and dq, are held
-    # before the merge (the one-device program of the heads strategy streams them)
-    branch_held = 3 * len(sbs) * qshard
+    branch_held = _branch_held(op, plans, sbs, h, qshard, pricing)
 
     def total_cost(name, entries):
         parts = [opts[e] for opts, e in zip(options, entries)]
@@ -689,6 +687,27 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
         return uniform  # the same as one of the uniform strategies
     uniform["per_branch"] = total_cost(mix, mix)
     return uniform
+
+
+def _branch_held(op, plans, sbs, h: int, qshard: float, pricing: _Pricing) -> float:
+    """Bytes of branch results held before the merge, per device: each partial's
+    output and, in the backward, its cotangent and dq. With the XLA kernel the local
+    branches stream into one partial and, in longnet mode, the spanning ones merge
+    into it at their ``n / r`` selected rows (ops/distributed.py); otherwise (cuDNN)
+    every branch holds its own, for its heads. (The heads strategy's one-device
+    program streams them all: it has no such term.)"""
+    impl = op.options.get("implementation")
+    streamed = impl == "xla" or (impl is None and pricing.kind != "gpu")
+    longnet = op.options.get("mode", "longnet") == "longnet"
+    held = 3 * qshard if streamed else 0.0
+    for plan, sb in zip(plans, sbs):
+        if streamed and sb.is_local and plan.branch.window is None:
+            continue
+        share = len(plan.query_heads) / h
+        if streamed and longnet and plan.branch.window is None:
+            share = 1.0 / sb.rate  # its dilated rows only
+        held += 3 * qshard * share
+    return held
 
 
 # Relative price of one exposed byte against the work of the whole attention: the
