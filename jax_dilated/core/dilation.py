@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.core import branch_plans
+from jax_dilated.core import branch_plans, softmax
 from jax_dilated.core.arrays import pad_axis
 
 __all__ = ["gather_dilated", "scatter_dilated", "key_validity", "attend_dilated"]
@@ -118,3 +118,18 @@ def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.Branc
     return (scatter_dilated(o, branch, plan.offsets, b, t, 0),
             scatter_dilated(lse, branch, plan.offsets, b, t, -jnp.inf),
             scatter_dilated(lse_lo, branch, plan.offsets, b, t, 0))
+
+
+def merge_selected(acc, branch: branch_plans.Branch, offsets: np.ndarray,
+                   heads: np.ndarray, part):
+    """The partial ``acc = (o, lse, lse_lo)`` ([B, T, Hs, ...], stats dtype) with a
+    branch's dilated partial ``part`` ([B S, w/r, Hs, ...], as :func:`gather_dilated`
+    lays it out for ``branch``, ``offsets`` and ``heads``) merged in
+    (:func:`~jax_dilated.core.softmax.merge_partials`) at the positions those heads
+    select; every other entry of ``acc`` is kept. Only ``T / r`` rows per head are
+    merged, not the whole of ``acc``."""
+    b, t = acc[0].shape[:2]
+    old = [gather_dilated(x, branch, offsets, heads) for x in acc]
+    o, lse, lse_lo = part
+    merged = softmax.merge_partials(*old, o.astype(acc[0].dtype), lse, lse_lo)
+    return tuple(scatter_dilated(m, branch, offsets, b, t, x) for m, x in zip(merged, acc))

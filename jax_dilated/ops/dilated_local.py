@@ -412,9 +412,8 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
                 # merge at the positions this branch selects only, then write them back
                 old = tuple(br.read(x, start, size, br.h0, br.hs)
                             for x in (o_acc, lse_acc, lo_acc))
-                merged = softmax.merge_partials(*(br.gather_q(x) for x in old),
-                                                o_c.astype(stats), lse_c, lo_c)
-                o_c, lse_c, lo_c = (br.scatter_q(x, x_old) for x, x_old in zip(merged, old))
+                o_c, lse_c, lo_c = dilation.merge_selected(
+                    old, br.branch, br.plan.offsets, br.plan.query_heads, (o_c, lse_c, lo_c))
             return tuple(br.store(x, y, start, br.h0)
                          for x, y in zip((o_acc, lse_acc, lo_acc), (o_c, lse_c, lo_c)))
 

@@ -305,23 +305,12 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
         stats = softmax.stats_dtype(query.dtype)
         partial = (partial[0].astype(stats), *partial[1:])
         for i, part in zip(spanning, run(only=spanning, scatter=False)):
-            partial = _merge_selected(partial, sharded_branches[i].cut, plans[i], part)
+            partial = dilation.merge_selected(partial, sharded_branches[i].cut,
+                                              plans[i].offsets, plans[i].query_heads, part)
         rest = [i for i in rest if i not in spanning]
     results = run(only=rest)
     return dilated_window.mix(partial, [(plans[i], r) for i, r in zip(rest, results)], mode,
                               len(plans), query.dtype)
-
-
-def _merge_selected(acc, cut, plan, part):
-    """The partial ``acc = (o, lse, lse_lo)`` [B, n, H, ...] (every head, stats dtype)
-    with a branch's dilated partial ``part`` ([B, n / r, H, ...], as ``attend`` gives it
-    for the cut ``cut``) merged in at the positions the branch's heads select."""
-    b, t = acc[0].shape[:2]
-    old = [dilation.gather_dilated(x, cut, plan.offsets, plan.query_heads) for x in acc]
-    o, lse, lse_lo = part
-    merged = softmax.merge_partials(*old, o.astype(acc[0].dtype), lse, lse_lo)
-    return tuple(dilation.scatter_dilated(m, cut, plan.offsets, b, t, x)
-                 for m, x in zip(merged, acc))
 
 
 def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
