@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import functools
 
-__all__ = ["pad_axis"]
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["pad_axis", "take_static"]
 
 
 def pad_axis(x, axis: int, size: int, value=0):
@@ -19,3 +23,55 @@ def pad_axis(x, axis: int, size: int, value=0):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
     return jnp.pad(x, widths, constant_values=value)
+
+
+def take_static(x, indices, axis: int):
+    """``jnp.take(x, indices, axis)`` for static ``indices`` (a sequence of ints, in
+    range), whose gradient is a gather too.
+
+    JAX differentiates ``jnp.take`` into a scatter-add of the cotangent into a zeroed
+    array of ``x``'s shape, which XLA materialises on its own: a dilated gather that
+    picks 8 of 128 columns gets a 16x larger buffer in its backward, one per gathered
+    array. With static indices each column of the gradient is known up front: it is
+    the cotangent of the entries that read it (summed when several do) or zero, so
+    the backward takes those entries back and zeroes the rest in one elementwise
+    pass that XLA fuses into the gradients' sum.
+    """
+    indices = tuple(int(i) for i in np.asarray(indices).reshape(-1))
+    axis = axis % x.ndim
+    if any(not 0 <= i < x.shape[axis] for i in indices):
+        raise ValueError(f"take_static: indices {indices} out of range for axis {axis} "
+                         f"of shape {x.shape}.")
+    if not jnp.issubdtype(x.dtype, jnp.inexact):  # masks and ids: nothing to differentiate
+        return jnp.take(x, np.asarray(indices, np.int32), axis=axis)
+    return _take_static(x, indices, axis, x.shape[axis])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _take_static(x, indices, axis, width):
+    return jnp.take(x, np.asarray(indices, np.int32), axis=axis)
+
+
+def _take_static_fwd(x, indices, axis, width):
+    return _take_static(x, indices, axis, width), None
+
+
+def _take_static_bwd(indices, axis, width, _, g):
+    dx = None
+    # the k-th reader of every column, for k up to the most readers a column has
+    readers: list[list[int]] = [[] for _ in range(width)]
+    for i, col in enumerate(indices):
+        readers[col].append(i)
+    for k in range(max(len(r) for r in readers)):
+        hit = np.array([len(r) > k for r in readers])
+        src = np.array([r[k] if len(r) > k else 0 for r in readers], np.int32)
+        part = jnp.take(g, src, axis=axis)
+        part = jnp.where(hit.reshape((-1,) + (1,) * (g.ndim - 1 - axis)), part,
+                         jnp.zeros((), g.dtype))
+        dx = part if dx is None else dx + part
+    if dx is None:  # no index at all: nothing read, a zero gradient
+        dx = jnp.zeros(g.shape[:axis] + (width,) + g.shape[axis + 1:], g.dtype)
+    return (dx,)
+
+
+_take_static.defvjp(_take_static_fwd, _take_static_bwd)

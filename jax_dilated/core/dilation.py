@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.core import branch_plans, softmax
-from jax_dilated.core.arrays import pad_axis
+from jax_dilated.core.arrays import pad_axis, take_static
 
 __all__ = ["gather_dilated", "scatter_dilated", "key_validity", "attend_dilated"]
 
@@ -41,7 +41,7 @@ def gather_dilated(x, branch: branch_plans.Branch, offsets: np.ndarray, heads: n
         if len(flat) != r * hx:
             x = jax.lax.slice_in_dim(x, int(flat[0]), int(flat[0]) + len(flat), axis=3)
     else:
-        x = jnp.take(x, flat, axis=3)
+        x = take_static(x, flat, axis=3)
     return x.reshape(b * s, w // r, len(flat), *x.shape[4:])
 
 

@@ -57,6 +57,7 @@ import numpy as np
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads, window_arg
 from jax_dilated.core import layouts, softmax, validation
+from jax_dilated.core.arrays import take_static
 from jax_dilated.core.vma import varying_like
 from jax_dilated.ops.block_sparse_plan import (
     HeadClass,
@@ -81,7 +82,7 @@ __all__ = ["block_lists", "block_sparse_attention"]
 
 
 def _heads(x, idx):
-    return x if idx is None else jnp.take(x, jnp.asarray(idx), axis=2)
+    return x if idx is None else take_static(x, idx, axis=2)
 
 
 class _Plan:
@@ -162,7 +163,7 @@ class _ClassSteps(PartialSteps):
     def _assemble(self, parts):
         out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
         inverse = self.plan.inverse
-        return out if inverse is None else jnp.take(out, jnp.asarray(inverse), axis=2)
+        return out if inverse is None else take_static(out, inverse, axis=2)
 
     def partial(self, query: QuerySide, keys: KeySide):
         compute = self.kernel_steps.compute_partial

@@ -20,6 +20,7 @@ import numpy as np
 
 from jax_dilated.backends.base import KernelArgs, window_arg
 from jax_dilated.core import branch_plans, softmax
+from jax_dilated.core.arrays import take_static
 from jax_dilated.ops.ring import RingConfig, ring_partials
 
 __all__ = ["window_args", "local_partial", "ring_partial", "mix"]
@@ -39,7 +40,7 @@ def _heads(plan: branch_plans.BranchPlan, query, key, value):
         query = jax.lax.slice_in_dim(query, int(heads[0]), int(heads[0]) + len(heads), axis=2)
     kv = np.asarray(plan.kv_heads)
     if not np.array_equal(kv, np.arange(key.shape[2])):
-        key, value = jnp.take(key, kv, axis=2), jnp.take(value, kv, axis=2)
+        key, value = take_static(key, kv, axis=2), take_static(value, kv, axis=2)
     return query, key, value
 
 
