@@ -59,6 +59,8 @@ __all__ = [
     "backward_rows",
     "backward_scale",
     "add_sinks",
+    "sinks_on_output",
+    "sink_gradient",
 ]
 
 
@@ -248,7 +250,9 @@ def merge_partials(o1, lse1, lo1, o2, lse2, lo2):
 def _merge_fwd(o1, lse1, lo1, o2, lse2, lo2):
     a1, a2, lse, lse_lo = _merge_weights(lse1, lo1, lse2, lo2)
     o = a1[..., None] * o1 + a2[..., None] * o2
-    return (o, lse, lse_lo), (o1, o2, a1, a2, o)
+    # the merged o is not kept: do.o = a1 do.o1 + a2 do.o2 comes from the inputs,
+    # which the callers hold anyway, where keeping o holds one more output-sized array
+    return (o, lse, lse_lo), (o1, o2, a1, a2)
 
 
 def _merge_bwd(res, cotangents):
@@ -258,11 +262,12 @@ def _merge_bwd(res, cotangents):
     # A log-sum-exp enters only as the sum of its two parts, so both parts of an
     # input get the same cotangent; the output's lse_lo is a constant correction
     # (module docstring), so its cotangent is not read.
-    o1, o2, a1, a2, o = res
+    o1, o2, a1, a2 = res
     do, dlse, _ = cotangents
-    do_o = row_dot(do, o)
-    dlse1 = a1 * (dlse + row_dot(do, o1) - do_o)
-    dlse2 = a2 * (dlse + row_dot(do, o2) - do_o)
+    do_o1, do_o2 = row_dot(do, o1), row_dot(do, o2)
+    do_o = a1 * do_o1 + a2 * do_o2  # = do.o
+    dlse1 = a1 * (dlse + do_o1 - do_o)
+    dlse2 = a2 * (dlse + do_o2 - do_o)
     return ((a1[..., None] * do).astype(o1.dtype), dlse1, dlse1,
             (a2[..., None] * do).astype(o2.dtype), dlse2, dlse2)
 
@@ -291,3 +296,30 @@ def add_sinks(o, lse, lse_lo, sinks):
     zeros = varying_like((jnp.zeros(o.shape, o.dtype), jnp.zeros(lse.shape, lse.dtype)),
                          (lse, o))
     return merge_partials(o, lse, lse_lo, zeros[0], s, zeros[1])
+
+
+def sinks_on_output(o, lse, sinks):
+    """``(o, lse)`` of a finished call (``o`` in any dtype, ``lse`` in the stats
+    dtype, no low part) with the sinks added by :func:`add_sinks`; ``o`` keeps its
+    dtype. ``sinks`` None: unchanged."""
+    if sinks is None:
+        return o, lse
+    out, lse, _ = add_sinks(o.astype(lse.dtype), lse, jnp.zeros_like(lse), sinks)
+    return out.astype(o.dtype), lse
+
+
+def sink_gradient(do, o, lse, lse_lo, dlse, sinks):
+    """Cotangent of ``sinks`` [H] for a partial that already includes them
+    (:func:`add_sinks`: ``o``, ``lse``, ``lse_lo`` over the keys and the sink; ``do``,
+    ``dlse`` their cotangents; arrays [..., H, D] and [..., H]).
+
+    The sink is a key with logit ``s_h`` and no value, so its probability is ``p =
+    exp(s_h - lse - lse_lo)`` and, as for any key, ``d s_h = sum p (dp - delta)`` over
+    the rows with ``dp = do . v_sink = 0`` and ``delta = do . o - dlse``: ``d s_h =
+    -sum p delta``. A kernel that folds the sink into its statistics needs only this
+    next to its usual backward (which reads the sink-including ``lse``).
+    """
+    stats = lse.dtype
+    p = jnp.exp(sinks.astype(stats) - lse - lse_lo)
+    ds = -p * backward_delta(do, o, dlse)
+    return jnp.sum(ds.reshape(-1, ds.shape[-1]), axis=0).astype(sinks.dtype)

@@ -16,17 +16,19 @@ from jax_dilated.ops import dilated_local, dilated_window
 __all__ = ["combine_branches", "one_device"]
 
 
-def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng):
+def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
+               sinks=None):
     """``(out, lse)`` of unpacked dilated attention of ``plans`` on one device.
 
     The blockwise XLA kernel streams chunks of segments into the output in place
     (:mod:`jax_dilated.ops.dilated_local`); any other kernel (cuDNN) gets one batched
     call per branch, with its own fused backward (what is fast on a GPU), and the
-    branches are combined afterwards. ``rng``: the dropout key or None.
+    branches are combined afterwards. ``rng``: the dropout key or None; ``sinks``:
+    None or the [H] attention sinks, included in the result.
     """
     if kernel.name == "xla":
         return dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
-                                           kv_mask, rng)
+                                           kv_mask, rng, sinks=sinks)
     results = []
     for i, plan in enumerate(plans):
         rng_i = None if rng is None else jax.random.fold_in(rng, i)
@@ -37,7 +39,7 @@ def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng):
         attend = functools.partial(_kernel_call, kernel, args, rng_i)
         results.append(dilation.attend_dilated(attend, plan.branch, plan, query, key,
                                                value, kv_mask))
-    return combine_branches(results, mode, query.dtype)
+    return softmax.sinks_on_output(*combine_branches(results, mode, query.dtype), sinks)
 
 
 def _kernel_call(kernel, args, rng, q, k, v, valid):

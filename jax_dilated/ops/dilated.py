@@ -17,8 +17,6 @@ whole output by the number of branches.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.core.branches import is_window
@@ -165,20 +163,23 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
     args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
                       is_causal=is_causal, dropout_rate=dropout_rate,
                       block_q=block_q, block_k=block_k, logit_soft_cap=logit_soft_cap)
+    # sinks join once, on the combined denominator (docs/semantics.md, s. 2): inside
+    # the one-device program (which folds them into its backward), after the others
+    one_device_path = seq_axis is None and segment_ids is None
     o, lse = _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets,
                       kv_mask, dropout_rng, seq_axis, implementation, segment_ids,
-                      max_documents, segment_lengths, dilation_rates, scale, strategy)
-    if sinks is not None:  # once, on the combined denominator (docs/semantics.md, s. 2)
-        stats = softmax.stats_dtype(query.dtype)
-        o, lse, _ = softmax.add_sinks(o.astype(stats), lse, jnp.zeros_like(lse), sinks)
-        o = o.astype(query.dtype)
+                      max_documents, segment_lengths, dilation_rates, scale, strategy,
+                      sinks if one_device_path else None)
+    if not one_device_path:
+        o, lse = softmax.sinks_on_output(o, lse, sinks)
     return (o, lse) if return_lse else o
 
 
 def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, kv_mask,
              dropout_rng, seq_axis, implementation, segment_ids, max_documents,
-             segment_lengths, dilation_rates, scale, strategy):
-    """``(out, lse)`` of every path of :func:`dilated_attention`, before the sinks."""
+             segment_lengths, dilation_rates, scale, strategy, sinks):
+    """``(out, lse)`` of every path of :func:`dilated_attention`; ``sinks`` (None
+    unless on one device without packed rows) are included."""
     num_devices = 1 if seq_axis is None else validation.axis_size(
         seq_axis, "dilated_attention(seq_axis=...)")
     plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
@@ -190,7 +191,7 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
         return dilated_packed.packed_attention(kernel, args, plans, mode, query, key, value,
                                                kv_mask, segment_ids, max_documents, rng)
     if seq_axis is None:
-        return one_device(kernel, args, plans, mode, query, key, value, kv_mask, rng)
+        return one_device(kernel, args, plans, mode, query, key, value, kv_mask, rng, sinks)
     whole_heads = strategy == "heads"
     why = head_parallel.heads_unservable(h, num_devices) if whole_heads else None
     if why:

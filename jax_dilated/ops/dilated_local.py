@@ -66,7 +66,7 @@ class _Call:
 
 
 def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key, value,
-                  kv_mask, dropout_rng, *, source=None, segment_ids=None):
+                  kv_mask, dropout_rng, *, source=None, segment_ids=None, sinks=None):
     """All branches of dilated attention on one device: ``(out, lse)``.
 
     Args:
@@ -84,16 +84,18 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
         every segment length divides; arrays, ``kv_mask`` and results stay packed.
       segment_ids: with ``source``, the packed rows' ids [B, T]: a sliding-window
         branch stays inside each document.
+      sinks: None or [H] attention sinks (:func:`jax_dilated.core.softmax.add_sinks`),
+        added to the result.
 
     Returns:
       ``out`` [B, T, H, D] in query's dtype and ``lse`` [B, T, H] in the stats dtype,
-      as :func:`jax_dilated.ops.branch_combine.combine_branches` defines them; differentiable
-      in query, key and value through both.
+      as :func:`jax_dilated.ops.branch_combine.combine_branches` defines them (with the
+      sinks); differentiable in query, key, value and sinks through both.
     """
     windows = [i for i, p in enumerate(plans) if p.branch.window is not None]
     if not windows:  # the default program, unchanged
         return _attend(_Call(kernel, args, tuple(plans), mode, len(plans)), query, key, value,
-                       kv_mask, dropout_rng, source)[:2]
+                       kv_mask, dropout_rng, source, sinks)[:2]
     # Sliding-window branches run as their own windowed kernel call
     # (ops/dilated_window.py) and are mixed with the streamed branches' (out, lse).
     from jax_dilated.ops import dilated_window  # (it imports nothing of this module)
@@ -106,7 +108,8 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
     windowed = [(plans[i], dilated_window.local_partial(
         kernel, args, plans[i], query, key, value, kv_mask,
         _branch_rng(dropout_rng, len(plans) + i), segment_ids)) for i in windows]
-    return dilated_window.mix(partial, windowed, mode, len(plans), query.dtype)
+    o, lse = dilated_window.mix(partial, windowed, mode, len(plans), query.dtype)
+    return softmax.sinks_on_output(o, lse, sinks)
 
 
 def streamed_partial(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_mask,
@@ -486,23 +489,31 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, o, lse, lse_
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(call, query, key, value, kv_mask, rng, source):
+def _attend(call, query, key, value, kv_mask, rng, source, sinks=None):
     """``(o, lse, lse_lo)``; as everywhere, ``lse_lo``'s cotangent is ignored
-    (core/softmax.py)."""
-    return _forward(call, query, key, value, kv_mask, rng, source)
+    (core/softmax.py). ``sinks`` [H] or None: the attention sinks, folded into the
+    result (:func:`jax_dilated.core.softmax.add_sinks`)."""
+    return _attend_fwd(call, query, key, value, kv_mask, rng, source, sinks)[0]
 
 
-def _attend_fwd(call, query, key, value, kv_mask, rng, source):
+def _attend_fwd(call, query, key, value, kv_mask, rng, source, sinks=None):
     o, lse, lse_lo = _forward(call, query, key, value, kv_mask, rng, source)
-    return (o, lse, lse_lo), (query, key, value, kv_mask, rng, source, o, lse, lse_lo)
+    if sinks is not None:
+        # Folded in here, not after the custom_vjp: the backward then runs on the
+        # sink-including statistics (the sink is one more key the kernel never reads),
+        # and no output-sized cotangent or copy of o is made for a merge outside.
+        o_s, lse, lse_lo = softmax.add_sinks(o.astype(lse.dtype), lse, lse_lo, sinks)
+        o = o_s.astype(o.dtype)
+    return (o, lse, lse_lo), (query, key, value, kv_mask, rng, source, o, lse, lse_lo, sinks)
 
 
 def _attend_bwd(call, res, cotangents):
-    query, key, value, kv_mask, rng, source, o, lse, lse_lo = res
+    query, key, value, kv_mask, rng, source, o, lse, lse_lo, sinks = res
     do, dlse, _ = cotangents
     dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, o, lse, lse_lo, do,
                            dlse)
-    return dq, dk, dv, None, None, None
+    dsinks = None if sinks is None else softmax.sink_gradient(do, o, lse, lse_lo, dlse, sinks)
+    return dq, dk, dv, None, None, None, dsinks
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
