@@ -308,18 +308,17 @@ def sinks_on_output(o, lse, sinks):
     return out.astype(o.dtype), lse
 
 
-def sink_gradient(do, o, lse, lse_lo, dlse, sinks):
+def sink_gradient(lse, delta, sinks):
     """Cotangent of ``sinks`` [H] for a partial that already includes them
-    (:func:`add_sinks`: ``o``, ``lse``, ``lse_lo`` over the keys and the sink; ``do``,
-    ``dlse`` their cotangents; arrays [..., H, D] and [..., H]).
+    (:func:`add_sinks`), from its ``lse`` [..., H] and the backward's ``delta`` [..., H]
+    as :func:`backward_scale` gives it (``exp(-lse_lo) (do . o - dlse)``).
 
     The sink is a key with logit ``s_h`` and no value, so its probability is ``p =
     exp(s_h - lse - lse_lo)`` and, as for any key, ``d s_h = sum p (dp - delta)`` over
-    the rows with ``dp = do . v_sink = 0`` and ``delta = do . o - dlse``: ``d s_h =
-    -sum p delta``. A kernel that folds the sink into its statistics needs only this
-    next to its usual backward (which reads the sink-including ``lse``).
+    the rows with ``dp = do . v_sink = 0``: ``d s_h = -sum exp(s_h - lse) delta'``
+    with the scaled ``delta' = exp(-lse_lo) delta``. A kernel that folds the sink into
+    its statistics needs only this next to its usual backward (which reads the
+    sink-including ``lse``).
     """
-    stats = lse.dtype
-    p = jnp.exp(sinks.astype(stats) - lse - lse_lo)
-    ds = -p * backward_delta(do, o, dlse)
+    ds = -jnp.exp(sinks.astype(lse.dtype) - lse) * delta
     return jnp.sum(ds.reshape(-1, ds.shape[-1]), axis=0).astype(sinks.dtype)

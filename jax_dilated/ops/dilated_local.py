@@ -428,14 +428,13 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
 # --------------------------------------------------------------------------- backward
 
 
-def _backward(call: _Call, query, key, value, kv_mask, rng, source, o, lse, lse_lo, do,
-              dlse):
+def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta):
+    """dq, dk, dv from ``(c_do, delta) = softmax.backward_scale(do, o, lse_lo, dlse)``."""
     stats = softmax.stats_dtype(query.dtype)
     nb = len(call.plans)
     head_groups = call.mode == "head_groups"
     # do' = c do (softmax.backward_rows) is applied chunk by chunk, where do is read:
     # a scaled copy of the whole do would be a sequence-sized temporary
-    c_do, delta = softmax.backward_scale(do, o, lse_lo, dlse)
     if head_groups:
         # O_j = O_branch / nb: the branch's output cotangent is dO / nb, and
         # rowsum(dO_branch * O_branch) = rowsum(dO * O_j), so delta is unchanged.
@@ -510,9 +509,9 @@ def _attend_fwd(call, query, key, value, kv_mask, rng, source, sinks=None):
 def _attend_bwd(call, res, cotangents):
     query, key, value, kv_mask, rng, source, o, lse, lse_lo, sinks = res
     do, dlse, _ = cotangents
-    dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, o, lse, lse_lo, do,
-                           dlse)
-    dsinks = None if sinks is None else softmax.sink_gradient(do, o, lse, lse_lo, dlse, sinks)
+    c_do, delta = softmax.backward_scale(do, o, lse_lo, dlse)
+    dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta)
+    dsinks = None if sinks is None else softmax.sink_gradient(lse, delta, sinks)
     return dq, dk, dv, None, None, None, dsinks
 
 
