@@ -190,7 +190,7 @@ def test_sinks_in_the_streamed_program(mode, is_causal):
 def test_sinks_hold_no_output_sized_copy(mode):
     """Compiled forward+backward temp with sinks is that of plain dilated attention
     plus at most a quarter of one output-sized array (n=16384, 8 heads x 64,
-    float32). Measured: +1.0 MiB (longnet) and +0.5 MiB (head_groups) of 32 MiB;
+    float32). Measured: +1.0 MiB (longnet) and +0.0 MiB (head_groups) of 32 MiB;
     with the sinks merged after the program, +115.5 and +64 MiB."""
     from benchmarks.harness import temp_bytes
 
