@@ -135,7 +135,13 @@ def test_dtypes(dtype, ok):
 
 @pytest.mark.parametrize("spec, match", [
     (selection.CallSpec("bfloat16", 128, is_causal=True, positions="arbitrary"),
-     "causal masking by position arrays"),
+     "causal mask by position arrays"),
+    (selection.CallSpec("bfloat16", 128, window=True, positions="arbitrary"),
+     "a sliding window by position arrays"),
+    (selection.CallSpec("bfloat16", 128, window=True, window_right=2), "right of the query"),
+    (selection.CallSpec("bfloat16", 128, window=True, len_q=8, len_k=16), "len_q=8"),
+    (selection.CallSpec("bfloat16", 128, window=True, is_causal=True, soft_cap=True),
+     "soft-cap"),
     (selection.CallSpec("bfloat16", 128, kv_valid=True), "boolean kv mask"),
     (selection.CallSpec("bfloat16", 128, dropout=True), "dropout"),
     (selection.CallSpec("bfloat16", 128, len_q=8, len_k=16, is_causal=True), "len_q=8"),
@@ -152,7 +158,10 @@ def test_mask_kinds_cudnn_serves():
                  selection.CallSpec("float16", 64, is_causal=True, len_q=32, len_k=32),
                  # non-causal: positions do not matter (ring steps without causality)
                  selection.CallSpec("bfloat16", 128, positions="arbitrary"),
-                 selection.CallSpec("bfloat16", 128, len_q=8, len_k=16)):
+                 selection.CallSpec("bfloat16", 128, len_q=8, len_k=16),
+                 # a window ending at its query: cuDNN's causal mask with a left bound
+                 selection.CallSpec("bfloat16", 128, window=True, is_causal=True),
+                 selection.CallSpec("bfloat16", 128, window=True, len_q=32, len_k=32)):
         assert selection.cudnn_call_reason(info, spec) is None, spec
 
 
@@ -220,9 +229,9 @@ def test_backend_report(capsys):
 
 @pytest.mark.parametrize("device, head_dim, expected", [
     (H100, 128, ["cudnn", "cudnn", "cudnn", "xla", "cudnn", "xla", "xla", "xla",
-                 "xla", "xla", "xla", "cudnn"]),
+                 "xla", "cudnn", "xla", "cudnn"]),
     (A100, 128, ["cudnn", "cudnn", "cudnn", "xla", "cudnn", "xla", "xla", "xla",
-                 "xla", "xla", "xla", "cudnn"]),
+                 "xla", "cudnn", "xla", "cudnn"]),
     (V100, 128, ["xla"] * 12),
     (TPU, 128, ["xla"] * 12),
     (H100, 512, ["xla"] * 12),
@@ -236,9 +245,10 @@ def test_backend_report_described(device, head_dim, expected):
         assert "backward on XLA" not in by_op[OPERATIONS[1]].reason
     if device is H100 and head_dim == 128:
         assert "widened" in by_op[OPERATIONS[0]].reason
-        # windows and soft-caps are refused by cuDNN, and the report says why
-        assert "sliding window" in by_op[OPERATIONS[8]].reason
-        assert "sliding window" in by_op[OPERATIONS[9]].reason
+        # windows by position arrays (rings, block-sparse) and soft-caps are refused by
+        # cuDNN, and the report says why; a window branch's causal window is cuDNN's
+        assert "by position arrays" in by_op[OPERATIONS[8]].reason
+        assert "sliding_window_length = left + 1" in by_op[OPERATIONS[9]].reason
         assert "soft-cap" in by_op[OPERATIONS[10]].reason
 
 
@@ -418,9 +428,10 @@ def _rounded(x, dtype):
     return np.asarray(np.asarray(x).astype(HALF[dtype]), np.float64)
 
 
-def _torch_dense(q, k, v, do, dlse, scale, causal):
+def _torch_dense(q, k, v, do, dlse, scale, causal, window=None):
     qt, kt, vt = (to_torch(x, requires_grad=True) for x in (q, k, v))
-    o, lse = ref.dense_attention(qt, kt, vt, scale=scale, is_causal=causal, return_lse=True)
+    o, lse = ref.dense_attention(qt, kt, vt, scale=scale, is_causal=causal, return_lse=True,
+                                 window=window)
     outs = [o, lse]
     cts = [to_torch(do), to_torch(dlse) if dlse is not None else torch.zeros_like(lse)]
     grads = torch.autograd.grad(outs, (qt, kt, vt), grad_outputs=cts)
@@ -473,6 +484,43 @@ def test_cudnn_attention_vs_float64(primitive, case, dtype, with_dlse):
     widths = {w for kind, w in ops.calls if kind == "backward"}
     # an lse cotangent needs the widened head; without one cuDNN's own backward runs
     assert widths == ({d + selection.AUGMENT_COLUMNS} if with_dlse else {d})
+
+
+@pytest.mark.parametrize("window, causal", [((5, 0), True), ((5, 0), False),
+                                             ((0, 0), True), ((100, 0), True)],
+                         ids=["left5_causal", "left5", "left0", "wider_than_seq"])
+def test_cudnn_window_vs_float64(primitive, window, causal):
+    """A window ending at its query runs on cuDNN (its causal mask with
+    ``sliding_window_length = left + 1``): o, float32 lse and the gradients through both
+    (the widened backward) and through o alone (cuDNN's own) vs the float64 reference.
+    On a GPU this pins down cuDNN's window bound, (p - length, p]."""
+    n, t, h, hkv, d = 2, 32, 4, 2, 16
+    q, k, v, do, dlse = _inputs(5, n, t, t, h, hkv, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    ops, device = primitive
+    kern = cudnn.CudnnKernel(ops=ops, device=device)
+    args = KernelArgs(scale=0.3, is_causal=causal, window=window)
+    half = [_half(x, "bfloat16") for x in (q, k, v, do)]
+    assert kern.call_reason(half[0], half[1], args) is None
+
+    @jax.jit
+    def run(q, k, v, do, dlse):
+        (o, lse, _), vjp = jax.vjp(lambda q, k, v: kern.attention(q, k, v, args), q, k, v)
+        with_lse = vjp((do, dlse, jnp.zeros_like(dlse)))
+        o_only = vjp((do, jnp.zeros_like(dlse), jnp.zeros_like(dlse)))
+        return (o, lse, *with_lse), o_only
+
+    got, got_o_only = run(*half, jnp.asarray(dlse, jnp.float32))
+    want = _torch_dense(q, k, v, do, dlse, 0.3, causal, window)
+    want_o_only = _torch_dense(q, k, v, do, None, 0.3, causal, window)[2:]
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, TOL_HALF["bfloat16"], name)
+    for name, a, b in zip(("dq", "dk", "dv"), got_o_only, want_o_only):
+        assert_close(a, b, TOL_HALF["bfloat16"], name + " (o only)")
+    # the window is cuDNN's, not dropped: without it the rows would differ
+    assert window[0] >= t - 1 or not np.allclose(np.asarray(got[0], np.float64),
+                           _torch_dense(q, k, v, do, dlse, 0.3, True)[0], atol=0.05)
+    assert {kind for kind, _ in ops.calls} == {"forward", "backward"}
 
 
 def test_cudnn_backward_with_global_statistics(primitive):
@@ -783,8 +831,10 @@ def test_real_primitive_binds_abstractly(monkeypatch):
 
 
 def _cuda_custom_calls(fn, *shapes):
-    """``[(target, signature)]`` of the cuDNN custom calls in ``fn`` lowered for CUDA (from
-    this CPU machine: jax.export lowers for another platform without running anything)."""
+    """``[(target, signature, line)]`` of the cuDNN custom calls in ``fn`` lowered for CUDA
+    (from this CPU machine: jax.export lowers for another platform without running
+    anything); ``line`` is the call's whole line, the backend config's JSON quotes
+    (written ``\\22`` in MLIR) as ``"``."""
     import re
     checks = [jax.export.DisabledSafetyCheck.custom_call(n)
               for n in ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")]
@@ -793,7 +843,7 @@ def _cuda_custom_calls(fn, *shapes):
     for line in exp.mlir_module().splitlines():
         m = re.search(r"custom_call @(__cudnn\S+)\(", line)
         if m:
-            calls.append((m.group(1), line[line.rindex(" : ("):]))
+            calls.append((m.group(1), line[line.rindex(" : ("):], line.replace("\\22", '"')))
     return calls
 
 
@@ -816,17 +866,43 @@ def test_lowers_to_cudnn_for_cuda(monkeypatch, with_lse):
     calls = _cuda_custom_calls(jax.grad(loss, (0, 1, 2)), q, kv, kv)
     assert [c[0] for c in calls].count("__cudnn$fmhaSoftmax") == 1
     assert [c[0] for c in calls].count("__cudnn$fmhaSoftmaxBackward") == 1
-    fwd = next(sig for name, sig in calls if name == "__cudnn$fmhaSoftmax")
-    bwd = next(sig for name, sig in calls if name == "__cudnn$fmhaSoftmaxBackward")
+    fwd = next(sig for name, sig, _ in calls if name == "__cudnn$fmhaSoftmax")
+    bwd = next(sig for name, sig, _ in calls if name == "__cudnn$fmhaSoftmaxBackward")
     assert "tensor<2x4x64xf32>" in fwd  # the float32 stats
     width = 64 + selection.AUGMENT_COLUMNS if with_lse else 64
     assert f"tensor<2x64x4x{width}xbf16>" in bwd and "tensor<2x4x64xf32>" in bwd
 
 
+def test_window_lowers_to_cudnn_sliding_window(monkeypatch):
+    """A window (left, 0) lowered for CUDA: cuDNN's forward and backward custom calls carry
+    ``sliding_window_length = left + 1`` with the causal mask (as jax.nn maps its
+    ``local_window_size``); a window reaching right of the query is not sent there."""
+    import re
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    kern = cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device=H100)
+    args = KernelArgs(scale=0.125, window=(16, 0))
+
+    def loss(q, k, v):
+        o, lse, _ = kern.attention(q, k, v, args)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+    x = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+    calls = _cuda_custom_calls(jax.grad(loss, (0, 1, 2)), x, x, x)
+    assert len(calls) == 2, calls
+    for _, _, line in calls:
+        assert re.search(r'"sliding_window_length": 17\b', line), line
+        assert '"mask_type": "CAUSAL"' in line, line
+    with pytest.raises(ValueError, match="right of the query"):
+        kern.forward(x, x, x, KernelArgs(scale=0.125, window=(16, 2)))
+
+
+@pytest.mark.parametrize("first", [64, jd.SlidingWindow(16)], ids=["segments", "window"])
 @pytest.mark.parametrize("mode", ["longnet", "head_groups"])
-def test_dilated_attention_lowers_to_cudnn(monkeypatch, mode):
+def test_dilated_attention_lowers_to_cudnn(monkeypatch, mode, first):
     """jd.dilated_attention with the default kernel on a (described) H100 lowered for CUDA:
-    one fused forward and one fused backward per branch."""
+    one fused forward and one fused backward per branch (a sliding-window branch's with
+    cuDNN's window, ``left + 1``)."""
     from jax._src.cudnn import fused_attention_stablehlo as fused
     monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
     auto = registry.AutoKernel(cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device=H100))
@@ -835,10 +911,14 @@ def test_dilated_attention_lowers_to_cudnn(monkeypatch, mode):
     x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
 
     def loss(q, k, v):
-        o = jd.dilated_attention(q, k, v, segment_lengths=(64, 128), dilation_rates=(1, 2),
-                                 mode=mode, is_causal=True)
+        o = jd.dilated_attention(q, k, v, segment_lengths=(first, 128),
+                                 dilation_rates=(1, 2), mode=mode, is_causal=True)
         return jnp.sum(o.astype(jnp.float32))
 
-    names = [c[0] for c in _cuda_custom_calls(jax.grad(loss, (0, 1, 2)), x, x, x)]
+    calls = _cuda_custom_calls(jax.grad(loss, (0, 1, 2)), x, x, x)
+    names = [c[0] for c in calls]
     assert names.count("__cudnn$fmhaSoftmax") == 2
     assert names.count("__cudnn$fmhaSoftmaxBackward") == 2
+    windowed = [c[0] for c in calls if '"sliding_window_length": 17,' in c[2]]
+    want = [] if first == 64 else ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]
+    assert sorted(windowed) == want

@@ -301,25 +301,38 @@ def test_block_sparse_ring():
 
 # ------------------------------------------------------------ backends, bad input
 
-def test_cudnn_refuses_window_and_soft_cap():
+def test_cudnn_serves_left_windows_and_refuses_the_rest():
+    """cuDNN serves a window ending at its query (its causal mask with a left bound) on
+    square blocks with positions arange; it refuses windows reaching right, windows by
+    position arrays (rings) and soft-caps, and the automatic kernel says why."""
     info = selection.DeviceInfo("gpu", "NVIDIA H100", (9, 0), "cuda")
     q = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
-    for args, word in ((KernelArgs(scale=1.0, window=(8, 0)), "sliding window"),
+    for args, word in ((KernelArgs(scale=1.0, window=(8, 2)), "right of the query"),
                        (KernelArgs(scale=1.0, logit_soft_cap=30.0), "soft-cap")):
         reason = selection.cudnn_call_reason(info, cudnn.call_spec(q, q, args))
         assert reason is not None and word in reason, reason
-    assert selection.cudnn_call_reason(
-        info, cudnn.call_spec(q, q, KernelArgs(scale=1.0))) is None
-    # the automatic kernel sends such a call to XLA; the strict one says why not
+    for args in (KernelArgs(scale=1.0), KernelArgs(scale=1.0, window=(8, 0)),
+                 KernelArgs(scale=1.0, window=(8, 0), is_causal=True)):
+        assert selection.cudnn_call_reason(info, cudnn.call_spec(q, q, args)) is None
+    # positions that are not arange (a ring step) keep a window off cuDNN
+    shifted = np.arange(64) + 64
+    reason = selection.cudnn_call_reason(info, cudnn.call_spec(
+        q, q, KernelArgs(scale=1.0, window=(8, 0)), shifted, np.arange(64)))
+    assert reason is not None and "sliding window by position arrays" in reason
     strict = cudnn.CudnnKernel(ops=cudnn.ReferenceOps(), device=info)
     auto = registry.AutoKernel(strict)
     x = jnp.zeros((1, 16, 4, 64), jnp.bfloat16)
-    args = KernelArgs(scale=1.0, window=(3, 0), is_causal=True)
-    kern, why = auto.choose(x, x, args)
-    assert kern is auto.xla and "sliding window" in why
-    assert auto.ring_steps(x, x, args) is not None  # the XLA kernel's fused steps
-    with pytest.raises(ValueError, match="sliding window"):
-        strict.forward(x, x, x, args)
+    kern, why = auto.choose(x, x, KernelArgs(scale=1.0, window=(3, 0), is_causal=True))
+    assert kern is auto.cudnn and why is None
+    for args in (KernelArgs(scale=1.0, window=(3, 0), is_causal=True),
+                 KernelArgs(scale=1.0, window=(3, 0))):
+        # a windowed ring's steps carry traced positions: the XLA kernel's fused steps
+        assert auto.ring_steps(x, x, args) is not None
+    right = KernelArgs(scale=1.0, window=(3, 2))
+    kern, why = auto.choose(x, x, right)
+    assert kern is auto.xla and "right of the query" in why
+    with pytest.raises(ValueError, match="right of the query"):
+        strict.forward(x, x, x, right)
 
 
 BAD = [

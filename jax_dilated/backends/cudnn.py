@@ -40,9 +40,11 @@ with the reason; see :mod:`.selection`): bfloat16/float16; head_dim a multiple o
 8, at most 128 (compute capability 8.x) or 256 (9.0+); no mask or the plain
 causal mask of a square block (positions ``arange``); no ``kv_valid`` (cuDNN's
 padding mask is a per-batch prefix length, which a traced boolean mask cannot be
-proven to be); no dropout (cuDNN's dropout seed is static); no sliding window or logit
-soft-cap (``KernelArgs.window``/``logit_soft_cap``); grouped-query heads
-natively.
+proven to be); no dropout (cuDNN's dropout seed is static); sliding windows that end
+at their query (``KernelArgs.window = (left, 0)``, or any window of a causal call: cuDNN's
+causal mask with its ``sliding_window_length = left + 1``, square blocks, positions
+``arange``), not windows reaching right of the query; no logit soft-cap; grouped-query
+heads natively.
 
 Testing without a GPU: the fused primitive is injectable. :class:`CudnnKernel`
 takes any ``ops`` object with the contract of :class:`FusedOps`;
@@ -74,17 +76,23 @@ __all__ = ["FusedOps", "CudnnOps", "ReferenceOps", "CudnnKernel", "KERNEL", "for
 class FusedOps(Protocol):
     """The fused-attention primitive the backend wraps (BTNH layout, GQA allowed).
 
-    forward(q, k, v, *, scale, causal) -> (o [B, T, N, D] in q's dtype,
-        stats [B, N, T] float32 = logsumexp of the scaled, masked logits)
-    backward(q, k, v, o, stats, do, *, scale, causal) -> (dq, dk, dv) in input dtypes,
+    forward(q, k, v, *, scale, causal, window_left=None) -> (o [B, T, N, D] in q's
+        dtype, stats [B, N, T] float32 = logsumexp of the scaled, masked logits)
+    backward(q, k, v, o, stats, do, *, scale, causal, window_left=None) -> (dq, dk, dv)
+        in input dtypes,
         with p = exp(scale q.k - stats) (masked entries 0), delta = rowsum(do * o)
         in float32, ds = p (do.v - delta), dq = scale ds k, dk = scale ds^T q,
         dv = p^T do. ``stats`` and ``o`` are whatever the caller passes.
+
+    ``causal``: query ``p`` sees keys ``t <= p``; ``window_left`` (only with
+    ``causal``): also ``t >= p - window_left``.
     """
 
-    def forward(self, q, k, v, *, scale: float, causal: bool): ...
+    def forward(self, q, k, v, *, scale: float, causal: bool,
+                window_left: int | None = None): ...
 
-    def backward(self, q, k, v, o, stats, do, *, scale: float, causal: bool): ...
+    def backward(self, q, k, v, o, stats, do, *, scale: float, causal: bool,
+                 window_left: int | None = None): ...
 
 
 # ------------------------------------------------------------- the real primitive
@@ -98,15 +106,30 @@ class CudnnOps:
         fused = cudnn_probe.fused_module()
         return fused.MaskType.CAUSAL if causal else fused.MaskType.NO_MASK
 
-    def forward(self, q, k, v, *, scale: float, causal: bool):
+    @staticmethod
+    def _sliding_window(causal: bool, window_left: int | None) -> int | None:
+        """cuDNN's ``sliding_window_length``: a query sees the keys in ``(p - length,
+        p]``, so ``left + 1`` (as ``jax.nn.dot_product_attention`` maps its
+        ``local_window_size``), with the causal mask it bounds."""
+        if window_left is None:
+            return None
+        if not causal:
+            raise ValueError("cuDNN's sliding window comes with its causal mask "
+                             "(window_left needs causal=True).")
+        return int(window_left) + 1
+
+    def forward(self, q, k, v, *, scale: float, causal: bool,
+                window_left: int | None = None):
         fused = cudnn_probe.fused_module()
         # The cuDNN-level function keeps the float32 statistics (jax.nn casts them);
         # it is never differentiated here: the custom_vjp below owns the gradient.
         o, stats = fused.dot_product_attention(
-            q, k, v, scale=scale, mask_type=self._mask_type(causal), return_residual=True)
+            q, k, v, scale=scale, mask_type=self._mask_type(causal), return_residual=True,
+            sliding_window_length=self._sliding_window(causal, window_left))
         return o, stats
 
-    def backward(self, q, k, v, o, stats, do, *, scale: float, causal: bool):
+    def backward(self, q, k, v, o, stats, do, *, scale: float, causal: bool,
+                 window_left: int | None = None):
         reason = primitive_signature_reason()
         if reason:
             raise ValueError(f"implementation='cudnn': {reason}; use implementation='xla'.")
@@ -117,7 +140,8 @@ class CudnnOps:
                       fwd_output=o, grad_output=do)
         params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
                       mask_type=self._mask_type(causal),
-                      layout=fused.AttentionLayout.BTNH.value, sliding_window_length=None)
+                      layout=fused.AttentionLayout.BTNH.value,
+                      sliding_window_length=self._sliding_window(causal, window_left))
         first_param = min(names.index(p) for p in cudnn_probe.BWD_PARAMS if p in names)
         positional = [arrays.get(n, unused) for n in names[:first_param]]
         keywords = {n: params[n] for n in names[first_param:]}
@@ -145,16 +169,33 @@ def call_spec(q, k, args: KernelArgs, q_positions=None, k_positions=None, kv_val
               *, block_sparse: bool = False) -> selection.CallSpec:
     """The static :class:`~.selection.CallSpec` of one kernel call."""
     lq, lk = q.shape[1], k.shape[1]
+    window = getattr(args, "window", None)
     positions = "arange"
-    if args.is_causal and "arbitrary" in (_positions_kind(q_positions, lq),
-                                          _positions_kind(k_positions, lk)):
+    # positions matter to masks that follow them: causality and windows
+    if (args.is_causal or window is not None) and "arbitrary" in (
+            _positions_kind(q_positions, lq), _positions_kind(k_positions, lk)):
         positions = "arbitrary"
     return selection.CallSpec(dtype=jnp.dtype(q.dtype).name, head_dim=q.shape[-1],
                               len_q=lq, len_k=lk, is_causal=args.is_causal,
                               positions=positions, kv_valid=kv_valid is not None,
                               dropout=args.dropout_rate > 0.0, block_sparse=block_sparse,
-                              window=getattr(args, "window", None) is not None,
+                              window=window is not None,
+                              window_right=0 if window is None else int(window[1]),
                               soft_cap=getattr(args, "logit_soft_cap", None) is not None)
+
+
+def _mask(args: KernelArgs, len_k: int) -> dict:
+    """The primitive's mask arguments for ``args``: ``causal`` and ``window_left``.
+
+    A window ``(left, 0)`` ends at its query, so it is the causal mask with a left
+    bound whether or not the call is causal (:func:`.selection.cudnn_call_reason`
+    refuses windows reaching right). ``left`` is capped at the keys there are, which
+    changes no mask and keeps ``left + 1`` inside int32.
+    """
+    window = getattr(args, "window", None)
+    if window is None:
+        return dict(causal=args.is_causal)
+    return dict(causal=True, window_left=min(int(window[0]), len_k))
 
 
 def _split3(delta, dtype):
@@ -248,7 +289,8 @@ class CudnnKernel:
         del dropout_rng  # no dropout here (checked)
         self._check(q, k, args, q_positions, k_positions, kv_valid, q_segment_ids,
                     k_segment_ids)
-        o, stats = self.ops.forward(q, k, v, scale=float(args.scale), causal=args.is_causal)
+        o, stats = self.ops.forward(q, k, v, scale=float(args.scale),
+                                    **_mask(args, k.shape[1]))
         lse = jnp.swapaxes(stats, 1, 2).astype(jnp.float32)
         return o.astype(q.dtype), lse, jnp.zeros_like(lse)
 
@@ -256,7 +298,7 @@ class CudnnKernel:
         stats = jnp.swapaxes(jnp.where(jnp.isneginf(lse), 0.0, lse), 1, 2)
         return self.ops.backward(q, k, v, o.astype(q.dtype), stats.astype(jnp.float32),
                                  do.astype(q.dtype), scale=float(args.scale),
-                                 causal=args.is_causal)
+                                 **_mask(args, k.shape[1]))
 
     def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
                  k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
@@ -311,7 +353,7 @@ class CudnnKernel:
         o_w = jnp.concatenate([jnp.zeros(rows + (d,), dt), jnp.stack(parts, -1), pad], -1)
         dq, dk, dv = self.ops.backward(widen(q), widen(k), widen(v), o_w,
                                        jnp.swapaxes(lse, 1, 2), do_w,
-                                       scale=float(args.scale), causal=args.is_causal)
+                                       scale=float(args.scale), **_mask(args, k.shape[1]))
         return (dq[..., :d].astype(q.dtype), dk[..., :d].astype(k.dtype),
                 dv[..., :d].astype(v.dtype))
 

@@ -20,35 +20,43 @@ class ReferenceOps:
 
     Float32 math on the half-precision inputs (like cuDNN: products accumulated in
     float32, p rounded to the input dtype before ``p v``), causal = top-left
-    diagonal. Used to test the wrapper on CPU; not a kernel to run at scale.
+    diagonal, and ``window_left`` (with ``causal``) the left bound of cuDNN's sliding
+    window: keys ``p - window_left <= t <= p``. Used to test the wrapper on CPU; not a
+    kernel to run at scale.
     """
 
     name = "reference"
 
     @staticmethod
-    def _logits(q, k, scale, causal):
+    def _logits(q, k, scale, causal, window_left=None):
         b, t, n, d = q.shape
         kv = k.shape[2]
         qg = q.astype(jnp.float32).reshape(b, t, kv, n // kv, d)
         s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * scale
+        if window_left is not None and not causal:
+            raise ValueError("window_left needs causal=True (as cuDNN's sliding window)")
         if causal:
-            mask = jnp.arange(k.shape[1])[None, :] <= jnp.arange(t)[:, None]
+            key, query = jnp.arange(k.shape[1])[None, :], jnp.arange(t)[:, None]
+            mask = key <= query
+            if window_left is not None:
+                mask = mask & (key >= query - window_left)
             s = jnp.where(mask, s, -jnp.inf)
         return s  # [B, Hkv, G, T, S]
 
-    def forward(self, q, k, v, *, scale: float, causal: bool):
+    def forward(self, q, k, v, *, scale: float, causal: bool, window_left=None):
         b, t, n, d = q.shape
-        s = self._logits(q, k, scale, causal)
+        s = self._logits(q, k, scale, causal, window_left)
         stats = jax.nn.logsumexp(s, axis=-1)
         p = jnp.exp(s - stats[..., None]).astype(q.dtype).astype(jnp.float32)
         o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
         return o.reshape(b, t, n, d).astype(q.dtype), stats.reshape(b, n, t)
 
-    def backward(self, q, k, v, o, stats, do, *, scale: float, causal: bool):
+    def backward(self, q, k, v, o, stats, do, *, scale: float, causal: bool,
+                 window_left=None):
         b, t, n, d = q.shape
         kv = k.shape[2]
         g = n // kv
-        s = self._logits(q, k, scale, causal)
+        s = self._logits(q, k, scale, causal, window_left)
         st = stats.astype(jnp.float32).reshape(b, kv, g, t)
         p = jnp.exp(s - st[..., None])
         do32 = do.astype(jnp.float32).reshape(b, t, kv, g, -1)

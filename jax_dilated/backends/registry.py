@@ -166,10 +166,10 @@ class AutoKernel:
 
     def ring_steps(self, q, k, args):
         """The XLA kernel's fused ring steps, or None where cuDNN can serve a ring step
-        (non-causal: positions do not matter), so that the ring calls
+        (non-causal and no window: positions do not matter), so that the ring calls
         ``forward``/``backward`` per step and gets cuDNN."""
         spec = cudnn.call_spec(q, k, args, q_positions=None, k_positions=None)
-        if args.is_causal:  # ring steps pass traced position arrays
+        if args.is_causal or args.window is not None:  # steps pass traced positions
             spec = dataclasses.replace(spec, positions="arbitrary")
         if selection.cudnn_call_reason(self.cudnn.info, spec) is None:
             return None

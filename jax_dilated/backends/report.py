@@ -54,7 +54,9 @@ def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice
         row("ring_attention / block_sparse_attention window=(left, right)",
             spec(dtype, head_dim, is_causal=True, positions="arbitrary", window=True)),
         row("dilated_attention jd.SlidingWindow branch",
-            spec(dtype, head_dim, is_causal=True, window=True)),
+            spec(dtype, head_dim, is_causal=True, window=True),
+            note="cuDNN's causal mask with sliding_window_length = left + 1; a "
+                 "non-causal window reaching right of the query uses the XLA kernel"),
         row("logit_soft_cap=c (every operation)",
             spec(dtype, head_dim, is_causal=True, soft_cap=True)),
         row("sinks= (every operation)", causal, lse_cotangent=True,

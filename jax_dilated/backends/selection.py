@@ -149,6 +149,8 @@ class CallSpec:
     kv_valid: whether a boolean key mask is given.
     block_sparse: a block-sparse call (listed blocks only).
     window: a sliding window (``KernelArgs.window``) is given.
+    window_right: how far right of its query the window reaches (``window[1]``;
+      0 for causal calls, whose window ends at the query).
     soft_cap: a logit soft-cap (``KernelArgs.logit_soft_cap``) is given.
     """
 
@@ -162,6 +164,7 @@ class CallSpec:
     dropout: bool = False
     block_sparse: bool = False
     window: bool = False
+    window_right: int = 0
     soft_cap: bool = False
 
 
@@ -181,10 +184,10 @@ def cudnn_call_reason(info: DeviceInfo, spec: CallSpec) -> str | None:
     if spec.soft_cap:
         return ("logit soft-capping (cuDNN's fused attention, as jax.nn."
                 "dot_product_attention exposes it, has no soft-cap)")
-    if spec.window:
-        return ("a sliding window (cuDNN's sliding_window_length, behind jax.nn."
-                "dot_product_attention's local_window_size, is not wired into this "
-                "backend yet; windows here follow position arrays, as ring steps pass)")
+    if spec.window and spec.window_right > 0:
+        return (f"a sliding window reaching {spec.window_right} keys right of the query "
+                f"(cuDNN's sliding_window_length, behind jax.nn.dot_product_attention's "
+                f"local_window_size, covers keys on the left only)")
     if spec.dropout:
         return ("dropout (cuDNN draws its mask from a static seed, not the call's "
                 "dropout_rng, so masks would repeat across calls and steps)")
@@ -192,12 +195,16 @@ def cudnn_call_reason(info: DeviceInfo, spec: CallSpec) -> str | None:
         return ("a boolean kv mask (cuDNN's padding mask is a per-batch prefix length; "
                 "an arbitrary or traced mask cannot be expressed, e.g. T not a multiple of "
                 "a segment length, kv_mask, ring padding, a decode cache)")
-    if spec.is_causal and spec.positions != "arange":
-        return ("causal masking by position arrays (ring steps / zigzag and striped "
-                "layouts); cuDNN's causal mask is the fixed top-left diagonal of one block")
-    if spec.is_causal and spec.len_q is not None and spec.len_k is not None \
+    # A window that ends at its query is causal: cuDNN runs it as its causal mask
+    # with a left bound, so it needs what the causal mask needs.
+    masked = ("a causal mask" if spec.is_causal else "a sliding window" if spec.window
+              else None)
+    if masked and spec.positions != "arange":
+        return (f"{masked} by position arrays (ring steps / zigzag and striped layouts); "
+                f"cuDNN's causal mask and window follow the top-left diagonal of one block")
+    if masked and spec.len_q is not None and spec.len_k is not None \
             and spec.len_q != spec.len_k:
-        return (f"causal with len_q={spec.len_q} != len_k={spec.len_k} (top-left and "
+        return (f"{masked} with len_q={spec.len_q} != len_k={spec.len_k} (top-left and "
                 f"bottom-right diagonals differ; only square blocks are sent to cuDNN)")
     return None
 
