@@ -418,12 +418,37 @@ class LoadMonitor:
 
 # -------------------------------------------------------------------- environment
 
+def cpu_description(cpuinfo: str) -> str | None:
+    """The CPU from ``/proc/cpuinfo``'s text: its model name, and its family, model
+    number and widest vector unit, e.g. ``"AMD EPYC (family 25, model 17, AVX-512)"``.
+
+    Cloud VMs often name the CPU only by its brand ("AMD EPYC"), and machines of one
+    name differ: two such 2-core VMs ran the same block matmuls at 183 and 378
+    GFLOP/s (docs/benchmarks.md), so a table must say which one it came from.
+    """
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name")
+    if name is None:
+        return None
+    flags = set(fields.get("flags", "").split())
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    details = [f"family {fields['cpu family']}" if "cpu family" in fields else None,
+               f"model {fields['model']}" if "model" in fields else None, vector]
+    details = [d for d in details if d]
+    return f"{name} ({', '.join(details)})" if details else name
+
+
 def _cpu_model() -> str | None:
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            described = cpu_description(f.read())
+        if described:
+            return described
     except OSError:
         pass
     return platform.processor() or None

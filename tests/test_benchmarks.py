@@ -172,6 +172,18 @@ def test_environment_records_machine_versions_commit_and_load():
     assert env["date_utc"].endswith("Z")
 
 
+def test_cpu_description_names_family_model_and_vector_unit():
+    """Two VMs both called "AMD EPYC" are told apart (family, model, AVX-512 or AVX2)."""
+    block = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+             "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n\n"
+             "processor\t: 1\ncpu family\t: 99\nmodel name\t: other\n")
+    assert harness.cpu_description(block) == "AMD EPYC (family 25, model 17, AVX-512)"
+    older = block.replace(" avx512f avx512bw", "").replace("25", "23")
+    assert harness.cpu_description(older) == "AMD EPYC (family 23, model 17, AVX2)"
+    assert harness.cpu_description("model name\t: Some CPU\n") == "Some CPU"
+    assert harness.cpu_description("processor\t: 0\n") is None
+
+
 def test_pin_threads_and_light_imports_in_a_fresh_process():
     code = ("import os, sys; from benchmarks.harness import pin_threads; "
             "heavy = [m for m in ('jax', 'torch', 'matplotlib') if m in sys.modules]; "
