@@ -333,6 +333,29 @@ def test_cost_model_figures():
     assert costs["ring"].sent_bytes == 6 * (p - 1) * b * (t // p // 4) * h * d * 4
 
 
+def test_branch_results_held_follow_the_kernel_that_serves():
+    """The cost model counts each branch's held results only where the one-device program
+    cannot stream them into one partial: with cuDNN. On a GPU that is half-precision
+    inputs; float32 runs on the XLA kernel there, which streams, as on CPU."""
+    dil = functools.partial(jd.dilated_attention, segment_lengths=(1024, 4096, 16384),
+                            dilation_rates=(1, 2, 4))
+    shape = dict(batch=1, seq_len=16384, num_heads=8, num_kv_heads=8, head_dim=64,
+                 num_devices=4)
+
+    def held_per_element(dtype, platform, **options):
+        fn = functools.partial(dil, **options)
+        costs = strategies.estimate(fn, dtype=dtype, platform=platform, **shape)
+        return costs["ring"].held_bytes / jnp.dtype(dtype).itemsize
+
+    cpu = held_per_element("float32", "cpu")
+    assert held_per_element("bfloat16", "cpu") == cpu
+    assert held_per_element("float32", "gpu") == cpu  # the XLA kernel there too
+    assert held_per_element("bfloat16", "gpu") > cpu  # cuDNN: every branch holds its own
+    assert held_per_element("bfloat16", "gpu", implementation="xla") == cpu
+    assert held_per_element("float32", "cpu", implementation="cudnn") == \
+        held_per_element("bfloat16", "gpu")
+
+
 def test_layers_take_the_strategy():
     """Mesh-built layers pass strategy= to jd.sharded (NNX and Linen)."""
     from flax import nnx

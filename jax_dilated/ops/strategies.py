@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends import get_kernel
+from jax_dilated.backends import get_kernel, selection
 from jax_dilated.backends.base import KeySide, QuerySide, RowGrads
 from jax_dilated.core import branch_plans, layouts, softmax, validation
 from jax_dilated.core.branches import is_window
@@ -657,7 +657,8 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
             mine["heads"] = (2 * (g - 1) / g * (2 * qb + 2 * kprime),
                              2 * (2 * qb + 2 * kprime), 0.0, share)
         options.append(mine)
-    branch_held = _branch_held(op, plans, sbs, h, qshard, pricing)
+    branch_held = _branch_held(op, plans, sbs, h, qshard,
+                               _streams_branches(op, pricing.kind, e, d))
 
     def total_cost(name, entries):
         parts = [opts[e] for opts, e in zip(options, entries)]
@@ -689,15 +690,34 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
     return uniform
 
 
-def _branch_held(op, plans, sbs, h: int, qshard: float, pricing: _Pricing) -> float:
-    """Bytes of branch results held before the merge, per device: each partial's
-    output and, in the backward, its cotangent and dq. With the XLA kernel the local
-    branches stream into one partial and, in longnet mode, the spanning ones merge
-    into it at their ``n / r`` selected rows (ops/distributed.py); otherwise (cuDNN)
-    every branch holds its own, for its heads. (The heads strategy's one-device
-    program streams them all: it has no such term.)"""
+def _streams_branches(op, kind: str, itemsize: int, head_dim: int) -> bool:
+    """Whether the one-device program streams the local branches into one partial:
+    with the XLA kernel (``ops/dilated_local.py``), not with cuDNN. With
+    ``implementation=None`` that is every call on CPU and TPU, and on a GPU the calls
+    cuDNN cannot take: float32 and wider (``itemsize`` >= 4), or a head_dim it has no
+    kernel for (priced as on Hopper, the widest: :func:`selection.cudnn_call_reason`)."""
     impl = op.options.get("implementation")
-    streamed = impl == "xla" or (impl is None and pricing.kind != "gpu")
+    if impl is not None:
+        return impl == "xla"
+    if kind != "gpu":
+        return True
+    dtype = {2: "bfloat16", 4: "float32", 8: "float64"}.get(itemsize, "float32")
+    spec = selection.CallSpec(dtype, head_dim, is_causal=True)
+    return selection.cudnn_call_reason(_PRICED_GPU, spec) is not None
+
+
+# The GPU whose kernel limits the cost model assumes when it prices a GPU.
+_PRICED_GPU = selection.DeviceInfo("gpu", "NVIDIA GPU (priced as Hopper)", (9, 0), "cuda")
+
+
+def _branch_held(op, plans, sbs, h: int, qshard: float, streamed: bool) -> float:
+    """Bytes of branch results held before the merge, per device: each partial's
+    output and, in the backward, its cotangent and dq. With the XLA kernel
+    (``streamed``, :func:`_streams_branches`) the local branches stream into one
+    partial and, in longnet mode, the spanning ones merge into it at their ``n / r``
+    selected rows (ops/distributed.py); otherwise (cuDNN) every branch holds its own,
+    for its heads. (The heads strategy's one-device program streams them all: it has
+    no such term.)"""
     longnet = op.options.get("mode", "longnet") == "longnet"
     held = 3 * qshard if streamed else 0.0
     for plan, sb in zip(plans, sbs):
