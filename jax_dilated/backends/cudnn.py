@@ -141,9 +141,11 @@ class CudnnOps:
         params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
                       mask_type=self._mask_type(causal),
                       layout=fused.AttentionLayout.BTNH.value,
-                      sliding_window_length=self._sliding_window(causal, window_left))
+                      sliding_window_length=self._sliding_window(causal, window_left),
+                      score_mod=None)
         first_param = min(names.index(p) for p in cudnn_probe.BWD_PARAMS if p in names)
-        positional = [arrays.get(n, unused) for n in names[:first_param]]
+        positional = [arrays.get(n, unused) for n in names[:first_param]
+                      if n not in cudnn_probe.BWD_SPREAD]
         keywords = {n: params[n] for n in names[first_param:]}
         dq, dk, dv = fused._dot_product_attention_bwd_p_wrapper.bind(*positional, **keywords)[:3]
         return dq, dk, dv

@@ -14,7 +14,7 @@ import inspect
 
 __all__ = ["fused_module", "backward_parameters", "primitive_signature_reason",
            "cudnn_software_reason", "cudnn_version", "BWD_ARRAYS", "BWD_UNUSED",
-           "BWD_PARAMS"]
+           "BWD_PARAMS", "BWD_SPREAD"]
 
 # Parameters of the private backward primitive that the cudnn backend knows how to
 # fill: the arrays it passes, the optional arrays it leaves empty, the static params.
@@ -22,7 +22,10 @@ BWD_ARRAYS = ("query", "key", "value", "activation", "fwd_output", "grad_output"
 BWD_UNUSED = ("bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
               "page_table_v")
 BWD_PARAMS = ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
-              "sliding_window_length")
+              "sliding_window_length", "score_mod")
+# Array parameters spread positionally (jax 0.12's score_mod_args, flex attention's
+# operands): this backend has none, so they contribute no positional arrays.
+BWD_SPREAD = ("score_mod_args",)
 
 
 def fused_module():
@@ -46,7 +49,7 @@ def primitive_signature_reason() -> str | None:
         names = backward_parameters()
     except Exception as e:
         return f"this JAX's cuDNN attention internals are not the expected ones ({e})"
-    unknown = [n for n in names if n not in BWD_ARRAYS + BWD_UNUSED + BWD_PARAMS]
+    unknown = [n for n in names if n not in BWD_ARRAYS + BWD_UNUSED + BWD_PARAMS + BWD_SPREAD]
     missing = [n for n in BWD_ARRAYS if n not in names]
     if unknown or missing:
         return (f"this JAX's cuDNN backward primitive has parameters {names}; the cudnn "
