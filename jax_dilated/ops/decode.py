@@ -181,10 +181,8 @@ def dilated_attention_decode(query, key_cache, value_cache, position, *, segment
     results = [_branch_decode(kernel, plan, query, key_cache, value_cache, p, args, h)
                for plan in plans]
     out, lse = combine_branches(results, mode, query.dtype)
-    if sinks is not None:  # once, on the combined denominator, as the forward pass
-        stats = softmax.stats_dtype(query.dtype)
-        out = softmax.add_sinks(out.astype(stats), lse, jnp.zeros_like(lse),
-                                sinks)[0].astype(query.dtype)
+    # once, on the combined denominator, as the forward pass
+    out = softmax.sinks_on_output(out, lse, sinks)[0]
     return out if bad is None else jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)
 
 
