@@ -428,13 +428,15 @@ def _rounded(x, dtype):
     return np.asarray(np.asarray(x).astype(HALF[dtype]), np.float64)
 
 
-def _torch_dense(q, k, v, do, dlse, scale, causal, window=None):
+def _torch_dense(q, k, v, do, dlse, scale, causal, window=None, sinks=None):
+    """float64 ``(o, lse, dq, dk, dv[, dsinks])`` through ``do`` and ``dlse`` (None: 0)."""
     qt, kt, vt = (to_torch(x, requires_grad=True) for x in (q, k, v))
+    leaves = (qt, kt, vt) if sinks is None else (qt, kt, vt, to_torch(sinks, requires_grad=True))
     o, lse = ref.dense_attention(qt, kt, vt, scale=scale, is_causal=causal, return_lse=True,
-                                 window=window)
+                                 window=window, sinks=None if sinks is None else leaves[3])
     outs = [o, lse]
     cts = [to_torch(do), to_torch(dlse) if dlse is not None else torch.zeros_like(lse)]
-    grads = torch.autograd.grad(outs, (qt, kt, vt), grad_outputs=cts)
+    grads = torch.autograd.grad(outs, leaves, grad_outputs=cts)
     return tuple(as_np(x) for x in (o, lse, *grads))
 
 
@@ -521,6 +523,44 @@ def test_cudnn_window_vs_float64(primitive, window, causal):
     assert window[0] >= t - 1 or not np.allclose(np.asarray(got[0], np.float64),
                            _torch_dense(q, k, v, do, dlse, 0.3, True)[0], atol=0.05)
     assert {kind for kind, _ in ops.calls} == {"forward", "backward"}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cudnn_sinks_vs_float64(primitive, causal):
+    """Sinks folded into cuDNN's result (``Kernel.attention(sinks=)``): o, the
+    sink-including float32 lse and the gradients of q, k, v and the sinks, through o
+    and lse (the widened backward) and through o alone (cuDNN's own, given the
+    sink-including o and lse), vs the float64 reference; one head's sink far above
+    its logits."""
+    n, t, h, hkv, d = 2, 32, 4, 2, 16
+    q, k, v, do, dlse = _inputs(6, n, t, t, h, hkv, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    sinks = np.array([0.7, -1.5, 6.0, 0.0])
+    ops, device = primitive
+    kern = cudnn.CudnnKernel(ops=ops, device=device)
+    args = KernelArgs(scale=0.3, is_causal=causal)
+
+    def attend(q, k, v, s):
+        return kern.attention(q, k, v, args, sinks=s)
+
+    @jax.jit
+    def run(q, k, v, s, do, dlse):
+        (o, lse, _), vjp = jax.vjp(attend, q, k, v, s)
+        o_only = jax.grad(lambda *a: jnp.sum(attend(*a)[0].astype(jnp.float32) * do),
+                          argnums=(0, 1, 2, 3))(q, k, v, s)  # a symbolic zero for lse
+        return (o, lse, *vjp((do.astype(o.dtype), dlse, jnp.zeros_like(dlse)))), o_only
+
+    half = [_half(x, "bfloat16") for x in (q, k, v)]
+    got, got_o_only = run(*half, jnp.asarray(sinks, jnp.float32),
+                          jnp.asarray(do, jnp.float32), jnp.asarray(dlse, jnp.float32))
+    want = _torch_dense(q, k, v, do, dlse, 0.3, causal, sinks=sinks)
+    want_o_only = _torch_dense(q, k, v, do, None, 0.3, causal, sinks=sinks)[2:]
+    assert got[0].dtype == jnp.bfloat16 and got[-1].dtype == jnp.float32
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv", "dsinks"), got, want):
+        assert_close(a, b, TOL_HALF["bfloat16"], name)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got_o_only, want_o_only):
+        assert_close(a, b, TOL_HALF["bfloat16"], name + " (o only)")
+    assert {w for kind, w in ops.calls if kind == "backward"} == {d, d + selection.AUGMENT_COLUMNS}
 
 
 def test_cudnn_backward_with_global_statistics(primitive):

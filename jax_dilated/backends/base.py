@@ -211,9 +211,16 @@ class Kernel(Protocol):
         """
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
+                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
+                  sinks=None):
         """:meth:`forward`, differentiable in ``q``, ``k``, ``v`` through every output
-        ``(o, lse, lse_lo)``."""
+        ``(o, lse, lse_lo)``.
+
+        ``sinks`` [H] or None: attention sinks folded into the result
+        (:func:`~jax_dilated.core.softmax.fold_sinks`) and differentiable, the
+        backward running on the sink-including statistics. (:meth:`forward` and the
+        ring steps have none: a caller accumulating partials starts from the sinks'
+        own, :func:`~jax_dilated.core.softmax.empty_partial`.)"""
 
     def batch_chunk(self, n: int, q, k, args: KernelArgs) -> int:
         """How many of ``n`` batched items (``q``/``k`` shaped as in :meth:`forward`,

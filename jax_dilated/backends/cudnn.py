@@ -360,12 +360,14 @@ class CudnnKernel:
                 dv[..., :d].astype(v.dtype))
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
-        """Differentiable :meth:`forward`; gradients flow through ``o`` and the log-sum-exp."""
+                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
+                  sinks=None):
+        """Differentiable :meth:`forward`; gradients flow through ``o`` and the
+        log-sum-exp, and to ``sinks`` [H] (or None), folded into the result."""
         del dropout_rng
         self._check(q, k, args, q_positions, k_positions, kv_valid, q_segment_ids,
                     k_segment_ids)
-        return _attention(self, args, q, k, v)
+        return _attention(self, args, q, k, v, sinks)
 
     # ------------------------------------------- what cuDNN has no kernel for
 
@@ -399,29 +401,39 @@ _NO_BLOCK_SPARSE = ("implementation='cudnn' has no block-sparse kernel (cuDNN ha
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(kernel: CudnnKernel, args: KernelArgs, q, k, v):
-    return kernel.forward(q, k, v, args)
+def _attention(kernel: CudnnKernel, args: KernelArgs, q, k, v, sinks=None):
+    return softmax.fold_sinks(*kernel.forward(q, k, v, args), sinks)
 
 
-def _attention_fwd(kernel, args, q, k, v):
-    q, k, v = q.value, k.value, v.value  # symbolic_zeros: CustomVJPPrimal wrappers
-    o, lse, lse_lo = kernel.forward(q, k, v, args)
-    return (o, lse, lse_lo), (q, k, v, o, lse)
+def _attention_fwd(kernel, args, q, k, v, sinks=None):
+    # symbolic_zeros: CustomVJPPrimal wrappers (None, a pytree without leaves, is not)
+    q, k, v = q.value, k.value, v.value
+    sinks = None if sinks is None else sinks.value
+    o, lse, lse_lo = softmax.fold_sinks(*kernel.forward(q, k, v, args), sinks)
+    return (o, lse, lse_lo), (q, k, v, o, lse, lse_lo, sinks)
 
 
 def _attention_bwd(kernel, args, res, cotangents):
     from jax.custom_derivatives import SymbolicZero
 
-    q, k, v, o, lse = res
+    q, k, v, o, lse, lse_lo, sinks = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
     if isinstance(do, SymbolicZero):
         do = jnp.zeros(o.shape, o.dtype)
     if isinstance(dlse, SymbolicZero):
         # nothing depends on this partial's lse: cuDNN's own backward, with its o
-        # (lse_lo is 0 here: the forward has only cuDNN's rounded lse)
-        return kernel._native_backward(q, k, v, do, lse, o, args)
-    delta = softmax.backward_delta(do, o, dlse)
-    return kernel.backward(q, k, v, do, lse, delta, args)
+        # (with sinks both include them, which is all it needs). It reads the rounded
+        # lse alone: lse_lo is 0 without sinks; with them it is the float32 rounding
+        # of their merge, the size of cuDNN's own rounding of its statistics.
+        dq, dk, dv = kernel._native_backward(q, k, v, do, lse, o, args)
+        if sinks is None:
+            return dq, dk, dv, None
+        _, delta = softmax.backward_scale(do, o, lse_lo, jnp.zeros_like(lse))
+        return dq, dk, dv, softmax.sink_gradient(lse, delta, sinks)
+    # with sinks lse_lo is the merge's: backward_rows folds it into do and delta
+    do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
+    dq, dk, dv = kernel.backward(q, k, v, do, lse, delta, args)
+    return dq, dk, dv, softmax.sink_gradient(lse, delta, sinks)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -134,12 +134,13 @@ class AutoKernel:
                                dropout_rng=dropout_rng, **seg)
 
     def attention(self, q, k, v, args, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
+                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
+                  sinks=None):
         seg = _segments(q_segment_ids, k_segment_ids)
         kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid, **seg)
         return kernel.attention(q, k, v, args, q_positions=q_positions,
                                 k_positions=k_positions, kv_valid=kv_valid,
-                                dropout_rng=dropout_rng, **seg)
+                                dropout_rng=dropout_rng, sinks=sinks, **seg)
 
     def batch_chunk(self, n, q, k, args):
         """That of the kernel a call shaped like ``q``/``k`` goes to."""

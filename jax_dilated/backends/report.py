@@ -59,9 +59,10 @@ def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice
                  "non-causal window reaching right of the query uses the XLA kernel"),
         row("logit_soft_cap=c (every operation)",
             spec(dtype, head_dim, is_causal=True, soft_cap=True)),
-        row("sinks= (every operation)", causal, lse_cotangent=True,
-            note="the sinks are merged into the kernel's output and lse after it, so "
-                 "its backward takes an lse cotangent"),
+        row("sinks= (every operation)", causal,
+            note="the sinks are folded into the kernel call's output and lse (a ring's "
+                 "accumulators start from them); the operation's own rules above say "
+                 "whether its backward also takes an lse cotangent"),
     ]
 
 

@@ -59,6 +59,7 @@ __all__ = [
     "backward_rows",
     "backward_scale",
     "add_sinks",
+    "fold_sinks",
     "sinks_on_output",
     "sink_gradient",
 ]
@@ -156,14 +157,20 @@ def row_dot(a, b):
     return jnp.einsum("...d,...d->...", a, b)
 
 
-def empty_partial(q_shape, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+def empty_partial(q_shape, dtype, sinks=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The normalised partial of rows that saw no key: ``o = 0`` [*q_shape],
     ``lse = -inf`` and ``lse_lo = 0`` [*q_shape[:-1]], in ``dtype`` (the stats
     dtype). It is the identity of :func:`merge_partials` and where every
-    accumulation of partials starts."""
+    accumulation of partials starts.
+
+    With ``sinks`` [H] (``q_shape[-2] == H``): the partial of the sinks alone
+    (:func:`add_sinks`), ``lse = s_h``; an accumulation started there includes
+    them with no pass of its own (a running state ``m = s_h``, ``l = 1``,
+    ``acc = 0``). Not differentiable in ``sinks``: see :func:`sink_gradient`."""
     rows = q_shape[:-1]
-    return (jnp.zeros(q_shape, dtype), jnp.full(rows, -jnp.inf, dtype),
-            jnp.zeros(rows, dtype))
+    lse = (jnp.full(rows, -jnp.inf, dtype) if sinks is None
+           else jnp.broadcast_to(jax.lax.stop_gradient(sinks).astype(dtype), rows))
+    return jnp.zeros(q_shape, dtype), lse, jnp.zeros(rows, dtype)
 
 
 def backward_delta(do, o, dlse) -> jax.Array:
@@ -298,14 +305,26 @@ def add_sinks(o, lse, lse_lo, sinks):
     return merge_partials(o, lse, lse_lo, zeros[0], s, zeros[1])
 
 
+def fold_sinks(o, lse, lse_lo, sinks):
+    """:func:`add_sinks` with ``o`` in any dtype, which it keeps (the merge runs in
+    ``lse``'s). ``sinks`` None: unchanged.
+
+    Meant for a ``custom_vjp``'s forward whose backward then runs on the
+    sink-including statistics and adds :func:`sink_gradient`: folded there rather
+    than after the ``custom_vjp``, the merge keeps no copy of the call's own output
+    beside the one returned (the backward reads that one)."""
+    if sinks is None:
+        return o, lse, lse_lo
+    out, lse, lse_lo = add_sinks(o.astype(lse.dtype), lse, lse_lo, sinks)
+    return out.astype(o.dtype), lse, lse_lo
+
+
 def sinks_on_output(o, lse, sinks):
     """``(o, lse)`` of a finished call (``o`` in any dtype, ``lse`` in the stats
     dtype, no low part) with the sinks added by :func:`add_sinks`; ``o`` keeps its
     dtype. ``sinks`` None: unchanged."""
-    if sinks is None:
-        return o, lse
-    out, lse, _ = add_sinks(o.astype(lse.dtype), lse, jnp.zeros_like(lse), sinks)
-    return out.astype(o.dtype), lse
+    o, lse, _ = fold_sinks(o, lse, jnp.zeros_like(lse), sinks)
+    return o, lse
 
 
 def sink_gradient(lse, delta, sinks):
@@ -318,7 +337,9 @@ def sink_gradient(lse, delta, sinks):
     the rows with ``dp = do . v_sink = 0``: ``d s_h = -sum exp(s_h - lse) delta'``
     with the scaled ``delta' = exp(-lse_lo) delta``. A kernel that folds the sink into
     its statistics needs only this next to its usual backward (which reads the
-    sink-including ``lse``).
+    sink-including ``lse``). ``sinks`` None: None.
     """
+    if sinks is None:
+        return None
     ds = -jnp.exp(sinks.astype(lse.dtype) - lse) * delta
     return jnp.sum(ds.reshape(-1, ds.shape[-1]), axis=0).astype(sinks.dtype)

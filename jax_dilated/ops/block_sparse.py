@@ -195,8 +195,8 @@ class _ClassSteps(PartialSteps):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _local(q, k, v, kv_valid, plan, aux, segment_ids):
-    return _local_fwd(q, k, v, kv_valid, plan, aux, segment_ids)[0]
+def _local(q, k, v, kv_valid, plan, aux, segment_ids, sinks):
+    return _local_fwd(q, k, v, kv_valid, plan, aux, segment_ids, sinks)[0]
 
 
 def _local_steps(q, k, v, kv_valid, plan, aux, segment_ids):
@@ -205,20 +205,22 @@ def _local_steps(q, k, v, kv_valid, plan, aux, segment_ids):
             KeySide((k, v), valid=kv_valid, segments=segment_ids))
 
 
-def _local_fwd(q, k, v, kv_valid, plan, aux, segment_ids):
+def _local_fwd(q, k, v, kv_valid, plan, aux, segment_ids, sinks):
     steps, query, keys = _local_steps(q, k, v, kv_valid, plan, aux, segment_ids)
-    o, lse, lse_lo = steps.partial(query, keys)
-    return (o, lse, lse_lo), (q, k, v, kv_valid, aux, segment_ids, o, lse, lse_lo)
+    # the sinks folded in here, so that the backward reads the one output
+    o, lse, lse_lo = softmax.fold_sinks(*steps.partial(query, keys), sinks)
+    return (o, lse, lse_lo), (q, k, v, kv_valid, aux, segment_ids, o, lse, lse_lo, sinks)
 
 
 def _local_bwd(plan, res, cotangents):
-    q, k, v, kv_valid, aux, segment_ids, o, lse, lse_lo = res
+    q, k, v, kv_valid, aux, segment_ids, o, lse, lse_lo, sinks = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
     steps, query, keys = _local_steps(q, k, v, kv_valid, plan, aux, segment_ids)
     do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
     rows = RowGrads(do, lse, delta)
     dq, dk, dv = steps.grads(query, keys, rows)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None,
+            softmax.sink_gradient(lse, delta, sinks))
 
 
 _local.defvjp(_local_fwd, _local_bwd)
@@ -336,7 +338,8 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
         mask = window_mask(resolve_mask(pattern, nq, nk, h), tq, tk, block_size, window)
         classes, aux = head_classes(mask, h, hkv, gq, gk, is_causal)
         plan = _Plan(kernel, args, classes, h, gq, gk)
-        o, lse, lse_lo = _local(query, key, value, kv_mask, plan, aux, segment_ids)
+        o, lse, _ = _local(query, key, value, kv_mask, plan, aux, segment_ids,
+                           None if sinks is None else varying_like(sinks, (query, key)))
     else:
         num_devices = validation.axis_size(seq_axis, "block_sparse_attention")
         if tk != tq:
@@ -351,9 +354,7 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
         plan = _Plan(kernel, args, classes, h, gq, gq)
         cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
                          steps=plan)
-        o, lse, lse_lo = ring_partials(query, key, value, kv_mask, None, cfg, aux,
-                                       segment_ids)
-    if sinks is not None:
-        o, lse, _ = softmax.add_sinks(o, lse, lse_lo, sinks)
+        o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, aux, segment_ids,
+                                  sinks)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

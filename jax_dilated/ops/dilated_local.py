@@ -496,13 +496,11 @@ def _attend(call, query, key, value, kv_mask, rng, source, sinks=None):
 
 
 def _attend_fwd(call, query, key, value, kv_mask, rng, source, sinks=None):
-    o, lse, lse_lo = _forward(call, query, key, value, kv_mask, rng, source)
-    if sinks is not None:
-        # Folded in here, not after the custom_vjp: the backward then runs on the
-        # sink-including statistics (the sink is one more key the kernel never reads),
-        # and no output-sized cotangent or copy of o is made for a merge outside.
-        o_s, lse, lse_lo = softmax.add_sinks(o.astype(lse.dtype), lse, lse_lo, sinks)
-        o = o_s.astype(o.dtype)
+    # the sinks are folded in here, not after the custom_vjp: the backward then runs
+    # on the sink-including statistics (the sink is one more key the kernel never
+    # reads), and no output-sized cotangent or copy of o is made for a merge outside
+    o, lse, lse_lo = softmax.fold_sinks(
+        *_forward(call, query, key, value, kv_mask, rng, source), sinks)
     return (o, lse, lse_lo), (query, key, value, kv_mask, rng, source, o, lse, lse_lo, sinks)
 
 
@@ -511,8 +509,7 @@ def _attend_bwd(call, res, cotangents):
     do, dlse, _ = cotangents
     c_do, delta = softmax.backward_scale(do, o, lse_lo, dlse)
     dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta)
-    dsinks = None if sinks is None else softmax.sink_gradient(lse, delta, sinks)
-    return dq, dk, dv, None, None, None, dsinks
+    return dq, dk, dv, None, None, None, softmax.sink_gradient(lse, delta, sinks)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

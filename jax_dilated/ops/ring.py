@@ -117,9 +117,10 @@ def _setup(cfg: RingConfig, q, k, aux, segment_ids=None):
 
 
 def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = False,
-             segment_ids=None):
+             segment_ids=None, sinks=None):
     """Global (o, lse, lse_lo) of the local queries: o [B, n, H, D] (stats dtype), lse
-    and lse_lo [B, n, H].
+    and lse_lo [B, n, H]; with ``sinks`` [H] including them (the accumulators start
+    from the sinks' partial, so they cost no pass of their own).
 
     With ``keep_kv`` returns ``(o, lse, lse_lo, packed)``: ``packed`` this device's keys and
     values as the steps packed them (None where ``steps.keep_packed`` is False), for
@@ -149,7 +150,8 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = 
         return maybe_skip(steps.needed(query, step_keys),
                           lambda acc: steps.forward(query, step_keys, acc), acc)
 
-    acc = varying_like(softmax.empty_partial(q.shape, softmax.stats_dtype(q.dtype)), (q, k))
+    acc = varying_like(softmax.empty_partial(q.shape, softmax.stats_dtype(q.dtype), sinks),
+                       (q, k))
     block = (steps.pack_kv(k, v), kv_valid, segment_ids)
     if p == 1:
         acc = fold(acc, block, me)
@@ -168,15 +170,14 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = 
     return (*acc, block[0] if steps.keep_packed else None)
 
 
-def _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg: RingConfig, aux=None,
+def _backward(q, k, v, kv_valid, rng, rows: RowGrads, cfg: RingConfig, aux=None,
               packed_kv=None, segment_ids=None):
-    """(dq, dk, dv) of the local shards: dq and the packed dk/dv are accumulated in
-    place; the blocks and their accumulators travel separately (so that only one of
-    them is in flight at a time)."""
+    """(dq, dk, dv) of the local shards from the global rows' ``RowGrads``
+    (:func:`~jax_dilated.core.softmax.backward_rows`): dq and the packed dk/dv are
+    accumulated in place; the blocks and their accumulators travel separately (so
+    that only one of them is in flight at a time)."""
     steps, query, keys = _setup(cfg, q, k, aux, segment_ids)
     p, me = cfg.ring_size, query.index
-    do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
-    rows = RowGrads(do, lse, delta)
     stats = softmax.stats_dtype(q.dtype)
 
     def grads(acc, block, src):
@@ -187,7 +188,7 @@ def _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg: RingConfig,
     # the forward's packed block (see _forward), or packed again where that is free
     block = (steps.pack_kv(k, v) if packed_kv is None else packed_kv, kv_valid, segment_ids)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, stats), (q, block[0]))
-    dq, dkv = grads(varying_like(zeros, (q, k, do)), block, me)
+    dq, dkv = grads(varying_like(zeros, (q, k, rows.do)), block, me)
     if p > 1:
         def step(carry, s):
             dq, block, dkv = carry
@@ -204,26 +205,30 @@ def _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg: RingConfig,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None):
-    return _forward(q, k, v, kv_valid, rng, cfg, aux, segment_ids=segment_ids)
+def _ring(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None, sinks=None):
+    return _forward(q, k, v, kv_valid, rng, cfg, aux, segment_ids=segment_ids, sinks=sinks)
 
 
-def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None):
+def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None, sinks=None):
     o, lse, lse_lo, packed_kv = _forward(q, k, v, kv_valid, rng, cfg, aux, keep_kv=True,
-                                         segment_ids=segment_ids)
+                                         segment_ids=segment_ids, sinks=sinks)
     return (o, lse, lse_lo), (q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv,
-                              segment_ids)
+                              segment_ids, sinks)
 
 
 def _ring_bwd(cfg, res, cotangents):
-    q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv, segment_ids = res
+    q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv, segment_ids, sinks = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
-    dq, dk, dv = _backward(q, k, v, kv_valid, rng, o, lse, lse_lo, do, dlse, cfg, aux,
+    # with sinks, o and lse include them: the kernels' gradients are exact from the
+    # sink-including statistics, and the sinks' own comes from the same rows
+    do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
+    dq, dk, dv = _backward(q, k, v, kv_valid, rng, RowGrads(do, lse, delta), cfg, aux,
                            packed_kv, segment_ids)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, softmax.sink_gradient(lse, delta, sinks)
 
 
-def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, segment_ids=None):
+def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, segment_ids=None,
+                  sinks=None):
     """Global ``(o, lse, lse_lo)`` of the local queries (stats dtype; the log-sum-exp
     in two parts, :mod:`jax_dilated.core.softmax`), differentiable.
 
@@ -231,9 +236,14 @@ def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, segment_ids
     and block-sparse attention; ``rng`` is the dropout key (None without dropout),
     ``aux`` an extra (non-differentiable) operand handed to ``cfg.steps``,
     ``segment_ids`` int [B, n] the local shard's document ids (laid out like the
-    queries; they serve the queries here and travel with their keys), or None.
+    queries; they serve the queries here and travel with their keys), or None;
+    ``sinks`` [H] (replicated) or None: included in the result, differentiable.
     """
-    return _ring(q, k, v, kv_valid, rng, cfg, aux, segment_ids)
+    if sinks is not None:
+        # varying like the rows whose sum is their cotangent inside the custom_vjp;
+        # the cast's transpose then sums that over the devices
+        sinks = varying_like(sinks, (q, k))
+    return _ring(q, k, v, kv_valid, rng, cfg, aux, segment_ids, sinks)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -331,6 +341,8 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
     window = validation.check_window(window, is_causal)
     logit_soft_cap = validation.check_logit_soft_cap(logit_soft_cap)
     sinks = validation.check_sinks(sinks, h)
+    if sinks is not None:  # for the one-device kernel call too (see ring_partials)
+        sinks = varying_like(sinks, (query, key))
     block_q, block_k = validation.check_block_sizes(block_q, block_k)
     if layout == "zigzag":
         for name, size in (("block_q", block_q), ("block_k", block_k)):
@@ -348,14 +360,12 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
         # One device holds every key, in token order in every layout: the kernel's own
         # call, whose default positions let it plan causal and window blocks at trace
         # time (a ring passes traced positions) and which needs no ring loop.
-        o, lse, lse_lo = get_kernel(implementation).attention(
+        o, lse, _ = get_kernel(implementation).attention(
             query, key, value, args, kv_valid=kv_mask, q_segment_ids=segment_ids,
-            k_segment_ids=segment_ids)
-        o = o.astype(softmax.stats_dtype(query.dtype))
+            k_segment_ids=segment_ids, sinks=sinks)
     else:
         cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation)
-        o, lse, lse_lo = _ring(query, key, value, kv_mask, None, cfg, None, segment_ids)
-    if sinks is not None:
-        o, lse, _ = softmax.add_sinks(o, lse, lse_lo, sinks)
+        o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, None, segment_ids,
+                                  sinks)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

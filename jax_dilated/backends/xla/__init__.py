@@ -53,12 +53,13 @@ class XlaKernel:
                               k_segment_ids=k_segment_ids)
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
+                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
+                  sinks=None):
         """:func:`.dense.attention`."""
         return dense.attention(q, k, v, args, q_positions=q_positions,
                                k_positions=k_positions, kv_valid=kv_valid,
                                dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
-                               k_segment_ids=k_segment_ids)
+                               k_segment_ids=k_segment_ids, sinks=sinks)
 
     def batch_chunk(self, n: int, q, k, args: KernelArgs) -> int:
         """Items whose logits blocks together stay near the cache-friendly size

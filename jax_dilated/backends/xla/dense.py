@@ -202,40 +202,46 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng, q_seg, k_seg):
-    return forward(q, k, v, args, q_positions=q_positions, k_positions=k_positions,
-                   kv_valid=kv_valid, dropout_rng=dropout_rng, q_segment_ids=q_seg,
-                   k_segment_ids=k_seg)
+def _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng, q_seg, k_seg,
+               sinks):
+    return _attention_fwd(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng,
+                          q_seg, k_seg, sinks)[0]
 
 
 def _attention_fwd(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng, q_seg,
-                   k_seg):
-    out = _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng, q_seg,
-                     k_seg)
+                   k_seg, sinks):
+    out = softmax.fold_sinks(*forward(q, k, v, args, q_positions=q_positions,
+                                      k_positions=k_positions, kv_valid=kv_valid,
+                                      dropout_rng=dropout_rng, q_segment_ids=q_seg,
+                                      k_segment_ids=k_seg), sinks)
     o, lse, lse_lo = out
     return out, (q, k, v, o, lse, lse_lo, q_positions, k_positions, kv_valid, dropout_rng,
-                 q_seg, k_seg)
+                 q_seg, k_seg, sinks)
 
 
 def _attention_bwd(args, res, cotangents):
-    q, k, v, o, lse, lse_lo, q_positions, k_positions, kv_valid, dropout_rng, q_seg, k_seg = res
+    (q, k, v, o, lse, lse_lo, q_positions, k_positions, kv_valid, dropout_rng, q_seg, k_seg,
+     sinks) = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
     do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
     dq, dk, dv = backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
                           k_positions=k_positions, kv_valid=kv_valid,
                           dropout_rng=dropout_rng, q_segment_ids=q_seg, k_segment_ids=k_seg)
-    return dq, dk, dv, None, None, None, None, None, None
+    return (dq, dk, dv, None, None, None, None, None, None,
+            softmax.sink_gradient(lse, delta, sinks))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-              kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
+              kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
+              sinks=None):
     """Differentiable blockwise attention: :func:`forward` with a recomputing VJP.
 
     Gradients flow to q, k, v from every output, ``o`` and both parts of the
-    log-sum-exp.
+    log-sum-exp; ``sinks`` [H] (or None) are folded into the result and get theirs
+    (:meth:`jax_dilated.backends.base.Kernel.attention`).
     """
     return _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng,
-                      q_segment_ids, k_segment_ids)
+                      q_segment_ids, k_segment_ids, sinks)
