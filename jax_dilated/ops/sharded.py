@@ -83,8 +83,9 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
 
     Returns:
       ``g(query, key, value, *, kv_mask=None, segment_ids=None, sinks=None)`` on global
-      arrays,
-      returning the global ``[batch, seq, heads, head_dim]`` output in token order.
+      arrays (a ``jax.jit``-compiled function: an eager call compiles once per input
+      shape, and inside a jitted step it is inlined), returning the global ``[batch,
+      seq, heads, head_dim]`` output in token order.
       ``segment_ids`` (int ``[batch, seq]``, packed documents) is sharded and laid out
       like ``kv_mask``; ``"ring"`` passes the local shard to ``fn`` (which must take
       ``segment_ids=``), ``"heads"`` gives the single-device operation the whole
@@ -232,4 +233,8 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         # back in token order, sharded like a contiguous result
         return _place(layouts.from_layout(out, num, lay), mesh, qkv_spec)
 
-    return run
+    # Compiled, also when called eagerly: an eager shard_map runs its body one
+    # primitive at a time on every shard (a dilated call on 32 tokens took 9 s per
+    # call that way, against 0.3 s to compile it once). Inside a user's jit it is
+    # inlined; the checks above run when it is traced, so errors still come at once.
+    return jax.jit(run)
