@@ -175,6 +175,11 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
         # it: striped needs the local length to split over the P devices.
         in_shard = lay == "zigzag" or (lay == "striped"
                                        and (query.shape[1] // num) % num == 0)
+        return compiled(chosen, lay, in_shard, query, key, value, kv_mask, segment_ids,
+                        sinks)
+
+    def program(chosen, lay, in_shard, query, key, value, kv_mask, segment_ids, sinks):
+        """The checked call: placement, ``shard_map`` and the way back."""
 
         def to(x, spec):
             if lay == "contiguous" or in_shard:
@@ -235,6 +240,7 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
 
     # Compiled, also when called eagerly: an eager shard_map runs its body one
     # primitive at a time on every shard (a dilated call on 32 tokens took 9 s per
-    # call that way, against 0.3 s to compile it once). Inside a user's jit it is
-    # inlined; the checks above run when it is traced, so errors still come at once.
-    return jax.jit(run)
+    # call that way, against 0.3 s to compile it once). The checks stay outside, so
+    # that their errors read as raised here; inside a user's jit it is all inlined.
+    compiled = jax.jit(program, static_argnums=(0, 1, 2))
+    return run
