@@ -430,6 +430,9 @@ def _attention_bwd(kernel, args, res, cotangents):
             return dq, dk, dv, None
         _, delta = softmax.backward_scale(do, o, lse_lo, jnp.zeros_like(lse))
         return dq, dk, dv, softmax.sink_gradient(lse, delta, sinks)
+    if sinks is None:  # lse_lo is 0: no scaled copy of do is needed
+        return (*kernel.backward(q, k, v, do, lse, softmax.backward_delta(do, o, dlse), args),
+                None)
     # with sinks lse_lo is the merge's: backward_rows folds it into do and delta
     do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
     dq, dk, dv = kernel.backward(q, k, v, do, lse, delta, args)

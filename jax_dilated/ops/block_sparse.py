@@ -319,6 +319,8 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
     window = validation.check_window(window, is_causal)
     logit_soft_cap = validation.check_logit_soft_cap(logit_soft_cap)
     sinks = validation.check_sinks(sinks, h)
+    if sinks is not None:  # as in ring_attention (see ring_partials)
+        sinks = varying_like(sinks, (query, key))
     layouts.check_layout(layout)
     kernel = get_kernel(implementation)
     if not hasattr(kernel, "block_sparse_forward"):
@@ -338,8 +340,7 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
         mask = window_mask(resolve_mask(pattern, nq, nk, h), tq, tk, block_size, window)
         classes, aux = head_classes(mask, h, hkv, gq, gk, is_causal)
         plan = _Plan(kernel, args, classes, h, gq, gk)
-        o, lse, _ = _local(query, key, value, kv_mask, plan, aux, segment_ids,
-                           None if sinks is None else varying_like(sinks, (query, key)))
+        o, lse, _ = _local(query, key, value, kv_mask, plan, aux, segment_ids, sinks)
     else:
         num_devices = validation.axis_size(seq_axis, "block_sparse_attention")
         if tk != tq:
