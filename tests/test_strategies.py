@@ -420,3 +420,25 @@ def test_auto_on_cpu_prefers_heads_and_elsewhere_the_overlapped_ring():
     assert jd.explain_strategy(functools.partial(jd.ring_attention, is_causal=True),
                                *shapes, num_devices=8, layout="zigzag", platform="gpu",
                                quiet=True)[0] == "ring"
+
+
+def test_sharded_is_compiled_when_called_eagerly():
+    """jd.sharded's function is jitted: eager calls of one shape trace the operation
+    once (an eager shard_map re-ran it primitive by primitive at every call), a new
+    shape traces it again, and the result equals the call under the user's jit."""
+    mesh = jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2])
+    q, k, v = (jnp.asarray(x) for x in _inputs(2, 2)[:3])
+    traces = []
+
+    def op(q, k, v, *, seq_axis, kv_mask=None):
+        traces.append(q.shape)
+        return jd.ring_attention(q, k, v, seq_axis=seq_axis, kv_mask=kv_mask, scale=0.5)
+
+    attn = jd.sharded(op, mesh, seq_axis="seq")
+    outs = [attn(q, k, v) for _ in range(3)]
+    assert len(traces) == 1
+    attn(q[:, :32], k[:, :32], v[:, :32])
+    assert len(traces) == 2
+    want = jax.jit(attn)(q, k, v)
+    for out in outs:
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
