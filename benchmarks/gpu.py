@@ -25,7 +25,9 @@ forward+backward (the gradient of ``sum(out * g)``), each a jitted function:
     sequence, contiguous layout: ``n / P`` queries of the last device against the
     ``P`` key/value blocks - ``P - 1`` full blocks and the causal diagonal when
     ``--causal`` (every step's mask kind static), merged with
-    ``softmax.merge_partials``. Communication is not included.
+    ``softmax.merge_partials``; the backward as the ring's (``ops/ring.py``): every
+    step's kernel backward from the global statistics and output. Communication is
+    not included.
 ``dense``
     Exact attention over the whole sequence through the kernel (cuDNN on a GPU),
     up to ``--dense-max-n`` (default 65536; it is O(n^2)).
@@ -135,6 +137,47 @@ def gpu_environment() -> dict:
 
 # --------------------------------------------------------------------- helpers
 
+def _ring_device(kernel, num_blocks: int, scale: float, causal: bool):
+    """``f(ql, k, v) -> o``: the last of ``num_blocks`` ring devices' queries ``ql``
+    against every key block of ``k``/``v``, differentiable as ``jd.ring_attention``
+    is (a ``custom_vjp`` whose backward runs each step's kernel backward with the
+    global ``lse`` and output: ``Kernel.backward(out=)``, cuDNN's own backward)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_dilated.backends import KernelArgs
+    from jax_dilated.core import softmax
+
+    def steps(k, v):
+        nl = k.shape[1] // num_blocks
+        for s in range(num_blocks):
+            blk = slice(s * nl, (s + 1) * nl)
+            yield (k[:, blk], v[:, blk],
+                   KernelArgs(scale=scale, is_causal=causal and s == num_blocks - 1))
+
+    def fwd(ql, k, v):
+        acc = softmax.empty_partial(ql.shape, jnp.float32)
+        for kb, vb, step_args in steps(k, v):
+            o_s, *lse_s = kernel.forward(ql, kb, vb, step_args)
+            acc = softmax.merge_partials(*acc, o_s.astype(jnp.float32), *lse_s)
+        o = acc[0].astype(ql.dtype)
+        return o, (ql, k, v, o, acc[1], acc[2])
+
+    def bwd(res, do):
+        ql, k, v, o, lse, lse_lo = res
+        do, delta = softmax.backward_rows(do, o, lse_lo, jnp.zeros_like(lse))
+        dq, dks, dvs = 0.0, [], []
+        for kb, vb, step_args in steps(k, v):
+            dq_s, dk_s, dv_s = kernel.backward(ql, kb, vb, do, lse, delta, step_args, out=o)
+            dq, dks, dvs = dq + dq_s.astype(jnp.float32), dks + [dk_s], dvs + [dv_s]
+        return (dq.astype(ql.dtype), jnp.concatenate(dks, axis=1),
+                jnp.concatenate(dvs, axis=1))
+
+    f = jax.custom_vjp(lambda ql, k, v: fwd(ql, k, v)[0])
+    f.defvjp(fwd, bwd)
+    return f
+
+
 def _memory_stats() -> dict | None:
     import jax
     try:
@@ -205,7 +248,6 @@ def run(args: argparse.Namespace) -> dict:
     import jax_dilated as jd
     from benchmarks.dilated import dilated_flops
     from jax_dilated.backends import KernelArgs, get_kernel
-    from jax_dilated.core import softmax
 
     if jax.default_backend() != "gpu" and not args.allow_cpu:
         raise SystemExit(f"no GPU (JAX backend {jax.default_backend()!r}); pass --allow-cpu "
@@ -297,16 +339,7 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 nl = n // P
                 ql = q[:, n - nl:]  # the last device's queries
-
-                def ring_device(ql, k, v):
-                    acc = softmax.empty_partial(ql.shape, jnp.float32)
-                    for s in range(P):
-                        kb, vb = k[:, s * nl:(s + 1) * nl], v[:, s * nl:(s + 1) * nl]
-                        step_args = KernelArgs(scale=scale,
-                                               is_causal=args.causal and s == P - 1)
-                        o_s, *lse_s = kernel.attention(ql, kb, vb, step_args)
-                        acc = softmax.merge_partials(*acc, o_s.astype(jnp.float32), *lse_s)
-                    return acc[0].astype(ql.dtype)
+                ring_device = _ring_device(kernel, P, scale, args.causal)
 
                 pairs = nl * nl * (P - 1) + (nl * (nl + 1) // 2 if args.causal else nl * nl)
                 fw = 4 * d * heads * b * pairs

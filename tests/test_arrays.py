@@ -1,5 +1,5 @@
-"""``jax_dilated.core.arrays.take_static``: ``jnp.take`` at static indices whose
-gradient is a gather and a select, not a scatter.
+"""``jax_dilated.core.arrays``: ``take_static`` (``jnp.take`` at static indices whose
+gradient is a gather and a select, not a scatter) and ``round_to``.
 
 Checked against ``jnp.take`` itself (values and gradients, float64, random inputs
 and cotangents): indices in any order, a column read by several indices, columns
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_dilated.core.arrays import take_static
+from jax_dilated.core.arrays import round_to, take_static
 
 
 @pytest.mark.parametrize("indices, axis", [
@@ -59,3 +59,17 @@ def test_masks_pass_through_and_bad_indices_are_refused():
         take_static(mask, [6], 1)
     with pytest.raises(ValueError, match="out of range"):
         take_static(mask, [-1], 1)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_round_to_rounds_inside_a_compiled_program(dtype):
+    """round_to equals the round trip through ``dtype`` (NumPy's, via ml_dtypes) and
+    stays a ``reduce_precision`` in the compiled program: a convert pair inside a
+    fusion is what XLA drops on a GPU (seen on an H100: a bfloat16 KV cache read back
+    unrounded, cuDNN's delta carried at bfloat16 precision)."""
+    x = jnp.asarray(np.random.default_rng(4).standard_normal(257) * 300.0, jnp.float32)
+    f = jax.jit(lambda x: round_to(x * 1.5, jnp.dtype(dtype)) - 1.0)
+    want = (np.asarray(x * 1.5).astype(jnp.dtype(dtype)).astype(np.float32)) - 1.0
+    np.testing.assert_array_equal(np.asarray(f(x)), want)
+    assert "reduce-precision" in f.lower(x).compile().as_text()
+    assert round_to(x, jnp.float64) is x and round_to(x, jnp.float32) is x

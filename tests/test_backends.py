@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch_reference as ref
 from _helpers import as_np, assert_close, to_torch
+from _mesh import devices as mesh_devices
 
 import jax_dilated as jd
 from jax_dilated.backends import KernelArgs, cudnn, registry, selection, xla
@@ -240,11 +241,15 @@ def test_backend_report_described(device, head_dim, expected):
     rows = jd.backend_report(device, head_dim=head_dim, quiet=True, software_reason=None)
     assert [r.kernel for r in rows] == expected
     by_op = {r.operation: r for r in rows}
-    if device is A100:  # longnet's lse-carrying backward does not fit 128 + 8 there
-        assert "backward on XLA" in by_op[OPERATIONS[0]].reason
-        assert "backward on XLA" not in by_op[OPERATIONS[1]].reason
+    if device is A100:
+        # longnet's and the ring's backward run from the global output (cuDNN's own);
+        # the distributed local branches' lse-carrying one does not fit 128 + 8 there
+        for i in (0, 1, 2):
+            assert "backward on XLA" not in by_op[OPERATIONS[i]].reason
+        assert "backward on XLA" in by_op[OPERATIONS[4]].reason
     if device is H100 and head_dim == 128:
-        assert "widened" in by_op[OPERATIONS[0]].reason
+        assert "global lse and output" in by_op[OPERATIONS[0]].reason
+        assert "widened" in by_op[OPERATIONS[4]].reason
         # windows by position arrays (rings, block-sparse) and soft-caps are refused by
         # cuDNN, and the report says why; a window branch's causal window is cuDNN's
         assert "by position arrays" in by_op[OPERATIONS[8]].reason
@@ -590,10 +595,37 @@ def test_cudnn_backward_with_global_statistics(primitive):
     assert ops.calls == [("backward", d + selection.AUGMENT_COLUMNS)]
 
 
+def test_backward_from_the_global_output(primitive):
+    """``backward(..., out=o)`` with the global output (no lse cotangent, so ``delta =
+    rowsum(do o)``) is one call of cuDNN's own backward, head not widened, and equals
+    the float64 block gradient."""
+    n, l, h, hkv, d = 2, 32, 4, 2, 16
+    q, k, v, do, _ = _inputs(12, n, l, 2 * l, h, hkv, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    o, lse, *_ = _torch_dense(q, k, v, do, None, 0.25, False)
+    delta = np.einsum("nlhd,nlhd->nlh", do, o)
+    args = KernelArgs(scale=0.25)
+    blk = (q, k[:, l:], v[:, l:])  # the second half of the keys this time
+    ops, device = primitive
+    kern = cudnn.CudnnKernel(ops=ops, device=device)
+    half = [_half(x, "bfloat16") for x in (*blk, do)]
+    got = jax.jit(lambda *a: kern.backward(*a[:6], args, out=a[6]))(
+        *half, jnp.asarray(lse, jnp.float32), jnp.asarray(delta, jnp.float32),
+        _half(o, "bfloat16"))
+    want64 = xla.backward(*(jnp.asarray(x) for x in (*blk, do)), jnp.asarray(lse),
+                          jnp.asarray(delta), args)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want64):
+        assert a.dtype == jnp.bfloat16
+        assert_close(a, b, 2e-2, name + " vs float64")
+    assert ops.calls == [("backward", d)]
+
+
 def test_delta_carried_to_float32_precision():
-    """The three half-precision parts carry delta to ~2^-24 (not bf16's 2^-8)."""
+    """The three half-precision parts carry delta to ~2^-24 (not bf16's 2^-8), also
+    inside a compiled program (on a GPU, XLA drops a float32 -> bfloat16 -> float32
+    round trip inside a fusion; the parts must survive that)."""
     delta = jnp.asarray(np.random.default_rng(3).standard_normal(1000) * 37.0, jnp.float32)
-    parts = cudnn._split3(delta, jnp.bfloat16)
+    parts = jax.jit(cudnn._split3, static_argnums=1)(delta, jnp.bfloat16)
     total = sum(p.astype(jnp.float32) for p in parts)
     rel = np.max(np.abs(np.asarray(total) - np.asarray(delta)) / np.abs(np.asarray(delta)))
     assert rel < 1e-6, rel
@@ -727,12 +759,42 @@ def test_dilated_attention_on_described_gpu(described_gpu, mode, seq_len):
     # mask, so those calls run on XLA - with these lengths every branch has one
     assert len(fwd) == (2 if seq_len == 64 else 0)
     if seq_len == 64:
-        assert bwd == ({d + selection.AUGMENT_COLUMNS} if mode == "longnet" else {d})
+        # cuDNN's own backward in both modes: longnet's branches run from the merged
+        # output's statistics (Kernel.backward(out=)), not through a merge's lse
+        # cotangent, which would take the widened head (d + 8)
+        assert bwd == {d}
     # the explicit request fails at trace time for the masked calls, saying why
     if seq_len == 72:
         with pytest.raises(ValueError, match="boolean kv mask"):
             jd.dilated_attention(_half(q, "bfloat16"), _half(k, "bfloat16"),
                                  _half(v, "bfloat16"), implementation="cudnn", **cfg)
+
+
+def test_longnet_lse_cotangent_on_described_gpu(described_gpu):
+    """A loss on longnet's log-sum-exp too: the branches' backward must carry
+    ``delta - dlse``, which cuDNN's own backward cannot, so it takes the widened head;
+    output and gradients still match the float64 XLA kernel."""
+    ops = described_gpu
+    b, t, h, d = 2, 64, 4, 16
+    q, k, v, do, dlse = _inputs(9, b, t, t, h, h, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    cfg = dict(segment_lengths=(16, 32), dilation_rates=(1, 2), mode="longnet",
+               is_causal=True, return_lse=True)
+
+    def run(impl, cast):
+        @jax.jit
+        def f(q, k, v, do, dlse):
+            out, vjp = jax.vjp(lambda q, k, v: jd.dilated_attention(
+                q, k, v, implementation=impl, **cfg), q, k, v)
+            return (*out, *vjp((do, dlse.astype(out[1].dtype))))
+
+        return f(cast(q), cast(k), cast(v), cast(do), jnp.asarray(dlse))
+
+    got = run(None, lambda x: _half(x, "bfloat16"))
+    want = run("xla", jnp.asarray)
+    for name, a, b_ in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert_close(a, b_, 2e-2, name)
+    assert {w for kind, w in ops.calls if kind == "backward"} == {d + selection.AUGMENT_COLUMNS}
 
 
 def test_float32_falls_back_per_call(described_gpu):
@@ -748,12 +810,13 @@ def test_float32_falls_back_per_call(described_gpu):
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_attention_on_described_gpu(described_gpu, causal):
     """ring_attention over 2 CPU devices: non-causal steps on cuDNN (backward with the global
-    lse/delta through the widened head), causal steps (position arrays) on XLA."""
+    lse and output: cuDNN's own backward, head not widened), causal steps (position
+    arrays) on XLA."""
     ops = described_gpu
     b, t, h, d = 1, 64, 2, 16
     q, k, v, do, _ = _inputs(7, b, t, t, h, h, d)
     q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("seq",))
+    mesh = jax.sharding.Mesh(mesh_devices(2), ("seq",))
     attn = jd.sharded(functools.partial(jd.ring_attention, is_causal=causal), mesh,
                       seq_axis="seq")
     @jax.jit
@@ -767,6 +830,7 @@ def test_ring_attention_on_described_gpu(described_gpu, causal):
         assert_close(a, b_, 2e-2, name)
     kinds = {kind for kind, _ in ops.calls}
     assert kinds == (set() if causal else {"forward", "backward"})
+    assert {w for kind, w in ops.calls if kind == "backward"} == (set() if causal else {d})
 
 
 @CPU_ONLY
@@ -789,7 +853,7 @@ def test_distributed_dilated_on_described_gpu(described_gpu, causal):
     b, t, h, d = 1, 64, 4, 16
     q, k, v, do, _ = _inputs(8, b, t, t, h, h, d)
     q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("seq",))
+    mesh = jax.sharding.Mesh(mesh_devices(2), ("seq",))
 
     def run(impl, cast, segments=(16, 64), rates=(1, 2)):
         attn = jd.sharded(functools.partial(jd.dilated_attention, implementation=impl,

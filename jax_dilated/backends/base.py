@@ -196,7 +196,7 @@ class Kernel(Protocol):
 
     def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
                  k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
-                 k_segment_ids=None):
+                 k_segment_ids=None, out=None):
         """Gradients of the forward from saved statistics: ``(dq, dk, dv)``.
 
         With ``p = exp(scale q.k - lse)``: ``dv = p^T do``, ``ds = p (do.v - delta)``,
@@ -208,6 +208,12 @@ class Kernel(Protocol):
         is read: callers fold ``lse_lo`` into ``do`` and ``delta``
         (:func:`~jax_dilated.core.softmax.backward_rows`). The same ``dropout_rng``
         as the forward draws the same masks. Gradients in the input dtypes.
+
+        ``out``: None, or an output [N, Lq, H, D] (q's dtype) with ``delta =
+        rowsum(do * out)`` to its rounding - the global output where the global
+        log-sum-exp has no cotangent. A kernel that forms ``delta`` itself from an
+        output (cuDNN) then runs its own backward on ``out``; one that reads
+        ``delta`` (XLA) ignores it.
         """
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
@@ -321,12 +327,15 @@ class RowGrads(NamedTuple):
     (rounded); delta: [N, Lq, H] :func:`~jax_dilated.core.softmax.backward_delta` of
     the global output. ``do`` and ``delta`` carry the global log-sum-exp's low part
     (:func:`~jax_dilated.core.softmax.backward_rows`). (lse, delta in the stats
-    dtype.)
+    dtype.) out: None, or the global output [N, Lq, H, D] in the queries' dtype when
+    the global log-sum-exp has no cotangent (``delta = rowsum(do * out)``): handed to
+    ``Kernel.backward(out=)``, so cuDNN runs its own backward at every step.
     """
 
     do: Any
     lse: Any
     delta: Any
+    out: Any = None
 
 
 class RingSteps(Protocol):

@@ -68,6 +68,7 @@ from jax_dilated.backends.base import BlockLists, KernelArgs
 from jax_dilated.backends.cudnn_probe import primitive_signature_reason
 from jax_dilated.backends.cudnn_reference import ReferenceOps
 from jax_dilated.core import softmax
+from jax_dilated.core.arrays import round_to
 
 __all__ = ["FusedOps", "CudnnOps", "ReferenceOps", "CudnnKernel", "KERNEL", "forward",
            "backward", "attention", "primitive_signature_reason"]
@@ -202,12 +203,14 @@ def _mask(args: KernelArgs, len_k: int) -> dict:
 
 def _split3(delta, dtype):
     """``delta`` (float32) as three ``dtype`` parts whose float32 sum is ``delta`` to ~2^-24."""
+    # round_to, not a round trip through astype, which XLA may drop inside a fusion
+    # (on GPUs): every part but the first would be zero, delta only to dtype's precision
     parts = []
     rest = delta
     for _ in range(3):
-        part = rest.astype(dtype)
-        parts.append(part)
-        rest = rest - part.astype(jnp.float32)
+        part = round_to(rest, dtype)
+        parts.append(part.astype(dtype))
+        rest = rest - part
     return parts
 
 
@@ -236,6 +239,8 @@ class CudnnKernel:
     # the generic backward may hold; a larger segment batch is cut into chunks run one
     # after another (lax.map), so the transient copies stay bounded at 1M tokens.
     WIDEN_CHUNK_BYTES = 2 << 30
+    # Bytes of queries and keys one call of a streamed batch takes (batch_chunk).
+    STREAM_CHUNK_BYTES = 1 << 30
 
     def __init__(self, ops: FusedOps | None = None, device=None,
                  widen_chunk_bytes: int | None = None):
@@ -304,14 +309,18 @@ class CudnnKernel:
 
     def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
                  k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
-                 k_segment_ids=None):
+                 k_segment_ids=None, out=None):
         """As :func:`jax_dilated.backends.xla.backward`: ``lse``/``delta`` may be global.
 
-        The arbitrary ``delta`` goes through the augmented head (module docstring);
-        where ``head_dim + 8`` is above the device's limit, the XLA kernel's backward.
+        With ``out`` (``delta = rowsum(do * out)``) cuDNN's own backward runs on it.
+        Otherwise the arbitrary ``delta`` goes through the augmented head (module
+        docstring); where ``head_dim + 8`` is above the device's limit, the XLA
+        kernel's backward.
         """
         self._check(q, k, args, q_positions, k_positions, kv_valid, q_segment_ids,
                     k_segment_ids)
+        if out is not None:
+            return self._native_backward(q, k, v, do, lse, out, args)
         d = q.shape[-1]
         if not self.augmented_backward_ok(d):
             return xla.KERNEL.backward(q, k, v, do, lse, delta, args,
@@ -372,8 +381,13 @@ class CudnnKernel:
     # ------------------------------------------- what cuDNN has no kernel for
 
     def batch_chunk(self, n: int, q, k, args: KernelArgs) -> int:
-        """All of them: one fused call per batch is fastest on a GPU."""
-        return n
+        """As many as hold ``STREAM_CHUNK_BYTES`` of queries and keys (at least one):
+        a call that size fills a GPU, and a caller streaming a long batch (dilated
+        segments at 1M tokens) keeps its per-chunk copies bounded."""
+        del args
+        per_item = sum(int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize
+                       for x in (q, k))
+        return max(1, min(n, self.STREAM_CHUNK_BYTES // max(per_item, 1)))
 
     def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
                              q_positions=None, k_positions=None, kv_valid=None,

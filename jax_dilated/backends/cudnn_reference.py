@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_dilated.core.arrays import round_to
+
 __all__ = ["ReferenceOps"]
 
 
@@ -47,7 +49,7 @@ class ReferenceOps:
         b, t, n, d = q.shape
         s = self._logits(q, k, scale, causal, window_left)
         stats = jax.nn.logsumexp(s, axis=-1)
-        p = jnp.exp(s - stats[..., None]).astype(q.dtype).astype(jnp.float32)
+        p = round_to(jnp.exp(s - stats[..., None]), q.dtype)  # as cuDNN rounds p
         o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
         return o.reshape(b, t, n, d).astype(q.dtype), stats.reshape(b, n, t)
 

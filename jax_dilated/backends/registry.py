@@ -126,12 +126,12 @@ class AutoKernel:
 
     def backward(self, q, k, v, do, lse, delta, args, *, q_positions=None,
                  k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
-                 k_segment_ids=None):
+                 k_segment_ids=None, out=None):
         seg = _segments(q_segment_ids, k_segment_ids)
         kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid, **seg)
         return kernel.backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
                                k_positions=k_positions, kv_valid=kv_valid,
-                               dropout_rng=dropout_rng, **seg)
+                               dropout_rng=dropout_rng, out=out, **seg)
 
     def attention(self, q, k, v, args, *, q_positions=None, k_positions=None,
                   kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,

@@ -38,11 +38,14 @@ def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice
     ring_causal = spec(dtype, head_dim, is_causal=True, positions="arbitrary")
     tails = ("calls with a kv_mask, dropout, or the short last segment of a branch "
              "whose segment length does not divide the sequence use the XLA kernel")
+    global_rows = ("the backward runs from the global lse and output (a loss on the "
+                   "returned lse too: the head widened by 8 columns to carry delta - dlse)")
     return [
-        row("dilated_attention mode='longnet'", causal, lse_cotangent=True, note=tails),
+        row("dilated_attention mode='longnet'", causal,
+            note=f"branches streamed into the merged output; {global_rows}; {tails}"),
         row("dilated_attention mode='head_groups'", causal, note=tails),
-        row("ring_attention is_causal=False", dense, lse_cotangent=True,
-            note="every ring step's backward takes the global lse and delta"),
+        row("ring_attention is_causal=False", dense,
+            note=f"every ring step: {global_rows}"),
         row("ring_attention is_causal=True", ring_causal),
         row("dilated_attention(seq_axis=...) local branches", causal, lse_cotangent=True,
             note="as single-device longnet"),

@@ -8,7 +8,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["pad_axis", "take_static"]
+__all__ = ["pad_axis", "round_to", "take_static"]
+
+
+def round_to(x, dtype):
+    """``x`` rounded to ``dtype``'s precision and range, kept in ``x``'s dtype.
+
+    ``x.astype(dtype).astype(x.dtype)`` means the same, but XLA may drop that round
+    trip inside a fusion (it allows excess precision, and does so on GPUs);
+    ``reduce_precision`` it keeps. ``x`` itself where ``dtype`` is not narrower.
+    """
+    src, dst = jnp.finfo(x.dtype), jnp.finfo(dtype)
+    if dst.nmant >= src.nmant and dst.nexp >= src.nexp:
+        return x
+    return jax.lax.reduce_precision(x, exponent_bits=dst.nexp, mantissa_bits=dst.nmant)
 
 
 def pad_axis(x, axis: int, size: int, value=0):

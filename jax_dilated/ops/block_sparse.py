@@ -176,7 +176,7 @@ class _ClassSteps(PartialSteps):
         compute, k = self.kernel_steps.compute_grads, keys.kv[0]
         dqs, dk, dv = [], None, None
         for c, qc, kc, need in self._classes(query, keys):
-            rc = RowGrads(*(_heads(x, c.q_heads) for x in rows))
+            rc = RowGrads(*(None if x is None else _heads(x, c.q_heads) for x in rows))
             dqc, dkc, dvc = zeros_unless(
                 need, lambda qc=qc, kc=kc, rc=rc: compute(qc, kc, rc), qc, kc, rc)
             dqs.append(dqc)

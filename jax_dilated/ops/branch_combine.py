@@ -21,12 +21,20 @@ def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
     """``(out, lse)`` of unpacked dilated attention of ``plans`` on one device.
 
     The blockwise XLA kernel streams chunks of segments into the output in place
-    (:mod:`jax_dilated.ops.dilated_local`); any other kernel (cuDNN) gets one batched
-    call per branch, with its own fused backward (what is fast on a GPU), and the
-    branches are combined afterwards. ``rng``: the dropout key or None; ``sinks``:
-    None or the [H] attention sinks, included in the result.
+    (:mod:`jax_dilated.ops.dilated_local`). So does any other kernel (cuDNN) in
+    longnet mode when every segment length divides the sequence (its chunk is then a
+    whole branch): that backward runs each branch from the merged output's
+    statistics, which is cuDNN's own backward (``Kernel.backward(out=)``), where a
+    merge after the branches would send a log-sum-exp cotangent to every branch and
+    so cuDNN's widened backward (docs/benchmarks.md, "The GPU table"). Otherwise a
+    non-XLA kernel gets one batched call per branch with its own fused backward (the
+    short last segment of a ragged branch a call of its own, on the XLA kernel), and
+    the branches are combined afterwards. ``rng``: the dropout key or None;
+    ``sinks``: None or the [H] attention sinks, included in the result.
     """
-    if kernel.name == "xla":
+    whole = all(query.shape[1] % p.branch.effective_length == 0 for p in plans
+                if p.branch.window is None)
+    if kernel.name == "xla" or (mode == "longnet" and whole):
         return dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
                                            kv_mask, rng, sinks=sinks)
     results = []

@@ -30,6 +30,7 @@ import numpy as np
 
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, softmax, validation
+from jax_dilated.core.arrays import round_to
 from jax_dilated.core.branches import is_window
 from jax_dilated.ops.branch_combine import combine_branches
 from jax_dilated.ops.dilated import dilated_attention
@@ -298,7 +299,7 @@ def decode_tokens(cache: KVCache, query, key, value, **config):
 
     def from_empty():
         # keys/values go through the cache dtype, as decode_step reads them
-        k, v = (x.astype(cache.key.dtype).astype(query.dtype) for x in (key, value))
+        k, v = (round_to(x.astype(query.dtype), cache.key.dtype) for x in (key, value))
         out = dilated_attention(query, k, v, is_causal=True, **config)
         zero = (0, 0, 0, 0)
         new = KVCache(jax.lax.dynamic_update_slice(cache.key, key.astype(cache.key.dtype),

@@ -428,8 +428,15 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
 # --------------------------------------------------------------------------- backward
 
 
-def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta):
-    """dq, dk, dv from ``(c_do, delta) = softmax.backward_scale(do, o, lse_lo, dlse)``."""
+def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta,
+              out=None):
+    """dq, dk, dv from ``(c_do, delta) = softmax.backward_scale(do, o, lse_lo, dlse)``.
+
+    ``out``: None, or the output ``o`` when the log-sum-exp has no cotangent (then
+    ``delta = c rowsum(do * o)``): each kernel call also gets its rows of it
+    (``Kernel.backward(out=)``), so cuDNN runs its own backward instead of carrying
+    an arbitrary delta in widened heads.
+    """
     stats = softmax.stats_dtype(query.dtype)
     nb = len(call.plans)
     head_groups = call.mode == "head_groups"
@@ -437,8 +444,11 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
     # a scaled copy of the whole do would be a sequence-sized temporary
     if head_groups:
         # O_j = O_branch / nb: the branch's output cotangent is dO / nb, and
-        # rowsum(dO_branch * O_branch) = rowsum(dO * O_j), so delta is unchanged.
+        # rowsum(dO_branch * O_branch) = rowsum(dO * O_j), so delta is unchanged
+        # (and the kernel's own output is nb O_j).
         c_do = c_do / call.groups
+        if out is not None:
+            out = (out.astype(stats) * call.groups).astype(query.dtype)
     lse_k = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: see dense.backward
     dq = jnp.zeros(query.shape, stats)
     dk = jnp.zeros(key.shape, stats)
@@ -448,12 +458,13 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
         br = _Branch(call, i, query, key, source)
         q_v, k_v, v_v, do_v = br.view(query), br.view(key), br.view(value), br.view(do)
         lse_v, delta_v, c_v = br.view(lse_k), br.view(delta), br.view(c_do)
+        out_v = None if out is None else br.view(out)
         valid_v = br.valid(kv_mask)
         rng_i = _branch_rng(rng, i)
 
         def body(acc, start, size, c, br=br, q_v=q_v, k_v=k_v, v_v=v_v, do_v=do_v,
-                 lse_v=lse_v, delta_v=delta_v, c_v=c_v, valid_v=valid_v, rng_i=rng_i,
-                 first=n_done == 0):
+                 lse_v=lse_v, delta_v=delta_v, c_v=c_v, out_v=out_v, valid_v=valid_v,
+                 rng_i=rng_i, first=n_done == 0):
             dq_acc, dk_acc, dv_acc = acc
             valid = _slice(valid_v, start, size)
             do_c = (br.dilated(do_v, start, size, "q", 0).astype(stats)
@@ -465,7 +476,8 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
                 br.dilated(lse_v, start, size, "q", jnp.inf),
                 br.dilated(delta_v, start, size, "q", 0), call.args,
                 kv_valid=None if valid is None else br.gather_kv(valid),
-                dropout_rng=_chunk_rng(rng_i, c))
+                dropout_rng=_chunk_rng(rng_i, c),
+                out=None if out_v is None else br.dilated(out_v, start, size, "q", 0))
             dk_c, dv_c = br.scatter_kv(dk_c.astype(stats)), br.scatter_kv(dv_c.astype(stats))
             if not first:  # the accumulators start at zero
                 dk_c = dk_c + br.load(dk_acc, start, size)
@@ -492,10 +504,16 @@ def _attend(call, query, key, value, kv_mask, rng, source, sinks=None):
     """``(o, lse, lse_lo)``; as everywhere, ``lse_lo``'s cotangent is ignored
     (core/softmax.py). ``sinks`` [H] or None: the attention sinks, folded into the
     result (:func:`jax_dilated.core.softmax.add_sinks`)."""
-    return _attend_fwd(call, query, key, value, kv_mask, rng, source, sinks)[0]
+    o, lse, lse_lo = _forward(call, query, key, value, kv_mask, rng, source)
+    return softmax.fold_sinks(o, lse, lse_lo, sinks)
 
 
-def _attend_fwd(call, query, key, value, kv_mask, rng, source, sinks=None):
+def _attend_fwd(call, *primals):
+    from jax.custom_derivatives import CustomVJPPrimal
+
+    # symbolic_zeros: the primals come wrapped (CustomVJPPrimal)
+    query, key, value, kv_mask, rng, source, sinks = (
+        x.value if isinstance(x, CustomVJPPrimal) else x for x in (*primals, None)[:7])
     # the sinks are folded in here, not after the custom_vjp: the backward then runs
     # on the sink-including statistics (the sink is one more key the kernel never
     # reads), and no output-sized cotangent or copy of o is made for a merge outside
@@ -505,11 +523,21 @@ def _attend_fwd(call, query, key, value, kv_mask, rng, source, sinks=None):
 
 
 def _attend_bwd(call, res, cotangents):
+    from jax.custom_derivatives import SymbolicZero
+
     query, key, value, kv_mask, rng, source, o, lse, lse_lo, sinks = res
     do, dlse, _ = cotangents
+    if isinstance(do, SymbolicZero):
+        do = jnp.zeros(o.shape, o.dtype)
+    # Without an lse cotangent, delta = c rowsum(do * o): the kernel calls get o too
+    # (a kernel that forms delta from an output, cuDNN, then needs no widened head).
+    out = o if isinstance(dlse, SymbolicZero) else None
+    if out is not None:
+        dlse = jnp.zeros(lse.shape, lse.dtype)
     c_do, delta = softmax.backward_scale(do, o, lse_lo, dlse)
-    dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta)
+    dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta,
+                           out)
     return dq, dk, dv, None, None, None, softmax.sink_gradient(lse, delta, sinks)
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)

@@ -210,6 +210,12 @@ def _ring(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None, sinks=None):
 
 
 def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None, sinks=None):
+    from jax.custom_derivatives import CustomVJPPrimal
+
+    # symbolic_zeros: the primals come wrapped (CustomVJPPrimal)
+    q, k, v, kv_valid, rng, aux, segment_ids, sinks = (
+        x.value if isinstance(x, CustomVJPPrimal) else x
+        for x in (q, k, v, kv_valid, rng, aux, segment_ids, sinks))
     o, lse, lse_lo, packed_kv = _forward(q, k, v, kv_valid, rng, cfg, aux, keep_kv=True,
                                          segment_ids=segment_ids, sinks=sinks)
     return (o, lse, lse_lo), (q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv,
@@ -217,12 +223,22 @@ def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None, sinks=Non
 
 
 def _ring_bwd(cfg, res, cotangents):
+    from jax.custom_derivatives import SymbolicZero
+
     q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv, segment_ids, sinks = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
+    if isinstance(do, SymbolicZero):
+        do = jnp.zeros(o.shape, o.dtype)
+    # Without an lse cotangent delta = rowsum(do o): every step's kernel call also gets
+    # o (RowGrads.out), so cuDNN runs its own backward instead of its widened one.
+    out = None
+    if isinstance(dlse, SymbolicZero):
+        dlse = jnp.zeros(lse.shape, lse.dtype)
+        out = o.astype(q.dtype)
     # with sinks, o and lse include them: the kernels' gradients are exact from the
     # sink-including statistics, and the sinks' own comes from the same rows
     do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
-    dq, dk, dv = _backward(q, k, v, kv_valid, rng, RowGrads(do, lse, delta), cfg, aux,
+    dq, dk, dv = _backward(q, k, v, kv_valid, rng, RowGrads(do, lse, delta, out), cfg, aux,
                            packed_kv, segment_ids)
     return dq, dk, dv, None, None, None, None, softmax.sink_gradient(lse, delta, sinks)
 
@@ -246,7 +262,7 @@ def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, segment_ids
     return _ring(q, k, v, kv_valid, rng, cfg, aux, segment_ids, sinks)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
 
 
 def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,

@@ -100,13 +100,14 @@ class KernelSteps(PartialSteps):
     def __init__(self, kernel, args: KernelArgs):
         self.kernel, self.args = kernel, args
 
-    def _run(self, dense, sparse, query: QuerySide, keys: KeySide, *arrays):
+    def _run(self, dense, sparse, query: QuerySide, keys: KeySide, *arrays, **dense_only):
         where = {"q_positions": query.positions, "k_positions": keys.positions,
                  "kv_valid": keys.valid}
         if query.segments is not None:  # only when given: kernels without them still work
             where.update(q_segment_ids=query.segments, k_segment_ids=keys.segments)
         if keys.blocks is None:
-            return dense(*arrays, self.args, dropout_rng=keys.dropout_rng, **where)
+            return dense(*arrays, self.args, dropout_rng=keys.dropout_rng, **where,
+                         **dense_only)
         return sparse(*arrays, self.args, blocks=keys.blocks, **where)
 
     def _allowed(self, query: QuerySide, keys: KeySide):
@@ -124,8 +125,10 @@ class KernelSteps(PartialSteps):
     def compute_grads(self, query: QuerySide, keys: KeySide, rows: RowGrads):
         stats = softmax.stats_dtype(query.q.dtype)
         k, v = keys.kv
+        # the global output where there is one (RowGrads.out): cuDNN's own backward
+        extra = {} if rows.out is None else {"out": rows.out}
         grads = self._run(self.kernel.backward, self.kernel.block_sparse_backward, query,
-                          keys, query.q, k, v, *rows)
+                          keys, query.q, k, v, rows.do, rows.lse, rows.delta, **extra)
         return tuple(g.astype(stats) for g in grads)
 
     def partial(self, query: QuerySide, keys: KeySide):

@@ -45,8 +45,9 @@ class XlaKernel:
 
     def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
                  k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
-                 k_segment_ids=None):
-        """:func:`.dense.backward`."""
+                 k_segment_ids=None, out=None):
+        """:func:`.dense.backward` (``out`` is not needed: ``delta`` is read)."""
+        del out
         return dense.backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
                               k_positions=k_positions, kv_valid=kv_valid,
                               dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,

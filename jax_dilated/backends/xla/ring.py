@@ -235,7 +235,7 @@ class _RingSteps:
         args = self.args
         q, q_positions = query.q, query.positions
         k_positions, kv_valid, dropout_rng = keys.positions, keys.valid, keys.dropout_rng
-        do, lse, delta = rows
+        do, lse, delta = rows.do, rows.lse, rows.delta  # (out: not needed here)
         k_b, v_b = keys.kv
         dq, dkv = acc
         stats = dq.dtype
