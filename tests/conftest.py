@@ -3,7 +3,11 @@
 * float64 is enabled so that the parity tests can compare at ~1e-10; tests of
   other dtypes build their arrays with an explicit dtype (see ``_helpers.py``).
 * 8 simulated CPU devices, so that ring / distributed tests can build meshes of
-  1, 2, 4 and 8 devices (single-device tests use device 0 as usual).
+  1, 2, 4 and 8 devices (single-device tests use device 0 as usual). Where the
+  default backend is an accelerator with fewer devices (one GPU), the tests that
+  need more skip (``_mesh.py``), and so do the bounds on compiled memory measured on
+  XLA:CPU (``_helpers.XLA_CPU_MEMORY``); float32 matrix products run in full float32
+  there, not TF32 (see below).
 * ``tests/`` is put on ``sys.path`` so ``torch_reference`` and ``_helpers``
   import the same way however pytest was invoked (and the repository root, for
   ``benchmarks``).
@@ -33,6 +37,13 @@ import jax_dilated
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_num_cpu_devices", 8)
+
+# On an NVIDIA GPU, JAX's default precision for float32 matrix products is TF32, a
+# hardware mode with about 1e-3 relative error; the float32 parity tests check the
+# algorithm at float32's own rounding (1e-5), so there products run in full float32.
+# Users choose TF32 (or not) with ``precision=`` or this same flag; on CPU nothing changes.
+if jax.default_backend() == "gpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:

@@ -770,6 +770,32 @@ def test_dilated_attention_on_described_gpu(described_gpu, mode, seq_len):
                                  _half(v, "bfloat16"), implementation="cudnn", **cfg)
 
 
+def test_longnet_outside_grad_runs_batched_on_described_gpu(described_gpu, monkeypatch):
+    """Longnet on cuDNN: a call outside grad runs the batched program (one call per
+    branch, merged after), a differentiated one the streamed program whose backward
+    is cuDNN's own; both equal the float64 XLA kernel's output."""
+    from jax_dilated.ops import branch_combine
+
+    ran = []
+    real = branch_combine.batched
+    monkeypatch.setattr(branch_combine, "batched", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    b, t, h, d = 2, 64, 4, 16
+    q, k, v, do, _ = _inputs(8, b, t, t, h, h, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    cfg = dict(segment_lengths=(16, 32), dilation_rates=(1, 2), mode="longnet", is_causal=True)
+    half = [_half(x, "bfloat16") for x in (q, k, v, do)]
+    plain = jax.jit(lambda q, k, v: jd.dilated_attention(q, k, v, **cfg))(*half[:3])
+    assert ran == [1]
+    o, vjp = jax.jit(lambda q, k, v, do: (lambda o, f: (o, f(do)))(
+        *jax.vjp(lambda q, k, v: jd.dilated_attention(q, k, v, **cfg), q, k, v)))(*half)
+    assert ran == [1]  # the differentiated call did not run it
+    want = jd.dilated_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                implementation="xla", **cfg)
+    assert_close(plain, want, 2e-2, "outside grad")
+    assert_close(o, want, 2e-2, "under vjp")
+    assert {w for kind, w in described_gpu.calls if kind == "backward"} == {d}
+
+
 def test_longnet_lse_cotangent_on_described_gpu(described_gpu):
     """A loss on longnet's log-sum-exp too: the branches' backward must carry
     ``delta - dlse``, which cuDNN's own backward cannot, so it takes the widened head;

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import XLA_CPU_MEMORY
 
 import jax_dilated as jd
 from benchmarks import dilated, harness
@@ -196,6 +197,7 @@ def test_pin_threads_and_light_imports_in_a_fresh_process():
 
 # ------------------------------------------------------------------------- memory
 
+@XLA_CPU_MEMORY
 def test_compiled_memory_against_hand_computed_buffers():
     """Two sorts whose [256, 256] float32 results are live together (1 row is returned):
     the temp buffers hold at least both (2 x 256 KiB); argument and output are exact."""

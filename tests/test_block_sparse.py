@@ -38,7 +38,8 @@ from jax_dilated.ops.block_sparse import block_lists
 torch = pytest.importorskip("torch")
 
 import torch_reference as ref  # noqa: E402
-from _helpers import TOL, as_np, assert_close, np_dtype, rounded, to_jax, to_torch  # noqa: E402
+from _helpers import (  # noqa: E402
+    TOL, XLA_CPU_MEMORY, as_np, assert_close, np_dtype, rounded, to_jax, to_torch)
 
 # ------------------------------------------------------------------------- patterns
 
@@ -482,6 +483,7 @@ def test_ring_traced_mask(per_head):
           torch_ref(q, k, v, g, gl, mask, block_mask, bs, causal=True), False)
 
 
+@XLA_CPU_MEMORY
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_compiled_memory_per_device(causal):
     """Compiled temp memory of forward+backward per device on 8 devices, against the

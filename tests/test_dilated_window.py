@@ -32,7 +32,8 @@ from jax_dilated.ops import decode as decode_ops
 
 torch = pytest.importorskip("torch")  # the reference; without it the module skips
 
-from _helpers import TOL, as_np, assert_close, rounded, to_jax, to_torch  # noqa: E402
+from _helpers import (  # noqa: E402
+    TOL, XLA_CPU_MEMORY, as_np, assert_close, rounded, to_jax, to_torch)
 from torch_reference.dilated import dilated_attention_full  # noqa: E402
 
 B, H, D = 2, 4, 8
@@ -186,6 +187,7 @@ def test_sinks_in_the_streamed_program(mode, is_causal):
     np.testing.assert_allclose(as_np(lse)[1], np.broadcast_to(sinks, (24, H)))
 
 
+@XLA_CPU_MEMORY
 @pytest.mark.parametrize("mode", ["longnet", "head_groups"])
 def test_sinks_hold_no_output_sized_copy(mode):
     """Compiled forward+backward temp with sinks is that of plain dilated attention

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import XLA_CPU_MEMORY
 from _mesh import build_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -237,6 +238,7 @@ def test_spanning_ring_sends_only_dilated_blocks():
         assert np.prod([int(x) for x in dims.split(",")]) == (n // r) * 4 * 8, dims
 
 
+@XLA_CPU_MEMORY
 @pytest.mark.parametrize("devices, bound", [(2, 5), (8, 12)])
 def test_memory_per_device_streams_local_branches(devices, bound):
     """Compiled forward+backward temp per device (memory_analysis is deterministic) of

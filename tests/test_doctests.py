@@ -12,6 +12,7 @@ import importlib
 import os
 
 import pytest
+from _mesh import require_devices
 
 MODULES = [
     "jax_dilated",
@@ -75,6 +76,7 @@ def test_public_api_has_examples():
 def test_semantics_doc_examples():
     """The ``>>>`` examples of docs/semantics.md run and print what the page shows
     (they need 4 devices: conftest.py gives JAX 8 CPU devices)."""
+    require_devices(4)  # one GPU: its 1-device "mesh of 4" would print other results
     path = os.path.join(ROOT, "docs", "semantics.md")
     result = doctest.testfile(path, module_relative=False, optionflags=FLAGS,
                               report=True, verbose=False)

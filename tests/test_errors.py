@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _mesh import make_mesh
 
 from flax import nnx
 
@@ -577,13 +578,13 @@ def test_empty_dimensions_one_policy(shape, dim):
 
 
 def test_sharded_checks_global_shapes():
-    mesh = jax.make_mesh((2,), ("seq",))
+    mesh = make_mesh((2,), ("seq",))
     x = _arr((2, 16, 4, 8))
     attn = jd.sharded(jd.ring_attention, mesh, seq_axis="seq")
     with pytest.raises(ValueError, match=r"they must have the same length, got query "
                                          r"\(2, 16, 4, 8\) and key \(2, 8, 4, 8\)"):
         attn(x, x[:, :8], x[:, :8])
-    mesh2 = jax.make_mesh((2, 2), ("b", "seq"))
+    mesh2 = make_mesh((2, 2), ("b", "seq"))
     x3 = _arr((3, 16, 4, 8))
     with pytest.raises(ValueError, match=r"batch_axis='b' has 2 devices: the batch size "
                                          r"must be divisible by it.*\(3, 16, 4, 8\)"):

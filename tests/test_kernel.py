@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 import torch_reference as ref
-from _helpers import TOL, as_np, assert_close, np_dtype, rounded, to_jax, to_torch
+from _helpers import (
+    TOL, XLA_CPU_MEMORY, as_np, assert_close, np_dtype, rounded, to_jax, to_torch)
 
 from jax_dilated.backends import KernelArgs, xla
 
@@ -249,6 +250,7 @@ def test_backward_with_global_statistics(with_dlse):
     assert_close(dv, dv_t, 1e-10, "dv")
 
 
+@XLA_CPU_MEMORY
 def test_one_item_chunks_hold_no_copy_of_the_inputs():
     """A call whose batch is cut into chunks of one item (8 segments of 2048 tokens x 8
     heads: one item's logits block fills the chunk budget) holds about what a call on

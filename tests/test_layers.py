@@ -29,11 +29,13 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_dilated as jd
+from jax_dilated.backends import registry
 
 torch = pytest.importorskip("torch")
 
 import torch_reference as ref  # noqa: E402
 from _helpers import TOL, assert_close, rounded, to_jax, to_torch  # noqa: E402
+from _mesh import devices as mesh_devices  # noqa: E402
 
 E, H = 16, 4
 SEGS = dict(segment_lengths=(4, 8), dilation_rates=(1, 2))
@@ -252,7 +254,7 @@ def test_params_sharded_over_model_axis():
     x = to_jax(_rng(7).standard_normal((2, 20, E)), "float64")
     mask = jnp.asarray(padding(2, 20, (20, 11)))
     expected = call(layer, x, mask, is_causal=True)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("model",), axis_types=(AxisType.Auto,))
+    mesh = Mesh(mesh_devices(2), ("model",), axis_types=(AxisType.Auto,))
     rules = [("heads", "model"), ("kv_heads", "model"), ("embed", None), ("head_dim", None)]
     with nnx.logical_axis_rules(rules):
         shardings = nnx.get_named_sharding(nnx.state(layer), mesh)
@@ -420,7 +422,7 @@ def test_layer_dropout_conventions():
 
 
 def seq_mesh(n=8):
-    return Mesh(np.array(jax.devices()[:n]), ("seq",), axis_types=(AxisType.Auto,))
+    return Mesh(mesh_devices(n), ("seq",), axis_types=(AxisType.Auto,))
 
 
 def loss_and_grads(layer, x, mask):
@@ -522,16 +524,25 @@ def test_factory_explicit_kinds():
 
 
 def test_factory_auto_choices_and_reasons():
-    mesh = seq_mesh()
     base = dict(embed_dim=E, num_heads=H, rngs=nnx.Rngs(0))
-    on_mesh = dict(mesh=mesh, seq_axis="seq")
 
     def auto(**kw):
         return jd.create_multihead_dilated_attention(explain=True, **base, **kw)
 
     layer, choice = auto(**SEGS)
     assert choice.kind == "dilated" and "no mesh" in choice.reason
-    assert "kernel 'xla'" in choice.reason and "cpu" in choice.reason.lower()
+    # the kernel this machine's device kind selects: 'xla' on a CPU, 'cudnn' on an H100
+    device = jax.devices()[0]
+    kernel = registry.select_implementation(None, device=device)
+    assert kernel == "xla" or jax.default_backend() == "gpu", (kernel, device)
+    assert f"kernel {kernel!r}" in choice.reason, choice.reason
+    assert device.device_kind.lower() in choice.reason.lower(), choice.reason
+    _, choice = auto(**SEGS, mesh=seq_mesh(1), seq_axis="seq")
+    assert choice.kind == "dilated" and "one device" in choice.reason
+    assert jd.layers.factory.choose_kind(segment_lengths=(4,)).kind == "dilated"
+    # the meshes of 8 last: with fewer devices (one GPU) seq_mesh() skips the test
+    mesh = seq_mesh()
+    on_mesh = dict(mesh=mesh, seq_axis="seq")
     layer, choice = auto(**SEGS, **on_mesh)
     assert choice.kind == "distributed" and layer.core.mesh is mesh and "8 devices" in str(choice)
     layer, choice = auto(**SEGS, **on_mesh, seq_len=64 * 1024)
@@ -541,28 +552,30 @@ def test_factory_auto_choices_and_reasons():
     assert "tokens per device" in choice.reason
     layer, choice = auto(**SEGS, **on_mesh, seq_len=8 * 4096 + 4)
     assert choice.kind == "dilated" and "not divisible" in choice.reason
-    _, choice = auto(**SEGS, mesh=seq_mesh(1), seq_axis="seq")
-    assert choice.kind == "dilated" and "one device" in choice.reason
     layer, choice = auto(**on_mesh)
     assert choice.kind == "ring" and type(layer) is jd.nnx.MultiheadRingAttention
-    assert jd.layers.factory.choose_kind(segment_lengths=(4,)).kind == "dilated"
 
 
 def test_factory_errors():
-    mesh = seq_mesh()
     base = dict(embed_dim=E, num_heads=H, rngs=nnx.Rngs(0))
     make = jd.create_multihead_dilated_attention
     with pytest.raises(ValueError, match="kind must be one of"):
         make("sparse", **base, **SEGS)
-    with pytest.raises(ValueError, match="kind='block_sparse' runs on one device"):
-        make("block_sparse", **base, block_size=4, pattern=np.eye(2, dtype=bool), mesh=mesh,
-             seq_axis="seq")
     with pytest.raises(ValueError, match="mesh= and seq_axis="):
         make("block_sparse_ring", **base, block_size=4, pattern=np.eye(2, dtype=bool))
     with pytest.raises(ValueError, match="mesh= and seq_axis="):
         make("ring", **base)
     with pytest.raises(ValueError, match="mesh= and seq_axis="):
         make("distributed", **base, **SEGS)
+    with pytest.raises(ValueError, match="needs segment_lengths"):
+        make("auto", **base)
+    with pytest.raises(ValueError, match="api must be"):
+        make("dilated", api="haiku", **base, **SEGS)
+    # the mesh of 8 last: with fewer devices (one GPU) seq_mesh() skips the test
+    mesh = seq_mesh()
+    with pytest.raises(ValueError, match="kind='block_sparse' runs on one device"):
+        make("block_sparse", **base, block_size=4, pattern=np.eye(2, dtype=bool), mesh=mesh,
+             seq_axis="seq")
     with pytest.raises(ValueError, match="'nope' is not an axis of the mesh"):
         make("auto", **base, **SEGS, mesh=mesh, seq_axis="nope")
     with pytest.raises(ValueError, match="without seq_axis"):
@@ -571,25 +584,16 @@ def test_factory_errors():
         make("dilated", **base, **SEGS, mesh=mesh, seq_axis="seq")
     with pytest.raises(ValueError, match="exact attention"):
         make("ring", **base, **SEGS, mesh=mesh, seq_axis="seq")
-    with pytest.raises(ValueError, match="needs segment_lengths"):
-        make("auto", **base)
-    with pytest.raises(ValueError, match="api must be"):
-        make("dilated", api="haiku", **base, **SEGS)
 
 
 # ---------------------------------------------------------------------------- errors
 
 
 def test_layer_errors():
-    mesh = seq_mesh()
     with pytest.raises(ValueError, match="embed_dim must be divisible by num_heads.*18.*4"):
         make_layer(embed_dim=18)
     with pytest.raises(ValueError, match="num_heads must be divisible by num_kv_heads"):
         make_layer(num_kv_heads=3)
-    with pytest.raises(ValueError, match="without seq_axis"):
-        make_layer(mesh=mesh)
-    with pytest.raises(ValueError, match="'model' is not an axis of the mesh"):
-        make_layer(mesh=mesh, seq_axis="model")
     with pytest.raises(ValueError, match="without a mesh"):
         make_layer(seq_axis="seq")
     with pytest.raises(ValueError, match="ring attention runs the sequence over a device mesh"):
@@ -611,6 +615,12 @@ def test_layer_errors():
         layer(jnp.zeros((1, 8, E)), value=jnp.zeros((1, 8, E)))
     with pytest.raises(ValueError, match="embed_dim must be divisible by num_heads"):
         jd.linen.MultiheadDilatedAttention(E, 3, **SEGS)  # refused on construction
+    # the mesh of 8 last: with fewer devices (one GPU) seq_mesh() skips the test
+    mesh = seq_mesh()
+    with pytest.raises(ValueError, match="without seq_axis"):
+        make_layer(mesh=mesh)
+    with pytest.raises(ValueError, match="'model' is not an axis of the mesh"):
+        make_layer(mesh=mesh, seq_axis="model")
 
 
 # ------------------------------------------------------------ kernel block sizes
@@ -633,6 +643,14 @@ def test_block_sizes_pass_through_layers_and_attention_fn():
     assert_close(jitted(fn, q, q, q, is_causal=True),
                  jd.dilated_attention(q, q, q, **SEGS, is_causal=True), 1e-12,
                  "attention_fn with block sizes")
+    # decoding takes the same options
+    tiled.init_cache((2, 16, E))
+    plain.init_cache((2, 16, E))
+    step = nnx.jit(lambda layer, x: layer(x, decode=True))
+    for t in range(3):
+        assert_close(step(tiled, x[:, t:t + 1]), step(plain, x[:, t:t + 1]), 1e-12,
+                     f"decode step {t} with block sizes")
+    # the ring last: with fewer than 4 devices (one GPU) seq_mesh(4) skips the test
     mesh = seq_mesh(4)
     ring = jd.nnx.RingAttention(mesh=mesh, seq_axis="seq", layout="zigzag", block_q=1,
                                 block_k=2)
@@ -641,10 +659,3 @@ def test_block_sizes_pass_through_layers_and_attention_fn():
                  "ring layer with block sizes")
     with pytest.raises(ValueError, match="block_q=3 must divide the zigzag chunk length 2"):
         jd.nnx.RingAttention(mesh=mesh, seq_axis="seq", layout="zigzag", block_q=3)(q, q, q)
-    # decoding takes the same options
-    tiled.init_cache((2, 16, E))
-    plain.init_cache((2, 16, E))
-    step = nnx.jit(lambda layer, x: layer(x, decode=True))
-    for t in range(3):
-        assert_close(step(tiled, x[:, t:t + 1]), step(plain, x[:, t:t + 1]), 1e-12,
-                     f"decode step {t} with block sizes")

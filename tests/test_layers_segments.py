@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _mesh import devices as mesh_devices
 from flax import nnx
 
 import jax_dilated as jd
@@ -238,7 +239,7 @@ def test_attention_fn_reads_documents_from_the_mask_only_when_packed():
 def test_mesh_layer_passes_segment_ids_through_sharded():
     """A layer built with a mesh (ring attention over 4 devices, via jd.sharded) with
     ``segment_ids`` equals the one-device layer of the same parameters."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("seq",))
+    mesh = jax.sharding.Mesh(mesh_devices(4), ("seq",))
     ring = jd.nnx.MultiheadRingAttention(E, H, mesh=mesh, seq_axis="seq",
                                          param_dtype=jnp.float64, rngs=nnx.Rngs(0))
     one = jd.nnx.MultiheadBlockSparseAttention(E, H, block_size=T, pattern=np.ones((1, 1), bool),

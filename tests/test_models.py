@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _mesh import devices as mesh_devices
 from flax import nnx
 
 import jax_dilated as jd
@@ -173,7 +174,7 @@ def test_remat_same_loss_and_grads():
 def test_sequence_parallel_equals_single_device():
     """Attention as distributed dilated attention over 8 simulated devices (segments
     of 16 and 32 span 2 and 4 devices' shards): same loss and gradients."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("seq",))
+    mesh = jax.sharding.Mesh(mesh_devices(8), ("seq",))
     kw = dict(param_dtype=jnp.float64, num_kv_heads=2, segment_lengths=(8, 16, 32),
               dilation_rates=(1, 2, 4))
     single = LongNetLM(config(**kw), rngs=nnx.Rngs(5))

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 
 import jax_dilated as jd
 from _helpers import TOL, assert_close, np_dtype
+from _mesh import make_mesh, require_devices
 
 # examples drawn per test (the module draws their sum)
 _EXAMPLES = {"dilated": 24, "distributed": 8, "ring": 10, "block_sparse": 12, "decode": 10,
@@ -267,6 +268,7 @@ def test_dilated_attention_matches_dense(data):
 def test_distributed_dilated_attention_matches_dense(data):
     """dilated_attention with the sequence sharded over 1, 2 or 4 devices (jd.sharded):
     the single-device result, or a ValueError for a branch that straddles devices."""
+    require_devices(4)  # (before any example: it draws meshes of up to 4 devices)
     devices = data.draw(st.sampled_from([1, 2, 4]), label="devices")
     dtype = data.draw(st.sampled_from(["float32", "float64"]), label="dtype")
     t = devices * data.draw(st.integers(1, 4), label="tokens per device")
@@ -279,7 +281,7 @@ def test_distributed_dilated_attention_matches_dense(data):
     config = dict(segment_lengths=tuple(w for w, _ in branches),
                   dilation_rates=tuple(r for _, r in branches), is_causal=causal,
                   implementation="xla")
-    mesh = jax.make_mesh((devices,), ("seq",))
+    mesh = make_mesh((devices,), ("seq",))
     fn = jax.jit(jd.sharded(functools.partial(jd.dilated_attention, **config), mesh,
                             seq_axis="seq"))
     result = outcome(
@@ -302,6 +304,7 @@ def test_ring_and_block_sparse_ring_match_dense(data):
     """ring_attention (and block_sparse_attention over a ring) through jd.sharded on 1,
     2 or 4 devices, every layout: dense (block-masked) attention, or a ValueError for
     a length that does not split over the devices."""
+    require_devices(4)  # (before any example: it draws meshes of up to 4 devices)
     devices = data.draw(st.sampled_from([1, 2, 4]), label="devices")
     sparse = data.draw(st.booleans(), label="block-sparse?")
     # (block-sparse refuses striped, a shard that is not made of global blocks; the
@@ -337,7 +340,7 @@ def test_ring_and_block_sparse_ring_match_dense(data):
         m = m * np.tri(t)
     if mask is not None:
         m = m * mask[:, None, None, :]
-    mesh = jax.make_mesh((devices,), ("seq",))
+    mesh = make_mesh((devices,), ("seq",))
     fn = jax.jit(jd.sharded(op, mesh, seq_axis="seq", layout=layout))
     result = outcome(
         lambda: fn(q, k, v, kv_mask=None if mask is None else jnp.asarray(mask)),
@@ -496,7 +499,7 @@ def test_gradients_match_dense(data):
     else:
         layout = data.draw(st.sampled_from(["contiguous", "striped"]), label="layout")
         fn = jd.sharded(functools.partial(jd.ring_attention, **options),
-                        jax.make_mesh((2,), ("seq",)), seq_axis="seq", layout=layout)
+                        make_mesh((2,), ("seq",)), seq_axis="seq", layout=layout)
         m = np.broadcast_to(np.tri(t) if causal else np.ones((t, t)), (2, h, t, t))
     if mask is not None:
         m = m * mask[:, None, None, :]
@@ -603,11 +606,11 @@ def _call(entry, **bad):
         return jd.block_sparse_attention(kw.pop("query"), kw.pop("key"), kw.pop("value"),
                                          **kw)
     if entry == "sharded":
-        kw = dict(mesh=jax.make_mesh((2,), ("seq",)), seq_axis="seq", query=x, key=x,
+        kw = dict(mesh=make_mesh((2,), ("seq",)), seq_axis="seq", query=x, key=x,
                   kv_mask=None)
         kw.update(bad)
         if "batch_axis" in bad:
-            kw["mesh"] = jax.make_mesh((2, 2), ("seq", "b"))
+            kw["mesh"] = make_mesh((2, 2), ("seq", "b"))
         op = jd.ring_attention
         if bad.get("layout") == "striped":
             op = functools.partial(jd.block_sparse_attention, block_size=2,

@@ -42,7 +42,8 @@ from jax_dilated.core import layouts
 torch = pytest.importorskip("torch")  # the reference; without it the module skips
 
 import torch_reference as ref  # noqa: E402
-from _helpers import TOL, as_np, assert_close, np_dtype, rounded, to_jax, to_torch  # noqa: E402
+from _helpers import (  # noqa: E402
+    TOL, XLA_CPU_MEMORY, as_np, assert_close, np_dtype, rounded, to_jax, to_torch)
 
 # --------------------------------------------------------------------------- inputs
 
@@ -728,6 +729,7 @@ def test_ring_steps_dropout_match_fallback(monkeypatch):
     assert not np.allclose(np.asarray(dropped[1]), np.asarray(clean[1]))
 
 
+@XLA_CPU_MEMORY
 def test_ring_compiled_memory_per_device():
     """Compiled temp memory of forward+backward per device (memory_analysis is
     deterministic) at the size of the ring's memory target: global n = 32768, 8 heads,

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _mesh import devices as mesh_devices, make_mesh
 
 import jax_dilated as jd
 from jax_dilated import block_patterns as bp
@@ -65,7 +66,7 @@ def _check(got, want, tol=1e-10):
 
 
 def _mesh(p):
-    return jax.make_mesh((p,), ("seq",))
+    return make_mesh((p,), ("seq",))
 
 
 DILATED = dict(segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4))
@@ -200,7 +201,7 @@ def test_strategy_errors_name_what_can_serve():
                                          r"use strategy='ring' or 'allgather'"):
         attn(q, k, v)
 
-    four = jax.make_mesh((2, 4), ("heads", "seq"))
+    four = make_mesh((2, 4), ("heads", "seq"))
     attn = jd.sharded(ring, four, seq_axis="seq", head_axis="heads", strategy="heads")
     with pytest.raises(ValueError, match=r"num_heads \(3 in each shard of "
                                          r"head_axis='heads'\) divisible by the 4 devices"):
@@ -274,7 +275,7 @@ def test_per_branch_strategy_errors_name_the_branch():
                                          r"axis \('seq'\); use 'ring' or 'allgather'"):
         spec = jax.sharding.PartitionSpec(None, "seq")
         jax.shard_map(lambda q, k, v: dil(q, k, v, seq_axis="seq", strategy="heads"),
-                      mesh=jax.sharding.Mesh(np.array(jax.devices()[:4]), ("seq",)),
+                      mesh=jax.sharding.Mesh(mesh_devices(4), ("seq",)),
                       in_specs=spec, out_specs=spec)(q, k, v)
 
 
@@ -426,7 +427,7 @@ def test_sharded_is_compiled_when_called_eagerly():
     """jd.sharded's function is jitted: eager calls of one shape trace the operation
     once (an eager shard_map re-ran it primitive by primitive at every call), a new
     shape traces it again, and the result equals the call under the user's jit."""
-    mesh = jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2])
+    mesh = make_mesh((2,), ("seq",), devices=jax.devices()[:2])
     q, k, v = (jnp.asarray(x) for x in _inputs(2, 2)[:3])
     traces = []
 

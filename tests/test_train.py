@@ -90,6 +90,8 @@ def test_log_checkpoints_and_exact_resume_after_sigkill(tmp_path):
     # (in this process's JAX configuration - conftest.py - so that numbers match)
     env = dict(os.environ, JAX_ENABLE_X64=str(jax.config.jax_enable_x64),
                JAX_NUM_CPU_DEVICES=str(jax.config.jax_num_cpu_devices))
+    if jax.config.jax_default_matmul_precision is not None:  # "highest" on a GPU
+        env["JAX_DEFAULT_MATMUL_PRECISION"] = str(jax.config.jax_default_matmul_precision)
     proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--out-dir", crash_dir,
                            "--stop-after", "5"], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env=env)

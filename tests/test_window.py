@@ -31,7 +31,8 @@ from jax_dilated.backends import KernelArgs, cudnn, registry, selection, xla
 torch = pytest.importorskip("torch")  # the reference; without it the module skips
 
 import torch_reference as ref  # noqa: E402
-from _helpers import TOL, as_np, assert_close, rounded, to_jax, to_torch  # noqa: E402
+from _helpers import (  # noqa: E402
+    TOL, XLA_CPU_MEMORY, as_np, assert_close, rounded, to_jax, to_torch)
 from torch_reference.block_sparse import expand_block_mask  # noqa: E402
 
 B, H, HKV, D = 2, 4, 2, 8
@@ -266,6 +267,7 @@ def test_ring_parity(p, layout, causal, window, cap, dtype):
     check(f"ring P={p} {layout}", dtype, out, grads, *want)
 
 
+@XLA_CPU_MEMORY
 @pytest.mark.parametrize("op", ["ring_one_device", "block_sparse"])
 def test_sinks_hold_no_output_sized_copy(op):
     """Compiled temp of ``jax.vjp`` returning the output and the q, k, v gradients,

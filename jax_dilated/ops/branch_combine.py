@@ -13,11 +13,11 @@ import jax.numpy as jnp
 from jax_dilated.core import dilation, softmax
 from jax_dilated.ops import dilated_local, dilated_window
 
-__all__ = ["combine_branches", "one_device"]
+__all__ = ["batched", "combine_branches", "one_device"]
 
 
 def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
-               sinks=None):
+               sinks=None, lse_grad=True):
     """``(out, lse)`` of unpacked dilated attention of ``plans`` on one device.
 
     The blockwise XLA kernel streams chunks of segments into the output in place
@@ -29,14 +29,31 @@ def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
     so cuDNN's widened backward (docs/benchmarks.md, "The GPU table"). Otherwise a
     non-XLA kernel gets one batched call per branch with its own fused backward (the
     short last segment of a ragged branch a call of its own, on the XLA kernel), and
-    the branches are combined afterwards. ``rng``: the dropout key or None;
-    ``sinks``: None or the [H] attention sinks, included in the result.
+    the branches are combined afterwards (:func:`batched`); so does a longnet call
+    that is not differentiated (without dropout or a window branch), which on an H100
+    ran faster that way at 256K-1M tokens than streamed in chunks. ``rng``: the
+    dropout key or None; ``sinks``: None or the [H] attention sinks, included in the
+    result; ``lse_grad``: False when the caller does not differentiate through
+    ``lse`` (returned with its gradient stopped; the streamed backward then needs no
+    lse cotangent, so cuDNN runs its own).
     """
+    if kernel.name == "xla":
+        return dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
+                                           kv_mask, rng, sinks=sinks, lse_grad=lse_grad)
+    plain = functools.partial(batched, kernel, args, plans, mode, rng=rng)
+    windows = any(p.branch.window is not None for p in plans)
     whole = all(query.shape[1] % p.branch.effective_length == 0 for p in plans
                 if p.branch.window is None)
-    if kernel.name == "xla" or (mode == "longnet" and whole):
-        return dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
-                                           kv_mask, rng, sinks=sinks)
+    if mode == "longnet" and whole:
+        return dilated_local.dilated_local(
+            kernel, args, plans, mode, query, key, value, kv_mask, rng, sinks=sinks,
+            primal=plain if rng is None and not windows else None, lse_grad=lse_grad)
+    return softmax.sinks_on_output(*plain(query, key, value, kv_mask), sinks)
+
+
+def batched(kernel, args, plans, mode: str, query, key, value, kv_mask, rng=None):
+    """``(out, lse)`` from one batched kernel call per branch (``Kernel.attention``,
+    differentiable), combined afterwards (:func:`combine_branches`); no sinks."""
     results = []
     for i, plan in enumerate(plans):
         rng_i = None if rng is None else jax.random.fold_in(rng, i)
@@ -47,7 +64,7 @@ def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
         attend = functools.partial(_kernel_call, kernel, args, rng_i)
         results.append(dilation.attend_dilated(attend, plan.branch, plan, query, key,
                                                value, kv_mask))
-    return softmax.sinks_on_output(*combine_branches(results, mode, query.dtype), sinks)
+    return combine_branches(results, mode, query.dtype)
 
 
 def _kernel_call(kernel, args, rng, q, k, v, valid):

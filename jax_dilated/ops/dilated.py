@@ -169,7 +169,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
     o, lse = _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets,
                       kv_mask, dropout_rng, seq_axis, implementation, segment_ids,
                       max_documents, segment_lengths, dilation_rates, scale, strategy,
-                      sinks if one_device_path else None)
+                      sinks if one_device_path else None, return_lse)
     if not one_device_path:
         o, lse = softmax.sinks_on_output(o, lse, sinks)
     return (o, lse) if return_lse else o
@@ -177,9 +177,11 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
 
 def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, kv_mask,
              dropout_rng, seq_axis, implementation, segment_ids, max_documents,
-             segment_lengths, dilation_rates, scale, strategy, sinks):
+             segment_lengths, dilation_rates, scale, strategy, sinks, lse_grad=True):
     """``(out, lse)`` of every path of :func:`dilated_attention`; ``sinks`` (None
-    unless on one device without packed rows) are included."""
+    unless on one device without packed rows) are included. ``lse_grad`` False: the
+    caller does not return ``lse``, which one device may then give with its gradient
+    stopped."""
     num_devices = 1 if seq_axis is None else validation.axis_size(
         seq_axis, "dilated_attention(seq_axis=...)")
     plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
@@ -191,7 +193,8 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
         return dilated_packed.packed_attention(kernel, args, plans, mode, query, key, value,
                                                kv_mask, segment_ids, max_documents, rng)
     if seq_axis is None:
-        return one_device(kernel, args, plans, mode, query, key, value, kv_mask, rng, sinks)
+        return one_device(kernel, args, plans, mode, query, key, value, kv_mask, rng, sinks,
+                          lse_grad)
     whole_heads = strategy == "heads"
     why = head_parallel.heads_unservable(h, num_devices) if whole_heads else None
     if why:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,10 +64,17 @@ class _Call:
     plans: tuple[branch_plans.BranchPlan, ...]
     mode: str
     groups: int  # head_groups: the output is divided by this (all branches of the call)
+    # None, or f(query, key, value, kv_mask) -> (out, lse): the same result computed
+    # another way, run where the call is not differentiated (the custom_vjp's primal)
+    primal: Callable | None = None
+    # False: nothing differentiates through the lse (the caller stops its gradient),
+    # so delta = c rowsum(do * o) and the kernel calls' backward gets o (Kernel.backward)
+    lse_grad: bool = True
 
 
 def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key, value,
-                  kv_mask, dropout_rng, *, source=None, segment_ids=None, sinks=None):
+                  kv_mask, dropout_rng, *, source=None, segment_ids=None, sinks=None,
+                  primal=None, lse_grad=True):
     """All branches of dilated attention on one device: ``(out, lse)``.
 
     Args:
@@ -86,6 +94,14 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
         branch stays inside each document.
       sinks: None or [H] attention sinks (:func:`jax_dilated.core.softmax.add_sinks`),
         added to the result.
+      primal: None, or ``f(query, key, value, kv_mask) -> (out, lse)`` computing the
+        same result (without sinks) another way, run instead of the streamed program
+        where the call is not differentiated; only without sliding-window branches,
+        dropout or slots.
+      lse_grad: False when the caller does not differentiate through ``lse`` (it is
+        then returned with its gradient stopped): the backward hands each kernel call
+        the output (``Kernel.backward(out=)``: cuDNN's own backward, not its widened
+        one). Used without sliding-window branches (they are mixed through ``lse``).
 
     Returns:
       ``out`` [B, T, H, D] in query's dtype and ``lse`` [B, T, H] in the stats dtype,
@@ -93,9 +109,12 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
       sinks); differentiable in query, key, value and sinks through both.
     """
     windows = [i for i, p in enumerate(plans) if p.branch.window is not None]
+    if primal is not None and (windows or dropout_rng is not None or source is not None):
+        raise AssertionError("primal: no windows, dropout or slots")  # pragma: no cover
     if not windows:  # the default program, unchanged
-        return _attend(_Call(kernel, args, tuple(plans), mode, len(plans)), query, key, value,
-                       kv_mask, dropout_rng, source, sinks)[:2]
+        call = _Call(kernel, args, tuple(plans), mode, len(plans), primal, lse_grad)
+        o, lse, _ = _attend(call, query, key, value, kv_mask, dropout_rng, source, sinks)
+        return o, (lse if lse_grad else jax.lax.stop_gradient(lse))
     # Sliding-window branches run as their own windowed kernel call
     # (ops/dilated_window.py) and are mixed with the streamed branches' (out, lse).
     from jax_dilated.ops import dilated_window  # (it imports nothing of this module)
@@ -504,16 +523,14 @@ def _attend(call, query, key, value, kv_mask, rng, source, sinks=None):
     """``(o, lse, lse_lo)``; as everywhere, ``lse_lo``'s cotangent is ignored
     (core/softmax.py). ``sinks`` [H] or None: the attention sinks, folded into the
     result (:func:`jax_dilated.core.softmax.add_sinks`)."""
+    if call.primal is not None:
+        o, lse = call.primal(query, key, value, kv_mask)
+        return softmax.fold_sinks(o, lse, jnp.zeros_like(lse), sinks)
     o, lse, lse_lo = _forward(call, query, key, value, kv_mask, rng, source)
     return softmax.fold_sinks(o, lse, lse_lo, sinks)
 
 
-def _attend_fwd(call, *primals):
-    from jax.custom_derivatives import CustomVJPPrimal
-
-    # symbolic_zeros: the primals come wrapped (CustomVJPPrimal)
-    query, key, value, kv_mask, rng, source, sinks = (
-        x.value if isinstance(x, CustomVJPPrimal) else x for x in (*primals, None)[:7])
+def _attend_fwd(call, query, key, value, kv_mask, rng, source, sinks=None):
     # the sinks are folded in here, not after the custom_vjp: the backward then runs
     # on the sink-including statistics (the sink is one more key the kernel never
     # reads), and no output-sized cotangent or copy of o is made for a merge outside
@@ -523,21 +540,16 @@ def _attend_fwd(call, *primals):
 
 
 def _attend_bwd(call, res, cotangents):
-    from jax.custom_derivatives import SymbolicZero
-
     query, key, value, kv_mask, rng, source, o, lse, lse_lo, sinks = res
     do, dlse, _ = cotangents
-    if isinstance(do, SymbolicZero):
-        do = jnp.zeros(o.shape, o.dtype)
-    # Without an lse cotangent, delta = c rowsum(do * o): the kernel calls get o too
-    # (a kernel that forms delta from an output, cuDNN, then needs no widened head).
-    out = o if isinstance(dlse, SymbolicZero) else None
-    if out is not None:
-        dlse = jnp.zeros(lse.shape, lse.dtype)
+    # Without an lse cotangent (call.lse_grad False: the caller stopped its gradient,
+    # so dlse is 0), delta = c rowsum(do * o): the kernel calls get o too (a kernel
+    # that forms delta from an output, cuDNN, then needs no widened head).
+    out = None if call.lse_grad else o
     c_do, delta = softmax.backward_scale(do, o, lse_lo, dlse)
     dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta,
                            out)
     return dq, dk, dv, None, None, None, softmax.sink_gradient(lse, delta, sinks)
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)
+_attend.defvjp(_attend_fwd, _attend_bwd)

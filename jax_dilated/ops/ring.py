@@ -71,6 +71,9 @@ class RingConfig:
     args: KernelArgs
     implementation: str | None
     steps: Callable[..., RingSteps] | None = None
+    # False: the caller does not differentiate through the log-sum-exp (ring_partials
+    # then stops its gradient) and the backward hands every step the output
+    lse_grad: bool = True
 
     def perm(self):
         """ppermute pairs: every device sends to the next device of its ring."""
@@ -210,12 +213,6 @@ def _ring(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None, sinks=None):
 
 
 def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None, sinks=None):
-    from jax.custom_derivatives import CustomVJPPrimal
-
-    # symbolic_zeros: the primals come wrapped (CustomVJPPrimal)
-    q, k, v, kv_valid, rng, aux, segment_ids, sinks = (
-        x.value if isinstance(x, CustomVJPPrimal) else x
-        for x in (q, k, v, kv_valid, rng, aux, segment_ids, sinks))
     o, lse, lse_lo, packed_kv = _forward(q, k, v, kv_valid, rng, cfg, aux, keep_kv=True,
                                          segment_ids=segment_ids, sinks=sinks)
     return (o, lse, lse_lo), (q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv,
@@ -223,18 +220,12 @@ def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None, sinks=Non
 
 
 def _ring_bwd(cfg, res, cotangents):
-    from jax.custom_derivatives import SymbolicZero
-
     q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv, segment_ids, sinks = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
-    if isinstance(do, SymbolicZero):
-        do = jnp.zeros(o.shape, o.dtype)
-    # Without an lse cotangent delta = rowsum(do o): every step's kernel call also gets
-    # o (RowGrads.out), so cuDNN runs its own backward instead of its widened one.
-    out = None
-    if isinstance(dlse, SymbolicZero):
-        dlse = jnp.zeros(lse.shape, lse.dtype)
-        out = o.astype(q.dtype)
+    # Without an lse cotangent (cfg.lse_grad False: ring_partials stopped its gradient,
+    # so dlse is 0) delta = rowsum(do o): every step's kernel call also gets o
+    # (RowGrads.out), so cuDNN runs its own backward instead of its widened one.
+    out = None if cfg.lse_grad else o.astype(q.dtype)
     # with sinks, o and lse include them: the kernels' gradients are exact from the
     # sink-including statistics, and the sinks' own comes from the same rows
     do, delta = softmax.backward_rows(do, o, lse_lo, dlse)
@@ -254,15 +245,19 @@ def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, segment_ids
     ``segment_ids`` int [B, n] the local shard's document ids (laid out like the
     queries; they serve the queries here and travel with their keys), or None;
     ``sinks`` [H] (replicated) or None: included in the result, differentiable.
+    With ``cfg.lse_grad`` False the log-sum-exp comes with its gradient stopped.
     """
     if sinks is not None:
         # varying like the rows whose sum is their cotangent inside the custom_vjp;
         # the cast's transpose then sums that over the devices
         sinks = varying_like(sinks, (q, k))
-    return _ring(q, k, v, kv_valid, rng, cfg, aux, segment_ids, sinks)
+    o, lse, lse_lo = _ring(q, k, v, kv_valid, rng, cfg, aux, segment_ids, sinks)
+    if not cfg.lse_grad:  # what makes the backward's use of o exact (_ring_bwd)
+        lse = jax.lax.stop_gradient(lse)
+    return o, lse, lse_lo
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
@@ -380,7 +375,8 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
             query, key, value, args, kv_valid=kv_mask, q_segment_ids=segment_ids,
             k_segment_ids=segment_ids, sinks=sinks)
     else:
-        cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation)
+        cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
+                         lse_grad=return_lse)
         o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, None, segment_ids,
                                   sinks)
     o = o.astype(query.dtype)
