@@ -21,7 +21,13 @@ def round_to(x, dtype):
     src, dst = jnp.finfo(x.dtype), jnp.finfo(dtype)
     if dst.nmant >= src.nmant and dst.nexp >= src.nexp:
         return x
-    return jax.lax.reduce_precision(x, exponent_bits=dst.nexp, mantissa_bits=dst.nmant)
+    y = jax.lax.reduce_precision(x, exponent_bits=dst.nexp, mantissa_bits=dst.nmant)
+    if dst.nexp < src.nexp:
+        # reduce_precision flushes dtype's subnormals to zero (float16 below 6.1e-5);
+        # they are rounded on their own grid, multiples of the smallest one
+        step = jnp.asarray(dst.smallest_subnormal, x.dtype)
+        y = jnp.where(jnp.abs(x) < jnp.asarray(dst.tiny, x.dtype), jnp.round(x / step) * step, y)
+    return y
 
 
 def pad_axis(x, axis: int, size: int, value=0):
