@@ -88,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kernel for the JAX rows (default: by device kind)")
     p.add_argument("--ring-devices", type=int, default=8)
     p.add_argument("--dense-max-n", type=int, default=65536)
+    p.add_argument("--stream-chunk-mib", type=int, default=None,
+                   help="CudnnKernel.STREAM_CHUNK_BYTES for this run, in MiB (default: "
+                        "the library's): the queries and keys per cuDNN call when "
+                        "longnet's differentiated program streams a branch")
     p.add_argument("--no-backward", action="store_true", help="forward only")
     p.add_argument("--allow-cpu", action="store_true",
                    help="run on a machine without a GPU (tiny sizes make sense only)")
@@ -285,6 +289,9 @@ def run(args: argparse.Namespace) -> dict:
         return run
 
     dtype = jnp.dtype(args.dtype)
+    if args.stream_chunk_mib is not None:  # a class constant: every cuDNN kernel of the run
+        from jax_dilated.backends.cudnn import CudnnKernel
+        CudnnKernel.STREAM_CHUNK_BYTES = args.stream_chunk_mib << 20
     kernel = get_kernel(args.implementation)
     kargs = KernelArgs(scale=scale, is_causal=args.causal)
     for n in args.sizes:

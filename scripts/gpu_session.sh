@@ -10,7 +10,9 @@
 # lowering), suite (kernel, parity, window and layer tests on the GPU), full (the
 # whole suite, in the time left of JD_GPU_BUDGET seconds), quick (the
 # benchmark at toy sizes), small (16K, 64K), causal (64K causal), large (256K),
-# huge (1M). A stage that fails or runs out of time is logged and the next one runs.
+# huge (1M), chunks (longnet at 1M with 512 MiB, 2 GiB and 4 GiB streamed chunks).
+# A stage that fails or runs out of time is logged and the next one runs. Each
+# benchmark stage writes two files (JSON and Markdown) beside log.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-results/gpu}"
@@ -58,6 +60,11 @@ $PY -c 'import jax_dilated as jd; jd.backend_report()'" ;;
     causal) bench causal 240 --sizes 65536 --causal ;;
     large) bench large 300 --sizes 262144 --ops dilated,segments,ring_device,torch ;;
     huge) bench huge 400 --sizes 1048576 --ops dilated,segments,torch --repeats 3 ;;
+    chunks)  # longnet at 1M against the streamed chunk size (CudnnKernel.STREAM_CHUNK_BYTES)
+        for mib in 512 2048 4096; do
+            bench "chunks_$mib" 200 --sizes 1048576 --ops dilated --modes longnet \
+                --repeats 3 --stream-chunk-mib "$mib"
+        done ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
     esac
 done
