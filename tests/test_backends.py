@@ -11,8 +11,9 @@ rowsum(do * o)) in dense pure JAX, so everything the backend does around the
 primitive - layouts, the float32 lse, the custom_vjp through ``o`` *and*
 ``lse``, the widened-head backward that carries an arbitrary delta, global
 statistics, fallbacks - is checked against float64 references and the XLA
-kernel. What only a GPU can check (that cuDNN itself honours that contract) is
-left to the GPU session: see docs/benchmarks.md.
+kernel. On a machine with an NVIDIA GPU the same tests also run the real
+primitive (the ``real_cudnn`` cases), which checks that cuDNN itself honours that
+contract: they passed on an H100 (docs/benchmarks.md, "The GPU table").
 """
 
 from __future__ import annotations
