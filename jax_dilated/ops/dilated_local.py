@@ -544,8 +544,9 @@ def _attend_bwd(call, res, cotangents):
     do, dlse, _ = cotangents
     # Without an lse cotangent (call.lse_grad False: the caller stopped its gradient,
     # so dlse is 0), delta = c rowsum(do * o): the kernel calls get o too (a kernel
-    # that forms delta from an output, cuDNN, then needs no widened head).
-    out = None if call.lse_grad else o
+    # that forms delta from an output, cuDNN, then needs no widened head). The XLA
+    # kernel reads delta: it gets none, so no chunk of o is gathered for it.
+    out = None if call.lse_grad or call.kernel.name == "xla" else o
     c_do, delta = softmax.backward_scale(do, o, lse_lo, dlse)
     dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta,
                            out)
