@@ -473,8 +473,8 @@ def test_cudnn_attention_vs_float64(primitive, case, dtype, with_dlse):
 
     @jax.jit
     def run_o_only(q, k, v, do):
-        def loss(q, k, v):
-            o, *_ = kern.attention(q, k, v, args)
+        def loss(q, k, v):  # the caller says the lse is not differentiated
+            o, *_ = kern.attention(q, k, v, args, lse_grad=False)
             return jnp.sum(o.astype(jnp.float32) * do)
         o, lse, _ = kern.forward(q, k, v, args)
         return (o, lse, *jax.grad(loss, (0, 1, 2))(q, k, v))
@@ -546,14 +546,14 @@ def test_cudnn_sinks_vs_float64(primitive, causal):
     kern = cudnn.CudnnKernel(ops=ops, device=device)
     args = KernelArgs(scale=0.3, is_causal=causal)
 
-    def attend(q, k, v, s):
-        return kern.attention(q, k, v, args, sinks=s)
+    def attend(q, k, v, s, lse_grad=True):
+        return kern.attention(q, k, v, args, sinks=s, lse_grad=lse_grad)
 
     @jax.jit
     def run(q, k, v, s, do, dlse):
         (o, lse, _), vjp = jax.vjp(attend, q, k, v, s)
-        o_only = jax.grad(lambda *a: jnp.sum(attend(*a)[0].astype(jnp.float32) * do),
-                          argnums=(0, 1, 2, 3))(q, k, v, s)  # a symbolic zero for lse
+        o_only = jax.grad(lambda *a: jnp.sum(attend(*a, lse_grad=False)[0].astype(
+            jnp.float32) * do), argnums=(0, 1, 2, 3))(q, k, v, s)  # the lse not differentiated
         return (o, lse, *vjp((do.astype(o.dtype), dlse, jnp.zeros_like(dlse)))), o_only
 
     half = [_half(x, "bfloat16") for x in (q, k, v)]
@@ -907,6 +907,66 @@ def test_distributed_dilated_on_described_gpu(described_gpu, causal):
     local_only = len([c for c in ops.calls if c[0] == "forward"])
     assert local_only >= 1 and (traced == local_only if causal else traced > local_only), (
         traced, local_only)
+
+
+def test_eager_shard_map_on_described_gpu(described_gpu):
+    """The cuDNN kernel inside a ``jax.shard_map`` run eagerly (no jit), as in a notebook:
+    the forward and the gradients equal float64 XLA. (JAX refuses a ``custom_vjp`` with
+    ``symbolic_zeros`` there, NotImplementedError, even in a call not differentiated:
+    the kernel's differentiable call must not use one.) One-device dilated attention
+    on each device's shard, head_groups, whose calls run their backward from their
+    output (the lse is not returned)."""
+    b, t, h, d = 1, 64, 4, 16
+    q, k, v, do, _ = _inputs(9, b, t, t, h, h, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    mesh = jax.sharding.Mesh(mesh_devices(2), ("seq",))
+    body = functools.partial(jd.dilated_attention, segment_lengths=(16, 32),
+                             dilation_rates=(1, 2), is_causal=True, mode="head_groups")
+    spec = jax.sharding.PartitionSpec(None, "seq")
+
+    def run(impl, cast, compile):
+        f = jax.shard_map(functools.partial(body, implementation=impl), mesh=mesh,
+                          in_specs=(spec,) * 3, out_specs=spec)
+
+        def forward_and_grads(*args):
+            grads = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cast(do)),
+                             argnums=(0, 1, 2))(*args)
+            return (f(*args), *grads)
+
+        return (jax.jit(forward_and_grads) if compile else forward_and_grads)(
+            *(cast(x) for x in (q, k, v)))
+
+    got = run(None, lambda x: _half(x, "bfloat16"), compile=False)
+    want = run("xla", jnp.asarray, compile=True)
+    for name, a, b_ in zip(("o", "dq", "dk", "dv"), got, want):
+        assert_close(a, b_, 2e-2, name)
+    assert {w for kind, w in described_gpu.calls if kind == "backward"} == {d}
+
+
+@pytest.mark.parametrize("kernel", ["xla", "cudnn"])
+def test_lse_grad_false_stops_the_lse_gradient(kernel):
+    """``Kernel.attention(lse_grad=False)``: the log-sum-exp carries no gradient (both
+    parts), the output the same gradient as with ``lse_grad=True``."""
+    n, t, h, d = 2, 32, 2, 16
+    q, k, v, do, dlse = _inputs(10, n, t, t, h, h, d)
+    q, k, v = (_half(_rounded(x, "bfloat16"), "bfloat16") for x in (q, k, v))
+    kern = (xla.KERNEL if kernel == "xla"
+            else cudnn.CudnnKernel(ops=cudnn.ReferenceOps(), device=H100))
+    args = KernelArgs(scale=0.3, is_causal=True)
+    do = jnp.asarray(do, jnp.float32)
+
+    def loss(lse_grad, part, q, k, v):
+        o, lse, lse_lo = kern.attention(q, k, v, args, lse_grad=lse_grad)
+        return {"o": jnp.sum(o.astype(jnp.float32) * do), "lse": jnp.sum(lse * dlse),
+                "lse_lo": jnp.sum(lse_lo * dlse)}[part]
+
+    grad = jax.jit(jax.grad(loss, argnums=(2, 3, 4)), static_argnums=(0, 1))
+    for part in ("lse", "lse_lo"):
+        for g in grad(False, part, q, k, v):
+            assert not np.any(np.asarray(g, np.float32)), part
+    assert np.any(np.asarray(grad(True, "lse", q, k, v)[0], np.float32))
+    for a, b_ in zip(grad(False, "o", q, k, v), grad(True, "o", q, k, v)):
+        assert_close(a, b_, 2e-2, "do")
 
 
 def test_widened_backward_in_chunks():

@@ -218,9 +218,13 @@ class Kernel(Protocol):
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
                   kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
-                  sinks=None):
+                  sinks=None, lse_grad=True):
         """:meth:`forward`, differentiable in ``q``, ``k``, ``v`` through every output
         ``(o, lse, lse_lo)``.
+
+        ``lse_grad`` (static) False: the caller does not differentiate through the
+        log-sum-exp, which then comes with its gradient stopped, so that the backward
+        can run from ``o`` alone (cuDNN's own backward, :meth:`backward` ``out=``).
 
         ``sinks`` [H] or None: attention sinks folded into the result
         (:func:`~jax_dilated.core.softmax.fold_sinks`) and differentiable, the

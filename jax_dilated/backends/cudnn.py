@@ -31,8 +31,11 @@ Any ``stats``/``o`` may be passed, so:
   segment batch whose widened copies would exceed ``WIDEN_CHUNK_BYTES`` runs in
   chunks (``lax.map``), so the transient memory stays bounded.
 
-The differentiable ``attention`` uses ``symbolic_zeros``: when the lse cotangent
-is symbolically zero it takes the native path with its own ``o``.
+The differentiable ``attention`` takes the native path with its own ``o`` when its
+caller says the log-sum-exp is not differentiated (``lse_grad=False``, static: the
+lse then comes with its gradient stopped), the widened one otherwise. (A
+``custom_vjp`` with ``symbolic_zeros`` could tell by itself, but JAX refuses those
+inside an eagerly run ``shard_map``.)
 
 What cuDNN serves (anything else: ``implementation=None`` falls back to the XLA
 kernel per call at trace time; ``implementation="cudnn"`` raises ``ValueError``
@@ -370,13 +373,15 @@ class CudnnKernel:
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
                   kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
-                  sinks=None):
-        """Differentiable :meth:`forward`; gradients flow through ``o`` and the
-        log-sum-exp, and to ``sinks`` [H] (or None), folded into the result."""
+                  sinks=None, lse_grad=True):
+        """Differentiable :meth:`forward`; gradients flow through ``o`` and (unless
+        ``lse_grad`` is False) the log-sum-exp, and to ``sinks`` [H] (or None), folded
+        into the result."""
         del dropout_rng
         self._check(q, k, args, q_positions, k_positions, kv_valid, q_segment_ids,
                     k_segment_ids)
-        return _attention(self, args, q, k, v, sinks)
+        o, *lse = _attention(self, args, lse_grad, q, k, v, sinks)
+        return o, *(lse if lse_grad else jax.lax.stop_gradient(lse))
 
     # ------------------------------------------- what cuDNN has no kernel for
 
@@ -414,31 +419,25 @@ _NO_BLOCK_SPARSE = ("implementation='cudnn' has no block-sparse kernel (cuDNN ha
                     "block-sparse attention); use implementation=None or 'xla'.")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(kernel: CudnnKernel, args: KernelArgs, q, k, v, sinks=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attention(kernel: CudnnKernel, args: KernelArgs, lse_grad: bool, q, k, v, sinks=None):
     return softmax.fold_sinks(*kernel.forward(q, k, v, args), sinks)
 
 
-def _attention_fwd(kernel, args, q, k, v, sinks=None):
-    # symbolic_zeros: CustomVJPPrimal wrappers (None, a pytree without leaves, is not)
-    q, k, v = q.value, k.value, v.value
-    sinks = None if sinks is None else sinks.value
+def _attention_fwd(kernel, args, lse_grad, q, k, v, sinks=None):
     o, lse, lse_lo = softmax.fold_sinks(*kernel.forward(q, k, v, args), sinks)
     return (o, lse, lse_lo), (q, k, v, o, lse, lse_lo, sinks)
 
 
-def _attention_bwd(kernel, args, res, cotangents):
-    from jax.custom_derivatives import SymbolicZero
-
+def _attention_bwd(kernel, args, lse_grad, res, cotangents):
     q, k, v, o, lse, lse_lo, sinks = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
-    if isinstance(do, SymbolicZero):
-        do = jnp.zeros(o.shape, o.dtype)
-    if isinstance(dlse, SymbolicZero):
-        # nothing depends on this partial's lse: cuDNN's own backward, with its o
-        # (with sinks both include them, which is all it needs). It reads the rounded
-        # lse alone: lse_lo is 0 without sinks; with them it is the float32 rounding
-        # of their merge, the size of cuDNN's own rounding of its statistics.
+    if not lse_grad:
+        # nothing depends on this call's lse (its gradient is stopped outside): cuDNN's
+        # own backward, with its o (with sinks both include them, which is all it
+        # needs). It reads the rounded lse alone: lse_lo is 0 without sinks; with them
+        # it is the float32 rounding of their merge, the size of cuDNN's own rounding
+        # of its statistics.
         dq, dk, dv = kernel._native_backward(q, k, v, do, lse, o, args)
         if sinks is None:
             return dq, dk, dv, None
@@ -453,7 +452,7 @@ def _attention_bwd(kernel, args, res, cotangents):
     return dq, dk, dv, softmax.sink_gradient(lse, delta, sinks)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # The module-level kernel on this process's default device with the real primitive.

@@ -135,12 +135,13 @@ class AutoKernel:
 
     def attention(self, q, k, v, args, *, q_positions=None, k_positions=None,
                   kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
-                  sinks=None):
+                  sinks=None, lse_grad=True):
         seg = _segments(q_segment_ids, k_segment_ids)
         kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid, **seg)
         return kernel.attention(q, k, v, args, q_positions=q_positions,
                                 k_positions=k_positions, kv_valid=kv_valid,
-                                dropout_rng=dropout_rng, sinks=sinks, **seg)
+                                dropout_rng=dropout_rng, sinks=sinks, lse_grad=lse_grad,
+                                **seg)
 
     def batch_chunk(self, n, q, k, args):
         """That of the kernel a call shaped like ``q``/``k`` goes to."""

@@ -48,27 +48,38 @@ def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
         return dilated_local.dilated_local(
             kernel, args, plans, mode, query, key, value, kv_mask, rng, sinks=sinks,
             primal=plain if rng is None and not windows else None, lse_grad=lse_grad)
-    return softmax.sinks_on_output(*plain(query, key, value, kv_mask), sinks)
+    # the sinks are merged by the lse, so it has a gradient wherever there are sinks
+    return softmax.sinks_on_output(*plain(query, key, value, kv_mask,
+                                          lse_grad=lse_grad or sinks is not None), sinks)
 
 
-def batched(kernel, args, plans, mode: str, query, key, value, kv_mask, rng=None):
+def batched(kernel, args, plans, mode: str, query, key, value, kv_mask, rng=None,
+            lse_grad=True):
     """``(out, lse)`` from one batched kernel call per branch (``Kernel.attention``,
-    differentiable), combined afterwards (:func:`combine_branches`); no sinks."""
+    differentiable), combined afterwards (:func:`combine_branches`); no sinks.
+    ``lse_grad`` False: the caller does not differentiate through ``lse`` (returned
+    with its gradient stopped); in head_groups mode, where each head's lse is its
+    branch's, the calls then run their backward from their output alone."""
+    # longnet's merge differentiates through every branch's lse
+    branch_lse_grad = lse_grad or mode == "longnet"
     results = []
     for i, plan in enumerate(plans):
         rng_i = None if rng is None else jax.random.fold_in(rng, i)
         if plan.branch.window is not None:
             results.append(dilated_window.local_partial(kernel, args, plan, query, key,
-                                                        value, kv_mask, rng_i))
+                                                        value, kv_mask, rng_i,
+                                                        lse_grad=branch_lse_grad))
             continue
-        attend = functools.partial(_kernel_call, kernel, args, rng_i)
+        attend = functools.partial(_kernel_call, kernel, args, rng_i, branch_lse_grad)
         results.append(dilation.attend_dilated(attend, plan.branch, plan, query, key,
                                                value, kv_mask))
-    return combine_branches(results, mode, query.dtype)
+    o, lse = combine_branches(results, mode, query.dtype)
+    return o, (lse if lse_grad else jax.lax.stop_gradient(lse))
 
 
-def _kernel_call(kernel, args, rng, q, k, v, valid):
-    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng)
+def _kernel_call(kernel, args, rng, lse_grad, q, k, v, valid):
+    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng,
+                            lse_grad=lse_grad)
 
 
 def combine_branches(results, mode: str, dtype):

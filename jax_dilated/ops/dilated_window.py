@@ -45,15 +45,16 @@ def _heads(plan: branch_plans.BranchPlan, query, key, value):
 
 
 def local_partial(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query, key,
-                  value, kv_mask, dropout_rng, segment_ids=None):
+                  value, kv_mask, dropout_rng, segment_ids=None, lse_grad=True):
     """One device: ``(o [B, T, Hq, D], lse, lse_lo [B, T, Hq])`` of the branch's heads
-    (``plan.query_heads``), differentiable; ``segment_ids`` [B, T] keeps every window
+    (``plan.query_heads``), differentiable (through ``lse`` too unless ``lse_grad``
+    is False, ``Kernel.attention``); ``segment_ids`` [B, T] keeps every window
     inside its document (packed rows: the same keys as the document alone)."""
     q, k, v = _heads(plan, query, key, value)
     ids = {} if segment_ids is None else dict(q_segment_ids=segment_ids,
                                               k_segment_ids=segment_ids)
     return kernel.attention(q, k, v, window_args(args, plan), kv_valid=kv_mask,
-                            dropout_rng=dropout_rng, **ids)
+                            dropout_rng=dropout_rng, lse_grad=lse_grad, **ids)
 
 
 def ring_partial(args: KernelArgs, plan: branch_plans.BranchPlan, query, key, value,

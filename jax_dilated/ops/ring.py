@@ -373,7 +373,7 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
         # time (a ring passes traced positions) and which needs no ring loop.
         o, lse, _ = get_kernel(implementation).attention(
             query, key, value, args, kv_valid=kv_mask, q_segment_ids=segment_ids,
-            k_segment_ids=segment_ids, sinks=sinks)
+            k_segment_ids=segment_ids, sinks=sinks, lse_grad=return_lse)
     else:
         cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
                          lse_grad=return_lse)

@@ -279,8 +279,8 @@ def heads_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name: st
         # dilated attention's packed program would cut repeated runs apart)
         kernel = get_kernel(kw.get("implementation"))
         out = kernel.attention(q, k, v, head_parallel.kernel_args(kw, q.shape[-1]),
-                               kv_valid=mask,
-                               q_segment_ids=ids, k_segment_ids=ids)[0].astype(q.dtype)
+                               kv_valid=mask, q_segment_ids=ids, k_segment_ids=ids,
+                               lse_grad=False)[0].astype(q.dtype)
     elif op.kind == "exact":
         # exact attention on one device: one segment of the whole sequence, rate 1
         out = dilated_ops.dilated_attention(
@@ -351,7 +351,7 @@ def allgather_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name
     ids = {} if segment_ids is None else dict(q_segment_ids=segment_ids,
                                               k_segment_ids=idsall)
     out = kernel.attention(q, kall, vall, args, q_positions=q_pos, k_positions=k_pos,
-                           kv_valid=mall, **ids)[0]
+                           kv_valid=mall, lse_grad=False, **ids)[0]
     return out.astype(q.dtype)
 
 

@@ -11,6 +11,8 @@ the functions of :mod:`.dense` and :mod:`.block_sparse` stay importable from her
 
 from __future__ import annotations
 
+import jax
+
 from jax_dilated.backends.base import BlockLists, KernelArgs
 from jax_dilated.backends.xla import block_sparse, dense, ring
 from jax_dilated.backends.xla.block_sparse import (
@@ -55,12 +57,14 @@ class XlaKernel:
 
     def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
                   kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
-                  sinks=None):
-        """:func:`.dense.attention`."""
-        return dense.attention(q, k, v, args, q_positions=q_positions,
-                               k_positions=k_positions, kv_valid=kv_valid,
-                               dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
-                               k_segment_ids=k_segment_ids, sinks=sinks)
+                  sinks=None, lse_grad=True):
+        """:func:`.dense.attention` (its backward reads ``delta``, so ``lse_grad`` only
+        stops the log-sum-exp's gradient)."""
+        o, *lse = dense.attention(q, k, v, args, q_positions=q_positions,
+                                  k_positions=k_positions, kv_valid=kv_valid,
+                                  dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
+                                  k_segment_ids=k_segment_ids, sinks=sinks)
+        return o, *(lse if lse_grad else jax.lax.stop_gradient(lse))
 
     def batch_chunk(self, n: int, q, k, args: KernelArgs) -> int:
         """Items whose logits blocks together stay near the cache-friendly size
