@@ -19,6 +19,12 @@
   twice, so those optimisations cost more time than they save (about a fifth of a
   module's time). They change how fast the code runs, not what the XLA program
   computes; the subprocesses that tests start inherit the setting.
+* Where XLA:CPU still has its older fusion code generator (jax 0.10; gone by 0.12,
+  where the flag would abort the process, hence the probe below), the tests use it
+  (``--xla_cpu_use_fusion_emitters=false``): it compiles these programs in less than
+  half the time of the newer emitters (test_strategies.py: 18.6 against 42.4 s of
+  compilation, 40 against 65 s in all, on the 2-core CI machine kind), and it
+  generates code for the same XLA program, which the parity tests check as before.
 * On a GPU, XLA's reductions are made bitwise repeatable
   (``--xla_gpu_deterministic_ops=true``; the CPU ignores it): the training tests
   compare a resumed run with an uninterrupted one bit for bit, and on an H100 two
@@ -27,14 +33,35 @@
 
 import contextlib
 import os
+import subprocess
 import sys
 import warnings
 
-for flag, value in (("xla_backend_optimization_level", "0"),
-                    ("xla_gpu_deterministic_ops", "true")):
+
+def _add_xla_flag(flag, value):
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = " ".join(
             filter(None, [os.environ.get("XLA_FLAGS"), f"--{flag}={value}"]))
+
+
+def _xla_knows(flag, value):
+    """Whether this jaxlib's XLA accepts ``--flag=value``: an unknown flag aborts the
+    process that parses it, so a child process is asked (once per test run: the
+    answer is left in ``JD_TEST_LEGACY_EMITTERS``, which the workers and subprocesses
+    inherit)."""
+    probe = "import jax; jax.numpy.zeros(1).block_until_ready()"
+    env = dict(os.environ, XLA_FLAGS=f"--{flag}={value}", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", probe], env=env,
+                          capture_output=True).returncode == 0
+
+
+_add_xla_flag("xla_backend_optimization_level", "0")
+_add_xla_flag("xla_gpu_deterministic_ops", "true")
+if os.environ.get("JD_TEST_LEGACY_EMITTERS") is None:
+    os.environ["JD_TEST_LEGACY_EMITTERS"] = str(
+        int(_xla_knows("xla_cpu_use_fusion_emitters", "false")))
+if os.environ["JD_TEST_LEGACY_EMITTERS"] == "1":
+    _add_xla_flag("xla_cpu_use_fusion_emitters", "false")
 
 import jax  # (after XLA_FLAGS is set)
 import pytest

@@ -80,12 +80,12 @@ def _cuda_custom_calls(fn, *shapes):
 def test_lowers_to_cudnn_for_cuda(with_lse):
     """The real primitive path lowered for CUDA: one fused forward returning float32 stats,
     one fused backward - widened to head_dim + 8 when the lse has a cotangent, plain when
-    it does not."""
+    the caller says it has none (``lse_grad=False``)."""
     kern = cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device=H100)
     args = KernelArgs(scale=0.125, is_causal=True)
 
     def loss(q, k, v):
-        o, lse, _ = kern.attention(q, k, v, args)
+        o, lse, _ = kern.attention(q, k, v, args, lse_grad=with_lse)
         return jnp.sum(o.astype(jnp.float32)) + (jnp.sum(lse) if with_lse else 0.0)
 
     q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
