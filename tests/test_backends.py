@@ -969,6 +969,44 @@ def test_lse_grad_false_stops_the_lse_gradient(kernel):
         assert_close(a, b_, 2e-2, "do")
 
 
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "heads"])
+def test_distributed_head_groups_backward_from_output(described_gpu, strategy):
+    """head_groups dilated attention over 2 devices without ``return_lse``: each head's
+    lse is its branch's and nothing differentiates through it, so every cuDNN backward
+    (local branch, the spanning branch's ring steps, all-gather or head-exchanged
+    calls) runs from its output (head not widened); with ``return_lse`` and an lse
+    cotangent they widen. Both equal float64 XLA."""
+    ops = described_gpu
+    b, t, h, d = 1, 64, 4, 16
+    q, k, v, do, dlse = _inputs(11, b, t, t, h, h, d)
+    q, k, v, do = (_rounded(x, "bfloat16") for x in (q, k, v, do))
+    mesh = jax.sharding.Mesh(mesh_devices(2), ("seq",))
+
+    def run(impl, cast, return_lse):
+        attn = jd.sharded(functools.partial(
+            jd.dilated_attention, implementation=impl, segment_lengths=(16, 64),
+            dilation_rates=(1, 2), mode="head_groups", strategy=strategy,
+            return_lse=return_lse), mesh, seq_axis="seq")
+
+        @jax.jit
+        def f(q, k, v, do, dlse):
+            out, vjp = jax.vjp(attn, q, k, v)
+            return (*out, *vjp((do, dlse))) if return_lse else (out, *vjp(do))
+
+        stats = softmax.stats_dtype(cast(q).dtype)  # the lse's dtype
+        return f(*(cast(x) for x in (q, k, v, do)), jnp.asarray(dlse, stats))
+
+    for return_lse in (False, True):
+        ops.calls.clear()
+        got = run(None, lambda x: _half(x, "bfloat16"), return_lse)
+        widths = {w for kind, w in ops.calls if kind == "backward"}
+        want = run("xla", jnp.asarray, return_lse)
+        names = ("o", "lse", "dq", "dk", "dv") if return_lse else ("o", "dq", "dk", "dv")
+        for name, a, b_ in zip(names, got, want):
+            assert_close(a, b_, 2e-2, f"{name} (return_lse={return_lse})")
+        assert widths == ({d + selection.AUGMENT_COLUMNS} if return_lse else {d}), widths
+
+
 def test_widened_backward_in_chunks():
     """A segment batch whose widened operands exceed the budget runs in chunks (lax.map),
     with the same gradients as one call (here 5 segments in chunks of 2, one padded)."""

@@ -36,8 +36,10 @@ def _inputs(h, hkv, seed=0):
     return q, k, v, g, mask
 
 
-def _dense(q, k, v, mask, causal):
-    """softmax(q k^T / sqrt(D) + masks) v in float64, kv heads repeated (GQA)."""
+def _dense(q, k, v, mask, causal, return_lse=False):
+    """softmax(q k^T / sqrt(D) + masks) v in float64, kv heads repeated (GQA); with
+    ``return_lse`` also the log-sum-exp [B, T, H] of the masked logits (-inf where a
+    row has nothing to attend to)."""
     rep = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
@@ -45,9 +47,14 @@ def _dense(q, k, v, mask, causal):
     allowed = allowed[None, None] & mask[:, None, None, :]
     s = jnp.where(allowed, s, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m)
     den = e.sum(-1, keepdims=True)
-    return jnp.einsum("bhqk,bkhd->bqhd", e / jnp.where(den > 0, den, 1.0), v)
+    out = jnp.einsum("bhqk,bkhd->bqhd", e / jnp.where(den > 0, den, 1.0), v)
+    if not return_lse:
+        return out
+    lse = jnp.where(den > 0, jnp.log(jnp.where(den > 0, den, 1.0)) + m, -jnp.inf)
+    return out, jnp.moveaxis(lse[..., 0], 1, 2)
 
 
 def _value_and_grads(f, q, k, v, g):
@@ -240,6 +247,61 @@ def test_ring_only_options_are_refused_by_the_other_strategies():
                                dilation_rates=(1, 2))
     assert all(c.reason is None for c in jd.explain_strategy(
         window, q.shape, k.shape, num_devices=2, quiet=True)[1].values())
+
+
+RETURN_LSE = [
+    # (op, options, strategy, P, layout): every strategy of dilated attention, the ring
+    # of the others (zigzag re-laid inside shard_map; striped with shards that do not
+    # split over the devices: permuted globally, P=4 with 16 tokens per device does)
+    ("dilated", dict(DILATED, is_causal=True), "ring", 4, "contiguous"),
+    ("dilated", dict(DILATED, mode="head_groups"), "heads", 2, "contiguous"),
+    ("dilated", dict(DILATED, is_causal=True), "allgather", 2, "contiguous"),
+    ("exact", dict(is_causal=True), "ring", 2, "zigzag"),
+    ("exact", dict(is_causal=False), "ring", 8, "striped"),
+    ("block_sparse", dict(block_size=8, pattern=bp.LocalWindow(1), is_causal=True), "ring",
+     2, "contiguous"),
+]
+
+
+@pytest.mark.parametrize("op,options,strategy,p,layout", RETURN_LSE,
+                         ids=[f"{c[0]}-{c[2]}-P{c[3]}-{c[4]}" for c in RETURN_LSE])
+def test_sharded_returns_the_lse(op, options, strategy, p, layout):
+    """``jd.sharded`` of a function bound with ``return_lse=True``: ``(out, lse)`` in the
+    user's token order, equal to one device's, with the gradients of a loss on both."""
+    q, k, v, g, mask = _inputs(4, 2, seed=3)
+    glse = np.random.default_rng(4).standard_normal((B, T, 4))
+    fn = functools.partial(_FNS[op], return_lse=True, **options)
+    attn = jd.sharded(fn, _mesh(p), seq_axis="seq", layout=layout, strategy=strategy)
+
+    def run(f):
+        def loss(q, k, v):
+            out, lse = f(q, k, v, kv_mask=mask)
+            live = jnp.isfinite(lse)  # rows with nothing to attend to: lse = -inf
+            return jnp.sum(out * g) + jnp.sum(jnp.where(live, lse, 0.0) * glse), (out, lse)
+
+        grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
+            q, k, v)
+        return [np.asarray(x) for x in (out, *grads)], np.asarray(lse)
+
+    got, got_lse = run(attn)
+    want, want_lse = run(fn if op != "exact" else lambda q, k, v, kv_mask: _dense(
+        q, k, v, kv_mask, options["is_causal"], return_lse=True))
+    _check(got, want)
+    assert got_lse.shape == (B, T, 4)
+    np.testing.assert_array_equal(np.isfinite(got_lse), np.isfinite(want_lse))
+    live = np.isfinite(want_lse)
+    assert np.max(np.abs(got_lse[live] - want_lse[live])) < 1e-10
+
+
+def test_return_lse_refused_by_strategies_that_return_the_output_only():
+    """``return_lse=True`` of exact attention: ``"heads"`` and ``"allgather"`` rebuild
+    the call and return the output only, so they refuse it and name the ring."""
+    q, k, v, _, _ = _inputs(4, 2)
+    fn = functools.partial(jd.ring_attention, return_lse=True)
+    for strategy in ("heads", "allgather"):
+        with pytest.raises(ValueError, match=r"returns the output only.*use strategy='ring'"):
+            jd.sharded(fn, _mesh(2), seq_axis="seq", strategy=strategy)(q, k, v)
+    assert jd.explain_strategy(fn, q.shape, k.shape, num_devices=2, quiet=True)[0] == "ring"
 
 
 def test_per_branch_strategy_errors_name_the_branch():

@@ -166,10 +166,12 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
     # sinks join once, on the combined denominator (docs/semantics.md, s. 2): inside
     # the one-device program (which folds them into its backward), after the others
     one_device_path = seq_axis is None and segment_ids is None
+    # the lse is differentiated where it is returned, or merged with the sinks below
+    lse_grad = return_lse or (sinks is not None and not one_device_path)
     o, lse = _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets,
                       kv_mask, dropout_rng, seq_axis, implementation, segment_ids,
                       max_documents, segment_lengths, dilation_rates, scale, strategy,
-                      sinks if one_device_path else None, return_lse)
+                      sinks if one_device_path else None, lse_grad)
     if not one_device_path:
         o, lse = softmax.sinks_on_output(o, lse, sinks)
     return (o, lse) if return_lse else o
@@ -180,8 +182,8 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
              segment_lengths, dilation_rates, scale, strategy, sinks, lse_grad=True):
     """``(out, lse)`` of every path of :func:`dilated_attention`; ``sinks`` (None
     unless on one device without packed rows) are included. ``lse_grad`` False: the
-    caller does not return ``lse``, which one device may then give with its gradient
-    stopped."""
+    caller does not differentiate through ``lse``, which may then come with its
+    gradient stopped (so that cuDNN runs its own backward where it can)."""
     num_devices = 1 if seq_axis is None else validation.axis_size(
         seq_axis, "dilated_attention(seq_axis=...)")
     plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
@@ -212,11 +214,12 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
         return head_parallel.dilated_over_heads(
             options, query, key, value, kv_mask, segment_ids, axis_name=seq_axis,
             num_devices=num_devices,
-            gather=strategy == "allgather")
+            gather=strategy == "allgather", lse_grad=lse_grad)
     sharded_branches = distributed.shard_branches(branches, local_len=t,
                                                   num_devices=num_devices)
     return distributed.sharded_dilated(
         plans, sharded_branches, query, key, value, kv_mask, args, mode=mode,
         axis_name=seq_axis, num_devices=num_devices, implementation=implementation,
         dropout_rng=rng, strategies=distributed.branch_strategies(strategy, plans,
-                                                                  sharded_branches))
+                                                                  sharded_branches),
+        lse_grad=lse_grad)

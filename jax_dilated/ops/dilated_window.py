@@ -58,13 +58,14 @@ def local_partial(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
 
 
 def ring_partial(args: KernelArgs, plan: branch_plans.BranchPlan, query, key, value,
-                 kv_mask, dropout_rng, *, axis_name, num_devices: int, implementation):
+                 kv_mask, dropout_rng, *, axis_name, num_devices: int, implementation,
+                 lse_grad=True):
     """Inside ``shard_map`` (contiguous shards of ``axis_name``): the windowed ring's
     ``(o, lse, lse_lo)`` of the local queries for the branch's heads (global
     positions; ring steps outside every local query's window are skipped)."""
     q, k, v = _heads(plan, query, key, value)
     cfg = RingConfig(axis_name, num_devices, num_devices, "contiguous",
-                     window_args(args, plan), implementation)
+                     window_args(args, plan), implementation, lse_grad=lse_grad)
     return ring_partials(q, k, v, kv_mask, dropout_rng, cfg)
 
 

@@ -221,13 +221,15 @@ def group_gather(x, axis_name: str, num_devices: int, group: int):
 @dataclasses.dataclass(frozen=True)
 class _Group:
     """The ``size`` consecutive devices of ``axis_name`` (of ``num_devices``) that hold
-    one dilated segment, and the kernel that attends inside it."""
+    one dilated segment, and the kernel that attends inside it (``lse_grad``: whether
+    its calls' lse is differentiated, ``Kernel.attention``)."""
 
     axis_name: str
     num_devices: int
     size: int
     kernel: object
     args: KernelArgs
+    lse_grad: bool = True
 
 
 def _gathered(grp: _Group, rng, q, k, v, valid):
@@ -240,7 +242,7 @@ def _gathered(grp: _Group, rng, q, k, v, valid):
     return grp.kernel.attention(
         q, kg, vg, grp.args, q_positions=start + jnp.arange(length, dtype=jnp.int32),
         k_positions=jnp.arange(grp.size * length, dtype=jnp.int32), kv_valid=validg,
-        dropout_rng=rng)
+        dropout_rng=rng, lse_grad=grp.lse_grad)
 
 
 def _head_exchanged(grp: _Group, rng, q, k, v, valid):
@@ -262,15 +264,19 @@ def _head_exchanged(grp: _Group, rng, q, k, v, valid):
                                   axis_index_groups=groups)
 
     out = grp.kernel.attention(to_heads(q), to_heads(k), to_heads(v), grp.args,
-                               kv_valid=to_heads(valid), dropout_rng=rng)
+                               kv_valid=to_heads(valid), dropout_rng=rng,
+                               lse_grad=grp.lse_grad)
     return tuple(to_tokens(x) for x in out)
 
 
 def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
                     *, mode: str, axis_name, num_devices: int, implementation, dropout_rng,
-                    strategies=None):
+                    strategies=None, lse_grad=True):
     """``(out, lse)`` of dilated attention for this device's queries (inside shard_map;
-    arguments as in :func:`branch_partials`, ``mode`` the call's).
+    arguments as in :func:`branch_partials`, ``mode`` the call's). ``lse_grad``
+    False: the caller does not differentiate through ``lse``; in head_groups mode,
+    where each head's lse is its branch's, the branches' calls then need no lse
+    cotangent (cuDNN runs its own backward).
 
     With the blockwise XLA kernel, the local branches (not sliding windows) run
     together as the one-device streamed program on the shard
@@ -297,7 +303,9 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
     run = functools.partial(branch_partials, plans, sharded_branches, query, key, value,
                             kv_mask, args, axis_name=axis_name, num_devices=num_devices,
                             implementation=implementation, dropout_rng=dropout_rng,
-                            strategies=strategies)
+                            strategies=strategies,
+                            # longnet's merges differentiate through every branch's lse
+                            lse_grad=lse_grad or mode == "longnet")
     spanning = [i for i in rest if plans[i].branch.window is None]
     if mode == "longnet" and partial is not None and spanning:
         # merged into the streamed partial at the positions their heads select, not
@@ -315,7 +323,7 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
 
 def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
                     *, axis_name, num_devices: int, implementation, dropout_rng,
-                    strategies=None, only=None, scatter=True):
+                    strategies=None, only=None, scatter=True, lse_grad=True):
     """``[(o_i, lse_i, lse_lo_i)]`` of every branch (of the branches ``only`` lists,
     when given) for this device's queries (inside shard_map; the log-sum-exp in two
     parts, :mod:`jax_dilated.core.softmax`).
@@ -330,6 +338,8 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
       only: None, or the indices of the branches to run.
       scatter: False gives each (non-window) branch's dilated partial as its
         ``attend`` returns it, [B, n / r, Hq, ...] for a spanning branch.
+      lse_grad: False when nothing differentiates through the branches' ``lse``
+        (given with its gradient stopped).
 
     Returns:
       per branch, o [B, n, Hq, D] and lse, lse_lo [B, n, Hq] over the branch's global
@@ -346,18 +356,19 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
         if plan.branch.window is not None:
             results.append(dilated_window.ring_partial(
                 args, plan, query, key, value, kv_mask, rng, axis_name=axis_name,
-                num_devices=num_devices, implementation=implementation))
+                num_devices=num_devices, implementation=implementation,
+                lse_grad=lse_grad))
             continue
         # a ring folds in its device and step itself; the others draw per device here
         device_rng = None if rng is None else jax.random.fold_in(rng, me)
         if sb.is_local:
-            attend = functools.partial(_local, kernel, args, device_rng)
+            attend = functools.partial(_local, kernel, args, device_rng, lse_grad)
         elif how == "ring":
             cfg = RingConfig(axis_name, num_devices, sb.ring_size, "contiguous", args,
-                             implementation)
+                             implementation, lse_grad=lse_grad)
             attend = functools.partial(_ring, cfg, rng)
         else:
-            grp = _Group(axis_name, num_devices, sb.ring_size, kernel, args)
+            grp = _Group(axis_name, num_devices, sb.ring_size, kernel, args, lse_grad)
             attend = functools.partial(
                 _gathered if how == "allgather" else _head_exchanged, grp, device_rng)
         results.append(dilation.attend_dilated(attend, sb.cut, plan, query, key, value,
@@ -365,8 +376,9 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
     return results
 
 
-def _local(kernel, args, rng, q, k, v, valid):
-    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng)
+def _local(kernel, args, rng, lse_grad, q, k, v, valid):
+    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng,
+                            lse_grad=lse_grad)
 
 
 def _ring(cfg, rng, q, k, v, valid):

@@ -128,7 +128,7 @@ def by_device(axis_name: str, variants: list, call):
 
 
 def dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
-                   num_heads: int, segment_ids=None, heads_of=None):
+                   num_heads: int, segment_ids=None, heads_of=None, lse_grad=True):
     """Single-device dilated attention of this device's heads over the whole sequence,
     global head numbering: ``(out, lse)`` [B, T, h, D], [B, T, h].
 
@@ -137,7 +137,8 @@ def dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
     [P, c] table of the global heads each device runs, taken here from ``q``/``k``/``v``
     holding all heads (gathered). With ``segment_ids`` [B, T] the packed program
     (:func:`jax_dilated.ops.dilated_packed.packed_attention`) runs instead of the
-    unpacked one.
+    unpacked one. ``lse_grad`` False: the caller does not differentiate through
+    ``lse`` (:func:`jax_dilated.ops.branch_combine.one_device`).
     """
     o = options
     branches = branch_plans.validate_branches(o["segment_lengths"], o["dilation_rates"])
@@ -168,7 +169,8 @@ def dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
             out, lse = dilated_packed.packed_attention(kernel, args, plans, mode, q, k, v, mask,
                                            segment_ids, o.get("max_documents"), rng)
         else:
-            out, lse = one_device(kernel, args, plans, mode, q, k, v, mask, rng)
+            out, lse = one_device(kernel, args, plans, mode, q, k, v, mask, rng,
+                                  lse_grad=lse_grad)
         if mode == "head_groups" and len(plans) != len(branches):
             # this device's heads are in fewer groups than there are branches: the
             # output is divided by the number of all branches, not of these
@@ -191,7 +193,7 @@ def to_heads(q, k, v, mask, segment_ids, axis_name: str, num_devices: int):
 
 
 def dilated_over_heads(options, q, k, v, mask, segment_ids, *, axis_name: str,
-                       num_devices: int, gather: bool = False):
+                       num_devices: int, gather: bool = False, lse_grad: bool = True):
     """Dilated attention, the sequence sharded contiguously over ``axis_name`` (inside
     ``shard_map``), run as single-device programs on the whole sequence of some heads:
     ``(out [B, n, H, D], lse [B, n, H])``.
@@ -213,17 +215,19 @@ def dilated_over_heads(options, q, k, v, mask, segment_ids, *, axis_name: str,
 
     ``options``: the keywords of :func:`jax_dilated.dilated_attention` (segment
     lengths, rates, mode, offsets, causal, scale, dropout, implementation, blocks,
-    ``max_documents``).
+    ``max_documents``); ``lse_grad`` as in :func:`dilated_heads`.
     """
     p, h = num_devices, q.shape[2]
     if not gather and h % p == 0:
         q, k, v, mask, ids = to_heads(q, k, v, mask, segment_ids, axis_name, p)
-        out, lse = dilated_heads(options, q, k, v, mask, axis_name, p, h, ids)
+        out, lse = dilated_heads(options, q, k, v, mask, axis_name, p, h, ids,
+                                 lse_grad=lse_grad)
         return heads_to_seq(out, axis_name), heads_to_seq(lse, axis_name)
     c = -(-h // p)
     table = np.minimum(np.arange(p * c).reshape(p, c), h - 1)
     q, k, v, mask, ids = (gather_tokens(x, axis_name)
                           for x in (q, k, v, mask, segment_ids))
-    out, lse = dilated_heads(options, q, k, v, mask, axis_name, p, h, ids, heads_of=table)
+    out, lse = dilated_heads(options, q, k, v, mask, axis_name, p, h, ids, heads_of=table,
+                             lse_grad=lse_grad)
     # [B, T, c] per device -> [B, n, P c]: the first H are the heads, in order
     return (heads_to_seq(out, axis_name)[:, :, :h], heads_to_seq(lse, axis_name)[:, :, :h])

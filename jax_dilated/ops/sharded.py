@@ -85,7 +85,10 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
       ``g(query, key, value, *, kv_mask=None, segment_ids=None, sinks=None)`` on global
       arrays (a ``jax.jit``-compiled function: an eager call compiles once per input
       shape, and inside a jitted step it is inlined), returning the global ``[batch,
-      seq, heads, head_dim]`` output in token order.
+      seq, heads, head_dim]`` output in token order; with ``fn`` bound with
+      ``return_lse=True``, ``(output, lse)``, the log-sum-exp ``[batch, seq, heads]``
+      sharded and ordered like the output (every strategy of dilated attention, the
+      ring of the others).
       ``segment_ids`` (int ``[batch, seq]``, packed documents) is sharded and laid out
       like ``kv_mask``; ``"ring"`` passes the local shard to ``fn`` (which must take
       ``segment_ids=``), ``"heads"`` gives the single-device operation the whole
@@ -122,6 +125,9 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
     num = mesh.shape[seq_axis]
     qkv_spec = P(batch_axis, seq_axis, head_axis, None)
     mask_spec = P(batch_axis, seq_axis)
+    # (output, lse) when fn is bound with return_lse=True, else the output
+    out_specs = (qkv_spec, P(batch_axis, seq_axis, head_axis)) if op.options.get(
+        "return_lse") else qkv_spec
 
     def run(query, key, value, *, kv_mask=None, segment_ids=None, sinks=None):
         # check the global shapes here: inside shard_map a mistake would be reported
@@ -228,15 +234,24 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                                       layouts.shard_to_layout(x, seq_axis, num, lay)
                                       for x in (q, k, v, mask, ids))
             out = compute(q, k, v, mask, ids, sink)
-            return layouts.shard_from_layout(out, seq_axis, num, lay) if in_shard else out
+            if not in_shard:
+                return out
+            if isinstance(out, tuple):  # (output, lse)
+                return tuple(layouts.shard_from_layout(x, seq_axis, num, lay) for x in out)
+            return layouts.shard_from_layout(out, seq_axis, num, lay)
 
-        out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec,
+        out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs,
                             check_vma=True)(*args)
         if lay == "contiguous" or in_shard:
             return out
-        out = _place(out, mesh, P(batch_axis, None, head_axis, None))
-        # back in token order, sharded like a contiguous result
-        return _place(layouts.from_layout(out, num, lay), mesh, qkv_spec)
+
+        def back(x, spec):  # back in token order, sharded like a contiguous result
+            whole = P(*(None if a == seq_axis else a for a in spec))
+            return _place(layouts.from_layout(_place(x, mesh, whole), num, lay), mesh, spec)
+
+        if isinstance(out, tuple):
+            return tuple(back(x, spec) for x, spec in zip(out, out_specs))
+        return back(out, out_specs)
 
     # Compiled, also when called eagerly: an eager shard_map runs its body one
     # primitive at a time on every shard (a dilated call on 32 tokens took 9 s per

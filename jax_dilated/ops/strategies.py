@@ -170,9 +170,12 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
         for s in ("allgather", "heads"):
             why[s] = why[s] or (f"strategy={s!r} does not carry {unsupported} yet (only "
                                 "the operation's own ring does)")
-    if op.options.get("return_lse"):
-        for s in why:
-            why[s] = why[s] or "jd.sharded returns the output only: return_lse=True"
+    if op.options.get("return_lse") and op.kind != "dilated":
+        # dilated attention returns its lse under every strategy (strategy=)
+        for s in ("allgather", "heads"):
+            why[s] = why[s] or (f"strategy={s!r} returns the output only, not the "
+                                "log-sum-exp of return_lse=True (the operation's own "
+                                "ring does)")
     return why
 
 
