@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax_dilated.core import dilation, softmax
 from jax_dilated.ops import dilated_local, dilated_window
 
-__all__ = ["batched", "combine_branches", "one_device"]
+__all__ = ["batched", "branch_lse_grad", "combine_branches", "one_device"]
 
 
 def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
@@ -60,17 +60,16 @@ def batched(kernel, args, plans, mode: str, query, key, value, kv_mask, rng=None
     ``lse_grad`` False: the caller does not differentiate through ``lse`` (returned
     with its gradient stopped); in head_groups mode, where each head's lse is its
     branch's, the calls then run their backward from their output alone."""
-    # longnet's merge differentiates through every branch's lse
-    branch_lse_grad = lse_grad or mode == "longnet"
+    lse_grad_i = branch_lse_grad(lse_grad, mode)
     results = []
     for i, plan in enumerate(plans):
         rng_i = None if rng is None else jax.random.fold_in(rng, i)
         if plan.branch.window is not None:
             results.append(dilated_window.local_partial(kernel, args, plan, query, key,
                                                         value, kv_mask, rng_i,
-                                                        lse_grad=branch_lse_grad))
+                                                        lse_grad=lse_grad_i))
             continue
-        attend = functools.partial(_kernel_call, kernel, args, rng_i, branch_lse_grad)
+        attend = functools.partial(_kernel_call, kernel, args, rng_i, lse_grad_i)
         results.append(dilation.attend_dilated(attend, plan.branch, plan, query, key,
                                                value, kv_mask))
     o, lse = combine_branches(results, mode, query.dtype)
@@ -80,6 +79,14 @@ def batched(kernel, args, plans, mode: str, query, key, value, kv_mask, rng=None
 def _kernel_call(kernel, args, rng, lse_grad, q, k, v, valid):
     return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng,
                             lse_grad=lse_grad)
+
+
+def branch_lse_grad(lse_grad: bool, mode: str) -> bool:
+    """Whether every branch's lse is differentiated, given whether the combined one
+    is (``lse_grad``): always in longnet mode, whose merge differentiates through the
+    mixing weights; in head_groups mode, where each head's lse is its branch's, only
+    when the combined one is."""
+    return lse_grad or mode == "longnet"
 
 
 def combine_branches(results, mode: str, dtype):

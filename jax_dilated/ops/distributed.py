@@ -68,7 +68,7 @@ import jax.numpy as jnp
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, dilation, softmax
 from jax_dilated.core.branches import is_window
-from jax_dilated.ops import dilated_local, dilated_window
+from jax_dilated.ops import branch_combine, dilated_local, dilated_window
 from jax_dilated.ops.head_parallel import kv_repeat
 from jax_dilated.ops.ring import RingConfig, ring_partials
 
@@ -304,8 +304,7 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
                             kv_mask, args, axis_name=axis_name, num_devices=num_devices,
                             implementation=implementation, dropout_rng=dropout_rng,
                             strategies=strategies,
-                            # longnet's merges differentiate through every branch's lse
-                            lse_grad=lse_grad or mode == "longnet")
+                            lse_grad=branch_combine.branch_lse_grad(lse_grad, mode))
     spanning = [i for i in rest if plans[i].branch.window is None]
     if mode == "longnet" and partial is not None and spanning:
         # merged into the streamed partial at the positions their heads select, not
