@@ -14,6 +14,8 @@ from jax_dilated.backends.xla.block_math import (
     _block_mask,
     _block_mask_t,
     _forward_block,
+    flat_shape,
+    unflat_rows,
     _listed,
 )
 from jax_dilated.backends.xla.chunks import _check_pair, _chunked, batch_chunk
@@ -81,9 +83,10 @@ def _sparse_forward_core(q, k, v, kv_valid, q_seg, k_seg, args: KernelArgs, *,
                                                 _take(prep.k_seg, j), window=args.window))
             return maybe_skip(need, compute, state), None
 
-        state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v, row))
+        state = varying_like(softmax.init_state(flat_shape(rows_shape), d, stats),
+                             (q, k, v, row))
         state, _ = jax.lax.scan(k_step, state, (row, row_ok))
-        o, lse, lse_lo = softmax.finalize_state(state)
+        o, lse, lse_lo = (unflat_rows(x, rows_shape) for x in softmax.finalize_state(state))
         return None, (o.astype(out_dtype), lse, lse_lo)
 
     _, (o, lse, lse_lo) = jax.lax.scan(q_block, None,

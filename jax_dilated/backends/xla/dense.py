@@ -21,6 +21,8 @@ from jax_dilated.backends.xla.block_math import (
     _block_mask_t,
     _dropout_keep,
     _forward_block,
+    flat_shape,
+    unflat_rows,
 )
 from jax_dilated.backends.xla import block_sparse
 from jax_dilated.backends.xla.chunks import (  # noqa: F401 (re-exported names)
@@ -64,10 +66,10 @@ def _forward_core(q, k, v, kv_valid, q_seg, k_seg, args: KernelArgs, *, q_positi
                                     window=args.window)
             return maybe_skip(need, compute, state), None
 
-        state = varying_like(softmax.init_state(rows_shape, d, stats), (q, k, v))
+        state = varying_like(softmax.init_state(flat_shape(rows_shape), d, stats), (q, k, v))
         ys = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid, prep.k_seg)
         state, _ = jax.lax.scan(k_block, state, ys)
-        o, lse, lse_lo = softmax.finalize_state(state)
+        o, lse, lse_lo = (unflat_rows(x, rows_shape) for x in softmax.finalize_state(state))
         return None, (o.astype(out_dtype), lse, lse_lo)
 
     xs = (jnp.arange(geo.num_q), prep.q, prep.q_pos, prep.q_seg)

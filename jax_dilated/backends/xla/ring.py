@@ -20,6 +20,8 @@ from jax_dilated.backends.xla.block_math import (
     _block_mask_t,
     _dropout_keep,
     _forward_block,
+    flat_rows,
+    unflat_rows,
     _listed,
 )
 from jax_dilated.backends.xla.chunks import _BLOCK_ELEMENTS, batch_chunk
@@ -203,7 +205,9 @@ class _RingSteps:
             # and acc = l o
             lo = self._rows(self._slice(lse_lo, i, h))
             l0 = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(lo)).astype(stats)
-            state = softmax.RunningState(m, l0, l0[..., None] * self._rows(self._slice(o, i, h)))
+            acc0 = l0[..., None] * self._rows(self._slice(o, i, h))
+            rows_shape = m.shape
+            state = softmax.RunningState(*(flat_rows(x, rows_shape) for x in (m, l0, acc0)))
 
             def k_block(state, ys):
                 j, ok = ys
@@ -224,7 +228,7 @@ class _RingSteps:
                 return maybe_skip(need, compute, state), None
 
             state, _ = jax.lax.scan(k_block, state, (row, row_ok))
-            parts = softmax.finalize_state(state)
+            parts = (unflat_rows(x, rows_shape) for x in softmax.finalize_state(state))
             return tuple(self._put(x, self._unrows(blk), i, h)
                          for x, blk in zip((o, lse, lse_lo), parts)), None
 
