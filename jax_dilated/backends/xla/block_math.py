@@ -132,32 +132,60 @@ def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, st
     return softmax.update_state(state, s, pv)[0]
 
 
-def _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, mask_t, keep,
-                    post_scale: float, scale: float, stats, cap=None):
+def flat_keys(k_blk):
+    """Key block [N, Hkv, bk, D] -> [N Hkv, bk, D] (the backward's dk/dv accumulators
+    have this shape)."""
+    n, h, bk, d = k_blk.shape
+    return k_blk.reshape(n * h, bk, d)
+
+
+def keys_transposed(k_blk):
+    """Key block [N, Hkv, bk, D] -> [N Hkv, D, bk], the operand of the backward's dq.
+
+    Made once per key block, outside the loop over query blocks: given ``k``
+    itself, XLA:CPU folds the transpose into that matmul and runs it on a slower
+    path that also stalls the steps around it (an 8-head backward took 1.07x the
+    time).
+    """
+    return jnp.swapaxes(flat_keys(k_blk), 1, 2)
+
+
+def dq_from_transposed(dq_t, q_blocks_shape):
+    """dq^T blocks [nq, N Hkv, D, G bq] (as :func:`_backward_block` gives them) ->
+    [nq, N, Hkv, G, bq, D] (``q_blocks_shape``, the blocked q's)."""
+    return jnp.swapaxes(dq_t, -1, -2).reshape(q_blocks_shape)
+
+
+def _backward_block(carry, q_blk, k_blk, k_t, v_blk, do_blk, lse_blk, delta_blk, mask_t,
+                    keep, post_scale: float, scale: float, stats, cap=None):
     """Gradient contributions of one (query block, key block) pair.
 
-    ``carry`` = (dk_acc, dv_acc) [N, Hkv, bk, D] gets this block's dk, dv added;
-    also returns this block's dq, transposed: [N, Hkv, D, G, bq]. ``mask_t`` as
-    :func:`_block_mask_t` gives it; ``keep`` the dropout mask [N, Hkv, G, bq, bk] or
-    None; ``cap`` the logit soft-cap or None (the gradient of the capped logits is
-    multiplied by ``1 - tanh^2``).
+    q_blk/do_blk [N, Hkv, G, bq, D], k_blk/v_blk [N, Hkv, bk, D], ``k_t`` =
+    :func:`keys_transposed` of k_blk; ``carry`` = (dk_acc, dv_acc) [N Hkv, bk, D]
+    (:func:`flat_keys`) gets this block's dk, dv added; also returns this block's
+    dq, transposed: [N Hkv, D, G bq]. ``mask_t`` as :func:`_block_mask_t` gives it;
+    ``keep`` the dropout mask [N, Hkv, G, bq, bk] or None; ``cap`` the logit
+    soft-cap or None (the gradient of the capped logits is multiplied by
+    ``1 - tanh^2``).
     """
-    # Transposed block [N, Hkv, bk, G, bq]: four of the five products are
-    # then plain (non-transposed) matmuls, which XLA:CPU runs fastest.
+    # Every product runs on three-axis operands [N Hkv, ., .] (see _forward_block),
+    # on the transposed block [N Hkv, bk, G bq]: four of the five products are then
+    # plain (non-transposed) matmuls, which XLA:CPU runs fastest, and with the
+    # shapes equal XLA computes each elementwise step in place of the previous one
+    # (two logits blocks held, not three).
     dk_acc, dv_acc = carry
     post = jnp.asarray(post_scale, stats)
-    # The elementwise work runs on the logits as the matmuls lay them out,
-    # [N Hkv, bk, G bq] (a free reshape): with the shapes equal, XLA computes each
-    # step in place of the previous one and holds two logits blocks, not three.
-    n, h, bk = k_blk.shape[:3]
-    g, bq = q_blk.shape[2:4]
-    flat, full = (n * h, bk, g * bq), (n, h, bk, g, bq)
+    n, h, g, bq, d = q_blk.shape
+    bk = k_blk.shape[2]
+    b = n * h
+    flat, full = (b, bk, g * bq), (n, h, bk, g, bq)
 
     def rows(x):  # [N, Hkv, G, bq] -> [N Hkv, 1, G bq]
-        return x.reshape(n * h, 1, g * bq)
+        return x.reshape(b, 1, g * bq)
 
-    st = jnp.einsum("nhkd,nhgqd->nhkgq", k_blk, q_blk, preferred_element_type=stats)
-    st = st.reshape(flat)
+    qf, dof = q_blk.reshape(b, g * bq, d), do_blk.reshape(b, g * bq, d)
+    kf, vf = flat_keys(k_blk), flat_keys(v_blk)
+    st = jnp.einsum("bkd,bqd->bkq", kf, qf, preferred_element_type=stats)
     if post_scale != 1.0:
         st = st * post
     st, tanh_t = _soft_cap(st, cap)
@@ -167,24 +195,23 @@ def _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, mask
     if keep is not None:
         keep = jnp.moveaxis(keep, -1, 2).reshape(flat)
     pz = pt if keep is None else pt * keep
-    dv_acc = dv_acc + jnp.einsum("nhkgq,nhgqd->nhkd", pz.astype(do_blk.dtype).reshape(full),
-                                 do_blk, preferred_element_type=stats)
-    dpt = jnp.einsum("nhkd,nhgqd->nhkgq", v_blk, do_blk, preferred_element_type=stats)
-    dpt = dpt.reshape(flat)
+    dv_acc = dv_acc + jnp.einsum("bkq,bqd->bkd", pz.astype(dof.dtype), dof,
+                                 preferred_element_type=stats)
+    dpt = jnp.einsum("bkd,bqd->bkq", vf, dof, preferred_element_type=stats)
     if keep is not None:
         dpt = dpt * keep
     dst = pt * (dpt - rows(delta_blk))
     if tanh_t is not None:  # d(cap tanh(s / cap))/ds = 1 - tanh^2
         dst = dst * (1.0 - tanh_t * tanh_t)
-    dst = dst.astype(q_blk.dtype).reshape(full)
+    dst = dst.astype(qf.dtype)
     # q_blk carries the pre-scale, so only the post-scale is left for dk.
-    dk_blk = jnp.einsum("nhkgq,nhgqd->nhkd", dst, q_blk, preferred_element_type=stats)
+    dk_blk = jnp.einsum("bkq,bqd->bkd", dst, qf, preferred_element_type=stats)
     if post_scale != 1.0:
         dk_blk = dk_blk * post
     dk_acc = dk_acc + dk_blk
     # dq^T = k^T ds^T keeps ds^T as a plain right operand; asking for dq
     # directly makes XLA:CPU transpose the whole block (the slowest step).
-    dqt_blk = jnp.einsum("nhkd,nhkgq->nhdgq", k_blk, dst,
+    dqt_blk = jnp.einsum("bdk,bkq->bdq", k_t, dst,
                          preferred_element_type=stats) * jnp.asarray(scale, stats)
     return (dk_acc, dv_acc), dqt_blk
 

@@ -14,7 +14,10 @@ from jax_dilated.backends.xla.block_math import (
     _block_mask,
     _block_mask_t,
     _forward_block,
+    dq_from_transposed,
+    flat_keys,
     flat_shape,
+    keys_transposed,
     unflat_rows,
     _listed,
 )
@@ -111,11 +114,12 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg,
     cols = jnp.asarray(blocks.cols, jnp.int32)
     cols_ok = None if blocks.cols_ok is None else jnp.asarray(blocks.cols_ok, bool)
     nq, n_, h_, g_, bq_, d_ = prep.q.shape
-    dq_t_shape = (n_, h_, d_, g_, bq_)
+    dq_t_shape = (n_ * h_, d_, g_ * bq_)  # [N Hkv, D, G bq], as _backward_block gives it
     like = (q, k, v, do, cols)
 
     def k_block(dq_acc, xs):
         k_blk, v_blk, k_pos, k_valid, k_sb, col, col_ok = xs
+        k_t = keys_transposed(k_blk)
 
         def q_step(carry, ys):
             i, ok = ys
@@ -123,7 +127,7 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg,
 
             def compute(carry):
                 mask = _block_mask_t(args, q_pos, k_pos, k_valid, q_sb, k_sb)
-                return _backward_block(carry, _take(prep.q, i), k_blk, v_blk,
+                return _backward_block(carry, _take(prep.q, i), k_blk, k_t, v_blk,
                                        _take(do_b, i), _take(lse_b, i), _take(delta_b, i),
                                        mask, None, prep.post_scale, args.scale, stats,
                                        args.logit_soft_cap)
@@ -135,15 +139,16 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg,
                                                 k_sb, window=args.window))
             return maybe_skip(need, compute, carry, skip)
 
-        zeros_kv = varying_like(jnp.zeros(k_blk.shape, stats), like)
+        zeros_kv = varying_like(jnp.zeros(flat_keys(k_blk).shape, stats), like)
         (dk_blk, dv_blk), dq_parts = jax.lax.scan(q_step, (zeros_kv, zeros_kv), (col, col_ok))
         # padding entries added zeros; real entries of one column are distinct blocks
-        return dq_acc.at[col].add(dq_parts), (dk_blk, dv_blk)
+        return dq_acc.at[col].add(dq_parts), (dk_blk.reshape(k_blk.shape),
+                                              dv_blk.reshape(k_blk.shape))
 
-    dq0 = varying_like(jnp.zeros((nq, n_, h_, d_, g_, bq_), stats), like)
+    dq0 = varying_like(jnp.zeros((nq,) + dq_t_shape, stats), like)
     xs = (prep.k, prep.v, prep.k_pos, prep.k_valid, prep.k_seg, cols, cols_ok)
     dq_t, (dk, dv) = jax.lax.scan(k_block, dq0, xs)
-    dq = jnp.moveaxis(dq_t, 3, -1)
+    dq = dq_from_transposed(dq_t, prep.q.shape)
     return (prep.from_q_rows(dq).astype(dtypes[0]), prep.from_k_rows(dk).astype(dtypes[1]),
             prep.from_k_rows(dv).astype(dtypes[2]))
 

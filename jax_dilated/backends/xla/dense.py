@@ -21,7 +21,10 @@ from jax_dilated.backends.xla.block_math import (
     _block_mask_t,
     _dropout_keep,
     _forward_block,
+    dq_from_transposed,
+    flat_keys,
     flat_shape,
+    keys_transposed,
     unflat_rows,
 )
 from jax_dilated.backends.xla import block_sparse
@@ -91,8 +94,12 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, args: Kernel
     lse_b = prep.q_rows(jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats))
     delta_b = prep.q_rows(delta.astype(stats))
 
+    nq, n_, h_, g_, bq_, d_ = prep.q.shape
+    dq_t_shape = (n_ * h_, d_, g_ * bq_)  # [N Hkv, D, G bq], as _backward_block gives it
+
     def k_block(_, xs):
         j, k_blk, v_blk, k_pos, k_valid, k_sb = xs
+        k_t = keys_transposed(k_blk)
 
         def q_block(carry, ys):
             i, q_blk, do_blk, lse_blk, delta_blk, q_pos, q_sb = ys
@@ -101,7 +108,7 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, args: Kernel
                 mask = _block_mask_t(args, q_pos, k_pos, k_valid, q_sb, k_sb)
                 keep = _dropout_keep(args, dropout_rng, i, j,
                                      q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
-                return _backward_block(carry, q_blk, k_blk, v_blk, do_blk, lse_blk,
+                return _backward_block(carry, q_blk, k_blk, k_t, v_blk, do_blk, lse_blk,
                                        delta_blk, mask, keep, prep.post_scale, args.scale,
                                        stats, args.logit_soft_cap)
 
@@ -112,22 +119,19 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, args: Kernel
                                     window=args.window)
             return maybe_skip(need, compute, carry, skip)
 
-        n_, h_, g_, bq_, d_ = prep.q.shape[1:]
-        dq_t_shape = (n_, h_, d_, g_, bq_)
-        zeros_kv = varying_like(jnp.zeros(k_blk.shape, stats), (q, k, v, do))
+        zeros_kv = varying_like(jnp.zeros(flat_keys(k_blk).shape, stats), (q, k, v, do))
         ys = (jnp.arange(geo.num_q), prep.q, do_b, lse_b, delta_b, prep.q_pos, prep.q_seg)
         (dk_blk, dv_blk), dq_parts = jax.lax.scan(q_block, (zeros_kv, zeros_kv), ys)
-        return None, (dk_blk, dv_blk, dq_parts)
+        return None, (dk_blk.reshape(k_blk.shape), dv_blk.reshape(k_blk.shape), dq_parts)
 
     def k_block_acc(dq_acc, xs):
         _, (dk_blk, dv_blk, dq_parts) = k_block(None, xs)
         return dq_acc + dq_parts, (dk_blk, dv_blk)
 
-    nq, n_, h_, g_, bq_, d_ = prep.q.shape
-    dq0 = varying_like(jnp.zeros((nq, n_, h_, d_, g_, bq_), stats), (q, k, v, do))
+    dq0 = varying_like(jnp.zeros((nq,) + dq_t_shape, stats), (q, k, v, do))
     xs = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid, prep.k_seg)
     dq_t, (dk, dv) = jax.lax.scan(k_block_acc, dq0, xs)
-    dq = jnp.moveaxis(dq_t, 3, -1)
+    dq = dq_from_transposed(dq_t, prep.q.shape)
     return (prep.from_q_rows(dq).astype(dtypes[0]), prep.from_k_rows(dk).astype(dtypes[1]),
             prep.from_k_rows(dv).astype(dtypes[2]))
 

@@ -20,7 +20,9 @@ from jax_dilated.backends.xla.block_math import (
     _block_mask_t,
     _dropout_keep,
     _forward_block,
+    flat_keys,
     flat_rows,
+    keys_transposed,
     unflat_rows,
     _listed,
 )
@@ -259,8 +261,9 @@ class _RingSteps:
             lse_blk = self._rows(jnp.where(jnp.isneginf(lse_i), 0.0, lse_i))
             delta_blk = self._rows(self._slice(delta, i, h).astype(stats))
             q_pos, q_sb = q_pos_b[i], _take(q_seg_b, i)
-            # dq of this block, transposed as _backward_block gives it: [N, heads, D, G, bq]
-            dqt = jnp.moveaxis(self._rows(self._slice(dq, i, h)), -1, 2)
+            # dq of this block, transposed as _backward_block gives it: [N heads, D, G bq]
+            rows_shape = lse_blk.shape
+            dqt = jnp.swapaxes(flat_rows(self._rows(self._slice(dq, i, h)), rows_shape), 1, 2)
 
             def k_block(carry, ys):
                 j, ok = ys
@@ -274,11 +277,12 @@ class _RingSteps:
                     keep = _dropout_keep(args, dropout_rng, i, j,
                                          q_blk.shape[:-1] + (k_blk.shape[-2],), stats)
                     (dk_j, dv_j), dqt_blk = _backward_block(
-                        (self._kv(dk_b, j, h), self._kv(dv_b, j, h)), q_blk, k_blk, v_blk,
-                        do_blk, lse_blk, delta_blk, mask, keep, post_scale, args.scale, stats,
+                        (flat_keys(self._kv(dk_b, j, h)), flat_keys(self._kv(dv_b, j, h))),
+                        q_blk, k_blk, keys_transposed(k_blk), v_blk, do_blk, lse_blk,
+                        delta_blk, mask, keep, post_scale, args.scale, stats,
                         args.logit_soft_cap)
-                    return (dqt + dqt_blk, self._put_kv(dk_b, dk_j, j, h),
-                            self._put_kv(dv_b, dv_j, j, h))
+                    return (dqt + dqt_blk, self._put_kv(dk_b, dk_j.reshape(k_blk.shape), j, h),
+                            self._put_kv(dv_b, dv_j.reshape(k_blk.shape), j, h))
 
                 # the real entries of a row are distinct key blocks; padding is skipped
                 need = _listed(ok, any_pair_allowed(args.is_causal, q_pos, k_pos, k_valid,
@@ -286,7 +290,8 @@ class _RingSteps:
                 return maybe_skip(need, compute, carry), None
 
             (dqt, dk_b, dv_b), _ = jax.lax.scan(k_block, (dqt, dk_b, dv_b), (row, row_ok))
-            dq = self._put(dq, self._unrows(jnp.moveaxis(dqt, 2, -1)), i, h)
+            dq = self._put(dq, self._unrows(unflat_rows(jnp.swapaxes(dqt, 1, 2), rows_shape)),
+                           i, h)
             return (dq, (dk_b, dv_b)), None
 
         (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), self._items(keys.blocks))
