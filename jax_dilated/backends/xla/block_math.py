@@ -102,6 +102,13 @@ def unflat_rows(x, rows_shape):
     return x.reshape(*rows_shape, *x.shape[2:])
 
 
+def flat_keys(k_blk):
+    """Key block [N, Hkv, bk, D] -> [N Hkv, bk, D], as the block's products take it
+    (and the backward's dk/dv accumulators hold it)."""
+    n, h, bk, d = k_blk.shape
+    return k_blk.reshape(n * h, bk, d)
+
+
 def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, stats,
                    cap=None):
     """Fold one (query block, key block) pair into the running softmax state.
@@ -118,7 +125,7 @@ def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, st
     # axes of the five-axis layout (one item per chunk, no GQA) XLA:CPU transposed
     # k and copied the logits into another layout in every step (1.15x the time of
     # an 8-head forward).
-    kf, vf = k_blk.reshape(n * h, bk, d), v_blk.reshape(n * h, bk, d)
+    kf, vf = flat_keys(k_blk), flat_keys(v_blk)
     s = _logits(q_blk.reshape(n * h, g * bq, d), kf, post_scale, stats, cap)
     if mask is not None:
         s = jnp.where(jnp.broadcast_to(mask, (n, h, g, bq, bk)).reshape(flat), s, -jnp.inf)
@@ -132,20 +139,13 @@ def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, st
     return softmax.update_state(state, s, pv)[0]
 
 
-def flat_keys(k_blk):
-    """Key block [N, Hkv, bk, D] -> [N Hkv, bk, D] (the backward's dk/dv accumulators
-    have this shape)."""
-    n, h, bk, d = k_blk.shape
-    return k_blk.reshape(n * h, bk, d)
-
-
 def keys_transposed(k_blk):
     """Key block [N, Hkv, bk, D] -> [N Hkv, D, bk], the operand of the backward's dq.
 
-    Made once per key block, outside the loop over query blocks: given ``k``
-    itself, XLA:CPU folds the transpose into that matmul and runs it on a slower
-    path that also stalls the steps around it (an 8-head backward took 1.07x the
-    time).
+    Callers whose loop over query blocks runs inside one key block make it once,
+    before that loop: given ``k`` itself, XLA:CPU folds the transpose into that
+    matmul and runs it on a slower path that also stalled the steps around it (an
+    8-head backward took 1.07x the time).
     """
     return jnp.swapaxes(flat_keys(k_blk), 1, 2)
 
