@@ -150,10 +150,10 @@ def keys_transposed(k_blk):
     return jnp.swapaxes(flat_keys(k_blk), 1, 2)
 
 
-def dq_from_transposed(dq_t, q_blocks_shape):
-    """dq^T blocks [nq, N Hkv, D, G bq] (as :func:`_backward_block` gives them) ->
-    [nq, N, Hkv, G, bq, D] (``q_blocks_shape``, the blocked q's)."""
-    return jnp.swapaxes(dq_t, -1, -2).reshape(q_blocks_shape)
+def dq_from_transposed(dq_t, shape):
+    """dq^T [..., N Hkv, D, G bq] (as :func:`_backward_block` gives it) -> ``shape``
+    [..., N, Hkv, G, bq, D] (one block's q rows, or the blocked q's)."""
+    return jnp.swapaxes(dq_t, -1, -2).reshape(shape)
 
 
 def _backward_block(carry, q_blk, k_blk, k_t, v_blk, do_blk, lse_blk, delta_blk, mask_t,

@@ -20,6 +20,7 @@ from jax_dilated.backends.xla.block_math import (
     _block_mask_t,
     _dropout_keep,
     _forward_block,
+    dq_from_transposed,
     flat_keys,
     flat_rows,
     keys_transposed,
@@ -290,8 +291,8 @@ class _RingSteps:
                 return maybe_skip(need, compute, carry), None
 
             (dqt, dk_b, dv_b), _ = jax.lax.scan(k_block, (dqt, dk_b, dv_b), (row, row_ok))
-            dq = self._put(dq, self._unrows(unflat_rows(jnp.swapaxes(dqt, 1, 2), rows_shape)),
-                           i, h)
+            dq_rows = dq_from_transposed(dqt, rows_shape + (dqt.shape[1],))
+            dq = self._put(dq, self._unrows(dq_rows), i, h)
             return (dq, (dk_b, dv_b)), None
 
         (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), self._items(keys.blocks))
