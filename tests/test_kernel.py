@@ -283,7 +283,8 @@ def test_one_item_blocks_are_not_laid_out_again():
     kernel's block operands have size-1 axes, one item and no GQA) holds one item's
     blocked q, k and v (4 MiB each) and two logits blocks (8 MiB each), not a third
     logits block: XLA:CPU once copied every step's logits into a layout differing
-    only in where the size-1 axes sit (and transposed k), which cost 1.15x the time.
+    only in where the size-1 axes sit (and transposed k), which made longnet's
+    dilated forward take 1.16x the time (docs/benchmarks.md).
 
     Measured (float32, non-causal, jax 0.10 and 0.12): 28.0 MiB of temporaries;
     35.0 MiB with the five-axis block layout.

@@ -123,8 +123,8 @@ def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, st
     flat = (n * h, g * bq, bk)
     # The block's work runs on three-axis operands [N Hkv, rows, D]: with the size-1
     # axes of the five-axis layout (one item per chunk, no GQA) XLA:CPU transposed
-    # k and copied the logits into another layout in every step (1.15x the time of
-    # an 8-head forward).
+    # k and copied the logits into another layout in every step (longnet's dilated
+    # forward took 1.16x the time; docs/benchmarks.md).
     kf, vf = flat_keys(k_blk), flat_keys(v_blk)
     s = _logits(q_blk.reshape(n * h, g * bq, d), kf, post_scale, stats, cap)
     if mask is not None:
@@ -144,8 +144,8 @@ def keys_transposed(k_blk):
 
     Callers whose loop over query blocks runs inside one key block make it once,
     before that loop: given ``k`` itself, XLA:CPU folds the transpose into that
-    matmul and runs it on a slower path that also stalled the steps around it (an
-    8-head backward took 1.07x the time).
+    matmul and runs it on a slower path that also stalled the steps around it
+    (docs/benchmarks.md, "Degenerate axes and a slow matmul path").
     """
     return jnp.swapaxes(flat_keys(k_blk), 1, 2)
 
