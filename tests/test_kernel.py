@@ -284,7 +284,7 @@ def test_one_item_blocks_are_not_laid_out_again():
     blocked q, k and v (4 MiB each) and two logits blocks (8 MiB each), not a third
     logits block: XLA:CPU once copied every step's logits into a layout differing
     only in where the size-1 axes sit (and transposed k), which made longnet's
-    dilated forward take 1.16x the time (docs/benchmarks.md).
+    dilated forward take 1.17x the time (docs/benchmarks.md).
 
     Measured (float32, non-causal, jax 0.10 and 0.12): 28.0 MiB of temporaries;
     35.0 MiB with the five-axis block layout.

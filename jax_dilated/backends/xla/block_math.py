@@ -124,7 +124,7 @@ def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, st
     # The block's work runs on three-axis operands [N Hkv, rows, D]: with the size-1
     # axes of the five-axis layout (one item per chunk, no GQA) XLA:CPU transposed
     # k and copied the logits into another layout in every step (longnet's dilated
-    # forward took 1.16x the time; docs/benchmarks.md).
+    # forward took 1.17x the time; docs/benchmarks.md).
     kf, vf = flat_keys(k_blk), flat_keys(v_blk)
     s = _logits(q_blk.reshape(n * h, g * bq, d), kf, post_scale, stats, cap)
     if mask is not None:
