@@ -150,6 +150,19 @@ def keys_transposed(k_blk):
     return jnp.swapaxes(flat_keys(k_blk), 1, 2)
 
 
+def transposed_dq_shape(q_blocks_shape):
+    """Shape of one block's dq^T as :func:`_backward_block` gives it, [N Hkv, D, G bq],
+    from the blocked q's [nq, N, Hkv, G, bq, D] (or one block's [N, Hkv, G, bq, D])."""
+    n, h, g, bq, d = q_blocks_shape[-5:]
+    return (n * h, d, g * bq)
+
+
+def dq_to_transposed(dq_rows):
+    """One block's dq rows [N, Hkv, G, bq, D] -> dq^T [N Hkv, D, G bq] (the layout
+    :func:`_backward_block` accumulates into)."""
+    return jnp.swapaxes(flat_rows(dq_rows, dq_rows.shape[:4]), 1, 2)
+
+
 def dq_from_transposed(dq_t, shape):
     """dq^T [..., N Hkv, D, G bq] (as :func:`_backward_block` gives it) -> ``shape``
     [..., N, Hkv, G, bq, D] (one block's q rows, or the blocked q's)."""

@@ -18,6 +18,7 @@ from jax_dilated.backends.xla.block_math import (
     flat_keys,
     flat_shape,
     keys_transposed,
+    transposed_dq_shape,
     unflat_rows,
     _listed,
 )
@@ -113,8 +114,8 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg,
     delta_b = prep.q_rows(delta.astype(stats))
     cols = jnp.asarray(blocks.cols, jnp.int32)
     cols_ok = None if blocks.cols_ok is None else jnp.asarray(blocks.cols_ok, bool)
-    nq, n_, h_, g_, bq_, d_ = prep.q.shape
-    dq_t_shape = (n_ * h_, d_, g_ * bq_)  # [N Hkv, D, G bq], as _backward_block gives it
+    nq = prep.q.shape[0]
+    dq_t_shape = transposed_dq_shape(prep.q.shape)
     like = (q, k, v, do, cols)
 
     def k_block(dq_acc, xs):

@@ -25,6 +25,7 @@ from jax_dilated.backends.xla.block_math import (
     flat_keys,
     flat_shape,
     keys_transposed,
+    transposed_dq_shape,
     unflat_rows,
 )
 from jax_dilated.backends.xla import block_sparse
@@ -94,8 +95,8 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, args: Kernel
     lse_b = prep.q_rows(jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats))
     delta_b = prep.q_rows(delta.astype(stats))
 
-    nq, n_, h_, g_, bq_, d_ = prep.q.shape
-    dq_t_shape = (n_ * h_, d_, g_ * bq_)  # [N Hkv, D, G bq], as _backward_block gives it
+    nq = prep.q.shape[0]
+    dq_t_shape = transposed_dq_shape(prep.q.shape)
 
     def k_block(_, xs):
         j, k_blk, v_blk, k_pos, k_valid, k_sb = xs

@@ -21,6 +21,7 @@ from jax_dilated.backends.xla.block_math import (
     _dropout_keep,
     _forward_block,
     dq_from_transposed,
+    dq_to_transposed,
     flat_keys,
     flat_rows,
     keys_transposed,
@@ -263,8 +264,8 @@ class _RingSteps:
             delta_blk = self._rows(self._slice(delta, i, h).astype(stats))
             q_pos, q_sb = q_pos_b[i], _take(q_seg_b, i)
             # dq of this block, transposed as _backward_block gives it: [N heads, D, G bq]
-            rows_shape = lse_blk.shape
-            dqt = jnp.swapaxes(flat_rows(self._rows(self._slice(dq, i, h)), rows_shape), 1, 2)
+            dq_rows = self._rows(self._slice(dq, i, h))
+            dqt = dq_to_transposed(dq_rows)
 
             def k_block(carry, ys):
                 j, ok = ys
@@ -291,8 +292,7 @@ class _RingSteps:
                 return maybe_skip(need, compute, carry), None
 
             (dqt, dk_b, dv_b), _ = jax.lax.scan(k_block, (dqt, dk_b, dv_b), (row, row_ok))
-            dq_rows = dq_from_transposed(dqt, rows_shape + (dqt.shape[1],))
-            dq = self._put(dq, self._unrows(dq_rows), i, h)
+            dq = self._put(dq, self._unrows(dq_from_transposed(dqt, dq_rows.shape)), i, h)
             return (dq, (dk_b, dv_b)), None
 
         (dq, dkv), _ = jax.lax.scan(q_block, (dq, tuple(dkv)), self._items(keys.blocks))
