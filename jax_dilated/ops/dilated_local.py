@@ -70,6 +70,13 @@ class _Call:
     # False: nothing differentiates through the lse (the caller stops its gradient),
     # so delta = c rowsum(do * o) and the kernel calls' backward gets o (Kernel.backward)
     lse_grad: bool = True
+    # None, or one kernel per plan (a plan's chunks run on it instead of ``kernel``):
+    # a spanning branch of distributed dilated attention exchanges heads around it
+    branch_kernels: tuple[Kernel, ...] | None = None
+
+    def kernel_of(self, i: int) -> Kernel:
+        """The kernel that runs plan ``i``'s chunks."""
+        return self.kernel if self.branch_kernels is None else self.branch_kernels[i]
 
 
 def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key, value,
@@ -132,16 +139,20 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
 
 
 def streamed_partial(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_mask,
-                     dropout_rng, *, num_branches: int):
+                     dropout_rng, *, num_branches: int, branch_kernels=None):
     """The streamed program over some of a call's ``num_branches`` branches (``plans``,
     none a sliding window): their partial ``(o, lse, lse_lo)`` over every head.
 
     longnet: the branches merged; head_groups: the branches' heads hold their output
     divided by ``num_branches`` and their ``lse``, the other heads 0 and ``-inf``.
     :func:`jax_dilated.ops.dilated_window.mix` adds the call's other branches.
+    ``branch_kernels``: None, or one kernel per plan that runs its chunks instead of
+    ``kernel`` (``kernel`` still sizes nothing else and names the backend).
     """
-    return _attend(_Call(kernel, args, tuple(plans), mode, num_branches), query, key, value,
-                   kv_mask, dropout_rng, None)
+    kernels = None if branch_kernels is None else tuple(branch_kernels)
+    return _attend(_Call(kernel, args, tuple(plans), mode, num_branches,
+                         branch_kernels=kernels), query, key, value, kv_mask, dropout_rng,
+                   None)
 
 
 # --------------------------------------------------------------------------- chunks
@@ -188,6 +199,7 @@ class _Branch:
 
     def __init__(self, call: _Call, i: int, query, key, source=None):
         self.plan = call.plans[i]
+        self.kernel = call.kernel_of(i)
         self.branch = self.plan.branch
         b, t, h, d = query.shape
         self.batch, self.seq_len, self.heads = b, t, h
@@ -213,7 +225,7 @@ class _Branch:
         rate = self.branch.rate
         d_shape = (self.w // rate, self.hs, d)
         k_shape = (self.w // rate, len(self.plan.kv_heads), d)
-        target = call.kernel.batch_chunk(
+        target = self.kernel.batch_chunk(
             self.items, jax.ShapeDtypeStruct((self.items, *d_shape), query.dtype),
             jax.ShapeDtypeStruct((self.items, *k_shape), key.dtype), call.args)
         self.chunks = _chunks(self.items, target)
@@ -417,7 +429,7 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
                  rng_i=rng_i, first=n_done == 0):
             o_acc, lse_acc, lo_acc = acc
             valid = _slice(valid_v, start, size)
-            o_c, lse_c, lo_c = call.kernel.forward(
+            o_c, lse_c, lo_c = br.kernel.forward(
                 br.dilated(q_v, start, size, "q"), br.dilated(k_v, start, size, "kv"),
                 br.dilated(v_v, start, size, "kv"), call.args,
                 kv_valid=None if valid is None else br.gather_kv(valid),
@@ -488,7 +500,7 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
             valid = _slice(valid_v, start, size)
             do_c = (br.dilated(do_v, start, size, "q", 0).astype(stats)
                     * br.dilated(c_v, start, size, "q", 0)[..., None]).astype(do.dtype)
-            dq_c, dk_c, dv_c = call.kernel.backward(
+            dq_c, dk_c, dv_c = br.kernel.backward(
                 # empty slots' queries (slots): no cotangent, and lse = inf, so p = 0
                 br.dilated(q_v, start, size, "q"), br.dilated(k_v, start, size, "kv"),
                 br.dilated(v_v, start, size, "kv"), do_c,

@@ -245,28 +245,92 @@ def _gathered(grp: _Group, rng, q, k, v, valid):
         dropout_rng=rng, lse_grad=grp.lse_grad)
 
 
-def _head_exchanged(grp: _Group, rng, q, k, v, valid):
-    """Strategy ``"heads"``: all-to-all inside the group to the whole dilated segment
-    [N, g L, Hq / g, D] of a slice of the heads, one kernel call, all-to-all back."""
-    g, p = grp.size, grp.num_devices
-    groups = None if g == p else [list(range(s, s + g)) for s in range(0, p, g)]
-    rep = kv_repeat(k.shape[2], g)
-    if rep > 1:  # query head i reads kv head i // group: a repeat keeps that mapping
-        k, v = (jnp.repeat(x, rep, axis=2) for x in (k, v))
-        valid = None if valid is None else jnp.repeat(valid, rep, axis=2)
+@dataclasses.dataclass(frozen=True)
+class _HeadExchange:
+    """Strategy ``"heads"`` as a kernel: every call's ``[N, L, H, D]`` (this device's
+    ``L`` dilated tokens of a segment spanning the ``g`` devices of ``grp``, ``H``
+    heads) is exchanged by an all-to-all inside the group for ``[N, g L, H / g, D]``
+    (the whole dilated segment of a ``1 / g`` slice of the heads), ``grp.kernel``
+    runs on that, and the results come back the same way.
 
-    def to_heads(x):
+    kv heads are repeated first where ``g`` does not divide them (query head ``i``
+    reads kv head ``i // G``, and a repeat keeps that mapping), their gradients
+    summed back. Rows are in segment order after the exchange (devices in order), so
+    the kernel's own positions are the causal ones. Every device of the group calls
+    it in the same order: the streamed program's chunks
+    (:func:`jax_dilated.ops.dilated_local.streamed_partial`) or one call per branch.
+    """
+
+    grp: _Group
+
+    @property
+    def name(self) -> str:
+        return self.grp.kernel.name
+
+    def _groups(self):
+        g, p = self.grp.size, self.grp.num_devices
+        return None if g == p else [list(range(s, s + g)) for s in range(0, p, g)]
+
+    def _to_heads(self, x):
         return None if x is None else jax.lax.all_to_all(
-            x, grp.axis_name, 2, 1, tiled=True, axis_index_groups=groups)
+            x, self.grp.axis_name, 2, 1, tiled=True, axis_index_groups=self._groups())
 
-    def to_tokens(x):
-        return jax.lax.all_to_all(x, grp.axis_name, 1, 2, tiled=True,
-                                  axis_index_groups=groups)
+    def _to_tokens(self, x):
+        return jax.lax.all_to_all(x, self.grp.axis_name, 1, 2, tiled=True,
+                                  axis_index_groups=self._groups())
 
-    out = grp.kernel.attention(to_heads(q), to_heads(k), to_heads(v), grp.args,
-                               kv_valid=to_heads(valid), dropout_rng=rng,
-                               lse_grad=grp.lse_grad)
-    return tuple(to_tokens(x) for x in out)
+    def _kv(self, k, v, valid):
+        rep = kv_repeat(k.shape[2], self.grp.size)
+        if rep > 1:
+            k, v = (jnp.repeat(x, rep, axis=2) for x in (k, v))
+            valid = None if valid is None else jnp.repeat(valid, rep, axis=2)
+        return self._to_heads(k), self._to_heads(v), self._to_heads(valid)
+
+    def _kv_back(self, dx, kv_heads: int):
+        """A kv gradient in repeated heads back to this device's ``kv_heads``."""
+        dx = self._to_tokens(dx)
+        rep = dx.shape[2] // kv_heads
+        return dx if rep == 1 else dx.reshape(*dx.shape[:2], kv_heads, rep,
+                                              *dx.shape[3:]).sum(3)
+
+    def batch_chunk(self, n: int, q, k, args: KernelArgs) -> int:
+        g = self.grp.size
+        kv_heads = k.shape[2] * kv_repeat(k.shape[2], g)
+        return self.grp.kernel.batch_chunk(
+            n, jax.ShapeDtypeStruct((q.shape[0], g * q.shape[1], q.shape[2] // g,
+                                     *q.shape[3:]), q.dtype),
+            jax.ShapeDtypeStruct((k.shape[0], g * k.shape[1], kv_heads // g, *k.shape[3:]),
+                                 k.dtype), args)
+
+    def forward(self, q, k, v, args: KernelArgs, *, kv_valid=None, dropout_rng=None):
+        k, v, valid = self._kv(k, v, kv_valid)
+        out = self.grp.kernel.forward(self._to_heads(q), k, v, args, kv_valid=valid,
+                                      dropout_rng=dropout_rng)
+        return tuple(self._to_tokens(x) for x in out)
+
+    def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, kv_valid=None,
+                 dropout_rng=None, out=None):
+        kv_heads = k.shape[2]
+        k, v, valid = self._kv(k, v, kv_valid)
+        q, do, lse, delta, out = (self._to_heads(x) for x in (q, do, lse, delta, out))
+        dq, dk, dv = self.grp.kernel.backward(q, k, v, do, lse, delta, args, kv_valid=valid,
+                                              dropout_rng=dropout_rng, out=out)
+        return self._to_tokens(dq), self._kv_back(dk, kv_heads), self._kv_back(dv, kv_heads)
+
+    def attention(self, q, k, v, args: KernelArgs, *, kv_valid=None, dropout_rng=None,
+                  lse_grad=True):
+        """``(o, lse, lse_lo)`` through the inner kernel's own ``attention`` (its
+        ``custom_vjp``; the exchanges are linear and differentiate by themselves)."""
+        k, v, valid = self._kv(k, v, kv_valid)
+        out = self.grp.kernel.attention(self._to_heads(q), k, v, args, kv_valid=valid,
+                                        dropout_rng=dropout_rng, lse_grad=lse_grad)
+        return tuple(self._to_tokens(x) for x in out)
+
+
+def _head_exchanged(grp: _Group, rng, q, k, v, valid):
+    """Strategy ``"heads"`` for one branch outside the streamed program."""
+    return _HeadExchange(grp).attention(q, k, v, grp.args, kv_valid=valid, dropout_rng=rng,
+                                        lse_grad=grp.lse_grad)
 
 
 def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
@@ -281,15 +345,22 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
     With the blockwise XLA kernel, the local branches (not sliding windows) run
     together as the one-device streamed program on the shard
     (:func:`jax_dilated.ops.dilated_local.streamed_partial`): chunk-sized temporaries
-    instead of a shard-sized gather, result and scatter per branch. The others run
+    instead of a shard-sized gather, result and scatter per branch. The spanning
+    branches whose strategy is ``"heads"`` join that program, each as one segment of
+    the whole shard whose kernel calls exchange heads (:class:`_HeadExchange`): its
+    backward then recomputes the exchanges from the call's own residuals (queries,
+    keys, values, output and log-sum-exp) instead of holding the exchanged arrays
+    and the branch's partial from the forward. The others run
     in :func:`branch_partials`; in longnet mode the spanning ones are merged into the
     streamed partial at the positions their heads select (``n / r`` rows each), and
     :func:`jax_dilated.ops.dilated_window.mix` adds what is left (sliding windows; in
     head_groups mode every other branch, on its own heads).
     """
     kernel = get_kernel(implementation)
+    how = ("ring",) * len(plans) if strategies is None else strategies
     streamed = [i for i, (plan, sb) in enumerate(zip(plans, sharded_branches))
-                if kernel.name == "xla" and sb.is_local and plan.branch.window is None]
+                if kernel.name == "xla" and plan.branch.window is None
+                and (sb.is_local or how[i] == "heads")]
     rest = [i for i in range(len(plans)) if i not in streamed]
     partial = None
     if streamed:
@@ -297,9 +368,15 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
         # its own masks, as the per-branch local calls below do
         rng = None if dropout_rng is None else jax.random.fold_in(
             jax.random.fold_in(dropout_rng, len(plans)), jax.lax.axis_index(axis_name))
+        # a spanning branch: the shard is one segment of it (its cut), dilated locally
+        streamed_plans = [dataclasses.replace(plans[i], branch=sharded_branches[i].cut)
+                          for i in streamed]
+        kernels = [kernel if sharded_branches[i].is_local else _HeadExchange(
+            _Group(axis_name, num_devices, sharded_branches[i].ring_size, kernel, args))
+            for i in streamed]
         partial = dilated_local.streamed_partial(
-            kernel, args, [plans[i] for i in streamed], mode, query, key, value, kv_mask,
-            rng, num_branches=len(plans))
+            kernel, args, streamed_plans, mode, query, key, value, kv_mask, rng,
+            num_branches=len(plans), branch_kernels=kernels)
     run = functools.partial(branch_partials, plans, sharded_branches, query, key, value,
                             kv_mask, args, axis_name=axis_name, num_devices=num_devices,
                             implementation=implementation, dropout_rng=dropout_rng,
