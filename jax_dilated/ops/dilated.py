@@ -197,7 +197,12 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
     if seq_axis is None:
         return one_device(kernel, args, plans, mode, query, key, value, kv_mask, rng, sinks,
                           lse_grad)
-    whole_heads = strategy == "heads"
+    # "heads" runs branch by branch where it can (distributed.heads_by_branch), else
+    # as the all-to-all of the whole call
+    by_branch = (distributed.heads_by_branch(branches, plans, local_len=t,
+                                             num_devices=num_devices)
+                 if strategy == "heads" and segment_ids is None else None)
+    whole_heads = strategy == "heads" and by_branch is None
     why = head_parallel.heads_unservable(h, num_devices) if whole_heads else None
     if why:
         raise ValueError(f"{why} ({seq_axis!r}); use 'ring' or 'allgather'.")
@@ -215,8 +220,8 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
             options, query, key, value, kv_mask, segment_ids, axis_name=seq_axis,
             num_devices=num_devices,
             gather=strategy == "allgather", lse_grad=lse_grad)
-    sharded_branches = distributed.shard_branches(branches, local_len=t,
-                                                  num_devices=num_devices)
+    sharded_branches = by_branch or distributed.shard_branches(
+        branches, local_len=t, num_devices=num_devices)
     return distributed.sharded_dilated(
         plans, sharded_branches, query, key, value, kv_mask, args, mode=mode,
         axis_name=seq_axis, num_devices=num_devices, implementation=implementation,

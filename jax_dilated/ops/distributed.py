@@ -73,7 +73,7 @@ from jax_dilated.ops.head_parallel import kv_repeat
 from jax_dilated.ops.ring import RingConfig, ring_partials
 
 __all__ = ["BRANCH_STRATEGIES", "ShardedBranch", "shard_branches", "check_strategy",
-           "branch_strategies",
+           "branch_strategies", "heads_by_branch",
            "group_gather", "sharded_dilated", "branch_partials"]
 
 BRANCH_STRATEGIES = ("ring", "allgather", "heads")
@@ -150,6 +150,28 @@ def shard_branches(branches, *, local_len: int, num_devices: int) -> list[Sharde
             )
         out.append(ShardedBranch(w, r, span // n, branch_plans.Branch(n, r, n)))
     return out
+
+
+def heads_by_branch(branches, plans, *, local_len: int, num_devices: int):
+    """The :func:`shard_branches` of a call whose ``strategy="heads"`` runs branch by
+    branch, or None where it cannot (docs/semantics.md, section 4).
+
+    Branch by branch, ``"heads"`` exchanges heads only for the branches that span
+    devices, among the ``g`` devices of each segment, and runs the local ones where
+    they are: it moves and holds less than the all-to-all of the whole call, and on
+    CPU it also ran faster (docs/benchmarks.md). It serves when every segment sits on
+    the shards (:func:`shard_branches`), no branch is a sliding window (which has no
+    segment to exchange) and every spanning branch's query heads divide by its ``g``.
+    """
+    try:
+        sharded = shard_branches(branches, local_len=local_len, num_devices=num_devices)
+    except ValueError:
+        return None
+    for plan, sb in zip(plans, sharded):
+        if plan.branch.window is not None or (
+                not sb.is_local and len(plan.query_heads) % sb.ring_size):
+            return None
+    return sharded
 
 
 def check_strategy(strategy, num_branches: int):

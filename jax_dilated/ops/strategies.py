@@ -136,6 +136,10 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
     """
     why = {"ring": None, "allgather": None, "heads": None}
     why["heads"] = head_parallel.heads_unservable(num_heads, num_devices, heads_of)
+    if (why["heads"] and op.kind == "dilated" and not segment_ids and seq_len is not None
+            and layout == "contiguous"
+            and _dilated_heads_by_branch(op, seq_len, num_heads, num_devices)):
+        why["heads"] = None  # it runs branch by branch (distributed.heads_by_branch)
     if op.kind == "custom":
         why["allgather"] = ("strategy='allgather' needs one of the library's operations "
                             "(ring_attention, dilated_attention, block_sparse_attention), "
@@ -177,6 +181,24 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
                                 "log-sum-exp of return_lse=True (the operation's own "
                                 "ring does)")
     return why
+
+
+def _dilated_heads_by_branch(op: Operation, seq_len: int, num_heads: int,
+                            num_devices: int, num_kv_heads: int | None = None):
+    """``(plans, sharded branches)`` when dilated attention's ``"heads"`` runs branch by
+    branch (:func:`jax_dilated.ops.distributed.heads_by_branch`), else None."""
+    try:
+        branches = branch_plans.validate_branches(op.options["segment_lengths"],
+                                                  op.options["dilation_rates"])
+        plans = branch_plans.plan_branches(
+            branches, seq_len=seq_len, num_heads=num_heads,
+            num_kv_heads=num_kv_heads or num_heads, mode=op.options.get("mode", "longnet"),
+            offsets_rule=op.options.get("head_offsets", "modulo"))
+    except (ValueError, TypeError, KeyError):
+        return None
+    sharded = distributed.heads_by_branch(branches, plans, local_len=seq_len // num_devices,
+                                          num_devices=num_devices)
+    return None if sharded is None else (plans, sharded)
 
 
 def _ring_only_options(op: Operation) -> str:
@@ -612,8 +634,9 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     sent_heads = 2 * (p - 1) / p * (2 * qshard + 2 * kprime)
     # the shards and, as large, their head-sharded copies (q, out, k', v' and grads)
     held_heads = base_held + grads_held + 2 * (2 * qshard + 2 * kprime)
-    out["heads"] = StrategyCost("heads", sent_heads, held_heads, False, 1.0 / p,
-                                why["heads"])
+    if "heads" not in out:  # (dilated attention's "heads" by branch is priced above)
+        out["heads"] = StrategyCost("heads", sent_heads, held_heads, False, 1.0 / p,
+                                    why["heads"])
     if packed and h % p == 0:  # the packed ring path is the heads all-to-all
         out["ring"] = dataclasses.replace(out["heads"], strategy="ring",
                                           reason=why["ring"])
@@ -638,30 +661,38 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
                 for s in ("ring", "allgather")}
     flops = _branch_flops(op, b, t, h, d)
     total = max(sum(flops), 1.0)
-    # per branch: {entry: (sent, held, overlapped, small work share)}, and its work share
+    streamed = _streams_branches(op, pricing.kind, e, d)
+    longnet = op.options.get("mode", "longnet") == "longnet"
+    # per branch: {entry: (sent, held while it runs, overlapped, small work share,
+    # held until the merge)}, and its work share
     options, shares = [], [f / total / p for f in flops]
     for plan, sb, share in zip(plans, sbs, shares):
+        kept = _branch_result_held(plan, sb, h, qshard, streamed, longnet)
         if sb.is_local:
-            options.append({"ring": (0.0, 0.0, 0.0, share)})
+            options.append({"ring": (0.0, 0.0, 0.0, share, kept)})
             continue
         g = sb.ring_size
         kb = b * (n // sb.rate) * len(plan.kv_heads) * d * e
         sent = 6 * (g - 1) * kb
-        mine = {"ring": (sent, 4 * kb, sent, share), "allgather": (sent, 4 * g * kb, 0.0,
-                                                                   share)}
+        mine = {"ring": (sent, 4 * kb, sent, share, kept),
+                "allgather": (sent, 4 * g * kb, 0.0, share, kept)}
         if plan.branch.window is not None:
             del mine["allgather"]  # a window branch runs its windowed ring only
         elif len(plan.query_heads) % g == 0:
             qb = b * (n // sb.rate) * len(plan.query_heads) * d * e
             kprime = kb * head_parallel.kv_repeat(len(plan.kv_heads), g)
-            # kernel calls over a segment's dilated tokens, as the ring's (measured
-            # on CPU: a mix with heads for the branch of 2 devices ran 1.05-1.10x
-            # the time of all rings, docs/benchmarks.md)
-            mine["heads"] = (2 * (g - 1) / g * (2 * qb + 2 * kprime),
-                             2 * (2 * qb + 2 * kprime), 0.0, share)
+            if streamed:
+                # inside the streamed program (ops/distributed.py): the backward
+                # exchanges q, k', v' again rather than holding them, nothing of the
+                # branch is held until the merge, and its kernel calls run over the
+                # whole dilated segment of some heads, as the heads strategy's do
+                moved, kept, small = 5 * qb + 6 * kprime, 0.0, 0.0
+            else:
+                moved, small = 2 * (2 * qb + 2 * kprime), share
+            mine["heads"] = ((g - 1) / g * moved, 2 * (2 * qb + 2 * kprime), 0.0, small,
+                             kept)
         options.append(mine)
-    branch_held = _branch_held(op, plans, sbs, h, qshard,
-                               _streams_branches(op, pricing.kind, e, d))
+    streamed_held = 3 * qshard if streamed else 0.0
 
     def total_cost(name, entries):
         parts = [opts[e] for opts, e in zip(options, entries)]
@@ -671,23 +702,30 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
                          for x, share in zip(parts, shares))
         return StrategyCost(
             name, sent, shards_held + max((x[1] for x in parts), default=0.0)
-            + branch_held, overlapped == sent, 1.0 / p, why[name] if isinstance(name, str)
-            else None, small_work=sum(x[3] for x in parts), overlapped_bytes=overlapped)
+            + streamed_held + sum(x[4] for x in parts), overlapped == sent, 1.0 / p,
+            why[name] if isinstance(name, str) else None,
+            small_work=sum(x[3] for x in parts), overlapped_bytes=overlapped)
 
     uniform = {}
     for name in ("ring", "allgather"):
         uniform[name] = total_cost(name, [name if name in opts else "ring"
                                           for opts in options])
+    by_branch = all(plan.branch.window is None and (sb.is_local or "heads" in opts)
+                    for plan, sb, opts in zip(plans, sbs, options))
+    if by_branch:  # "heads" runs branch by branch (distributed.heads_by_branch)
+        uniform["heads"] = total_cost("heads", ["heads" if "heads" in opts else "ring"
+                                                for opts in options])
     order = ("ring", "heads", "allgather")
     best = []
     for opts, share in zip(options, shares):  # each alone: least time, then memory
         times = {s: pricing.time(share, x[3], x[0], x[2]) for s, x in opts.items()}
         low = min(times.values())
         near = [s for s in order if s in times and times[s] <= 1.1 * low]
-        best.append(min(near, key=lambda s: (opts[s][1], order.index(s))))
+        best.append(min(near, key=lambda s: (opts[s][1] + opts[s][4], order.index(s))))
     mix = tuple(best)
-    if all(x != "heads" for x in mix) and len({x for x, o in zip(mix, options)
-                                               if len(o) > 1}) <= 1:
+    spanning = {x for x, o in zip(mix, options) if len(o) > 1}
+    if spanning == {"heads"} and by_branch or (
+            "heads" not in mix and len(spanning) <= 1):
         return uniform  # the same as one of the uniform strategies
     uniform["per_branch"] = total_cost(mix, mix)
     return uniform
@@ -713,24 +751,21 @@ def _streams_branches(op, kind: str, itemsize: int, head_dim: int) -> bool:
 _PRICED_GPU = selection.DeviceInfo("gpu", "NVIDIA GPU (priced as Hopper)", (9, 0), "cuda")
 
 
-def _branch_held(op, plans, sbs, h: int, qshard: float, streamed: bool) -> float:
-    """Bytes of branch results held before the merge, per device: each partial's
-    output and, in the backward, its cotangent and dq. With the XLA kernel
-    (``streamed``, :func:`_streams_branches`) the local branches stream into one
-    partial and, in longnet mode, the spanning ones merge into it at their ``n / r``
-    selected rows (ops/distributed.py); otherwise (cuDNN) every branch holds its own,
-    for its heads. (The heads strategy's one-device program streams them all: it has
-    no such term.)"""
-    longnet = op.options.get("mode", "longnet") == "longnet"
-    held = 3 * qshard if streamed else 0.0
-    for plan, sb in zip(plans, sbs):
-        if streamed and sb.is_local and plan.branch.window is None:
-            continue
-        share = len(plan.query_heads) / h
-        if streamed and longnet and plan.branch.window is None:
-            share = 1.0 / sb.rate  # its dilated rows only
-        held += 3 * qshard * share
-    return held
+def _branch_result_held(plan, sb, h: int, qshard: float, streamed: bool,
+                        longnet: bool) -> float:
+    """Bytes of one branch's result held until the merge, per device: its output and,
+    in the backward, its cotangent and dq. With the XLA kernel (``streamed``,
+    :func:`_streams_branches`) the local branches stream into one partial (``3 Q``
+    for all of them, counted once by the caller) and, in longnet mode, a spanning
+    branch merges into it at its ``n / r`` selected rows (ops/distributed.py);
+    otherwise (cuDNN) every branch holds its own, for its heads. (The heads
+    strategy's one-device program streams them all: it has no such term.)"""
+    if streamed and sb.is_local and plan.branch.window is None:
+        return 0.0
+    share = len(plan.query_heads) / h
+    if streamed and longnet and plan.branch.window is None:
+        share = 1.0 / sb.rate  # its dilated rows only
+    return 3 * qshard * share
 
 
 # Relative price of one exposed byte against the work of the whole attention: the
