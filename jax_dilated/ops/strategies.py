@@ -683,13 +683,15 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
             kprime = kb * head_parallel.kv_repeat(len(plan.kv_heads), g)
             if streamed:
                 # inside the streamed program (ops/distributed.py): the backward
-                # exchanges q, k', v' again rather than holding them, nothing of the
-                # branch is held until the merge, and its kernel calls run over the
-                # whole dilated segment of some heads, as the heads strategy's do
-                moved, kept, small = 5 * qb + 6 * kprime, 0.0, 0.0
+                # exchanges q, k', v' again rather than holding them, and nothing of
+                # the branch is held until the merge
+                moved, kept = 5 * qb + 6 * kprime, 0.0
             else:
-                moved, small = 2 * (2 * qb + 2 * kprime), share
-            mine["heads"] = ((g - 1) / g * moved, 2 * (2 * qb + 2 * kprime), 0.0, small,
+                moved = 2 * (2 * qb + 2 * kprime)
+            # priced on CPU as the ring's calls (measured, 12 heads on 8 devices: the
+            # mix with "heads" for the branch of 2 devices ran 1.28-1.31x the time of
+            # all rings at 4096 tokens, 0.95-0.96x at 8192; docs/benchmarks.md)
+            mine["heads"] = ((g - 1) / g * moved, 2 * (2 * qb + 2 * kprime), 0.0, share,
                              kept)
         options.append(mine)
     streamed_held = 3 * qshard if streamed else 0.0
