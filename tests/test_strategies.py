@@ -219,6 +219,33 @@ def test_heads_runs_dilated_attention_branch_by_branch():
     assert "all_to_all" in whole and "axis_index_groups=((" not in whole
 
 
+def test_heads_by_branch_dropout_gradient_matches_finite_differences():
+    """With dropout, an exchanged branch draws the same masks in its backward (which
+    exchanges q, k, v again) as in its forward: for a fixed key the gradient of the
+    sharded call is the derivative of its forward (central differences, float64)."""
+    q, k, v, g, _ = _inputs(4, 2)
+    dil = functools.partial(jd.dilated_attention, **DILATED, is_causal=True,
+                            dropout_rate=0.3, dropout_rng=jax.random.key(3))
+    attn = jd.sharded(dil, _mesh(4), seq_axis="seq", strategy="heads")
+    text = str(jax.make_jaxpr(lambda q, k, v: attn(q, k, v))(q, k, v))
+    assert "axis_index_groups=((0, 1), (2, 3))" in text  # it runs branch by branch
+
+    def loss(q, k, v):
+        return jnp.sum(g * attn(q, k, v))
+
+    loss_j = jax.jit(loss)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    rng = np.random.default_rng(8)
+    eps = 1e-6
+    for i, x in enumerate((q, k, v)):
+        direction = rng.standard_normal(x.shape)
+        args_p, args_m = [q, k, v], [q, k, v]
+        args_p[i], args_m[i] = x + eps * direction, x - eps * direction
+        fd = (loss_j(*args_p) - loss_j(*args_m)) / (2 * eps)
+        an = jnp.sum(grads[i] * direction)
+        assert abs(float(fd) - float(an)) < 1e-6 * max(1.0, abs(float(an))), (i, fd, an)
+
+
 @XLA_CPU_MEMORY
 def test_heads_dilated_memory_per_device():
     """Head-parallel dilated attention at P=8 with 8 heads holds at most 0.2x of one
