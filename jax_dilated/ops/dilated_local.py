@@ -146,8 +146,8 @@ def streamed_partial(kernel, args: KernelArgs, plans, mode: str, query, key, val
     longnet: the branches merged; head_groups: the branches' heads hold their output
     divided by ``num_branches`` and their ``lse``, the other heads 0 and ``-inf``.
     :func:`jax_dilated.ops.dilated_window.mix` adds the call's other branches.
-    ``branch_kernels``: None, or one kernel per plan that runs its chunks instead of
-    ``kernel`` (``kernel`` still sizes nothing else and names the backend).
+    ``branch_kernels``: None, or one kernel per plan that runs that plan's chunks
+    instead of ``kernel`` (a spanning branch's head exchange, ops/distributed.py).
     """
     kernels = None if branch_kernels is None else tuple(branch_kernels)
     return _attend(_Call(kernel, args, tuple(plans), mode, num_branches,

@@ -166,9 +166,10 @@ def heads_by_branch(branches, plans, *, local_len: int, num_devices: int):
     Branch by branch, ``"heads"`` exchanges heads only for the branches that span
     devices, among the ``g`` devices of each segment, and runs the local ones where
     they are: it moves and holds less than the all-to-all of the whole call, and on
-    CPU it also ran faster (docs/benchmarks.md). It serves when every segment sits on
-    the shards (:func:`shard_branches`), no branch is a sliding window (which has no
-    segment to exchange) and every spanning branch's query heads divide by its ``g``.
+    the project's CPU it ran as fast or faster (docs/benchmarks.md). It serves when
+    every segment sits on the shards (:func:`shard_branches`), no branch is a sliding
+    window (which has no segment to exchange) and every spanning branch's query heads
+    divide by its ``g``.
     """
     try:
         sharded = shard_branches(branches, local_len=local_len, num_devices=num_devices)

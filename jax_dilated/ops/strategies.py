@@ -184,21 +184,20 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
 
 
 def _dilated_heads_by_branch(op: Operation, seq_len: int, num_heads: int,
-                            num_devices: int, num_kv_heads: int | None = None):
-    """``(plans, sharded branches)`` when dilated attention's ``"heads"`` runs branch by
-    branch (:func:`jax_dilated.ops.distributed.heads_by_branch`), else None."""
+                            num_devices: int) -> bool:
+    """Whether dilated attention's ``"heads"`` runs branch by branch
+    (:func:`jax_dilated.ops.distributed.heads_by_branch`; its query heads decide)."""
     try:
         branches = branch_plans.validate_branches(op.options["segment_lengths"],
                                                   op.options["dilation_rates"])
         plans = branch_plans.plan_branches(
-            branches, seq_len=seq_len, num_heads=num_heads,
-            num_kv_heads=num_kv_heads or num_heads, mode=op.options.get("mode", "longnet"),
+            branches, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_heads,
+            mode=op.options.get("mode", "longnet"),
             offsets_rule=op.options.get("head_offsets", "modulo"))
     except (ValueError, TypeError, KeyError):
-        return None
-    sharded = distributed.heads_by_branch(branches, plans, local_len=seq_len // num_devices,
-                                          num_devices=num_devices)
-    return None if sharded is None else (plans, sharded)
+        return False
+    return distributed.heads_by_branch(branches, plans, local_len=seq_len // num_devices,
+                                       num_devices=num_devices) is not None
 
 
 def _ring_only_options(op: Operation) -> str:
