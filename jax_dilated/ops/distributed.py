@@ -85,6 +85,8 @@ __all__ = ["BRANCH_STRATEGIES", "ShardedBranch", "shard_branches", "check_strate
 
 BRANCH_STRATEGIES = ("ring", "allgather", "heads")
 
+_STACK_BYTES = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardedBranch:
@@ -312,7 +314,8 @@ class _HeadExchange:
         alike: dict = {}
         for i, x in enumerate(xs):
             if x is not None:
-                key = (x.shape, jnp.dtype(x.dtype)) if x.ndim == 3 else i
+                small = x.ndim == 3 or x.size * jnp.dtype(x.dtype).itemsize <= _STACK_BYTES
+                key = (x.shape, jnp.dtype(x.dtype)) if small else i
                 alike.setdefault(key, []).append(i)
         for idx in alike.values():
             one = len(idx) == 1
