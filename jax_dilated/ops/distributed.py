@@ -85,8 +85,6 @@ __all__ = ["BRANCH_STRATEGIES", "ShardedBranch", "shard_branches", "check_strate
 
 BRANCH_STRATEGIES = ("ring", "allgather", "heads")
 
-_STACK_BYTES = 1 << 20
-
 
 @dataclasses.dataclass(frozen=True)
 class ShardedBranch:
@@ -314,8 +312,7 @@ class _HeadExchange:
         alike: dict = {}
         for i, x in enumerate(xs):
             if x is not None:
-                small = x.ndim == 3 or x.size * jnp.dtype(x.dtype).itemsize <= _STACK_BYTES
-                key = (x.shape, jnp.dtype(x.dtype)) if small else i
+                key = (x.shape, jnp.dtype(x.dtype)) if x.ndim == 3 else i
                 alike.setdefault(key, []).append(i)
         for idx in alike.values():
             one = len(idx) == 1
