@@ -217,6 +217,11 @@ def test_heads_runs_dilated_attention_branch_by_branch():
     assert "all_to_all" not in program(segment_lengths=(8, 16), dilation_rates=(1, 2))
     whole = program(**DILATED, mode="head_groups")  # heads 0-1, 2, 3 for 16, 32, 64
     assert "all_to_all" in whole and "axis_index_groups=((" not in whole
+    # explain_strategy says which way "heads" runs
+    for options, by_branch in ((DILATED, True), (dict(DILATED, mode="head_groups"), False)):
+        costs = jd.explain_strategy(functools.partial(jd.dilated_attention, **options),
+                                    q.shape, k.shape, num_devices=4, quiet=True)[1]
+        assert (costs["heads"].note is not None) == by_branch, options
 
 
 def test_heads_by_branch_dropout_gradient_matches_finite_differences():

@@ -473,6 +473,9 @@ class StrategyCost:
       costs more than one call over a whole sequence on CPU (:data:`_CPU_SEQ_SHARDED_WORK`).
     overlapped_bytes: the part of ``sent_bytes`` that overlaps compute (None: all of
       it when ``overlap``, else none).
+    note: None, or how the strategy runs this call where that is not its usual way
+      (dilated attention's ``"heads"`` branch by branch), printed by
+      :func:`explain_strategy`.
     """
 
     strategy: str | tuple
@@ -483,6 +486,7 @@ class StrategyCost:
     reason: str | None = None
     small_work: float = 0.0
     overlapped_bytes: float | None = None
+    note: str | None = None
 
     @property
     def overlappable(self) -> float:
@@ -714,8 +718,11 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
     by_branch = all(plan.branch.window is None and (sb.is_local or "heads" in opts)
                     for plan, sb, opts in zip(plans, sbs, options))
     if by_branch:  # "heads" runs branch by branch (distributed.heads_by_branch)
-        uniform["heads"] = total_cost("heads", ["heads" if "heads" in opts else "ring"
-                                                for opts in options])
+        uniform["heads"] = dataclasses.replace(
+            total_cost("heads", ["heads" if "heads" in opts else "ring"
+                                 for opts in options]),
+            note="branch by branch: the spanning branches exchange heads among their "
+                 "segments' devices, the local ones move nothing")
     order = ("ring", "heads", "allgather")
     best = []
     for opts, share in zip(options, shares):  # each alone: least time, then memory
@@ -900,6 +907,8 @@ def explain_strategy(fn, query_shape, key_shape=None, *, num_devices: int,
               f"{pick} - {why}", file=out)
         for s, c in costs.items():
             state = "can serve" if c.reason is None else f"cannot serve: {c.reason}"
+            if c.note:
+                state += f" ({c.note})"
             s = s if isinstance(c.strategy, str) else f"per-branch {c.strategy}"
             print(f"  {s:<9} sent {c.sent_bytes / 2**20:9.2f} MiB/device, held "
                   f"{c.held_bytes / 2**20:9.2f} MiB/device, "
