@@ -427,7 +427,9 @@ def test_per_branch_strategy_errors_name_the_branch():
         dil(q, k, v, strategy="heads")
     with pytest.raises(ValueError, match=r"strategy='heads' needs num_heads \(6\) "
                                          r"divisible by the 4 devices of the sequence "
-                                         r"axis \('seq'\); use 'ring' or 'allgather'"):
+                                         r"axis \('seq'\), and it cannot run branch by "
+                                         r"branch either .* each spanning branch's query "
+                                         r"heads divisible .*; use 'ring' or 'allgather'"):
         spec = jax.sharding.PartitionSpec(None, "seq")
         jax.shard_map(lambda q, k, v: dil(q, k, v, seq_axis="seq", strategy="heads"),
                       mesh=jax.sharding.Mesh(mesh_devices(4), ("seq",)),

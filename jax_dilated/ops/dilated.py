@@ -205,7 +205,11 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
     whole_heads = strategy == "heads" and by_branch is None
     why = head_parallel.heads_unservable(h, num_devices) if whole_heads else None
     if why:
-        raise ValueError(f"{why} ({seq_axis!r}); use 'ring' or 'allgather'.")
+        also = "" if segment_ids is not None else (
+            ", and it cannot run branch by branch either (that needs every segment on "
+            "the shards, no sliding-window branch, and each spanning branch's query "
+            "heads divisible by the devices of its segment)")
+        raise ValueError(f"{why} ({seq_axis!r}){also}; use 'ring' or 'allgather'.")
     if segment_ids is not None or whole_heads:
         # every device runs the one-device program on the whole sequence of some heads
         # (packed rows: documents start anywhere, so segments do not sit on the shards)
