@@ -183,17 +183,25 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
     return why
 
 
+def _plans_of(op: Operation, *, seq_len: int, num_heads: int, num_kv_heads: int):
+    """``(branches, plans)`` of a dilated ``op`` for these shapes (its own validation
+    errors propagate)."""
+    branches = branch_plans.validate_branches(op.options["segment_lengths"],
+                                              op.options["dilation_rates"])
+    plans = branch_plans.plan_branches(
+        branches, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        mode=op.options.get("mode", "longnet"),
+        offsets_rule=op.options.get("head_offsets", "modulo"))
+    return branches, plans
+
+
 def _dilated_heads_by_branch(op: Operation, seq_len: int, num_heads: int,
                             num_devices: int) -> bool:
     """Whether dilated attention's ``"heads"`` runs branch by branch
     (:func:`jax_dilated.ops.distributed.heads_by_branch`; its query heads decide)."""
     try:
-        branches = branch_plans.validate_branches(op.options["segment_lengths"],
-                                                  op.options["dilation_rates"])
-        plans = branch_plans.plan_branches(
-            branches, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_heads,
-            mode=op.options.get("mode", "longnet"),
-            offsets_rule=op.options.get("head_offsets", "modulo"))
+        branches, plans = _plans_of(op, seq_len=seq_len, num_heads=num_heads,
+                                    num_kv_heads=num_heads)
     except (ValueError, TypeError, KeyError):
         return False
     return distributed.heads_by_branch(branches, plans, local_len=seq_len // num_devices,
@@ -652,12 +660,7 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
     unpacked distributed dilated attention (:func:`estimate`)."""
     n = t // p
     try:
-        branches = branch_plans.validate_branches(op.options["segment_lengths"],
-                                                  op.options["dilation_rates"])
-        plans = branch_plans.plan_branches(
-            branches, seq_len=t, num_heads=h, num_kv_heads=hkv,
-            mode=op.options.get("mode", "longnet"),
-            offsets_rule=op.options.get("head_offsets", "modulo"))
+        branches, plans = _plans_of(op, seq_len=t, num_heads=h, num_kv_heads=hkv)
         sbs = distributed.shard_branches(branches, local_len=n, num_devices=p)
     except (ValueError, TypeError) as err:
         return {s: StrategyCost(s, 0.0, 0.0, s == "ring", 1.0 / p, str(err))
