@@ -41,7 +41,7 @@ docs/semantics.md, section 8):
   With the XLA kernel the branch runs inside the streamed program of the local
   branches (:class:`_HeadExchange`), whose backward exchanges q, k, v again instead
   of holding them from the forward: at P=8, 32768 tokens, 8 heads, forward+backward
-  temp memory per device fell from 112.8 to 58.5 MiB (docs/benchmarks.md).
+  memory per device fell from 176.8 to 122.5 MiB (docs/benchmarks.md).
 
 A local branch moves nothing, whatever its entry says. ``strategy="heads"`` for the
 whole call runs branch by branch like this wherever it can (:func:`heads_by_branch`),

@@ -718,8 +718,8 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
     for name in ("ring", "allgather"):
         uniform[name] = total_cost(name, [name if name in opts else "ring"
                                           for opts in options])
-    by_branch = all(plan.branch.window is None and (sb.is_local or "heads" in opts)
-                    for plan, sb, opts in zip(plans, sbs, options))
+    by_branch = distributed.heads_by_branch(branches, plans, local_len=n,
+                                            num_devices=p) is not None
     if by_branch:  # "heads" runs branch by branch (distributed.heads_by_branch)
         uniform["heads"] = dataclasses.replace(
             total_cost("heads", ["heads" if "heads" in opts else "ring"
