@@ -56,6 +56,7 @@ import numpy as np
 
 from jax_dilated.backends import get_kernel, selection
 from jax_dilated.backends.base import KeySide, QuerySide, RowGrads
+from jax_dilated.backends.xla.layout import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 from jax_dilated.core import branch_plans, layouts, softmax, validation
 from jax_dilated.core.branches import is_window
 from jax_dilated.ops import block_sparse as block_sparse_ops
@@ -469,8 +470,10 @@ class StrategyCost:
     sent_bytes: bytes each device sends (forward and backward together).
     held_bytes: the largest inputs/outputs/transfer buffers a device holds at once
       for the attention (its shards, what it gathered or received, the output and
-      gradient accumulators); kernel temporaries (the same for every strategy up to
-      the block sizes) are not counted.
+      gradient accumulators). Kernel temporaries, the same for every strategy up to
+      the block sizes, are not counted, except where the block sizes differ by
+      strategy: the XLA kernel's logits blocks of a dilated branch spanning devices
+      (:func:`_logits_blocks_held`).
     overlap: whether all transfers can overlap compute (a ring sends the next block
       while computing on this one).
     work: the largest share of the attention's arithmetic one device does (1 / P when
@@ -591,6 +594,10 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
       all-to-alls inside its group on its dilated ``n / r`` tokens,
       ``2 (g - 1) / g (2 Q_b + 2 K_b')``, holding ``2 (2 Q_b + 2 K_b')``; needs its
       query heads divisible by ``g``.
+    * with the XLA kernel, a dilated branch spanning devices also holds its logits
+      blocks, which differ by strategy (:func:`_logits_blocks_held`): ``H_b`` heads
+      over ``n / r`` tokens on the ring (``n / r`` queries against ``g n / r`` keys
+      for the all-gather), ``H_b / g`` heads over ``g n / r`` for the head exchange.
 
     Packed dilated attention (``segment_ids=True``) runs whole sequences of some heads
     under every strategy (:func:`dilated_over_heads`): ``"ring"`` is then the heads
@@ -677,15 +684,19 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
         if sb.is_local:
             options.append({"ring": (0.0, 0.0, 0.0, share, kept)})
             continue
-        g = sb.ring_size
-        kb = b * (n // sb.rate) * len(plan.kv_heads) * d * e
+        g, hb, lb = sb.ring_size, len(plan.query_heads), n // sb.rate
+        kb = b * lb * len(plan.kv_heads) * d * e
         sent = 6 * (g - 1) * kb
-        mine = {"ring": (sent, 4 * kb, sent, share, kept),
-                "allgather": (sent, 4 * g * kb, 0.0, share, kept)}
+        # the XLA kernel's logits blocks differ by strategy (_logits_blocks_held)
+        blocks = functools.partial(_logits_blocks_held, b, e) if streamed else (
+            lambda *_: 0.0)
+        mine = {"ring": (sent, 4 * kb + blocks(hb, lb, lb), sent, share, kept),
+                "allgather": (sent, 4 * g * kb + blocks(hb, lb, g * lb), 0.0, share,
+                              kept)}
         if plan.branch.window is not None:
             del mine["allgather"]  # a window branch runs its windowed ring only
-        elif len(plan.query_heads) % g == 0:
-            qb = b * (n // sb.rate) * len(plan.query_heads) * d * e
+        elif hb % g == 0:
+            qb = b * lb * hb * d * e
             kprime = kb * head_parallel.kv_repeat(len(plan.kv_heads), g)
             if streamed:
                 # inside the streamed program (ops/distributed.py): the backward
@@ -697,8 +708,8 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
             # priced on CPU as the ring's calls (measured, 12 heads on 8 devices: the
             # mix with "heads" for the branch of 2 devices ran 1.28-1.31x the time of
             # all rings at 4096 tokens, 0.95-0.96x at 8192; docs/benchmarks.md)
-            mine["heads"] = ((g - 1) / g * moved, 2 * (2 * qb + 2 * kprime), 0.0, share,
-                             kept)
+            mine["heads"] = ((g - 1) / g * moved, 2 * (2 * qb + 2 * kprime)
+                             + blocks(hb // g, g * lb, g * lb), 0.0, share, kept)
         options.append(mine)
     streamed_held = 3 * qshard if streamed else 0.0
 
@@ -740,6 +751,24 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
         return uniform  # the same as one of the uniform strategies
     uniform["per_branch"] = total_cost(mix, mix)
     return uniform
+
+
+def _logits_blocks_held(batch: int, itemsize: int, heads: int, len_q: int,
+                        len_k: int) -> float:
+    """Bytes of the XLA kernel's logits blocks in one call of ``heads`` heads over
+    ``len_q`` queries and ``len_k`` keys: four ``[B, heads, block_q, block_k]`` arrays
+    in float32 or wider (the forward's logits and probabilities, the backward's and
+    their cotangent), blocks of at most 512 (``backends/xla/layout.py``).
+
+    The only kernel temporaries the cost model counts, because a spanning dilated
+    branch's differ by strategy: its ring and all-gather run its ``H_b`` heads over a
+    shard's ``n / r`` queries (blocks as small as ``n / r``), its head exchange ``H_b /
+    g`` heads over ``g n / r`` (full blocks). Compiled (docs/benchmarks.md), P = 8,
+    8 heads: the ring held 8.8 MiB less than ``"heads"`` at 4096 tokens and 7.8 MiB
+    more at 8192; this term gives it 8 MiB less and 16 MiB more, the other terms 0.25
+    and 0.5 MiB more (docs/semantics.md, section 8)."""
+    bq, bk = min(len_q, DEFAULT_BLOCK_Q), min(len_k, DEFAULT_BLOCK_K)
+    return 4.0 * batch * heads * bq * bk * max(itemsize, 4)
 
 
 def _streams_branches(op, kind: str, itemsize: int, head_dim: int) -> bool:
