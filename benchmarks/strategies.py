@@ -101,8 +101,16 @@ def run(args: argparse.Namespace) -> dict:
         "seq_lens", "kv_heads", "devices", "ops", "heads", "head_dim", "batch", "causal",
         "layout", "dtype", "repeats", "warmup", "quick", "seed", "threads")}
     cells = [(o, n, hkv) for o in args.ops for n in args.seq_lens for hkv in args.kv_heads]
-    progress = harness.Progress(len(cells) * (5 + (0 if args.no_timing else 1)),
-                                "strategies")
+    picks = {}  # what auto picks, and the per-branch mix where it is a candidate
+    for op_name, n, hkv in cells:
+        layout = "contiguous" if op_name == "dilated" else args.layout
+        picks[op_name, n, hkv] = jd.explain_strategy(
+            operation(op_name, n, args.causal), (args.batch, n, args.heads, args.head_dim),
+            (args.batch, n, hkv, args.head_dim), num_devices=p, dtype=dtype,
+            layout=layout, quiet=True)
+    # per cell: one device, the strategies, the mix where there is one, auto, the timing
+    steps = sum(5 + (MIX in costs) + (not args.no_timing) for _, costs, _ in picks.values())
+    progress = harness.Progress(steps, "strategies")
     rng = np.random.default_rng(args.seed)
     rows = []
     for op_name, n, hkv in cells:
@@ -110,8 +118,7 @@ def run(args: argparse.Namespace) -> dict:
         layout = "contiguous" if op_name == "dilated" else args.layout
         qshape = (args.batch, n, args.heads, args.head_dim)
         kshape = (args.batch, n, hkv, args.head_dim)
-        pick, costs, why = jd.explain_strategy(fn, qshape, kshape, num_devices=p,
-                                               dtype=dtype, layout=layout, quiet=True)
+        pick, costs, why = picks[op_name, n, hkv]
         row = {"op": op_name, "seq_len": n, "kv_heads": hkv, "layout": layout,
                "auto": _label(pick), "auto_why": why, "strategies": {}}
         progress.start(f"{op_name} n={n} kv={hkv}: compile single device")
