@@ -13,6 +13,7 @@ import contextlib
 import functools
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -464,3 +465,36 @@ def test_window_op_runs_end_to_end_at_a_tiny_size(tmp_path):
     rng = np.random.default_rng(1)
     host = [rng.standard_normal((1, 16, 2, 4), dtype=np.float32) for _ in range(4)]
     assert not window.check_variants({"liar": liar}, host, args)["liar"]["agree"]
+
+
+# ------------------------------------------------------ strategies (issue 19)
+
+def test_strategies_op_runs_end_to_end_at_a_tiny_size(tmp_path, capsys, monkeypatch):
+    """``python -m benchmarks strategies`` in this process at a tiny size: every strategy
+    compiles, is timed and has its memory, and so does the per-branch mix the cost model
+    offers (on a pretended GPU: 8 heads over 8 devices exchange heads only in the
+    longest branch), and the step counter counts every step it announces."""
+    from benchmarks import strategies as bench
+    from jax_dilated.ops import strategies
+
+    monkeypatch.setattr(strategies, "_device_kind", lambda: "gpu")
+    op = harness.OPS["strategies"]
+    parser = argparse.ArgumentParser()
+    op.add_arguments(parser)
+    harness.add_common_arguments(parser, op)
+    args = parser.parse_args(
+        ["--ops", "dilated", "--seq-lens", "256", "--kv-heads", "8", "--devices", "8",
+         "--heads", "8", "--head-dim", "8", "--repeats", "1", "--warmup", "0",
+         "--json", str(tmp_path / "s.json"), "--no-plot"])
+    harness.resolve_common(args, op)
+    args.load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(0.1, 0.1))
+    payload = op.run(args)
+    (row,) = payload["rows"]
+    assert row["auto"] == "ring+ring+heads"
+    assert set(row["strategies"]) == {"ring", "allgather", "heads", bench.MIX, "auto"}
+    for name, entry in row["strategies"].items():
+        assert entry["memory"]["total"] > 0 and entry["fwd_bwd"]["median_s"] > 0, name
+    err = capsys.readouterr().err
+    total = int(re.search(r"\[strategies\] (\d+) steps", err).group(1))
+    steps = [int(k) for k, n in re.findall(r"\[(\d+)/(\d+)\]", err)]
+    assert steps == list(range(1, total + 1)) and total == 7, (steps, total)
