@@ -31,7 +31,7 @@ from _helpers import as_np, assert_close, to_torch
 from _mesh import devices as mesh_devices
 
 import jax_dilated as jd
-from jax_dilated.backends import KernelArgs, cudnn, registry, selection, xla
+from jax_dilated.backends import KernelArgs, cudnn, native, registry, selection, xla
 from jax_dilated.backends.base import BlockLists, Kernel
 from jax_dilated.core import softmax
 
@@ -65,9 +65,13 @@ HALF = {"bfloat16": jnp.bfloat16, "float16": np.float16}
 # ------------------------------------------------------------------- selection
 
 
+# a CPU gets the native kernel where it builds on this machine (jax_dilated/backends/native)
+CPU_DEFAULT = "native" if native.unavailable_reason() is None else "xla"
+
+
 @pytest.mark.parametrize("device, expected", [
     (H100, "cudnn"), (H200, "cudnn"), (A100, "cudnn"), (RTX4090, "cudnn"),
-    (V100, "xla"), (MI300, "xla"), (TPU, "xla"), (CPU, "xla"),
+    (V100, "xla"), (MI300, "xla"), (TPU, "xla"), (CPU, CPU_DEFAULT),
 ])
 def test_default_by_device_kind(device, expected):
     assert registry.select_implementation(None, device=device, software_reason=None) == expected
@@ -98,9 +102,11 @@ CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu",
 
 @CPU_ONLY
 def test_this_machine():
-    """No GPU here: the default is the XLA kernel, and 'cudnn' is refused at selection."""
-    assert registry.select_implementation(None) == "xla"
-    assert registry.get_kernel(None) is xla.KERNEL
+    """No GPU here: the default is the native CPU kernel where it builds (else the XLA
+    kernel), and 'cudnn' is refused at selection."""
+    assert registry.select_implementation(None) == CPU_DEFAULT
+    assert registry.get_kernel(None) is (native.KERNEL if CPU_DEFAULT == "native"
+                                         else xla.KERNEL)
     assert registry.get_kernel("xla") is xla.KERNEL
     with pytest.raises(ValueError, match="cannot run here"):
         registry.get_kernel("cudnn")

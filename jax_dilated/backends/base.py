@@ -174,11 +174,22 @@ def any_pair_allowed(is_causal: bool, q_pos, k_pos, kv_valid, q_seg=None, k_seg=
     return need
 
 
+def is_blockwise(kernel) -> bool:
+    """Whether ``kernel``'s backward is the blockwise XLA kernel's (the XLA kernel and
+    the native CPU kernel; :class:`Kernel`): one-device dilated attention then streams
+    chunks of segments through it and its backward gets ``delta``, not the output."""
+    return bool(getattr(kernel, "blockwise", False))
+
+
 @runtime_checkable
 class Kernel(Protocol):
     """An attention backend (shapes and dtypes: module docstring).
 
-    ``name`` says which backend it is (``"xla"``, ``"cudnn"``, ``"auto"``).
+    ``name`` says which backend it is (``"xla"``, ``"cudnn"``, ``"native"``,
+    ``"auto"``). A kernel whose backward is the blockwise XLA kernel's (it reads
+    ``delta`` and needs no output; cheap per call, so the one-device programs stream
+    chunks of segments through it) says so with ``blockwise = True``
+    (:func:`is_blockwise`).
     """
 
     name: str

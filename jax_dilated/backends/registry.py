@@ -6,9 +6,14 @@
   serves (dtype, head_dim, mask kind; :mod:`.selection`) and to the blockwise XLA
   kernel otherwise. The choice is made per call *while tracing*, from static
   shapes, dtypes and which masks are present - never by catching errors at run
-  time. On every other device (CPU, TPU, older or non-NVIDIA GPUs) it is the
-  XLA kernel, as before.
+  time. On a CPU where the native kernel builds (:mod:`.native`: Linux on x86-64 with
+  AVX-512 and a C++ compiler) the calls it serves (float32, head_dim a multiple of
+  16) run its compiled forward and the XLA kernel's backward, the others the XLA
+  kernel. On every other device (TPU, older or non-NVIDIA GPUs, CPUs without the
+  native kernel) it is the XLA kernel.
 * ``implementation="xla"``: the blockwise XLA kernel everywhere.
+* ``implementation="native"``: the native CPU kernel where it serves a call (the
+  XLA kernel for the rest), or a ``ValueError`` saying why it cannot run here.
 * ``implementation="cudnn"``: cuDNN or a ``ValueError`` saying why not - at
   selection time for the device (not a capable GPU, JAX without cuDNN) and at
   trace time for a call (e.g. float32, a kv mask, causal ring steps).
@@ -25,13 +30,13 @@ import functools
 
 import jax
 
-from jax_dilated.backends import cudnn, selection, xla
+from jax_dilated.backends import cudnn, native, selection, xla
 from jax_dilated.backends.base import Kernel
 
 __all__ = ["IMPLEMENTATIONS", "get_kernel", "select_implementation", "AutoKernel",
            "explain_call"]
 
-IMPLEMENTATIONS = ("xla", "cudnn")
+IMPLEMENTATIONS = ("xla", "cudnn", "native")
 
 
 def _check_name(implementation) -> None:
@@ -59,10 +64,11 @@ def select_implementation(implementation: str | None, *, device=None, dtype=None
     """Resolve ``implementation`` (None = by device kind) to a registered name.
 
     Returns ``"cudnn"`` for None on a device that can run cuDNN (calls cuDNN
-    cannot serve still go to the XLA kernel, per call), else ``"xla"``.
+    cannot serve still go to the XLA kernel, per call), ``"native"`` on a CPU where
+    the native kernel builds (likewise per call), else ``"xla"``.
 
     Args:
-      implementation: None, ``"xla"`` or ``"cudnn"``.
+      implementation: None, ``"xla"``, ``"cudnn"`` or ``"native"``.
       device: a ``jax.Device`` or anything with ``platform``/``device_kind``/
         ``compute_capability`` (default ``jax.devices()[0]``).
       dtype, head_dim: optional hints; with ``implementation="cudnn"`` a hint cuDNN
@@ -77,6 +83,14 @@ def select_implementation(implementation: str | None, *, device=None, dtype=None
     if implementation == "xla":
         return "xla"
     info = selection.describe_device(device if device is not None else jax.devices()[0])
+    if implementation == "native" or (implementation is None and info.platform == "cpu"):
+        reason = native_reason(info)
+        if reason is None:
+            return "native"
+        if implementation == "native":
+            raise ValueError(f"implementation='native' cannot run here: {reason}. "
+                             f"Use implementation=None or 'xla'.")
+        return "xla"
     device_reason = selection.cudnn_device_reason(info, software_reason)
     if implementation is None:
         return "xla" if device_reason else "cudnn"
@@ -88,6 +102,13 @@ def select_implementation(implementation: str | None, *, device=None, dtype=None
         raise ValueError(f"implementation='cudnn' cannot serve this call: {hint}. "
                          f"Use implementation=None or 'xla'.")
     return "cudnn"
+
+
+def native_reason(info: selection.DeviceInfo) -> str | None:
+    """None when the native CPU kernel can run on ``info``'s device, else why not."""
+    if info.platform != "cpu":
+        return f"it runs on CPUs only (this device is {info.platform})"
+    return native.unavailable_reason()
 
 
 class AutoKernel:
@@ -204,15 +225,18 @@ def get_kernel(implementation: str | None, *, device=None, dtype=None,
                head_dim: int | None = None) -> Kernel:
     """The kernel to use: an instance of a :class:`~.base.Kernel` class.
 
-    ``None``: the XLA kernel (:data:`.xla.KERNEL`) on devices without cuDNN, an
-    :class:`AutoKernel` (per-call cuDNN or XLA) on those with it. ``"xla"``: the
-    XLA kernel. ``"cudnn"``: a :class:`~.cudnn.CudnnKernel`, or ``ValueError``.
+    ``None``: an :class:`AutoKernel` (per-call cuDNN or XLA) on devices with cuDNN,
+    the native CPU kernel (:data:`.native.KERNEL`, per call native or XLA) on CPUs
+    where it builds, else the XLA kernel (:data:`.xla.KERNEL`). ``"xla"``: the XLA
+    kernel. ``"cudnn"``, ``"native"``: that kernel, or ``ValueError``.
     """
     device = device if device is not None else jax.devices()[0]
     name = select_implementation(implementation, device=device, dtype=dtype,
                                  head_dim=head_dim)
     if name == "xla":
         return xla.KERNEL
+    if name == "native":
+        return native.KERNEL
     if implementation is None:
         return _auto_for(device)
     return _cudnn_for(device)
@@ -226,6 +250,15 @@ def explain_call(info, spec: selection.CallSpec, *, software_reason="detect",
     its log-sum-exp (branch merges), which needs the augmented cuDNN backward.
     """
     info = selection.describe_device(info)
+    if info.platform == "cpu":
+        reason = native_reason(info)
+        if reason:
+            return "xla", f"blockwise XLA kernel (no native CPU kernel: {reason})"
+        reason = selection.native_call_reason(spec)
+        if reason:
+            return "xla", f"the native CPU kernel cannot serve {reason}"
+        return "native", ("compiled forward (online softmax fused in registers); the XLA "
+                          "kernel's backward from its lse")
     device_reason = selection.cudnn_device_reason(info, software_reason)
     if device_reason:
         return "xla", "blockwise XLA kernel (no cuDNN on this device)"

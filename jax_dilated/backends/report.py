@@ -27,9 +27,11 @@ class KernelChoice(NamedTuple):
 def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice]:
     spec = selection.CallSpec
 
-    def row(operation, call, *, lse_cotangent=False, note=""):
+    def row(operation, call, *, lse_cotangent=False, note="", ring=False):
         kernel, why = registry.explain_call(info, call, software_reason=software_reason,
                                             lse_cotangent=lse_cotangent)
+        if ring and kernel == "native":  # a ring runs the XLA kernel's fused steps
+            kernel, why = "xla", "the XLA kernel's ring steps (the native kernel has none)"
         note = note if kernel == "cudnn" else ""
         return KernelChoice(operation, kernel, why + (f"; {note}" if note else ""))
 
@@ -45,11 +47,12 @@ def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice
             note=f"branches streamed into the merged output; {global_rows}; {tails}"),
         row("dilated_attention mode='head_groups'", causal, note=tails),
         row("ring_attention is_causal=False", dense,
-            note=f"every ring step: {global_rows}"),
-        row("ring_attention is_causal=True", ring_causal),
+            note=f"every ring step: {global_rows}", ring=True),
+        row("ring_attention is_causal=True", ring_causal, ring=True),
         row("dilated_attention(seq_axis=...) local branches", causal, lse_cotangent=True,
             note="as single-device longnet"),
-        row("dilated_attention(seq_axis=...) branches spanning devices", ring_causal),
+        row("dilated_attention(seq_axis=...) branches spanning devices", ring_causal,
+            ring=True),
         row("block_sparse_attention", spec(dtype, head_dim, block_sparse=True)),
         row("dilated_attention_decode (KV cache)",
             spec(dtype, head_dim, len_q=1, kv_valid=True)),
@@ -90,7 +93,7 @@ def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
     Example:
       >>> import jax_dilated as jd
       >>> rows = jd.backend_report(quiet=True)     # jd.backend_report() prints it
-      >>> rows[0].operation, rows[0].kernel in ("xla", "cudnn", "pallas")
+      >>> rows[0].operation, rows[0].kernel in ("xla", "cudnn", "native")
       ("dilated_attention mode='longnet'", True)
     """
     device = jax.devices()[0] if device is None else device
@@ -107,11 +110,16 @@ def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
               f"head_dim {head_dim}", file=file)
         print("cuDNN fused attention: " + ("available" if available is None
                                            else f"not used ({available})"), file=file)
+        if info.platform == "cpu":
+            why = registry.native_reason(info)
+            print("native CPU kernel: " + ("available (float32)" if why is None
+                                           else f"not used ({why})"), file=file)
         width = max(len(r.operation) for r in rows)
         for r in rows:
-            print(f"  {r.operation:<{width}}  {r.kernel:<5}  {r.reason}", file=file)
-        print("implementation='xla' forces the XLA kernel; implementation='cudnn' forces "
-              "cuDNN or raises ValueError saying why not.", file=file)
+            print(f"  {r.operation:<{width}}  {r.kernel:<6}  {r.reason}", file=file)
+        print("implementation='xla' forces the XLA kernel; implementation='cudnn' (or "
+              "'native') forces that kernel where it serves a call, or raises ValueError "
+              "saying why it cannot run here.", file=file)
         print("Over a mesh, jd.sharded(..., strategy=) runs the sequence axis as a 'ring' "
               "(default), 'allgather', 'heads' (all-to-all) or 'auto'; "
               "jd.explain_strategy(fn, query_shape, key_shape, num_devices=P) prints "

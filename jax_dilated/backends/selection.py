@@ -168,6 +168,34 @@ class CallSpec:
     soft_cap: bool = False
 
 
+# The native CPU kernel (jax_dilated/backends/native): what it computes.
+NATIVE_DTYPES = ("float32",)
+NATIVE_MAX_HEAD_DIM = 256
+
+
+def native_call_reason(spec: CallSpec) -> str | None:
+    """Why the native CPU kernel cannot serve a call described by ``spec``, or None
+    (whether it is built on this machine is :func:`jax_dilated.backends.native.
+    unavailable_reason`)."""
+    if spec.block_sparse:
+        return "block-sparse calls (the XLA kernel's listed blocks)"
+    dtype = np.dtype(spec.dtype).name if not isinstance(spec.dtype, str) else spec.dtype
+    if dtype not in NATIVE_DTYPES:
+        return f"dtype {dtype} (the native kernel computes float32)"
+    if spec.head_dim % 16 or spec.head_dim > NATIVE_MAX_HEAD_DIM:
+        return (f"head_dim {spec.head_dim} (the native kernel needs a multiple of 16 up "
+                f"to {NATIVE_MAX_HEAD_DIM})")
+    if spec.dropout:
+        return "dropout"
+    if spec.window:
+        return "a sliding window"
+    if spec.soft_cap:
+        return "logit soft-capping"
+    if spec.positions == "arbitrary":
+        return "positions other than 0..L-1 (causal ring steps)"
+    return None
+
+
 def cudnn_call_reason(info: DeviceInfo, spec: CallSpec) -> str | None:
     """Why the cuDNN kernel cannot serve a call described by ``spec``, or None."""
     if spec.block_sparse:

@@ -143,8 +143,16 @@ def finalize_state(state: RunningState) -> tuple[jax.Array, jax.Array, jax.Array
     seen = state.l > 0
     l_safe = jnp.where(seen, state.l, jnp.ones_like(state.l))
     o = state.acc / l_safe[..., None]
-    hi, lo = split_sum(_safe_max(state.m), jnp.log(l_safe))
-    return (o, jnp.where(seen, hi, -jnp.inf), jnp.where(seen, lo, jnp.zeros_like(lo)))
+    return (o, *lse_parts(state.m, state.l))
+
+
+def lse_parts(m, l) -> tuple[jax.Array, jax.Array]:
+    """The log-sum-exp ``m + log l`` of rows with running maximum ``m`` and sum ``l``
+    (of ``exp(s - m)``) as its two parts ``(lse, lse_lo)``; rows with ``l = 0`` (no
+    key) give ``-inf`` and 0."""
+    seen = l > 0
+    hi, lo = split_sum(_safe_max(m), jnp.log(jnp.where(seen, l, jnp.ones_like(l))))
+    return jnp.where(seen, hi, -jnp.inf), jnp.where(seen, lo, jnp.zeros_like(lo))
 
 
 def row_dot(a, b):

@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_dilated.backends.base import is_blockwise
 from jax_dilated.core import dilation, softmax
 from jax_dilated.ops import dilated_local, dilated_window
 
@@ -37,7 +38,7 @@ def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
     ``lse`` (returned with its gradient stopped; the streamed backward then needs no
     lse cotangent, so cuDNN runs its own).
     """
-    if kernel.name == "xla":
+    if is_blockwise(kernel):
         return dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
                                            kv_mask, rng, sinks=sinks, lse_grad=lse_grad)
     plain = functools.partial(batched, kernel, args, plans, mode, rng=rng)

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends.base import Kernel, KernelArgs
+from jax_dilated.backends.base import Kernel, KernelArgs, is_blockwise
 from jax_dilated.core import branch_plans, dilation, softmax
 from jax_dilated.core.arrays import pad_axis
 from jax_dilated.core.skip import maybe_skip
@@ -558,7 +558,7 @@ def _attend_bwd(call, res, cotangents):
     # so dlse is 0), delta = c rowsum(do * o): the kernel calls get o too (a kernel
     # that forms delta from an output, cuDNN, then needs no widened head). The XLA
     # kernel reads delta: it gets none, so no chunk of o is gathered for it.
-    out = None if call.lse_grad or call.kernel.name == "xla" else o
+    out = None if call.lse_grad or is_blockwise(call.kernel) else o
     c_do, delta = softmax.backward_scale(do, o, lse_lo, dlse)
     dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta,
                            out)

@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs, get_kernel
+from jax_dilated.backends.base import is_blockwise
 from jax_dilated.core import branch_plans, dilation, softmax
 from jax_dilated.core.branches import is_window
 from jax_dilated.ops import branch_combine, dilated_local, dilated_window
@@ -409,7 +410,7 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
     kernel = get_kernel(implementation)
     how = ("ring",) * len(plans) if strategies is None else strategies
     streamed = [i for i, (plan, sb) in enumerate(zip(plans, sharded_branches))
-                if kernel.name == "xla" and plan.branch.window is None
+                if is_blockwise(kernel) and plan.branch.window is None
                 and (sb.is_local or how[i] == "heads")]
     rest = [i for i in range(len(plans)) if i not in streamed]
     partial = None

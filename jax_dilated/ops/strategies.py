@@ -779,7 +779,7 @@ def _streams_branches(op, kind: str, itemsize: int, head_dim: int) -> bool:
     kernel for (priced as on Hopper, the widest: :func:`selection.cudnn_call_reason`)."""
     impl = op.options.get("implementation")
     if impl is not None:
-        return impl == "xla"
+        return impl in ("xla", "native")  # native: the XLA kernel's backward
     if kind != "gpu":
         return True
     dtype = {2: "bfloat16", 4: "float32", 8: "float64"}.get(itemsize, "float32")

@@ -36,6 +36,7 @@ class XlaKernel:
     """
 
     name = "xla"
+    blockwise = True
 
     def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
                 kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):

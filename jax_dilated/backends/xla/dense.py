@@ -208,25 +208,25 @@ def backward(q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
                     dropout_rng, chunk)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 11))
 def _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng, q_seg, k_seg,
-               sinks):
+               sinks, forward_fn):
     return _attention_fwd(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng,
-                          q_seg, k_seg, sinks)[0]
+                          q_seg, k_seg, sinks, forward_fn)[0]
 
 
 def _attention_fwd(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng, q_seg,
-                   k_seg, sinks):
-    out = softmax.fold_sinks(*forward(q, k, v, args, q_positions=q_positions,
-                                      k_positions=k_positions, kv_valid=kv_valid,
-                                      dropout_rng=dropout_rng, q_segment_ids=q_seg,
-                                      k_segment_ids=k_seg), sinks)
+                   k_seg, sinks, forward_fn):
+    out = softmax.fold_sinks(*(forward_fn or forward)(
+        q, k, v, args, q_positions=q_positions, k_positions=k_positions, kv_valid=kv_valid,
+        dropout_rng=dropout_rng, q_segment_ids=q_seg, k_segment_ids=k_seg), sinks)
     o, lse, lse_lo = out
     return out, (q, k, v, o, lse, lse_lo, q_positions, k_positions, kv_valid, dropout_rng,
                  q_seg, k_seg, sinks)
 
 
-def _attention_bwd(args, res, cotangents):
+def _attention_bwd(args, forward_fn, res, cotangents):
+    del forward_fn  # the backward is this module's, whichever forward ran
     (q, k, v, o, lse, lse_lo, q_positions, k_positions, kv_valid, dropout_rng, q_seg, k_seg,
      sinks) = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
@@ -243,12 +243,14 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def attention(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
               kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
-              sinks=None):
+              sinks=None, forward_fn=None):
     """Differentiable blockwise attention: :func:`forward` with a recomputing VJP.
 
     Gradients flow to q, k, v from every output, ``o`` and both parts of the
     log-sum-exp; ``sinks`` [H] (or None) are folded into the result and get theirs
-    (:meth:`jax_dilated.backends.base.Kernel.attention`).
+    (:meth:`jax_dilated.backends.base.Kernel.attention`). ``forward_fn``: another
+    forward with :func:`forward`'s signature and results (the native CPU kernel's);
+    the backward is :func:`backward` from its log-sum-exp either way.
     """
     return _attention(q, k, v, args, q_positions, k_positions, kv_valid, dropout_rng,
-                      q_segment_ids, k_segment_ids, sinks)
+                      q_segment_ids, k_segment_ids, sinks, forward_fn)

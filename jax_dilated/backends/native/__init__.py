@@ -1,0 +1,113 @@
+"""The native CPU kernel (``implementation="native"``): a compiled C++ forward.
+
+On CPU, XLA runs the blockwise kernel of :mod:`jax_dilated.backends.xla` one
+operation at a time: each block's matmuls, row maximum, exponentials and sums are
+separate passes over a logits block too large for the core's cache. The native
+kernel (``attention_cpu.cc``, an XLA FFI custom call) fuses them: it keeps each
+tile of logits in registers and L1/L2 while it runs the online softmax, as PyTorch's
+CPU flash attention does. It computes the forward only (output and log-sum-exp);
+gradients come from the XLA kernel's backward, which reads the log-sum-exp, so a
+call on this kernel is differentiable like one on the XLA kernel.
+
+It serves float32 calls with head_dim a multiple of 16 up to 256, with or without
+causality and a kv mask, grouped-query heads included. Everything else (another
+dtype, dropout, a sliding window, soft-capping, causal positions other than
+``0..L-1``, segment ids) goes to the XLA kernel, per call at trace time
+(:meth:`NativeCpuKernel.call_reason`), as on a GPU the calls cuDNN cannot serve do.
+
+It is compiled on first use for this machine (:mod:`.build`): Linux on x86-64 with
+AVX-512 and a C++ compiler. Where it cannot be built, ``implementation=None`` runs
+the XLA kernel on CPU and :func:`jax_dilated.backend_report` says why.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated.backends import cudnn, selection
+from jax_dilated.backends.base import KernelArgs
+from jax_dilated.backends.native import build
+from jax_dilated.backends.xla import XlaKernel, dense
+from jax_dilated.core import softmax
+from jax_dilated.core.vma import varying_like
+
+__all__ = ["NativeCpuKernel", "KERNEL", "unavailable_reason"]
+
+
+def unavailable_reason() -> str | None:
+    """None when the native kernel is built and registered, else why not (once per
+    process: the first call compiles it or loads it from the cache)."""
+    return build.load()
+
+
+class NativeCpuKernel(XlaKernel):
+    """The native forward where it serves a call, the XLA kernel elsewhere.
+
+    A :class:`~jax_dilated.backends.base.Kernel`: ``forward`` and ``attention`` go
+    to the native forward for the calls :meth:`call_reason` accepts; the backward,
+    block-sparse entry points and ring steps are the XLA kernel's.
+    """
+
+    name = "native"
+
+    def call_reason(self, q, k, args: KernelArgs, *, q_positions=None, k_positions=None,
+                    kv_valid=None, dropout_rng=None, q_segment_ids=None,
+                    k_segment_ids=None) -> str | None:
+        """None when the native forward serves this call, else why not (static: from
+        dtypes, shapes and which arguments are present; the rules are
+        :func:`~jax_dilated.backends.selection.native_call_reason`)."""
+        del dropout_rng
+        reason = selection.native_call_reason(cudnn.call_spec(
+            q, k, args, q_positions=q_positions, k_positions=k_positions,
+            kv_valid=kv_valid))
+        if reason is None and (q_segment_ids is not None or k_segment_ids is not None):
+            reason = "segment ids"
+        if reason is None and kv_valid is not None and kv_valid.ndim not in (2, 3):
+            reason = f"a kv mask of rank {kv_valid.ndim}"
+        return reason or unavailable_reason()
+
+    def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
+                kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
+        """``(o, lse, lse_lo)`` as :func:`jax_dilated.backends.xla.dense.forward`."""
+        kw = dict(q_positions=q_positions, k_positions=k_positions, kv_valid=kv_valid,
+                  dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
+                  k_segment_ids=k_segment_ids)
+        if self.call_reason(q, k, args, **kw) is not None:
+            return super().forward(q, k, v, args, **kw)
+        return native_forward(q, k, v, args, kv_valid=kv_valid)
+
+    def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
+                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
+                  sinks=None, lse_grad=True):
+        """Differentiable: the native forward, the XLA kernel's backward
+        (:func:`jax_dilated.backends.xla.dense.attention`)."""
+        o, *lse = dense.attention(q, k, v, args, q_positions=q_positions,
+                                  k_positions=k_positions, kv_valid=kv_valid,
+                                  dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
+                                  k_segment_ids=k_segment_ids, sinks=sinks,
+                                  forward_fn=self.forward)
+        return o, *(lse if lse_grad else jax.lax.stop_gradient(lse))
+
+    def __repr__(self):
+        return "NativeCpuKernel()"
+
+
+def native_forward(q, k, v, args: KernelArgs, *, kv_valid=None):
+    """The FFI call: q [N, Lq, H, D], k, v [N, Lk, Hkv, D] float32, kv_valid None or
+    [N, Lk] / [N, Lk, Hkv] bool -> ``(o [N, Lq, H, D], lse, lse_lo [N, Lq, H])``."""
+    valid = (jnp.zeros((0,), jnp.uint8) if kv_valid is None
+             else jnp.broadcast_to(kv_valid, k.shape[:2] + kv_valid.shape[2:])
+             .astype(jnp.uint8))
+    rows = jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)
+    call = jax.ffi.ffi_call(build.TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                           rows, rows), vmap_method="broadcast_all")
+    o, m, l = call(q, k, v, valid, scale=np.float32(args.scale),
+                   causal=bool(args.is_causal), threads=np.int64(0))
+    # inside shard_map the custom call's results vary as its inputs do
+    return varying_like((o, *softmax.lse_parts(m, l)), (q, k, v))
+
+
+# The one instance the registry hands out (the kernel holds no state).
+KERNEL = NativeCpuKernel()

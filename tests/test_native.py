@@ -1,0 +1,250 @@
+"""The native CPU kernel (``jax_dilated/backends/native``): its compiled forward
+against a float64 reference, gradients through it (the XLA kernel's backward from its
+log-sum-exp), which calls it serves, and that ``implementation=None`` runs it on this
+CPU inside the library's operations.
+
+The reference is the dense softmax of the mathematics (docs/semantics.md, section 1)
+in float64 NumPy, independent of both kernels; float32 tolerance 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _mesh import devices as mesh_devices
+
+import jax_dilated as jd
+from jax_dilated.backends import KernelArgs, native, registry, selection, xla
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or native.unavailable_reason() is not None,
+    reason=f"the native CPU kernel cannot run here: {native.unavailable_reason()}")
+
+RTOL = 1e-5
+
+
+def _dense_reference(q, k, v, scale, causal, valid):
+    """float64 o [N, Lq, H, D] and lse [N, Lq, H]; rows without keys: o = 0, lse = -inf."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    s = np.einsum("nqhd,nkhd->nhqk", q, k) * scale
+    allowed = np.ones(s.shape, bool)
+    if causal:
+        allowed &= np.tril(np.ones(s.shape[-2:], bool))
+    if valid is not None:
+        valid = np.asarray(valid)
+        if valid.ndim == 3:  # [N, Lk, Hkv] -> per query head
+            allowed &= np.repeat(valid, g, axis=2).transpose(0, 2, 1)[:, :, None, :]
+        else:
+            allowed &= valid[:, None, None, :]
+    s = np.where(allowed, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    total = p.sum(-1, keepdims=True)
+    o = np.einsum("nhqk,nkhd->nqhd", p / np.where(total > 0, total, 1.0), v)
+    with np.errstate(divide="ignore"):
+        lse = (np.log(total) + m)[..., 0].transpose(0, 2, 1)
+    return o, lse
+
+
+def _inputs(n, lq, lk, h, hkv, d, seed=0, mask=None):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n, lq, h, d)).astype(np.float32)
+    k = rng.standard_normal((n, lk, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((n, lk, hkv, d)).astype(np.float32)
+    valid = None
+    if mask == "2d":
+        valid = rng.random((n, lk)) < 0.6
+    elif mask == "3d":
+        valid = rng.random((n, lk, hkv)) < 0.6
+    return q, k, v, valid
+
+
+def _close(got, want, rtol=RTOL):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(np.max(np.abs(want[np.isfinite(want)]), initial=0.0), 1.0)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    with np.errstate(invalid="ignore"):  # -inf - -inf where both rows are empty
+        diff = np.abs(np.where(np.isfinite(want), got - want, 0.0))
+    assert diff.max() <= rtol * scale, diff.max() / scale
+
+
+@pytest.mark.parametrize("n, lq, lk, h, hkv, d, causal, mask", [
+    (2, 300, 300, 4, 4, 64, False, None),
+    (2, 300, 300, 4, 2, 64, True, None),      # GQA, causal
+    (1, 517, 300, 6, 3, 32, True, "2d"),     # more queries than keys, a kv mask
+    (3, 100, 700, 2, 1, 128, False, "3d"),   # per-kv-head mask, long keys
+    (1, 47, 1000, 1, 1, 16, True, None),     # fewer queries than keys, causal
+    (2, 64, 64, 8, 8, 80, True, "2d"),       # head_dim not a multiple of 64
+    (1, 5, 3, 2, 2, 256, False, "2d"),       # the widest head, tiny
+])
+def test_forward_matches_float64_reference(n, lq, lk, h, hkv, d, causal, mask):
+    q, k, v, valid = _inputs(n, lq, lk, h, hkv, d, seed=lq + lk, mask=mask)
+    args = KernelArgs(scale=float(d) ** -0.5, is_causal=causal)
+    o, lse, lse_lo = jax.jit(lambda q, k, v, m: native.KERNEL.forward(
+        q, k, v, args, kv_valid=m))(q, k, v, valid)
+    want_o, want_lse = _dense_reference(q, k, v, args.scale, causal, valid)
+    _close(o, want_o)
+    _close(lse, want_lse)
+    assert np.all(np.abs(np.asarray(lse_lo)) <= 1e-6 * np.maximum(np.abs(np.asarray(lse)), 1))
+    if mask is not None:  # rows whose keys are all masked: zeros and -inf
+        assert np.all(np.asarray(o)[~np.isfinite(want_lse)] == 0.0)
+
+
+def test_rows_without_keys_give_zeros():
+    """A batch item whose keys are all masked: o = 0 and lse = -inf, no NaN."""
+    q, k, v, _ = _inputs(2, 40, 40, 2, 1, 64, seed=3)
+    valid = np.ones((2, 40), bool)
+    valid[1] = False
+    o, lse, _ = native.KERNEL.forward(q, k, v, KernelArgs(scale=0.125), kv_valid=valid)
+    assert np.all(np.asarray(o)[1] == 0.0) and np.all(np.isneginf(np.asarray(lse)[1]))
+    want_o, _ = _dense_reference(q, k, v, 0.125, False, valid)
+    _close(np.asarray(o)[0], want_o[0])
+
+
+def test_gradients_through_the_native_forward():
+    """``attention`` runs the native forward and the XLA kernel's backward from its
+    log-sum-exp: gradients of o and lse against the float64 dense formula's."""
+    q, k, v, valid = _inputs(2, 200, 200, 4, 2, 64, seed=7, mask="2d")
+    args = KernelArgs(scale=0.125, is_causal=True)
+    rng = np.random.default_rng(8)
+    wo = rng.standard_normal(q.shape)
+    wl = rng.standard_normal(q.shape[:-1])
+
+    def loss(kernel, dtype):
+        def f(q, k, v):
+            o, lse, lse_lo = kernel(q, k, v)
+            lse = jnp.where(jnp.isfinite(lse), lse + lse_lo, 0.0)
+            return jnp.sum(o * wo.astype(dtype)) + jnp.sum(lse * wl.astype(dtype))
+        return f
+
+    got = jax.jit(jax.grad(loss(lambda q, k, v: native.KERNEL.attention(
+        q, k, v, args, kv_valid=valid), jnp.float32), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(lambda q, k, v: _jnp_reference(q, k, v, args, valid),
+                         jnp.float64), argnums=(0, 1, 2))(
+        *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))  # (the suite enables x64)
+    for g, w in zip(got, want):
+        _close(g, w, rtol=1e-4)
+
+
+def _jnp_reference(q, k, v, args, valid):
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("nqhd,nkhd->nhqk", q, k) * args.scale
+    allowed = jnp.tril(jnp.ones(s.shape[-2:], bool)) & jnp.asarray(valid)[:, None, None, :]
+    s = jnp.where(allowed, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    o = jnp.einsum("nhqk,nkhd->nqhd", p, v)
+    return o, lse.transpose(0, 2, 1), jnp.zeros_like(lse.transpose(0, 2, 1))
+
+
+def test_calls_it_does_not_serve_go_to_the_xla_kernel():
+    q, k, _, _ = _inputs(1, 16, 16, 2, 2, 64)
+    args = KernelArgs(scale=0.125)
+    why = functools.partial(native.KERNEL.call_reason, q, k)
+    assert why(args) is None
+    assert "float32" in native.KERNEL.call_reason(q.astype(np.float64), k, args)
+    assert "head_dim 24" in native.KERNEL.call_reason(q[..., :24], k[..., :24], args)
+    assert why(KernelArgs(scale=0.1, dropout_rate=0.1)) == "dropout"
+    assert why(KernelArgs(scale=0.1, window=(4, 0))) == "a sliding window"
+    assert why(KernelArgs(scale=0.1, logit_soft_cap=5.0)) == "logit soft-capping"
+    causal = KernelArgs(scale=0.1, is_causal=True)
+    assert why(causal, q_positions=np.arange(16), k_positions=np.arange(16)) is None
+    assert "positions other than" in why(causal, q_positions=np.arange(16) + 3)
+    assert why(args, q_positions=np.arange(16) + 3) is None  # no mask follows them
+    ids = jnp.zeros((1, 16), jnp.int32)
+    assert why(args, q_segment_ids=ids, k_segment_ids=ids) == "segment ids"
+    # and such a call gives the XLA kernel's result, bit for bit
+    q64, k64 = (x.astype(np.float64) for x in (q, k))
+    for x, y in zip(native.KERNEL.forward(q64, k64, k64, args),
+                    xla.KERNEL.forward(q64, k64, k64, args)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_selected_by_default_on_this_cpu():
+    """implementation=None on this CPU is the native kernel; 'native' is refused where it
+    cannot run, with the reason."""
+    assert registry.select_implementation(None) == "native"
+    assert registry.get_kernel(None) is native.KERNEL
+    assert registry.get_kernel("native") is native.KERNEL
+    assert registry.get_kernel("xla") is xla.KERNEL
+    h100 = selection.DeviceInfo("gpu", "NVIDIA H100", (9, 0), "cuda")
+    with pytest.raises(ValueError, match=r"implementation='native' cannot run here: "
+                                         r"it runs on CPUs only \(this device is gpu\)"):
+        registry.select_implementation("native", device=h100, software_reason=None)
+
+
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+def test_dilated_attention_runs_it_and_matches_the_xla_kernel(mode):
+    """LongNet's dilated attention in float32, forward and gradients: the default
+    (native forward) against implementation='xla', and the FFI call is in the program."""
+    rng = np.random.default_rng(11)
+    q, k, v, ct = (rng.standard_normal((2, 256, 4, 64)).astype(np.float32) for _ in range(4))
+    mask = rng.random((2, 256)) < 0.8
+    kw = dict(segment_lengths=(64, 128, 256), dilation_rates=(1, 2, 4), mode=mode,
+              is_causal=True, kv_mask=mask)
+
+    def run(implementation):
+        f = functools.partial(jd.dilated_attention, implementation=implementation, **kw)
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(ct))
+
+    got, want = jax.jit(lambda: run(None))(), jax.jit(lambda: run("xla"))()
+    for g, w in zip(got, want):
+        _close(g, w, rtol=2e-5)
+    hlo = jax.jit(lambda: run(None)).lower().as_text()
+    assert native.build.TARGET in hlo
+
+
+def test_vmap_and_a_ring_over_devices():
+    """vmap over the kernel call, and ring attention over 2 devices in float32 (the
+    ring's own steps are the XLA kernel's; the one-device reference is native)."""
+    q, k, v, _ = _inputs(3, 64, 64, 2, 2, 32, seed=5)
+    args = KernelArgs(scale=0.2, is_causal=True)
+    batched = jax.vmap(lambda q, k, v: native.KERNEL.forward(q[None], k[None], v[None],
+                                                             args)[0][0])(q, k, v)
+    _close(batched, native.KERNEL.forward(q, k, v, args)[0])
+    mesh = jax.sharding.Mesh(mesh_devices(2), ("seq",))
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 128, 2, 32)), jnp.float32)
+    ring = jd.sharded(functools.partial(jd.ring_attention, is_causal=True), mesh,
+                      seq_axis="seq")
+    one = jd.dilated_attention(x, x, x, segment_lengths=(128,), dilation_rates=(1,),
+                               is_causal=True)
+    _close(jax.jit(ring)(x, x, x), one)
+
+
+def test_build_uses_the_cache_directory(tmp_path):
+    """A fresh process with JAX_DILATED_CACHE set builds the library there once and a
+    second process loads it from there."""
+    code = ("from jax_dilated.backends.native import build; import sys; "
+            "r = build.load(); print(r); sys.exit(r is not None)")
+    env = dict(os.environ, JAX_DILATED_CACHE=str(tmp_path))
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 0, run.stdout + run.stderr
+        libs = list(tmp_path.glob("attention_cpu-*.so"))
+        assert len(libs) == 1, libs
+    assert not list(tmp_path.glob("*.so.tmp*"))
+
+
+def test_backend_report_names_it(capsys):
+    """jd.backend_report says which operations run the native forward in float32."""
+    rows = {r.operation: r.kernel for r in jd.backend_report(dtype="float32", head_dim=64)}
+    out = capsys.readouterr().out
+    assert "native CPU kernel: available" in out
+    assert rows["dilated_attention mode='head_groups'"] == "native"
+    assert rows["dilated_attention mode='longnet'"] == "native"
+    assert rows["ring_attention is_causal=False"] == "xla"  # the XLA kernel's ring steps
+    assert rows["block_sparse_attention"] == "xla"
+    assert all(r.kernel == "xla" for r in jd.backend_report(dtype="float64", quiet=True))
