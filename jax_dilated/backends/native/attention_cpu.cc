@@ -15,8 +15,9 @@
 // parts (core/softmax.py: extreme logits keep their precision); l = 0 for a row
 // without keys. D is a multiple of 16 up to 256.
 //
-// Work: items of (n, h, a run of query rows), shared among threads by an atomic
-// counter. Each item packs k^T of its kv head once (key blocks of BK), then for every
+// Work: items of (n, h, a run of query rows), shared by an atomic counter among the
+// calling thread and tasks on XLA's intra-op thread pool (so a call uses the threads
+// XLA was given and no more). Each item packs k^T of its kv head once (key blocks of BK), then for every
 // tile of BQ query rows runs, per key block, S = q k^T on MR x 32 register tiles,
 // the online-softmax update on S in place (running max m, sum l; exp by a degree-6
 // polynomial and AVX-512's scalef), and O += P v on MR x 64 register tiles.
@@ -24,13 +25,13 @@
 #error "the native CPU kernel needs Linux on an x86-64 CPU with AVX-512"
 #endif
 #include <immintrin.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -240,42 +241,51 @@ void run_rows(const Problem& pb, Scratch& w, int64_t n, int64_t h, int64_t r0, i
   }
 }
 
-int usable_cpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1u, std::thread::hardware_concurrency());
+// The items of one call, shared by the calling thread and the tasks it schedules on
+// XLA's intra-op thread pool. Held by shared_ptr: a task that starts only after the
+// caller has finished every item (the pool was busy) finds none left and touches
+// nothing else.
+struct Work {
+  Problem pb;
+  int64_t run_len, runs, heads, items;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void drain(Work& w) {
+  Scratch scratch(w.pb);
+  for (;;) {
+    const int64_t it = w.next.fetch_add(1);
+    if (it >= w.items) return;
+    // causal: the longest runs (the last rows) first
+    const int64_t j = w.pb.causal ? w.runs - 1 - it / w.heads : it / w.heads;
+    const int64_t nh = it % w.heads;
+    run_rows(w.pb, scratch, nh / w.pb.h, nh % w.pb.h, j * w.run_len,
+             std::min(w.pb.lq, (j + 1) * w.run_len));
+    w.done.fetch_add(1, std::memory_order_release);
+  }
 }
 
-void run(const Problem& pb, int threads) {
-  // runs of query rows: at least 4 per thread when the call is small, never below BQ
-  const int64_t heads = pb.n * pb.h;
-  int64_t run_len = pb.lq;
-  while (run_len > BQ && heads * ((pb.lq + run_len - 1) / run_len) < 4 * threads)
-    run_len = (run_len / 2 + BQ - 1) / BQ * BQ;
-  const int64_t runs = (pb.lq + run_len - 1) / run_len;
-  const int64_t items = heads * runs;
-  threads = (int)std::min<int64_t>(threads, items);
-  std::atomic<int64_t> next(0);
-  auto worker = [&]() {
-    Scratch w(pb);
-    for (;;) {
-      const int64_t it = next.fetch_add(1);
-      if (it >= items) break;
-      // causal: the longest runs (last rows) first
-      const int64_t j = pb.causal ? runs - 1 - it / heads : it / heads;
-      const int64_t nh = it % heads;
-      run_rows(pb, w, nh / pb.h, nh % pb.h, j * run_len, std::min(pb.lq, (j + 1) * run_len));
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int i = 1; i < threads; i++) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
+void run(const Problem& pb, ffi::ThreadPool& pool) {
+  auto w = std::make_shared<Work>();
+  w->pb = pb;
+  const int threads = (int)std::max<int64_t>(1, pool.num_threads());
+  // runs of query rows: at least 2 items per thread, never below BQ rows
+  w->heads = pb.n * pb.h;
+  w->run_len = pb.lq;
+  while (w->run_len > BQ && w->heads * ((pb.lq + w->run_len - 1) / w->run_len) < 2 * threads)
+    w->run_len = (w->run_len / 2 + BQ - 1) / BQ * BQ;
+  w->runs = (pb.lq + w->run_len - 1) / w->run_len;
+  w->items = w->heads * w->runs;
+  const int64_t helpers = std::min<int64_t>(threads, w->items) - 1;
+  for (int64_t i = 0; i < helpers; i++) pool.Schedule([w]() { drain(*w); });
+  drain(*w);
+  // every item claimed; wait for those still running on other threads
+  while (w->done.load(std::memory_order_acquire) < w->items) std::this_thread::yield();
 }
 
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                   ffi::Buffer<ffi::U8> kv_valid, float scale, bool causal, int64_t threads,
-                   ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
+                   ffi::Buffer<ffi::U8> kv_valid, float scale, bool causal,
+                   ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
                    ffi::ResultBuffer<ffi::F32> l) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = kv_valid.dimensions();
   if (qd.size() < 4 || kd.size() != qd.size())
@@ -300,7 +310,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   pb.scale = scale;
   pb.causal = causal;
   if (pb.lq == 0 || pb.h == 0 || pb.n == 0) return ffi::Error::Success();
-  run(pb, threads > 0 ? (int)threads : usable_cpus());
+  run(pb, pool);
   return ffi::Error::Success();
 }
 
@@ -314,7 +324,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionForwardCpu, Forward,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // kv_valid
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal")
-                                  .Attr<int64_t>("threads")
+                                  .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>()   // o
                                   .Ret<ffi::Buffer<ffi::F32>>()   // m
                                   .Ret<ffi::Buffer<ffi::F32>>());  // l
