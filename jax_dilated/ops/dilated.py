@@ -73,7 +73,8 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
         nothing whatever its entry. Packed rows run whole sequences of some heads under
         every strategy (all-gathered under ``"allgather"``). Only ``"ring"`` without
         ``seq_axis``.
-      implementation: kernel; None chooses by device kind (``"xla"`` on CPU).
+      implementation: kernel; None chooses by device kind (on CPU the native kernel's
+        forward for float32 calls where it builds, else ``"xla"``; README, "Backends").
       block_q, block_k: kernel block sizes (None: the kernel's defaults).
       return_lse: also return the log-sum-exp ``[batch, seq, num_heads]`` (float32;
         float64 for float64 inputs; ``-inf`` where a position has no key). longnet:

@@ -43,7 +43,7 @@ namespace {
 
 constexpr int MR = 6;    // query rows per register tile
 constexpr int BQ = 48;   // query rows per tile (a multiple of MR)
-constexpr int BK = 256;  // keys per block (a multiple of 32)
+constexpr int BK = 512;  // keys per block (a multiple of 32; 256: 1-2.5% slower)
 constexpr int MAX_D = 256;
 
 inline __m512 exp512(__m512 x) {
@@ -171,8 +171,9 @@ void run_rows(const Problem& pb, Scratch& w, int64_t n, int64_t h, int64_t r0, i
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
       const int nk = (int)std::min<int64_t>(BK, kend - k0);
       const int ncols = (nk + 31) / 32 * 32;
-      // additive key mask of this block: padding columns and invalid keys
-      for (int j = 0; j < ncols; j++) {
+      // additive key mask of this block: padding columns and invalid keys (none: skip)
+      const bool masked = ncols != nk || pb.valid != nullptr;
+      for (int j = 0; masked && j < ncols; j++) {
         bool ok = j < nk;
         if (ok && pb.valid != nullptr)
           ok = pb.valid[(n * pb.lk + k0 + j) * pb.valid_heads +
@@ -187,10 +188,15 @@ void run_rows(const Problem& pb, Scratch& w, int64_t n, int64_t h, int64_t r0, i
           const int i = t0 + r;
           float* sr = w.s.data() + r * BK;
           __m512 mx = _mm512_set1_ps(-INFINITY);
-          for (int j = 0; j < ncols; j += 16) {
-            __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), _mm512_loadu_ps(w.mask.data() + j));
-            _mm512_storeu_ps(sr + j, x);
-            mx = _mm512_max_ps(mx, x);
+          if (masked) {
+            for (int j = 0; j < ncols; j += 16) {
+              __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j),
+                                       _mm512_loadu_ps(w.mask.data() + j));
+              _mm512_storeu_ps(sr + j, x);
+              mx = _mm512_max_ps(mx, x);
+            }
+          } else {
+            for (int j = 0; j < ncols; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
           }
           if (i >= nq) {  // padding row
             std::fill(sr, sr + ncols, 0.0f);
