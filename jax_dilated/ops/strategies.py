@@ -766,7 +766,10 @@ def _logits_blocks_held(batch: int, itemsize: int, heads: int, len_q: int,
     g`` heads over ``g n / r`` (full blocks). Compiled (docs/benchmarks.md), P = 8,
     8 heads: the ring held 8.8 MiB less than ``"heads"`` at 4096 tokens and 7.8 MiB
     more at 8192; this term gives it 8 MiB less and 16 MiB more, the other terms 0.25
-    and 0.5 MiB more (docs/semantics.md, section 8)."""
+    and 0.5 MiB more (docs/semantics.md, section 8). With the native CPU kernel's
+    forward only the backward's blocks remain, and the compiled differences shrink
+    with the same signs (2.5 MiB less, 11.0 MiB more at b372848); the term is kept
+    as an order, not a size."""
     bq, bk = min(len_q, DEFAULT_BLOCK_Q), min(len_k, DEFAULT_BLOCK_K)
     return 4.0 * batch * heads * bq * bk * max(itemsize, 4)
 

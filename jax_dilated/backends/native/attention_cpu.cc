@@ -30,7 +30,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -258,14 +257,15 @@ struct Work {
 };
 
 void drain(Work& w) {
-  Scratch scratch(w.pb);
+  std::unique_ptr<Scratch> scratch;  // made with the first item (a late task has none)
   for (;;) {
     const int64_t it = w.next.fetch_add(1);
     if (it >= w.items) return;
+    if (!scratch) scratch = std::make_unique<Scratch>(w.pb);
     // causal: the longest runs (the last rows) first
     const int64_t j = w.pb.causal ? w.runs - 1 - it / w.heads : it / w.heads;
     const int64_t nh = it % w.heads;
-    run_rows(w.pb, scratch, nh / w.pb.h, nh % w.pb.h, j * w.run_len,
+    run_rows(w.pb, *scratch, nh / w.pb.h, nh % w.pb.h, j * w.run_len,
              std::min(w.pb.lq, (j + 1) * w.run_len));
     w.done.fetch_add(1, std::memory_order_release);
   }
@@ -293,7 +293,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
                    ffi::Buffer<ffi::U8> kv_valid, float scale, bool causal,
                    ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
                    ffi::ResultBuffer<ffi::F32> l) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = kv_valid.dimensions();
+  auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() < 4 || kd.size() != qd.size())
     return ffi::Error::InvalidArgument("q and k must be [..., L, H, D] of one rank");
   const size_t r = qd.size();
@@ -312,7 +312,6 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
                    : (int)(kv_valid.element_count() / (pb.n * pb.lk));
   if (pb.valid != nullptr && pb.valid_heads != 1 && pb.valid_heads != pb.hkv)
     return ffi::Error::InvalidArgument("kv_valid must be [N, Lk] or [N, Lk, Hkv]");
-  (void)vd;
   pb.scale = scale;
   pb.causal = causal;
   if (pb.lq == 0 || pb.h == 0 || pb.n == 0) return ffi::Error::Success();
