@@ -187,7 +187,67 @@ def test_dilated_attention_runs_it_and_matches_the_xla_kernel(mode):
     for g, w in zip(got, want):
         _close(g, w, rtol=2e-5)
     hlo = jax.jit(lambda: run(None)).lower().as_text()
-    assert native.build.TARGET in hlo
+    assert native.build.TARGET_DILATED in hlo
+
+
+# (T, H, Hkv, mode, head_offsets, causal, mask, segments, rates)
+_DILATED_CASES = [
+    (512, 4, 4, "longnet", "modulo", False, False, (64, 128, 256), (1, 2, 4)),
+    (512, 6, 2, "longnet", "blocked", True, True, (64, 128, 256), (1, 2, 4)),
+    (500, 6, 3, "longnet", "modulo", True, False, (64, 128, 256), (1, 2, 4)),  # T % w != 0
+    (300, 4, 1, "longnet", "modulo", False, True, (128, 512), (2, 4)),  # w > T, no rate 1
+    (512, 6, 6, "head_groups", "modulo", False, False, (64, 128, 256), (1, 2, 4)),
+    (500, 8, 2, "head_groups", "modulo", True, True, (64, 128, 256), (1, 2, 4)),
+]
+
+
+@pytest.mark.parametrize("t, h, hkv, mode, offsets, causal, mask, segments, rates",
+                         _DILATED_CASES)
+def test_dilated_forward_in_one_call_matches_float64(t, h, hkv, mode, offsets, causal, mask,
+                                                     segments, rates):
+    """The one-call dilated forward (every branch read where it lies and written in
+    place; longnet continues each row's softmax across the branches) against the
+    same attention in float64 on the XLA kernel (which test_parity checks against the
+    PyTorch reference): outputs and log-sum-exp at 1e-5, rows of no key included."""
+    rng = np.random.default_rng(t + h + hkv)
+    q = rng.standard_normal((2, t, h, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((2, t, hkv, 32)).astype(np.float32) for _ in range(2))
+    kv_mask = rng.random((2, t)) < 0.7 if mask else None
+    kw = dict(segment_lengths=segments, dilation_rates=rates, mode=mode,
+              head_offsets=offsets, is_causal=causal, kv_mask=kv_mask, return_lse=True)
+    f = jax.jit(functools.partial(jd.dilated_attention, **kw))
+    got = f(q, k, v)
+    want = jd.dilated_attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                implementation="xla", **kw)
+    for g, w in zip(got, want):
+        _close(g, w)
+    hlo = f.lower(q, k, v).as_text()
+    assert hlo.count(native.build.TARGET_DILATED) == 1, "one call for every branch"
+    assert native.build.TARGET + '"' not in hlo and "gather" not in hlo
+
+
+def test_dilated_forward_holds_no_sequence_sized_temporary():
+    """Compiled, the one-call forward's temporaries are the row statistics only:
+    under a quarter of one [B, T, H, D] array (the chunked program holds several
+    chunks of gathered segments)."""
+    q = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.float32)
+    for mode in ("longnet", "head_groups"):
+        f = jax.jit(functools.partial(jd.dilated_attention, segment_lengths=(512, 1024, 2048),
+                                      dilation_rates=(1, 2, 4), mode=mode))
+        temp = f.lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
+        assert temp < 4096 * 8 * 64 * 4 / 4, (mode, temp)
+
+
+def test_dilated_forward_under_vmap():
+    """vmap over dilated attention (the fused call's batch gets the vmapped axis)."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((3, 1, 256, 4, 32)).astype(np.float32) for _ in range(3))
+    mask = rng.random((3, 1, 256)) < 0.8
+    f = functools.partial(jd.dilated_attention, segment_lengths=(64, 128), dilation_rates=(1, 2),
+                          is_causal=True)
+    got = jax.vmap(lambda q, k, v, m: f(q, k, v, kv_mask=m))(q, k, v, mask)
+    for i in range(3):
+        _close(got[i], f(q[i], k[i], v[i], kv_mask=mask[i], implementation="xla"))
 
 
 def test_vmap_and_a_ring_over_devices():

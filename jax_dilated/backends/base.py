@@ -189,7 +189,11 @@ class Kernel(Protocol):
     ``"auto"``). A kernel whose backward is the blockwise XLA kernel's (it reads
     ``delta`` and needs no output; cheap per call, so the one-device programs stream
     chunks of segments through it) says so with ``blockwise = True``
-    (:func:`is_blockwise`).
+    (:func:`is_blockwise`). A kernel may also have ``dilated_forward(q, k, v, args,
+    plans, *, kv_mask, accumulate, out_scale) -> (o, lse, lse_lo)``, every branch of
+    one-device dilated attention in one call
+    (:func:`jax_dilated.backends.native.native_dilated_forward`), which
+    :mod:`jax_dilated.ops.dilated_local` then uses for the calls it serves.
     """
 
     name: str

@@ -20,6 +20,13 @@ The accumulated pair ``(O, LSE)`` is, per mode:
 * head_groups: head ``j``'s branch output divided by the number of branches, and
   that branch's ``LSE`` (the groups' heads are disjoint).
 
+A kernel with a fused dilated forward (``dilated_forward``: the native CPU kernel)
+runs the forward as one call instead: it reads every branch's dilated segments
+where they lie in the arrays and writes each branch's rows of the result in place,
+so no chunk is gathered or scattered and, in longnet mode, no merge pass is run
+(each row's softmax continues over the next branch's keys). The backward is the
+chunked one below either way.
+
 Packed rows (ops/dilated_packed.py) run the same program through *slots*: a row of
 ``T'`` slots in which every document starts at a multiple of every segment length,
 given by ``source`` [B, T'] (the packed position of each slot's token, ``T`` for an
@@ -407,6 +414,9 @@ def _read(acc, start, size: int, head0: int, heads: int):
 
 
 def _forward(call: _Call, query, key, value, kv_mask, rng, source):
+    if rng is None and source is None and _fused_serves(call, query, key, kv_mask):
+        # a kernel that reads segments where they lie needs none of the chunks below
+        return _forward_fused(call, query, key, value, kv_mask)
     b, t, h, d = query.shape
     stats = softmax.stats_dtype(query.dtype)
     longnet = call.mode == "longnet"
@@ -453,6 +463,42 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
 
         acc = _loop(br.chunks, body, (br.view(o), br.view(lse, -jnp.inf), br.view(lse_lo)), br)
         o, lse, lse_lo = (br.unview(x) for x in acc)
+    return o.astype(query.dtype), lse, lse_lo
+
+
+def _fused_serves(call: _Call, query, key, kv_mask) -> bool:
+    """Whether the call's forward runs as one call of a fused dilated forward
+    (``Kernel.dilated_forward``, the native CPU kernel's): one kernel runs every
+    branch, has one, and serves each branch's calls."""
+    kernel = call.kernel_of(0)
+    if (any(call.kernel_of(i) is not kernel for i in range(len(call.plans)))
+            or getattr(kernel, "dilated_forward", None) is None):
+        return False
+    b, t, _, d = query.shape
+    spec = jax.ShapeDtypeStruct
+    for plan in call.plans:
+        w, r = plan.branch.effective_length, plan.branch.rate
+        items = b * plan.branch.num_segments(t)
+        reason = kernel.call_reason(
+            spec((items, w // r, len(plan.query_heads), d), query.dtype),
+            spec((items, w // r, len(plan.kv_heads), d), key.dtype), call.args,
+            kv_valid=None if kv_mask is None else spec((items, w // r), bool))
+        if reason is not None:
+            return False
+    return True
+
+
+def _forward_fused(call: _Call, query, key, value, kv_mask):
+    """The forward as one fused call of the kernel (:func:`_fused_serves`), which reads
+    every branch's dilated segments where they lie and writes its rows of ``(o, lse,
+    lse_lo)`` in place: longnet continues each row's softmax over the branches' keys
+    (one softmax over the union of the keys, Eq. 10, with no merge pass), head_groups
+    writes each head's ``o / nb``. The branches run in the streamed program's order."""
+    plans = call.plans[::-1]
+    longnet = call.mode == "longnet"
+    o, lse, lse_lo = call.kernel_of(0).dilated_forward(
+        query, key, value, call.args, plans, kv_mask=kv_mask, accumulate=longnet,
+        out_scale=1.0 if longnet else 1.0 / call.groups)
     return o.astype(query.dtype), lse, lse_lo
 
 

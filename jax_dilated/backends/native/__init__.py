@@ -90,6 +90,12 @@ class NativeCpuKernel(XlaKernel):
                                   forward_fn=self.forward)
         return o, *(lse if lse_grad else jax.lax.stop_gradient(lse))
 
+    def dilated_forward(self, q, k, v, args: KernelArgs, plans, **kw):
+        """:func:`native_dilated_forward`: one-device dilated attention runs its
+        forward as this one call where :meth:`call_reason` accepts every branch's
+        calls (:mod:`jax_dilated.ops.dilated_local`)."""
+        return native_dilated_forward(q, k, v, args, plans, **kw)
+
     def __repr__(self):
         return "NativeCpuKernel()"
 
@@ -106,6 +112,52 @@ def native_forward(q, k, v, args: KernelArgs, *, kv_valid=None):
     o, m, l = call(q, k, v, valid, scale=np.float32(args.scale),
                    causal=bool(args.is_causal))
     # inside shard_map the custom call's results vary as its inputs do
+    return varying_like((o, *softmax.lse_parts(m, l)), (q, k, v))
+
+
+def native_dilated_forward(q, k, v, args: KernelArgs, plans, *, kv_mask=None,
+                           accumulate: bool, out_scale: float = 1.0):
+    """Every branch of dilated attention in one FFI call, reading each branch's
+    dilated segments where they lie in ``q``, ``k``, ``v`` and writing its rows of
+    the result in place (nothing gathered, scattered or merged outside the kernel).
+
+    Args:
+      q: [B, T, H, D]; k, v: [B, T, Hkv, D]; float32.
+      args: the kernel arguments (``scale``, ``is_causal``; causal inside each
+        dilated segment).
+      plans: the :class:`~jax_dilated.core.branch_plans.BranchPlan` of every branch
+        (none a sliding window), in the order they run.
+      kv_mask: None or [B, T] bool.
+      accumulate: static. True (longnet): every branch continues each row's softmax,
+        so the result is one softmax over all the branches' keys (docs/semantics.md,
+        Eq. 10). False (head_groups): each row's one branch writes it.
+      out_scale: static; the output is ``out_scale`` times the normalised one.
+
+    Returns:
+      ``(o [B, T, H, D], lse, lse_lo [B, T, H])``; rows no branch selects hold ``o =
+      0``, ``lse = -inf``, ``lse_lo = 0``.
+    """
+    def ints(per_plan):
+        return np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in per_plan])
+
+    mask = (jnp.zeros((0,), jnp.uint8) if kv_mask is None
+            else jnp.broadcast_to(kv_mask, q.shape[:2]).astype(jnp.uint8))
+    rows = jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)
+    call = jax.ffi.ffi_call(build.TARGET_DILATED,
+                            (jax.ShapeDtypeStruct(q.shape, jnp.float32), rows, rows),
+                            vmap_method="broadcast_all")
+    o, m, l = call(
+        q, k, v, mask,
+        segments=ints([[p.branch.effective_length] for p in plans]),
+        rates=ints([[p.branch.rate] for p in plans]),
+        branch_heads=ints([[len(p.query_heads)] for p in plans]),
+        q_heads=ints([p.query_heads for p in plans]),
+        q_offsets=ints([p.offsets for p in plans]),
+        branch_kv_heads=ints([[len(p.kv_heads)] for p in plans]),
+        kv_heads=ints([p.kv_heads for p in plans]),
+        kv_offsets=ints([p.kv_offsets for p in plans]),
+        scale=np.float32(args.scale), causal=bool(args.is_causal),
+        accumulate=bool(accumulate), out_scale=np.float32(out_scale))
     return varying_like((o, *softmax.lse_parts(m, l)), (q, k, v))
 
 

@@ -8,19 +8,25 @@
 // kv_valid (if given) marks it and, for causal calls, when its index is at most the
 // query's (positions are the indices 0..L-1 of the call, as the XLA kernel's default).
 //
-// Layouts: q [N, Lq, H, D], k and v [N, Lk, Hkv, D] (H % Hkv == 0, grouped-query
-// heads read kv head h / (H / Hkv)), kv_valid [N, Lk] or [N, Lk, Hkv] (uint8, or an
-// empty array for none), o [N, Lq, H, D], and per row [N, Lq, H] its maximum logit m
-// and l = sum_t exp(s_pt - m), from which the caller forms lse = m + log l in two
-// parts (core/softmax.py: extreme logits keep their precision); l = 0 for a row
-// without keys. D is a multiple of 16 up to 256.
+// Two calls. The plain one (Forward): q [N, Lq, H, D], k and v [N, Lk, Hkv, D]
+// (H % Hkv == 0, grouped-query heads read kv head h / (H / Hkv)), kv_valid [N, Lk]
+// or [N, Lk, Hkv] (uint8, or an empty array for none), o [N, Lq, H, D], and per row
+// [N, Lq, H] its maximum logit m and l = sum_t exp(s_pt - m), from which the caller
+// forms lse = m + log l in two parts (core/softmax.py: extreme logits keep their
+// precision); l = 0 for a row without keys. The dilated one (DilatedForward): every
+// branch of LongNet's dilated attention (docs/semantics.md, section 2) on q [B, T,
+// H, D], k, v [B, T, Hkv, D], each dilated segment an item whose rows are r
+// positions apart, read where they lie and written into o, m, l [B, T, H, ...] in
+// place; longnet's branches continue each row's softmax, so no merge is needed.
+// D is a multiple of 16 up to 256.
 //
 // Work: items of (n, h, a run of query rows), shared by an atomic counter among the
 // calling thread and tasks on XLA's intra-op thread pool (so a call uses the threads
-// XLA was given and no more). Each item packs k^T of its kv head once (key blocks of BK), then for every
-// tile of BQ query rows runs, per key block, S = q k^T on MR x 32 register tiles,
-// the online-softmax update on S in place (running max m, sum l; exp by a degree-6
-// polynomial and AVX-512's scalef), and O += P v on MR x 64 register tiles.
+// XLA was given and no more). Each item packs k^T of its kv head once (key blocks of
+// BK), then for every tile of BQ query rows runs, per key block, S = q k^T on MR x 32
+// register tiles, the online-softmax update on S in place (running max m, sum l; exp
+// by a degree-7 polynomial and AVX-512's scalef), and O += P v on MR x 64 register
+// tiles.
 #if !defined(__AVX512F__) || !defined(__linux__)
 #error "the native CPU kernel needs Linux on an x86-64 CPU with AVX-512"
 #endif
@@ -30,6 +36,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -122,36 +129,44 @@ void pv_columns(const float* p, const float* v, int64_t vstride, float* o, int d
   }
 }
 
-struct Problem {
+// Where one (n, head) of a call has its rows: query row i is q + i q_stride (its
+// output o + i q_stride, its statistics m, l + i stat_stride), key t is k, v +
+// t kv_stride and its validity byte valid[t valid_stride] (valid nullptr: all valid).
+// The plain call's items are the slices [n, :, h] of its arrays; a dilated branch's
+// are the dilated segments of the whole sequence, rows r positions apart, read and
+// written where they lie (no gather, no scatter).
+struct Item {
   const float *q, *k, *v;
-  const uint8_t* valid;  // nullptr: every key valid
-  int valid_heads;       // 1 ([N, Lk]) or Hkv ([N, Lk, Hkv])
-  float *o, *m, *l;  // o normalised; m, l: each row's maximum and sum of exp(s - m)
-  int64_t n, lq, lk, h, hkv, d;
-  float scale;
+  const uint8_t* valid;
+  float *o, *m, *l;
+  int64_t q_stride, kv_stride, valid_stride, stat_stride, lq, lk;
+};
+
+struct Config {
+  int64_t d;
+  float scale, out_scale;  // the output written is out_scale times the normalised one
   bool causal;
+  bool accumulate;  // continue each row's softmax from the (o, m, l) it holds
 };
 
 struct Scratch {
   std::vector<float> kt, s, qs, ot, mask;
-  explicit Scratch(const Problem& pb)
-      : kt(((pb.lk + BK - 1) / BK) * pb.d * BK), s(MR * BK), qs(BQ * pb.d), ot(BQ * pb.d),
-        mask(BK) {}
+  Scratch(int64_t max_lk, int64_t d)
+      : kt(((max_lk + BK - 1) / BK) * d * BK), s(MR * BK), qs(BQ * d), ot(BQ * d), mask(BK) {}
 };
 
-// Rows [r0, r1) of head h of item n.
-void run_rows(const Problem& pb, Scratch& w, int64_t n, int64_t h, int64_t r0, int64_t r1) {
-  const int64_t d = pb.d, g = pb.h / pb.hkv, hk = h / g;
-  const int64_t qrow = pb.h * d, kvrow = pb.hkv * d;
-  const float* k = pb.k + n * pb.lk * kvrow + hk * d;
-  const float* v = pb.v + n * pb.lk * kvrow + hk * d;
-  const int64_t kend_all = pb.causal ? std::min(pb.lk, r1) : pb.lk;
+// Rows [r0, r1) of one item.
+void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t r1) {
+  const int64_t d = cf.d;
+  const int64_t kend_all = cf.causal ? std::min(it.lk, r1) : it.lk;
   // k^T of the keys this run can see, in blocks [block][d][BK], zero-padded
   for (int64_t b0 = 0; b0 < kend_all; b0 += BK) {
     float* kt = w.kt.data() + (b0 / BK) * d * BK;
     const int64_t nk = std::min<int64_t>(BK, kend_all - b0);
-    for (int64_t t = 0; t < nk; t++)
-      for (int64_t c = 0; c < d; c++) kt[c * BK + t] = k[(b0 + t) * kvrow + c];
+    for (int64_t t = 0; t < nk; t++) {
+      const float* src = it.k + (b0 + t) * it.kv_stride;
+      for (int64_t c = 0; c < d; c++) kt[c * BK + t] = src[c];
+    }
     for (int64_t c = 0; c < d; c++)
       std::fill(kt + c * BK + nk, kt + c * BK + BK, 0.0f);
   }
@@ -159,27 +174,33 @@ void run_rows(const Problem& pb, Scratch& w, int64_t n, int64_t h, int64_t r0, i
   for (int64_t q0 = r0; q0 < r1; q0 += BQ) {
     const int nq = (int)std::min<int64_t>(BQ, r1 - q0);
     const int nqp = (nq + MR - 1) / MR * MR;
+    std::fill(w.ot.begin(), w.ot.begin() + nqp * d, 0.0f);
     for (int i = 0; i < nqp; i++) {
       m[i] = -INFINITY;
       l[i] = 0.0f;
-      const float* src = pb.q + ((n * pb.lq + q0 + i) * pb.h + h) * d;
-      for (int64_t c = 0; c < d; c++) w.qs[i * d + c] = i < nq ? src[c] * pb.scale : 0.0f;
+      const float* src = it.q + (q0 + i) * it.q_stride;
+      for (int64_t c = 0; c < d; c++) w.qs[i * d + c] = i < nq ? src[c] * cf.scale : 0.0f;
+      const int64_t stat = (q0 + i) * it.stat_stride;
+      if (cf.accumulate && i < nq && it.l[stat] > 0.0f) {
+        // continue the row's softmax: unnormalise the output it holds
+        m[i] = it.m[stat];
+        l[i] = it.l[stat];
+        const float* prev = it.o + (q0 + i) * it.q_stride;
+        for (int64_t c = 0; c < d; c++) w.ot[i * d + c] = prev[c] * l[i];
+      }
     }
-    std::fill(w.ot.begin(), w.ot.begin() + nqp * d, 0.0f);
-    const int64_t kend = pb.causal ? std::min(pb.lk, q0 + nq) : pb.lk;
+    const int64_t kend = cf.causal ? std::min(it.lk, q0 + nq) : it.lk;
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
       const int nk = (int)std::min<int64_t>(BK, kend - k0);
       const int ncols = (nk + 31) / 32 * 32;
       // additive key mask of this block: padding columns and invalid keys (none: skip)
-      const bool masked = ncols != nk || pb.valid != nullptr;
+      const bool masked = ncols != nk || it.valid != nullptr;
       for (int j = 0; masked && j < ncols; j++) {
         bool ok = j < nk;
-        if (ok && pb.valid != nullptr)
-          ok = pb.valid[(n * pb.lk + k0 + j) * pb.valid_heads +
-                        (pb.valid_heads == 1 ? 0 : hk)] != 0;
+        if (ok && it.valid != nullptr) ok = it.valid[(k0 + j) * it.valid_stride] != 0;
         w.mask[j] = ok ? 0.0f : -INFINITY;
       }
-      const bool diagonal = pb.causal && k0 + nk - 1 > q0;  // some key after some row
+      const bool diagonal = cf.causal && k0 + nk - 1 > q0;  // some key after some row
       const float* kt = w.kt.data() + (k0 / BK) * d * BK;
       for (int t0 = 0; t0 < nqp; t0 += MR) {
         qk_tile(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, ncols);
@@ -232,90 +253,220 @@ void run_rows(const Problem& pb, Scratch& w, int64_t n, int64_t h, int64_t r0, i
               _mm512_storeu_ps(orow + c, _mm512_mul_ps(a, _mm512_loadu_ps(orow + c)));
           }
         }
-        pv_columns(w.s.data(), v + k0 * kvrow, kvrow, w.ot.data() + t0 * d, (int)d, nk);
+        pv_columns(w.s.data(), it.v + k0 * it.kv_stride, it.kv_stride, w.ot.data() + t0 * d,
+                   (int)d, nk);
       }
     }
     for (int i = 0; i < nq; i++) {
-      const int64_t row = (n * pb.lq + q0 + i) * pb.h + h;
-      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-      float* dst = pb.o + row * d;
+      const float inv = l[i] > 0.0f ? cf.out_scale / l[i] : 0.0f;
+      float* dst = it.o + (q0 + i) * it.q_stride;
       for (int64_t c = 0; c < d; c++) dst[c] = w.ot[i * d + c] * inv;
-      pb.m[row] = m[i];
-      pb.l[row] = l[i];
+      const int64_t stat = (q0 + i) * it.stat_stride;
+      it.m[stat] = m[i];
+      it.l[stat] = l[i];
     }
   }
 }
 
-// The items of one call, shared by the calling thread and the tasks it schedules on
-// XLA's intra-op thread pool. Held by shared_ptr: a task that starts only after the
-// caller has finished every item (the pool was busy) finds none left and touches
+// units [0, count) of work shared by an atomic counter among the calling thread and
+// tasks on XLA's intra-op thread pool (so a call uses the threads XLA was given and
+// no more); each thread passes its own scratch (made by the first unit that needs
+// it) to every unit it runs. Held by shared_ptr: a task that starts only after the
+// caller has finished every unit (the pool was busy) finds none left and touches
 // nothing else.
-struct Work {
-  Problem pb;
-  int64_t run_len, runs, heads, items;
+using Unit = std::function<void(int64_t, std::unique_ptr<Scratch>&)>;
+
+struct Shared {
+  Unit unit;
+  int64_t count;
   std::atomic<int64_t> next{0}, done{0};
 };
 
-void drain(Work& w) {
-  std::unique_ptr<Scratch> scratch;  // made with the first item (a late task has none)
+void drain(Shared& w) {
+  std::unique_ptr<Scratch> scratch;
   for (;;) {
-    const int64_t it = w.next.fetch_add(1);
-    if (it >= w.items) return;
-    if (!scratch) scratch = std::make_unique<Scratch>(w.pb);
-    // causal: the longest runs (the last rows) first
-    const int64_t j = w.pb.causal ? w.runs - 1 - it / w.heads : it / w.heads;
-    const int64_t nh = it % w.heads;
-    run_rows(w.pb, *scratch, nh / w.pb.h, nh % w.pb.h, j * w.run_len,
-             std::min(w.pb.lq, (j + 1) * w.run_len));
+    const int64_t u = w.next.fetch_add(1);
+    if (u >= w.count) return;
+    w.unit(u, scratch);
     w.done.fetch_add(1, std::memory_order_release);
   }
 }
 
-void run(const Problem& pb, ffi::ThreadPool& pool) {
-  auto w = std::make_shared<Work>();
-  w->pb = pb;
-  const int threads = (int)std::max<int64_t>(1, pool.num_threads());
-  // runs of query rows: at least 2 items per thread, never below BQ rows
-  w->heads = pb.n * pb.h;
-  w->run_len = pb.lq;
-  while (w->run_len > BQ && w->heads * ((pb.lq + w->run_len - 1) / w->run_len) < 2 * threads)
-    w->run_len = (w->run_len / 2 + BQ - 1) / BQ * BQ;
-  w->runs = (pb.lq + w->run_len - 1) / w->run_len;
-  w->items = w->heads * w->runs;
-  const int64_t helpers = std::min<int64_t>(threads, w->items) - 1;
+void parallel_for(ffi::ThreadPool& pool, int64_t count, Unit unit) {
+  if (count <= 0) return;
+  auto w = std::make_shared<Shared>();
+  w->unit = std::move(unit);
+  w->count = count;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t helpers = std::min<int64_t>(threads, count) - 1;
   for (int64_t i = 0; i < helpers; i++) pool.Schedule([w]() { drain(*w); });
   drain(*w);
-  // every item claimed; wait for those still running on other threads
-  while (w->done.load(std::memory_order_acquire) < w->items) std::this_thread::yield();
+  // every unit claimed; wait for those still running on other threads
+  while (w->done.load(std::memory_order_acquire) < w->count) std::this_thread::yield();
 }
 
-ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                   ffi::Buffer<ffi::U8> kv_valid, float scale, bool causal,
-                   ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
-                   ffi::ResultBuffer<ffi::F32> l) {
+// Attention over `count` items (item(i) says where item i's rows are, at most max_lq
+// query and max_lk key rows), their rows cut into runs.
+void run_items(const Config& cf, int64_t count, int64_t max_lq, int64_t max_lk,
+               const std::function<Item(int64_t)>& item, ffi::ThreadPool& pool) {
+  if (count == 0 || max_lq == 0) return;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // runs of query rows: at least 2 units per thread, never below BQ rows
+  int64_t run_len = max_lq;
+  while (run_len > BQ && count * ((max_lq + run_len - 1) / run_len) < 2 * threads)
+    run_len = (run_len / 2 + BQ - 1) / BQ * BQ;
+  const int64_t runs = (max_lq + run_len - 1) / run_len;
+  parallel_for(pool, count * runs, [&, run_len, runs](int64_t u, std::unique_ptr<Scratch>& s) {
+    // causal: the longest runs (the last rows) first
+    const int64_t j = cf.causal ? runs - 1 - u / count : u / count;
+    const Item it = item(u % count);
+    if (j * run_len >= it.lq) return;
+    if (!s) s = std::make_unique<Scratch>(max_lk, cf.d);
+    run_rows(cf, it, *s, j * run_len, std::min(it.lq, (j + 1) * run_len));
+  });
+}
+
+// q [..., L, C, D] and k [..., Lk, Ck, D] of one rank: N (the product of the leading
+// axes), L, C, D, Lk and Ck.
+struct Shapes {
+  int64_t n, lq, h, d, lk, hkv;
+};
+
+ffi::Error read_shapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, Shapes& sh) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() < 4 || kd.size() != qd.size())
     return ffi::Error::InvalidArgument("q and k must be [..., L, H, D] of one rank");
   const size_t r = qd.size();
-  Problem pb;
-  pb.n = 1;
-  for (size_t i = 0; i + 3 < r; i++) pb.n *= qd[i];
-  pb.lq = qd[r - 3]; pb.h = qd[r - 2]; pb.d = qd[r - 1];
-  pb.lk = kd[r - 3]; pb.hkv = kd[r - 2];
-  if (pb.d % 16 != 0 || pb.d > MAX_D || kd[r - 1] != pb.d || pb.hkv <= 0 || pb.h % pb.hkv)
-    return ffi::Error::InvalidArgument("head_dim must be a multiple of 16 up to 256 and "
-                                       "the query heads a multiple of the kv heads");
-  pb.q = q.typed_data(); pb.k = k.typed_data(); pb.v = v.typed_data();
-  pb.o = o->typed_data(); pb.m = m->typed_data(); pb.l = l->typed_data();
-  pb.valid = kv_valid.element_count() == 0 ? nullptr : kv_valid.typed_data();
-  pb.valid_heads = pb.valid == nullptr ? 1
-                   : (int)(kv_valid.element_count() / (pb.n * pb.lk));
-  if (pb.valid != nullptr && pb.valid_heads != 1 && pb.valid_heads != pb.hkv)
+  sh.n = 1;
+  for (size_t i = 0; i + 3 < r; i++) sh.n *= qd[i];
+  sh.lq = qd[r - 3]; sh.h = qd[r - 2]; sh.d = qd[r - 1];
+  sh.lk = kd[r - 3]; sh.hkv = kd[r - 2];
+  if (sh.d % 16 != 0 || sh.d > MAX_D || kd[r - 1] != sh.d)
+    return ffi::Error::InvalidArgument("head_dim must be a multiple of 16 up to 256");
+  if (sh.hkv <= 0 || sh.h % sh.hkv)
+    return ffi::Error::InvalidArgument("the query heads must be a multiple of the kv heads");
+  return ffi::Error::Success();
+}
+
+// The plain call: o [N, Lq, H, D], m, l [N, Lq, H] for q [N, Lq, H, D], k, v
+// [N, Lk, Hkv, D] and kv_valid empty, [N, Lk] or [N, Lk, Hkv].
+ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::Buffer<ffi::U8> kv_valid, float scale, bool causal,
+                   ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
+                   ffi::ResultBuffer<ffi::F32> l) {
+  Shapes sh;
+  if (auto err = read_shapes(q, k, sh); err.failure()) return err;
+  const uint8_t* valid = kv_valid.element_count() == 0 ? nullptr : kv_valid.typed_data();
+  const int64_t vc = valid == nullptr ? 1 : (int64_t)kv_valid.element_count() / (sh.n * sh.lk);
+  if (valid != nullptr && ((vc != 1 && vc != sh.hkv) ||
+                           (int64_t)kv_valid.element_count() != sh.n * sh.lk * vc))
     return ffi::Error::InvalidArgument("kv_valid must be [N, Lk] or [N, Lk, Hkv]");
-  pb.scale = scale;
-  pb.causal = causal;
-  if (pb.lq == 0 || pb.h == 0 || pb.n == 0) return ffi::Error::Success();
-  run(pb, pool);
+  const Config cf{sh.d, scale, 1.0f, causal, false};
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  float *op = o->typed_data(), *mp = m->typed_data(), *lp = l->typed_data();
+  auto item = [=](int64_t nh) {
+    const int64_t n = nh / sh.h, h = nh % sh.h, hk = h / (sh.h / sh.hkv);
+    const int64_t qrow = (n * sh.lq * sh.h + h), krow = n * sh.lk * sh.hkv + hk;
+    return Item{qp + qrow * sh.d, kp + krow * sh.d, vp + krow * sh.d,
+                valid == nullptr ? nullptr : valid + n * sh.lk * vc + (vc == 1 ? 0 : hk),
+                op + qrow * sh.d, mp + qrow, lp + qrow,
+                sh.h * sh.d, sh.hkv * sh.d, vc, sh.h, sh.lq, sh.lk};
+  };
+  run_items(cf, sh.n * sh.h, sh.lq, sh.lk, item, pool);
+  return ffi::Error::Success();
+}
+
+// Dilated attention, every branch in one call (docs/semantics.md, section 2):
+// q [B, T, H, D], k, v [B, T, Hkv, D], kv_mask empty or [B, T]; branch b cuts the
+// sequence into segments of segments[b] tokens and takes every rates[b]-th; its
+// served heads are q_heads (at q_offsets), branch_heads[b] of them, reading kv heads
+// kv_heads (at kv_offsets), branch_kv_heads[b] of them (grouped as in the plain
+// call). A segment's positions past T do not exist: the dilated rows end there.
+// accumulate (longnet): every branch continues each row's softmax, so o, m and l
+// are those of one softmax over all the branches' keys; else (head_groups) each row
+// is written by its one branch, the output times out_scale. Rows no branch selects
+// get o = 0, m = -inf, l = 0.
+ffi::Error DilatedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U8> kv_mask,
+                          ffi::Span<const int64_t> segments, ffi::Span<const int64_t> rates,
+                          ffi::Span<const int64_t> branch_heads,
+                          ffi::Span<const int64_t> q_heads, ffi::Span<const int64_t> q_offsets,
+                          ffi::Span<const int64_t> branch_kv_heads,
+                          ffi::Span<const int64_t> kv_heads,
+                          ffi::Span<const int64_t> kv_offsets, float scale, bool causal,
+                          bool accumulate, float out_scale, ffi::ThreadPool pool,
+                          ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
+                          ffi::ResultBuffer<ffi::F32> l) {
+  Shapes sh;
+  if (auto err = read_shapes(q, k, sh); err.failure()) return err;
+  const int64_t b = sh.n, t = sh.lq, h = sh.h, hkv = sh.hkv, d = sh.d;
+  if (sh.lk != t) return ffi::Error::InvalidArgument("q and k must have one length");
+  const uint8_t* valid = kv_mask.element_count() == 0 ? nullptr : kv_mask.typed_data();
+  if (valid != nullptr && (int64_t)kv_mask.element_count() != b * t)
+    return ffi::Error::InvalidArgument("kv_mask must be [B, T]");
+  const size_t nb = segments.size();
+  if (rates.size() != nb || branch_heads.size() != nb || branch_kv_heads.size() != nb)
+    return ffi::Error::InvalidArgument("one segment length, rate and head count per branch");
+  int64_t q_total = 0, kv_total = 0;
+  for (size_t i = 0; i < nb; i++) {
+    if (segments[i] <= 0 || rates[i] <= 0 || segments[i] % rates[i] ||
+        branch_heads[i] <= 0 || branch_kv_heads[i] <= 0 ||
+        branch_heads[i] % branch_kv_heads[i])
+      return ffi::Error::InvalidArgument("bad branch geometry");
+    if ((int64_t)q_heads.size() < q_total + branch_heads[i] ||
+        (int64_t)kv_heads.size() < kv_total + branch_kv_heads[i])
+      return ffi::Error::InvalidArgument("one head and offset per served head");
+    for (int64_t j = q_total; j < q_total + branch_heads[i]; j++)
+      if (q_heads[j] < 0 || q_heads[j] >= h || q_offsets[j] < 0 || q_offsets[j] >= rates[i])
+        return ffi::Error::InvalidArgument("query head or offset out of range");
+    for (int64_t j = kv_total; j < kv_total + branch_kv_heads[i]; j++)
+      if (kv_heads[j] < 0 || kv_heads[j] >= hkv || kv_offsets[j] < 0 ||
+          kv_offsets[j] >= rates[i])
+        return ffi::Error::InvalidArgument("kv head or offset out of range");
+    q_total += branch_heads[i];
+    kv_total += branch_kv_heads[i];
+  }
+  if ((int64_t)q_heads.size() != q_total || (int64_t)q_offsets.size() != q_total ||
+      (int64_t)kv_heads.size() != kv_total || (int64_t)kv_offsets.size() != kv_total)
+    return ffi::Error::InvalidArgument("one head and offset per served head");
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  float *op = o->typed_data(), *mp = m->typed_data(), *lp = l->typed_data();
+  const int64_t rows = b * t * h, per = 16384;  // rows of (m, l) or o per fill unit
+  parallel_for(pool, (rows + per - 1) / per, [=](int64_t u, std::unique_ptr<Scratch>&) {
+    std::fill(mp + u * per, mp + std::min(rows, (u + 1) * per), -INFINITY);
+    std::fill(lp + u * per, lp + std::min(rows, (u + 1) * per), 0.0f);
+  });
+  const Config cf{d, scale, out_scale, causal, accumulate};
+  int64_t q_first = 0, kv_first = 0;
+  for (size_t i = 0; i < nb; i++) {
+    const int64_t w = segments[i], r = rates[i];
+    const int64_t segs = (t + w - 1) / w, hs = branch_heads[i], hk = branch_kv_heads[i];
+    // the dilated rows of segment s at offset off that exist: positions < T
+    auto length = [=](int64_t s, int64_t off) {
+      return std::clamp<int64_t>((t - s * w - off + r - 1) / r, 0, w / r);
+    };
+    const int64_t* qh = q_heads.begin() + q_first;
+    const int64_t* qo = q_offsets.begin() + q_first;
+    const int64_t* kh = kv_heads.begin() + kv_first;
+    const int64_t* ko = kv_offsets.begin() + kv_first;
+    auto item = [=](int64_t u) {
+      const int64_t n = u / hs, j = u % hs, g = j / (hs / hk), bi = n / segs, s = n % segs;
+      const int64_t qpos = bi * t + s * w + qo[j], kpos = bi * t + s * w + ko[g];
+      const int64_t qrow = qpos * h + qh[j], krow = kpos * hkv + kh[g];
+      return Item{qp + qrow * d, kp + krow * d, vp + krow * d,
+                  valid == nullptr ? nullptr : valid + kpos,
+                  op + qrow * d, mp + qrow, lp + qrow,
+                  r * h * d, r * hkv * d, r, r * h, length(s, qo[j]), length(s, ko[g])};
+    };
+    run_items(cf, b * segs * hs, w / r, w / r, item, pool);
+    q_first += hs;
+    kv_first += hk;
+  }
+  // rows no branch selected (l = 0) hold no output yet
+  parallel_for(pool, (rows + per - 1) / per, [=](int64_t u, std::unique_ptr<Scratch>&) {
+    for (int64_t row = u * per; row < std::min(rows, (u + 1) * per); row++)
+      if (lp[row] == 0.0f) std::fill(op + row * d, op + (row + 1) * d, 0.0f);
+  });
   return ffi::Error::Success();
 }
 
@@ -329,6 +480,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionForwardCpu, Forward,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // kv_valid
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // m
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // l
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionDilatedForwardCpu, DilatedForward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // kv_mask
+                                  .Attr<ffi::Span<const int64_t>>("segments")
+                                  .Attr<ffi::Span<const int64_t>>("rates")
+                                  .Attr<ffi::Span<const int64_t>>("branch_heads")
+                                  .Attr<ffi::Span<const int64_t>>("q_heads")
+                                  .Attr<ffi::Span<const int64_t>>("q_offsets")
+                                  .Attr<ffi::Span<const int64_t>>("branch_kv_heads")
+                                  .Attr<ffi::Span<const int64_t>>("kv_heads")
+                                  .Attr<ffi::Span<const int64_t>>("kv_offsets")
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("accumulate")
+                                  .Attr<float>("out_scale")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>()   // o
                                   .Ret<ffi::Buffer<ffi::F32>>()   // m

@@ -25,8 +25,11 @@ import tempfile
 import jax
 
 SOURCE = pathlib.Path(__file__).with_name("attention_cpu.cc")
-TARGET = "jax_dilated_attention_forward_cpu"  # the FFI target's name in XLA
-_SYMBOL = "JaxDilatedAttentionForwardCpu"
+# the FFI targets' names in XLA and their handlers' symbols in the library
+TARGET = "jax_dilated_attention_forward_cpu"
+TARGET_DILATED = "jax_dilated_dilated_attention_forward_cpu"
+_SYMBOLS = {TARGET: "JaxDilatedAttentionForwardCpu",
+            TARGET_DILATED: "JaxDilatedAttentionDilatedForwardCpu"}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 
 
@@ -46,8 +49,9 @@ def load() -> str | None:
     try:
         library = _build(compiler)
         lib = ctypes.cdll.LoadLibrary(str(library))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)),
-                                    platform="cpu")
+        for target, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
         return f"it did not build or load ({type(err).__name__}: {_first_line(err)})"
     return None
