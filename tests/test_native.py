@@ -203,39 +203,55 @@ _DILATED_CASES = [
 
 @pytest.mark.parametrize("t, h, hkv, mode, offsets, causal, mask, segments, rates",
                          _DILATED_CASES)
-def test_dilated_forward_in_one_call_matches_float64(t, h, hkv, mode, offsets, causal, mask,
-                                                     segments, rates):
-    """The one-call dilated forward (every branch read where it lies and written in
-    place; longnet continues each row's softmax across the branches) against the
-    same attention in float64 on the XLA kernel (which test_parity checks against the
-    PyTorch reference): outputs and log-sum-exp at 1e-5, rows of no key included."""
+def test_dilated_attention_in_one_call_per_pass_matches_float64(
+        t, h, hkv, mode, offsets, causal, mask, segments, rates):
+    """The fused dilated forward and backward (every branch in one call per pass,
+    segments read where they lie, results written in place; longnet continues each
+    row's softmax across the branches) against the same attention in float64 on the
+    XLA kernel (which test_parity checks against the PyTorch reference): outputs,
+    log-sum-exp and the gradients of both (random cotangents on each) at 1e-5, rows
+    of no key included."""
     rng = np.random.default_rng(t + h + hkv)
     q = rng.standard_normal((2, t, h, 32)).astype(np.float32)
     k, v = (rng.standard_normal((2, t, hkv, 32)).astype(np.float32) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    dlse = rng.standard_normal(q.shape[:-1]).astype(np.float32)
     kv_mask = rng.random((2, t)) < 0.7 if mask else None
     kw = dict(segment_lengths=segments, dilation_rates=rates, mode=mode,
               head_offsets=offsets, is_causal=causal, kv_mask=kv_mask, return_lse=True)
-    f = jax.jit(functools.partial(jd.dilated_attention, **kw))
-    got = f(q, k, v)
-    want = jd.dilated_attention(*(x.astype(np.float64) for x in (q, k, v)),
-                                implementation="xla", **kw)
+
+    def run(q, k, v, implementation=None):
+        f = functools.partial(jd.dilated_attention, implementation=implementation, **kw)
+        out, vjp = jax.vjp(f, q, k, v)
+        lse = out[1]
+        # no cotangent flows into rows without keys (their lse is -inf)
+        return (*out, *vjp((do.astype(q.dtype),
+                            jnp.where(jnp.isfinite(lse), dlse.astype(q.dtype), 0))))
+
+    got = jax.jit(run)(q, k, v)
+    want = run(*(x.astype(np.float64) for x in (q, k, v)), implementation="xla")
     for g, w in zip(got, want):
         _close(g, w)
-    hlo = f.lower(q, k, v).as_text()
-    assert hlo.count(native.build.TARGET_DILATED) == 1, "one call for every branch"
-    assert native.build.TARGET + '"' not in hlo and "gather" not in hlo
+    hlo = jax.jit(run).lower(q, k, v).as_text()
+    assert hlo.count(f"@{native.build.TARGET_DILATED}(") == 1, "one forward call"
+    assert hlo.count(f"@{native.build.TARGET_DILATED_BACKWARD}(") == 1, "one backward call"
+    assert f"@{native.build.TARGET}(" not in hlo and "gather" not in hlo
 
 
-def test_dilated_forward_holds_no_sequence_sized_temporary():
-    """Compiled, the one-call forward's temporaries are the row statistics only:
-    under a quarter of one [B, T, H, D] array (the chunked program holds several
-    chunks of gathered segments)."""
+def test_dilated_attention_holds_no_sequence_sized_temporary():
+    """Compiled, the fused forward's and forward+backward's temporaries are row
+    statistics only: under a quarter of one [B, T, H, D] array (the chunked program
+    holds chunks of gathered segments, several arrays' worth with the backward)."""
     q = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.float32)
     for mode in ("longnet", "head_groups"):
-        f = jax.jit(functools.partial(jd.dilated_attention, segment_lengths=(512, 1024, 2048),
-                                      dilation_rates=(1, 2, 4), mode=mode))
-        temp = f.lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
-        assert temp < 4096 * 8 * 64 * 4 / 4, (mode, temp)
+        f = functools.partial(jd.dilated_attention, segment_lengths=(512, 1024, 2048),
+                              dilation_rates=(1, 2, 4), mode=mode)
+        def grads(q, k, v, do, f=f):
+            return jax.vjp(f, q, k, v)[1](do)
+
+        for fn, args in ((f, (q, q, q)), (grads, (q, q, q, q))):
+            temp = jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+            assert temp < 4096 * 8 * 64 * 4 / 4, (mode, fn, temp)
 
 
 def test_dilated_forward_under_vmap():

@@ -467,12 +467,13 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
 
 
 def _fused_serves(call: _Call, query, key, kv_mask) -> bool:
-    """Whether the call's forward runs as one call of a fused dilated forward
-    (``Kernel.dilated_forward``, the native CPU kernel's): one kernel runs every
-    branch, has one, and serves each branch's calls."""
+    """Whether the call runs as one fused call of the kernel per pass
+    (``dilated_forward`` and ``dilated_backward``, the native CPU kernel's): one
+    kernel runs every branch, has both, and serves each branch's calls."""
     kernel = call.kernel_of(0)
     if (any(call.kernel_of(i) is not kernel for i in range(len(call.plans)))
-            or getattr(kernel, "dilated_forward", None) is None):
+            or getattr(kernel, "dilated_forward", None) is None
+            or getattr(kernel, "dilated_backward", None) is None):
         return False
     b, t, _, d = query.shape
     spec = jax.ShapeDtypeStruct
@@ -527,6 +528,13 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
         if out is not None:
             out = (out.astype(stats) * call.groups).astype(query.dtype)
     lse_k = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: see dense.backward
+    if (rng is None and source is None and out is None
+            and _fused_serves(call, query, key, kv_mask)):
+        # every branch's segments read where they lie, the gradients summed in place
+        dq, dk, dv = call.kernel_of(0).dilated_backward(
+            query, key, value, do, c_do, lse_k, delta, call.args, call.plans[::-1],
+            kv_mask=kv_mask)
+        return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
     dq = jnp.zeros(query.shape, stats)
     dk = jnp.zeros(key.shape, stats)
     dv = jnp.zeros(value.shape, stats)

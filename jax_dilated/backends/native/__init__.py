@@ -96,6 +96,10 @@ class NativeCpuKernel(XlaKernel):
         calls (:mod:`jax_dilated.ops.dilated_local`)."""
         return native_dilated_forward(q, k, v, args, plans, **kw)
 
+    def dilated_backward(self, q, k, v, do, c, lse, delta, args: KernelArgs, plans, **kw):
+        """:func:`native_dilated_backward`, the gradients of :meth:`dilated_forward`."""
+        return native_dilated_backward(q, k, v, do, c, lse, delta, args, plans, **kw)
+
     def __repr__(self):
         return "NativeCpuKernel()"
 
@@ -137,28 +141,63 @@ def native_dilated_forward(q, k, v, args: KernelArgs, plans, *, kv_mask=None,
       ``(o [B, T, H, D], lse, lse_lo [B, T, H])``; rows no branch selects hold ``o =
       0``, ``lse = -inf``, ``lse_lo = 0``.
     """
-    def ints(per_plan):
-        return np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in per_plan])
-
-    mask = (jnp.zeros((0,), jnp.uint8) if kv_mask is None
-            else jnp.broadcast_to(kv_mask, q.shape[:2]).astype(jnp.uint8))
+    mask = _kv_mask_bytes(kv_mask, q.shape[:2])
     rows = jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)
     call = jax.ffi.ffi_call(build.TARGET_DILATED,
                             (jax.ShapeDtypeStruct(q.shape, jnp.float32), rows, rows),
                             vmap_method="broadcast_all")
-    o, m, l = call(
-        q, k, v, mask,
-        segments=ints([[p.branch.effective_length] for p in plans]),
-        rates=ints([[p.branch.rate] for p in plans]),
-        branch_heads=ints([[len(p.query_heads)] for p in plans]),
-        q_heads=ints([p.query_heads for p in plans]),
-        q_offsets=ints([p.offsets for p in plans]),
-        branch_kv_heads=ints([[len(p.kv_heads)] for p in plans]),
-        kv_heads=ints([p.kv_heads for p in plans]),
-        kv_offsets=ints([p.kv_offsets for p in plans]),
-        scale=np.float32(args.scale), causal=bool(args.is_causal),
-        accumulate=bool(accumulate), out_scale=np.float32(out_scale))
+    o, m, l = call(q, k, v, mask, **_branch_attributes(plans), scale=np.float32(args.scale),
+                   causal=bool(args.is_causal), accumulate=bool(accumulate),
+                   out_scale=np.float32(out_scale))
     return varying_like((o, *softmax.lse_parts(m, l)), (q, k, v))
+
+
+def native_dilated_backward(q, k, v, do, c, lse, delta, args: KernelArgs, plans, *,
+                            kv_mask=None):
+    """The gradients of :func:`native_dilated_forward`'s result, every branch in one
+    FFI call: ``(dq, dk, dv)``, summed over the branches.
+
+    ``do`` [B, T, H, D] is the output cotangent, ``c`` [B, T, H] the factor it is
+    scaled by where read (``do' = c do``), ``lse`` [B, T, H] the rounded log-sum-exp
+    of the rows (0 for a row without keys) and ``delta`` [B, T, H] (``c`` times
+    ``rowsum(do o) - dlse``; :func:`jax_dilated.core.softmax.backward_scale`): with
+    ``p = exp(s - lse)`` over each branch's keys, ``dv = p^T do'``, ``ds = p (do' v -
+    delta)``, ``dq = scale ds k``, ``dk = scale ds^T q``, as
+    :meth:`~jax_dilated.backends.base.Kernel.backward` on every dilated segment. The
+    other arguments are :func:`native_dilated_forward`'s; all float32.
+    """
+    call = jax.ffi.ffi_call(build.TARGET_DILATED_BACKWARD,
+                            (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                             jax.ShapeDtypeStruct(k.shape, jnp.float32),
+                             jax.ShapeDtypeStruct(v.shape, jnp.float32)),
+                            vmap_method="broadcast_all")
+    grads = call(q, k, v, do, c, lse, delta, _kv_mask_bytes(kv_mask, q.shape[:2]),
+                 **_branch_attributes(plans), scale=np.float32(args.scale),
+                 causal=bool(args.is_causal))
+    return varying_like(tuple(grads), (q, k, v, do))
+
+
+def _kv_mask_bytes(kv_mask, rows):
+    """The kv mask as the calls take it: [B, T] uint8, or an empty array for none."""
+    return (jnp.zeros((0,), jnp.uint8) if kv_mask is None
+            else jnp.broadcast_to(kv_mask, rows).astype(jnp.uint8))
+
+
+def _branch_attributes(plans) -> dict:
+    """The branches of a dilated call as the FFI calls' attributes (int64 arrays):
+    per branch its segment length, rate and head counts; per served head its head and
+    offset, concatenated over the branches (attention_cpu.cc, read_branches)."""
+    def ints(per_plan):
+        return np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in per_plan])
+
+    return dict(segments=ints([[p.branch.effective_length] for p in plans]),
+                rates=ints([[p.branch.rate] for p in plans]),
+                branch_heads=ints([[len(p.query_heads)] for p in plans]),
+                q_heads=ints([p.query_heads for p in plans]),
+                q_offsets=ints([p.offsets for p in plans]),
+                branch_kv_heads=ints([[len(p.kv_heads)] for p in plans]),
+                kv_heads=ints([p.kv_heads for p in plans]),
+                kv_offsets=ints([p.kv_offsets for p in plans]))
 
 
 # The one instance the registry hands out (the kernel holds no state).

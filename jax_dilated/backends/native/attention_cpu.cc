@@ -51,6 +51,8 @@ constexpr int MR = 6;    // query rows per register tile
 constexpr int BQ = 48;   // query rows per tile (a multiple of MR)
 constexpr int BK = 512;  // keys per block (a multiple of 32; 256: 1-2.5% slower)
 constexpr int MAX_D = 256;
+constexpr int BR = 96;   // backward: query rows per tile (a multiple of 32 and of MR)
+constexpr int BC = 48;   // backward: keys per block (a multiple of MR)
 
 inline __m512 exp512(__m512 x) {
   // exp(x) = 2^n e^r, n = round(x log2 e), |r| <= ln2 / 2; e^r by its Taylor
@@ -74,34 +76,37 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// s[MR][BK] = qs[MR][D] . kt[D][BK], for the first ncols (a multiple of 32) columns.
-// Not inlined: its 12 accumulators get the registers to themselves.
-__attribute__((noinline)) void qk_tile(const float* qs, const float* kt, float* s, int d_head,
+// s[MR][ncols] = a[MR][D] . b[D][ncols], for the first ncols (a multiple of 32)
+// columns; b's and s's rows are BS floats apart. Not inlined: its 12 accumulators
+// get the registers to themselves.
+template <int BS>
+__attribute__((noinline)) void qk_tile(const float* a, const float* b, float* s, int d_head,
                                        int ncols) {
   for (int c = 0; c < ncols; c += 32) {
     __m512 acc[MR][2];
     for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int d = 0; d < d_head; d++) {
-      const __m512 b0 = _mm512_loadu_ps(kt + d * BK + c);
-      const __m512 b1 = _mm512_loadu_ps(kt + d * BK + c + 16);
+      const __m512 b0 = _mm512_loadu_ps(b + d * BS + c);
+      const __m512 b1 = _mm512_loadu_ps(b + d * BS + c + 16);
 #pragma GCC unroll 6
       for (int r = 0; r < MR; r++) {
-        const __m512 a = _mm512_set1_ps(qs[r * d_head + d]);
-        acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+        const __m512 x = _mm512_set1_ps(a[r * d_head + d]);
+        acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
       }
     }
     for (int r = 0; r < MR; r++) {
-      _mm512_storeu_ps(s + r * BK + c, acc[r][0]);
-      _mm512_storeu_ps(s + r * BK + c + 16, acc[r][1]);
+      _mm512_storeu_ps(s + r * BS + c, acc[r][0]);
+      _mm512_storeu_ps(s + r * BS + c + 16, acc[r][1]);
     }
   }
 }
 
-// o[MR][NV * 16] += p[MR][:nk] . v[:nk][NV * 16] (v rows vstride floats apart).
-template <int NV>
+// o[MR][NV * 16] += p[MR][:nk] . v[:nk][NV * 16], p's entry (r, t) at p[r PR + t PT]
+// (a tile or its transpose), v's rows vstride floats apart, o's ostride.
+template <int NV, int PR, int PT>
 __attribute__((noinline)) void pv_tile(const float* p, const float* v, int64_t vstride,
-                                       float* o, int ostride, int nk) {
+                                       float* o, int64_t ostride, int nk) {
   __m512 acc[MR][NV];
   for (int r = 0; r < MR; r++)
     for (int j = 0; j < NV; j++) acc[r][j] = _mm512_loadu_ps(o + r * ostride + 16 * j);
@@ -110,7 +115,7 @@ __attribute__((noinline)) void pv_tile(const float* p, const float* v, int64_t v
     for (int j = 0; j < NV; j++) b[j] = _mm512_loadu_ps(v + t * vstride + 16 * j);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++) {
-      const __m512 a = _mm512_set1_ps(p[r * BK + t]);
+      const __m512 a = _mm512_set1_ps(p[r * PR + t * PT]);
       for (int j = 0; j < NV; j++) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
     }
   }
@@ -118,13 +123,16 @@ __attribute__((noinline)) void pv_tile(const float* p, const float* v, int64_t v
     for (int j = 0; j < NV; j++) _mm512_storeu_ps(o + r * ostride + 16 * j, acc[r][j]);
 }
 
-void pv_columns(const float* p, const float* v, int64_t vstride, float* o, int d_head, int nk) {
+// o[MR][D] += p[MR][:nk] . v[:nk][D], D in 64-column tiles and a last one of 16-48.
+template <int PR, int PT>
+void pv_columns(const float* p, const float* v, int64_t vstride, float* o, int64_t ostride,
+                int d_head, int nk) {
   int c = 0;
-  for (; c + 64 <= d_head; c += 64) pv_tile<4>(p, v + c, vstride, o + c, d_head, nk);
+  for (; c + 64 <= d_head; c += 64) pv_tile<4, PR, PT>(p, v + c, vstride, o + c, ostride, nk);
   switch ((d_head - c) / 16) {
-    case 3: pv_tile<3>(p, v + c, vstride, o + c, d_head, nk); break;
-    case 2: pv_tile<2>(p, v + c, vstride, o + c, d_head, nk); break;
-    case 1: pv_tile<1>(p, v + c, vstride, o + c, d_head, nk); break;
+    case 3: pv_tile<3, PR, PT>(p, v + c, vstride, o + c, ostride, nk); break;
+    case 2: pv_tile<2, PR, PT>(p, v + c, vstride, o + c, ostride, nk); break;
+    case 1: pv_tile<1, PR, PT>(p, v + c, vstride, o + c, ostride, nk); break;
     default: break;
   }
 }
@@ -203,7 +211,7 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
       const bool diagonal = cf.causal && k0 + nk - 1 > q0;  // some key after some row
       const float* kt = w.kt.data() + (k0 / BK) * d * BK;
       for (int t0 = 0; t0 < nqp; t0 += MR) {
-        qk_tile(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, ncols);
+        qk_tile<BK>(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, ncols);
         for (int r = 0; r < MR; r++) {
           const int i = t0 + r;
           float* sr = w.s.data() + r * BK;
@@ -253,8 +261,8 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
               _mm512_storeu_ps(orow + c, _mm512_mul_ps(a, _mm512_loadu_ps(orow + c)));
           }
         }
-        pv_columns(w.s.data(), it.v + k0 * it.kv_stride, it.kv_stride, w.ot.data() + t0 * d,
-                   (int)d, nk);
+        pv_columns<BK, 1>(w.s.data(), it.v + k0 * it.kv_stride, it.kv_stride,
+                          w.ot.data() + t0 * d, d, (int)d, nk);
       }
     }
     for (int i = 0; i < nq; i++) {
@@ -268,13 +276,157 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
   }
 }
 
+// ------------------------------------------------------------------ backward
+//
+// Gradients from the forward's log-sum-exp (docs/semantics.md, section 1): with
+// p = exp(s - lse) per row, dv = p^T do, dp = do v^T, ds = p (dp - delta),
+// dq = scale ds k, dk = scale ds^T q, where the caller gives do' = c do and
+// delta' = c delta with c = exp(-lse_lo) (core/softmax.py, backward_rows), so the
+// rounded lse alone is read. Keys are the rows of the tiles (S^T = k q^T): the
+// per-row statistics of the queries then run along the vector lanes, and every
+// product is one of the two register tiles above with no transpose of p or ds.
+
+// One query head of a backward item: row i of q, do and dq at + i q_stride, its
+// lse, delta and c at + i stat_stride.
+struct BwdHead {
+  const float *q, *dout, *lse, *delta, *c;
+  float* dq;
+};
+
+// The query heads that read one kv head at one offset of one dilated segment, and
+// that kv head's rows: their gradients are this item's alone (within a branch).
+struct BwdItem {
+  std::vector<BwdHead> heads;
+  const float *k, *v;
+  const uint8_t* valid;
+  float *dk, *dv;
+  int64_t q_stride, stat_stride, kv_stride, valid_stride, lq, lk;
+};
+
+struct BwdScratch {
+  std::vector<float> qst, qs, dot, dos, lse, delta, dq, kb, ks, vb, dk, dv, st, dpt;
+  std::vector<uint8_t> key_ok;
+  BwdScratch(int64_t max_lq, int64_t max_lk, int64_t d) {
+    const int64_t lqp = (max_lq + BR - 1) / BR * BR, lkp = (max_lk + BC - 1) / BC * BC;
+    for (auto* x : {&qst, &qs, &dot, &dos, &dq}) x->resize(lqp * d);
+    lse.resize(lqp); delta.resize(lqp);
+    for (auto* x : {&kb, &ks, &vb}) x->resize(BC * d);
+    dk.resize(lkp * d); dv.resize(lkp * d);
+    st.resize(BC * BR); dpt.resize(BC * BR);
+    key_ok.resize(BC);
+  }
+};
+
+void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
+  const int64_t d = cf.d, lq = it.lq, lk = it.lk;
+  if (lq == 0 || lk == 0) return;
+  const int64_t nqt = (lq + BR - 1) / BR, nkb = (lk + BC - 1) / BC;
+  std::fill(w.dk.begin(), w.dk.begin() + nkb * BC * d, 0.0f);
+  std::fill(w.dv.begin(), w.dv.begin() + nkb * BC * d, 0.0f);
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (const BwdHead& hd : it.heads) {
+    // the head's query side, packed once: scale q and c do as rows and as
+    // transposed tiles [tile][D][BR]; padding rows hold 0 and lse = +inf (p = 0)
+    for (int64_t i = 0; i < nqt * BR; i++) {
+      const bool real = i < lq;
+      const float ci = real ? hd.c[i * it.stat_stride] : 0.0f;
+      const float* qrow = hd.q + i * it.q_stride;
+      const float* drow = hd.dout + i * it.q_stride;
+      float* qt = w.qst.data() + (i / BR) * d * BR + i % BR;
+      float* dt = w.dot.data() + (i / BR) * d * BR + i % BR;
+      for (int64_t c = 0; c < d; c++) {
+        const float qv = real ? qrow[c] * cf.scale : 0.0f, dv = real ? drow[c] * ci : 0.0f;
+        w.qs[i * d + c] = qv; qt[c * BR] = qv;
+        w.dos[i * d + c] = dv; dt[c * BR] = dv;
+      }
+      w.lse[i] = real ? hd.lse[i * it.stat_stride] : INFINITY;
+      w.delta[i] = real ? hd.delta[i * it.stat_stride] : 0.0f;
+    }
+    std::fill(w.dq.begin(), w.dq.begin() + nqt * BR * d, 0.0f);
+    for (int64_t kb = 0; kb < nkb; kb++) {
+      const int64_t k0 = kb * BC, nk = std::min<int64_t>(BC, lk - k0);
+      for (int64_t t = 0; t < BC; t++) {
+        const bool real = t < nk;
+        const float* krow = it.k + (k0 + t) * it.kv_stride;
+        const float* vrow = it.v + (k0 + t) * it.kv_stride;
+        for (int64_t c = 0; c < d; c++) {
+          w.kb[t * d + c] = real ? krow[c] : 0.0f;
+          w.ks[t * d + c] = real ? krow[c] * cf.scale : 0.0f;
+          w.vb[t * d + c] = real ? vrow[c] : 0.0f;
+        }
+        w.key_ok[t] = real && (it.valid == nullptr || it.valid[(k0 + t) * it.valid_stride]);
+      }
+      // causal: the tiles whose last row reaches the block's first key
+      for (int64_t qt = cf.causal ? k0 / BR : 0; qt < nqt; qt++) {
+        const int64_t q0 = qt * BR;
+        const float* qst = w.qst.data() + qt * d * BR;
+        const float* dot = w.dot.data() + qt * d * BR;
+        for (int t0 = 0; t0 < BC; t0 += MR) {
+          qk_tile<BR>(w.kb.data() + t0 * d, qst, w.st.data() + t0 * BR, (int)d, BR);
+          qk_tile<BR>(w.vb.data() + t0 * d, dot, w.dpt.data() + t0 * BR, (int)d, BR);
+        }
+        // p^T = exp(s^T - lse) and ds^T = p^T (dp^T - delta), in place
+        for (int t = 0; t < BC; t++) {
+          float* sr = w.st.data() + t * BR;
+          float* dr = w.dpt.data() + t * BR;
+          if (!w.key_ok[t]) {
+            std::fill(sr, sr + BR, 0.0f);
+            std::fill(dr, dr + BR, 0.0f);
+            continue;
+          }
+          const __m512 key = _mm512_set1_ps((float)(k0 + t - q0));
+          for (int c = 0; c < BR; c += 16) {
+            __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c),
+                                            _mm512_loadu_ps(w.lse.data() + q0 + c)));
+            if (cf.causal) {  // rows before the key see nothing of it
+              const __mmask16 seen = _mm512_cmp_ps_mask(
+                  _mm512_add_ps(lane, _mm512_set1_ps((float)c)), key, _CMP_GE_OQ);
+              p = _mm512_maskz_mov_ps(seen, p);
+            }
+            const __m512 ds = _mm512_mul_ps(
+                p, _mm512_sub_ps(_mm512_loadu_ps(dr + c), _mm512_loadu_ps(w.delta.data() + q0 + c)));
+            _mm512_storeu_ps(sr + c, p);
+            _mm512_storeu_ps(dr + c, ds);
+          }
+        }
+        for (int t0 = 0; t0 < BC; t0 += MR) {
+          // dv += p^T do', dk += ds^T (scale q)
+          pv_columns<BR, 1>(w.st.data() + t0 * BR, w.dos.data() + q0 * d, d,
+                            w.dv.data() + (k0 + t0) * d, d, (int)d, BR);
+          pv_columns<BR, 1>(w.dpt.data() + t0 * BR, w.qs.data() + q0 * d, d,
+                            w.dk.data() + (k0 + t0) * d, d, (int)d, BR);
+        }
+        for (int r0 = 0; r0 < BR; r0 += MR)  // dq += ds (scale k): ds read transposed
+          pv_columns<1, BR>(w.dpt.data() + r0, w.ks.data(), d, w.dq.data() + (q0 + r0) * d, d,
+                            (int)d, BC);
+      }
+    }
+    for (int64_t i = 0; i < lq; i++) {
+      float* dst = hd.dq + i * it.q_stride;
+      for (int64_t c = 0; c < d; c++) dst[c] += w.dq[i * d + c];
+    }
+  }
+  for (int64_t t = 0; t < lk; t++) {
+    float* dkr = it.dk + t * it.kv_stride;
+    float* dvr = it.dv + t * it.kv_stride;
+    for (int64_t c = 0; c < d; c++) {
+      dkr[c] += w.dk[t * d + c];
+      dvr[c] += w.dv[t * d + c];
+    }
+  }
+}
+
 // units [0, count) of work shared by an atomic counter among the calling thread and
 // tasks on XLA's intra-op thread pool (so a call uses the threads XLA was given and
 // no more); each thread passes its own scratch (made by the first unit that needs
 // it) to every unit it runs. Held by shared_ptr: a task that starts only after the
 // caller has finished every unit (the pool was busy) finds none left and touches
 // nothing else.
-using Unit = std::function<void(int64_t, std::unique_ptr<Scratch>&)>;
+struct ThreadScratch {
+  std::unique_ptr<Scratch> fwd;
+  std::unique_ptr<BwdScratch> bwd;
+};
+using Unit = std::function<void(int64_t, ThreadScratch&)>;
 
 struct Shared {
   Unit unit;
@@ -283,7 +435,7 @@ struct Shared {
 };
 
 void drain(Shared& w) {
-  std::unique_ptr<Scratch> scratch;
+  ThreadScratch scratch;
   for (;;) {
     const int64_t u = w.next.fetch_add(1);
     if (u >= w.count) return;
@@ -316,13 +468,13 @@ void run_items(const Config& cf, int64_t count, int64_t max_lq, int64_t max_lk,
   while (run_len > BQ && count * ((max_lq + run_len - 1) / run_len) < 2 * threads)
     run_len = (run_len / 2 + BQ - 1) / BQ * BQ;
   const int64_t runs = (max_lq + run_len - 1) / run_len;
-  parallel_for(pool, count * runs, [&, run_len, runs](int64_t u, std::unique_ptr<Scratch>& s) {
+  parallel_for(pool, count * runs, [&, run_len, runs](int64_t u, ThreadScratch& ts) {
     // causal: the longest runs (the last rows) first
     const int64_t j = cf.causal ? runs - 1 - u / count : u / count;
     const Item it = item(u % count);
     if (j * run_len >= it.lq) return;
-    if (!s) s = std::make_unique<Scratch>(max_lk, cf.d);
-    run_rows(cf, it, *s, j * run_len, std::min(it.lq, (j + 1) * run_len));
+    if (!ts.fwd) ts.fwd = std::make_unique<Scratch>(max_lk, cf.d);
+    run_rows(cf, it, *ts.fwd, j * run_len, std::min(it.lq, (j + 1) * run_len));
   });
 }
 
@@ -376,97 +528,194 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   return ffi::Error::Success();
 }
 
-// Dilated attention, every branch in one call (docs/semantics.md, section 2):
-// q [B, T, H, D], k, v [B, T, Hkv, D], kv_mask empty or [B, T]; branch b cuts the
-// sequence into segments of segments[b] tokens and takes every rates[b]-th; its
-// served heads are q_heads (at q_offsets), branch_heads[b] of them, reading kv heads
-// kv_heads (at kv_offsets), branch_kv_heads[b] of them (grouped as in the plain
-// call). A segment's positions past T do not exist: the dilated rows end there.
-// accumulate (longnet): every branch continues each row's softmax, so o, m and l
-// are those of one softmax over all the branches' keys; else (head_groups) each row
-// is written by its one branch, the output times out_scale. Rows no branch selects
-// get o = 0, m = -inf, l = 0.
-ffi::Error DilatedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U8> kv_mask,
-                          ffi::Span<const int64_t> segments, ffi::Span<const int64_t> rates,
-                          ffi::Span<const int64_t> branch_heads,
-                          ffi::Span<const int64_t> q_heads, ffi::Span<const int64_t> q_offsets,
-                          ffi::Span<const int64_t> branch_kv_heads,
-                          ffi::Span<const int64_t> kv_heads,
-                          ffi::Span<const int64_t> kv_offsets, float scale, bool causal,
-                          bool accumulate, float out_scale, ffi::ThreadPool pool,
-                          ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
-                          ffi::ResultBuffer<ffi::F32> l) {
-  Shapes sh;
-  if (auto err = read_shapes(q, k, sh); err.failure()) return err;
-  const int64_t b = sh.n, t = sh.lq, h = sh.h, hkv = sh.hkv, d = sh.d;
-  if (sh.lk != t) return ffi::Error::InvalidArgument("q and k must have one length");
-  const uint8_t* valid = kv_mask.element_count() == 0 ? nullptr : kv_mask.typed_data();
-  if (valid != nullptr && (int64_t)kv_mask.element_count() != b * t)
-    return ffi::Error::InvalidArgument("kv_mask must be [B, T]");
+// The branches of a dilated call (docs/semantics.md, section 2), from the calls'
+// attributes: branch b cuts the sequence into segments of segments[b] tokens and
+// takes every rates[b]-th; its served query heads are the next branch_heads[b] of
+// q_heads (at q_offsets), reading the next branch_kv_heads[b] of kv_heads (at
+// kv_offsets), grouped as in the plain call. A segment's positions past T do not
+// exist: its dilated rows end there.
+struct Branch {
+  int64_t w, r, hs, hk;
+  const int64_t *qh, *qo, *kh, *ko;
+  int64_t segments(int64_t t) const { return (t + w - 1) / w; }
+  // the dilated rows of segment s at offset off that exist
+  int64_t rows(int64_t t, int64_t s, int64_t off) const {
+    return std::clamp<int64_t>((t - s * w - off + r - 1) / r, 0, w / r);
+  }
+};
+
+using Ints = ffi::Span<const int64_t>;
+
+ffi::Error read_branches(Ints segments, Ints rates, Ints branch_heads, Ints q_heads,
+                         Ints q_offsets, Ints branch_kv_heads, Ints kv_heads, Ints kv_offsets,
+                         int64_t h, int64_t hkv, std::vector<Branch>& out) {
   const size_t nb = segments.size();
   if (rates.size() != nb || branch_heads.size() != nb || branch_kv_heads.size() != nb)
     return ffi::Error::InvalidArgument("one segment length, rate and head count per branch");
-  int64_t q_total = 0, kv_total = 0;
+  if (q_heads.size() != q_offsets.size() || kv_heads.size() != kv_offsets.size())
+    return ffi::Error::InvalidArgument("one offset per served head");
+  int64_t qf = 0, kf = 0;
   for (size_t i = 0; i < nb; i++) {
-    if (segments[i] <= 0 || rates[i] <= 0 || segments[i] % rates[i] ||
-        branch_heads[i] <= 0 || branch_kv_heads[i] <= 0 ||
-        branch_heads[i] % branch_kv_heads[i])
+    const Branch br{segments[i], rates[i], branch_heads[i], branch_kv_heads[i],
+                    q_heads.begin() + qf, q_offsets.begin() + qf,
+                    kv_heads.begin() + kf, kv_offsets.begin() + kf};
+    if (br.w <= 0 || br.r <= 0 || br.w % br.r || br.hs <= 0 || br.hk <= 0 || br.hs % br.hk ||
+        qf + br.hs > (int64_t)q_heads.size() || kf + br.hk > (int64_t)kv_heads.size())
       return ffi::Error::InvalidArgument("bad branch geometry");
-    if ((int64_t)q_heads.size() < q_total + branch_heads[i] ||
-        (int64_t)kv_heads.size() < kv_total + branch_kv_heads[i])
-      return ffi::Error::InvalidArgument("one head and offset per served head");
-    for (int64_t j = q_total; j < q_total + branch_heads[i]; j++)
-      if (q_heads[j] < 0 || q_heads[j] >= h || q_offsets[j] < 0 || q_offsets[j] >= rates[i])
+    for (int64_t j = 0; j < br.hs; j++)
+      if (br.qh[j] < 0 || br.qh[j] >= h || br.qo[j] < 0 || br.qo[j] >= br.r)
         return ffi::Error::InvalidArgument("query head or offset out of range");
-    for (int64_t j = kv_total; j < kv_total + branch_kv_heads[i]; j++)
-      if (kv_heads[j] < 0 || kv_heads[j] >= hkv || kv_offsets[j] < 0 ||
-          kv_offsets[j] >= rates[i])
+    for (int64_t g = 0; g < br.hk; g++)
+      if (br.kh[g] < 0 || br.kh[g] >= hkv || br.ko[g] < 0 || br.ko[g] >= br.r)
         return ffi::Error::InvalidArgument("kv head or offset out of range");
-    q_total += branch_heads[i];
-    kv_total += branch_kv_heads[i];
+    out.push_back(br);
+    qf += br.hs;
+    kf += br.hk;
   }
-  if ((int64_t)q_heads.size() != q_total || (int64_t)q_offsets.size() != q_total ||
-      (int64_t)kv_heads.size() != kv_total || (int64_t)kv_offsets.size() != kv_total)
+  if (qf != (int64_t)q_heads.size() || kf != (int64_t)kv_heads.size())
     return ffi::Error::InvalidArgument("one head and offset per served head");
+  return ffi::Error::Success();
+}
+
+// q [B, T, H, D], k [B, T, Hkv, D] and kv_mask empty or [B, T]: their shapes.
+ffi::Error read_dilated(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+                        ffi::Buffer<ffi::U8>& kv_mask, Shapes& sh, const uint8_t*& valid) {
+  if (auto err = read_shapes(q, k, sh); err.failure()) return err;
+  if (sh.lk != sh.lq) return ffi::Error::InvalidArgument("q and k must have one length");
+  valid = kv_mask.element_count() == 0 ? nullptr : kv_mask.typed_data();
+  if (valid != nullptr && (int64_t)kv_mask.element_count() != sh.n * sh.lq)
+    return ffi::Error::InvalidArgument("kv_mask must be [B, T]");
+  return ffi::Error::Success();
+}
+
+// Rows [0, rows) of `count` arrays of `widths[i]` floats per row set to `values[i]`,
+// in parallel.
+void fill_rows(ffi::ThreadPool& pool, int64_t rows, std::vector<float*> arrays,
+               std::vector<int64_t> widths, std::vector<float> values) {
+  const int64_t per = 4096;
+  parallel_for(pool, (rows + per - 1) / per, [=](int64_t u, ThreadScratch&) {
+    const int64_t r0 = u * per, r1 = std::min(rows, (u + 1) * per);
+    for (size_t i = 0; i < arrays.size(); i++)
+      std::fill(arrays[i] + r0 * widths[i], arrays[i] + r1 * widths[i], values[i]);
+  });
+}
+
+// Dilated attention's forward, every branch in one call: q [B, T, H, D], k, v
+// [B, T, Hkv, D], kv_mask empty or [B, T], the branches' attributes (read_branches).
+// Each dilated segment of each served head is an item whose rows are r positions
+// apart, read where they lie and written into o, m, l in place. accumulate
+// (longnet): every branch continues each row's softmax, so o, m and l are those of
+// one softmax over all the branches' keys; else (head_groups) each row is written by
+// its one branch, the output times out_scale. Rows no branch selects get o = 0,
+// m = -inf, l = 0.
+ffi::Error DilatedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U8> kv_mask, Ints segments,
+                          Ints rates, Ints branch_heads, Ints q_heads, Ints q_offsets,
+                          Ints branch_kv_heads, Ints kv_heads, Ints kv_offsets, float scale,
+                          bool causal, bool accumulate, float out_scale, ffi::ThreadPool pool,
+                          ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
+                          ffi::ResultBuffer<ffi::F32> l) {
+  Shapes sh;
+  const uint8_t* valid;
+  if (auto err = read_dilated(q, k, kv_mask, sh, valid); err.failure()) return err;
+  std::vector<Branch> branches;
+  if (auto err = read_branches(segments, rates, branch_heads, q_heads, q_offsets,
+                               branch_kv_heads, kv_heads, kv_offsets, sh.h, sh.hkv, branches);
+      err.failure())
+    return err;
+  const int64_t b = sh.n, t = sh.lq, h = sh.h, hkv = sh.hkv, d = sh.d;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   float *op = o->typed_data(), *mp = m->typed_data(), *lp = l->typed_data();
-  const int64_t rows = b * t * h, per = 16384;  // rows of (m, l) or o per fill unit
-  parallel_for(pool, (rows + per - 1) / per, [=](int64_t u, std::unique_ptr<Scratch>&) {
-    std::fill(mp + u * per, mp + std::min(rows, (u + 1) * per), -INFINITY);
-    std::fill(lp + u * per, lp + std::min(rows, (u + 1) * per), 0.0f);
-  });
+  fill_rows(pool, b * t * h, {mp, lp}, {1, 1}, {-INFINITY, 0.0f});
   const Config cf{d, scale, out_scale, causal, accumulate};
-  int64_t q_first = 0, kv_first = 0;
-  for (size_t i = 0; i < nb; i++) {
-    const int64_t w = segments[i], r = rates[i];
-    const int64_t segs = (t + w - 1) / w, hs = branch_heads[i], hk = branch_kv_heads[i];
-    // the dilated rows of segment s at offset off that exist: positions < T
-    auto length = [=](int64_t s, int64_t off) {
-      return std::clamp<int64_t>((t - s * w - off + r - 1) / r, 0, w / r);
-    };
-    const int64_t* qh = q_heads.begin() + q_first;
-    const int64_t* qo = q_offsets.begin() + q_first;
-    const int64_t* kh = kv_heads.begin() + kv_first;
-    const int64_t* ko = kv_offsets.begin() + kv_first;
+  for (const Branch& br : branches) {
+    const int64_t segs = br.segments(t), r = br.r;
     auto item = [=](int64_t u) {
-      const int64_t n = u / hs, j = u % hs, g = j / (hs / hk), bi = n / segs, s = n % segs;
-      const int64_t qpos = bi * t + s * w + qo[j], kpos = bi * t + s * w + ko[g];
-      const int64_t qrow = qpos * h + qh[j], krow = kpos * hkv + kh[g];
+      const int64_t n = u / br.hs, j = u % br.hs, g = j / (br.hs / br.hk);
+      const int64_t bi = n / segs, s = n % segs;
+      const int64_t qpos = bi * t + s * br.w + br.qo[j], kpos = bi * t + s * br.w + br.ko[g];
+      const int64_t qrow = qpos * h + br.qh[j], krow = kpos * hkv + br.kh[g];
       return Item{qp + qrow * d, kp + krow * d, vp + krow * d,
                   valid == nullptr ? nullptr : valid + kpos,
                   op + qrow * d, mp + qrow, lp + qrow,
-                  r * h * d, r * hkv * d, r, r * h, length(s, qo[j]), length(s, ko[g])};
+                  r * h * d, r * hkv * d, r, r * h, br.rows(t, s, br.qo[j]), br.rows(t, s, br.ko[g])};
     };
-    run_items(cf, b * segs * hs, w / r, w / r, item, pool);
-    q_first += hs;
-    kv_first += hk;
+    run_items(cf, b * segs * br.hs, br.w / r, br.w / r, item, pool);
   }
   // rows no branch selected (l = 0) hold no output yet
-  parallel_for(pool, (rows + per - 1) / per, [=](int64_t u, std::unique_ptr<Scratch>&) {
+  const int64_t rows = b * t * h, per = 16384;
+  parallel_for(pool, (rows + per - 1) / per, [=](int64_t u, ThreadScratch&) {
     for (int64_t row = u * per; row < std::min(rows, (u + 1) * per); row++)
       if (lp[row] == 0.0f) std::fill(op + row * d, op + (row + 1) * d, 0.0f);
   });
+  return ffi::Error::Success();
+}
+
+// Dilated attention's backward, every branch in one call: q, k, v, kv_mask and the
+// branches as for DilatedForward; dout [B, T, H, D] and per row [B, T, H] c, lse
+// (the rounded log-sum-exp of the whole call, 0 for a row without keys) and delta
+// (section "backward" above). dq, dk, dv are the sums over the branches; an item is
+// one dilated segment of one kv head at one offset with the query heads that read
+// it, so within a branch no two items write one row.
+ffi::Error DilatedBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> dout,
+                           ffi::Buffer<ffi::F32> c, ffi::Buffer<ffi::F32> lse,
+                           ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::U8> kv_mask,
+                           Ints segments, Ints rates, Ints branch_heads, Ints q_heads,
+                           Ints q_offsets, Ints branch_kv_heads, Ints kv_heads, Ints kv_offsets,
+                           float scale, bool causal, ffi::ThreadPool pool,
+                           ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                           ffi::ResultBuffer<ffi::F32> dv) {
+  Shapes sh;
+  const uint8_t* valid;
+  if (auto err = read_dilated(q, k, kv_mask, sh, valid); err.failure()) return err;
+  if (dout.element_count() != q.element_count() ||
+      c.element_count() * sh.d != q.element_count() ||
+      lse.element_count() != c.element_count() || delta.element_count() != c.element_count())
+    return ffi::Error::InvalidArgument("dout must be shaped as q, c, lse and delta as its rows");
+  std::vector<Branch> branches;
+  if (auto err = read_branches(segments, rates, branch_heads, q_heads, q_offsets,
+                               branch_kv_heads, kv_heads, kv_offsets, sh.h, sh.hkv, branches);
+      err.failure())
+    return err;
+  const int64_t b = sh.n, t = sh.lq, h = sh.h, hkv = sh.hkv, d = sh.d;
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const float *dop = dout.typed_data(), *cp = c.typed_data(), *lsep = lse.typed_data(),
+              *deltap = delta.typed_data();
+  float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
+  fill_rows(pool, b * t, {dqp, dkp, dvp}, {h * d, hkv * d, hkv * d}, {0.0f, 0.0f, 0.0f});
+  const Config cf{d, scale, 1.0f, causal, false};
+  int64_t max_l = 0;
+  for (const Branch& br : branches) max_l = std::max(max_l, br.w / br.r);
+  for (const Branch& br : branches) {
+    // the kv (offset, head) pairs of the branch and the query heads reading each
+    std::vector<std::pair<int64_t, int64_t>> pairs;
+    std::vector<std::vector<int64_t>> readers;
+    for (int64_t j = 0; j < br.hs; j++) {
+      const int64_t g = j / (br.hs / br.hk);
+      const std::pair<int64_t, int64_t> key{br.ko[g], br.kh[g]};
+      const size_t at = std::find(pairs.begin(), pairs.end(), key) - pairs.begin();
+      if (at == pairs.size()) { pairs.push_back(key); readers.emplace_back(); }
+      readers[at].push_back(j);
+    }
+    const int64_t segs = br.segments(t), r = br.r, np = (int64_t)pairs.size();
+    parallel_for(pool, b * segs * np, [&, segs, r, np](int64_t u, ThreadScratch& ts) {
+      const int64_t n = u / np, pi = u % np, bi = n / segs, s = n % segs;
+      const int64_t kpos = bi * t + s * br.w + pairs[pi].first;
+      const int64_t krow = kpos * hkv + pairs[pi].second;
+      BwdItem it{{}, kp + krow * d, vp + krow * d, valid == nullptr ? nullptr : valid + kpos,
+                 dkp + krow * d, dvp + krow * d, r * h * d, r * h, r * hkv * d, r, 0,
+                 br.rows(t, s, pairs[pi].first)};
+      for (int64_t j : readers[pi]) {
+        const int64_t qrow = (bi * t + s * br.w + br.qo[j]) * h + br.qh[j];
+        it.heads.push_back({qp + qrow * d, dop + qrow * d, lsep + qrow, deltap + qrow,
+                            cp + qrow, dqp + qrow * d});
+        it.lq = br.rows(t, s, br.qo[j]);  // one offset: the pair's
+      }
+      if (!ts.bwd) ts.bwd = std::make_unique<BwdScratch>(max_l, max_l, d);
+      backward_item(cf, it, *ts.bwd);
+    });
+  }
   return ffi::Error::Success();
 }
 
@@ -507,3 +756,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionDilatedForwardCpu, DilatedForwa
                                   .Ret<ffi::Buffer<ffi::F32>>()   // o
                                   .Ret<ffi::Buffer<ffi::F32>>()   // m
                                   .Ret<ffi::Buffer<ffi::F32>>());  // l
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionDilatedBackwardCpu, DilatedBackward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dout
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // c
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // delta
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // kv_mask
+                                  .Attr<ffi::Span<const int64_t>>("segments")
+                                  .Attr<ffi::Span<const int64_t>>("rates")
+                                  .Attr<ffi::Span<const int64_t>>("branch_heads")
+                                  .Attr<ffi::Span<const int64_t>>("q_heads")
+                                  .Attr<ffi::Span<const int64_t>>("q_offsets")
+                                  .Attr<ffi::Span<const int64_t>>("branch_kv_heads")
+                                  .Attr<ffi::Span<const int64_t>>("kv_heads")
+                                  .Attr<ffi::Span<const int64_t>>("kv_offsets")
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dq
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dk
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // dv

@@ -28,8 +28,10 @@ SOURCE = pathlib.Path(__file__).with_name("attention_cpu.cc")
 # the FFI targets' names in XLA and their handlers' symbols in the library
 TARGET = "jax_dilated_attention_forward_cpu"
 TARGET_DILATED = "jax_dilated_dilated_attention_forward_cpu"
+TARGET_DILATED_BACKWARD = "jax_dilated_dilated_attention_backward_cpu"
 _SYMBOLS = {TARGET: "JaxDilatedAttentionForwardCpu",
-            TARGET_DILATED: "JaxDilatedAttentionDilatedForwardCpu"}
+            TARGET_DILATED: "JaxDilatedAttentionDilatedForwardCpu",
+            TARGET_DILATED_BACKWARD: "JaxDilatedAttentionDilatedBackwardCpu"}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 
 
