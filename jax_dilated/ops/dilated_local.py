@@ -20,12 +20,13 @@ The accumulated pair ``(O, LSE)`` is, per mode:
 * head_groups: head ``j``'s branch output divided by the number of branches, and
   that branch's ``LSE`` (the groups' heads are disjoint).
 
-A kernel with a fused dilated forward (``dilated_forward``: the native CPU kernel)
-runs the forward as one call instead: it reads every branch's dilated segments
-where they lie in the arrays and writes each branch's rows of the result in place,
-so no chunk is gathered or scattered and, in longnet mode, no merge pass is run
-(each row's softmax continues over the next branch's keys). The backward is the
-chunked one below either way.
+A kernel with a fused dilated forward and backward (``dilated_forward`` and
+``dilated_backward``: the native CPU kernel) runs a call's branches as one kernel
+call per pass instead: it reads every branch's dilated segments where they lie in
+the arrays and writes each branch's rows of the result (or adds its gradients) in
+place, so no chunk is gathered or scattered and, in longnet mode, no merge pass is
+run (each row's softmax continues over the next branch's keys). Distributed dilated
+attention's local program (:func:`streamed_partial`) stays chunked.
 
 Packed rows (ops/dilated_packed.py) run the same program through *slots*: a row of
 ``T'`` slots in which every document starts at a multiple of every segment length,
@@ -80,6 +81,8 @@ class _Call:
     # None, or one kernel per plan (a plan's chunks run on it instead of ``kernel``):
     # a spanning branch of distributed dilated attention exchanges heads around it
     branch_kernels: tuple[Kernel, ...] | None = None
+    # False: the chunked program even where the kernel has a fused one (_fused_serves)
+    fuse: bool = True
 
     def kernel_of(self, i: int) -> Kernel:
         """The kernel that runs plan ``i``'s chunks."""
@@ -157,9 +160,12 @@ def streamed_partial(kernel, args: KernelArgs, plans, mode: str, query, key, val
     instead of ``kernel`` (a spanning branch's head exchange, ops/distributed.py).
     """
     kernels = None if branch_kernels is None else tuple(branch_kernels)
+    # chunked even on a kernel with a fused program: the strategies' cost model
+    # (ops/strategies.py) prices every strategy's local branches as this program, and
+    # a head exchange (a spanning branch's) cannot run inside a fused call
     return _attend(_Call(kernel, args, tuple(plans), mode, num_branches,
-                         branch_kernels=kernels), query, key, value, kv_mask, dropout_rng,
-                   None)
+                         branch_kernels=kernels, fuse=False), query, key, value, kv_mask,
+                   dropout_rng, None)
 
 
 # --------------------------------------------------------------------------- chunks
@@ -471,7 +477,7 @@ def _fused_serves(call: _Call, query, key, kv_mask) -> bool:
     (``dilated_forward`` and ``dilated_backward``, the native CPU kernel's): one
     kernel runs every branch, has both, and serves each branch's calls."""
     kernel = call.kernel_of(0)
-    if (any(call.kernel_of(i) is not kernel for i in range(len(call.plans)))
+    if (not call.fuse or any(call.kernel_of(i) is not kernel for i in range(len(call.plans)))
             or getattr(kernel, "dilated_forward", None) is None
             or getattr(kernel, "dilated_backward", None) is None):
         return False
