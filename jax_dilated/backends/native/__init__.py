@@ -5,9 +5,14 @@ operation at a time: each block's matmuls, row maximum, exponentials and sums ar
 separate passes over a logits block too large for the core's cache. The native
 kernel (``attention_cpu.cc``, an XLA FFI custom call) fuses them: it keeps each
 tile of logits in registers and L1/L2 while it runs the online softmax, as PyTorch's
-CPU flash attention does. It computes the forward only (output and log-sum-exp);
-gradients come from the XLA kernel's backward, which reads the log-sum-exp, so a
-call on this kernel is differentiable like one on the XLA kernel.
+CPU flash attention does. A plain call computes the forward (output and
+log-sum-exp); its gradients come from the XLA kernel's backward, which reads the
+log-sum-exp, so a call on this kernel is differentiable like one on the XLA kernel.
+One-device dilated attention runs every branch in one call per pass instead
+(:func:`native_dilated_forward`, :func:`native_dilated_backward`): each dilated
+segment is read where it lies in the ``[B, T, H, D]`` arrays and its rows are
+written (or its gradients added) in place, so nothing is gathered, scattered or
+merged outside the kernel.
 
 It serves float32 calls with head_dim a multiple of 16 up to 256, with or without
 causality and a kv mask, grouped-query heads included. Everything else (another
@@ -33,7 +38,8 @@ from jax_dilated.backends.xla import XlaKernel, dense
 from jax_dilated.core import softmax
 from jax_dilated.core.vma import varying_like
 
-__all__ = ["NativeCpuKernel", "KERNEL", "unavailable_reason"]
+__all__ = ["NativeCpuKernel", "KERNEL", "unavailable_reason", "native_forward",
+           "native_dilated_forward", "native_dilated_backward"]
 
 
 def unavailable_reason() -> str | None:
