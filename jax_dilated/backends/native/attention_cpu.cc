@@ -1,7 +1,8 @@
 // Blockwise online-softmax attention for x86-64 CPUs with AVX-512, float32: the
-// forward, and dilated attention's fused forward and backward, as XLA FFI custom calls (jax_dilated/backends/native/__init__.py builds and
-// registers it). The mathematics is docs/semantics.md, section 1: for each query row
-// p and the keys t it may attend to,
+// forward, and dilated attention's fused forward and backward, as XLA FFI custom
+// calls (jax_dilated/backends/native/build.py builds and registers them). The
+// mathematics is docs/semantics.md, section 1: for each query row p and the keys t
+// it may attend to,
 //     o_p = sum_t exp(s_pt - lse_p) v_t,   s_pt = scale q_p . k_t,
 //     lse_p = log sum_t exp(s_pt),
 // with o_p = 0 and lse_p = -inf for a row without keys. A key is allowed when
