@@ -259,9 +259,10 @@ def test_heads_dilated_memory_per_device():
     causal, segments T/16, T/4, T at rates 1, 2, 4 (the strategies benchmark's row).
 
     Measured on the XLA kernel: 122.5 MiB against 639.0 MiB on one device (0.192x).
-    The all-to-all of the whole call holds 194.8 MiB (0.305x; its head-sharded copies of q, k, v, the
-    output, its cotangent and the three gradients alone are 0.2x), and branch by
-    branch before the exchanged branches ran inside the streamed program 176.8 MiB.
+    The all-to-all of the whole call holds 194.8 MiB (0.305x; its head-sharded copies
+    of q, k, v, the output, its cotangent and the three gradients alone are 0.2x), and
+    branch by branch before the exchanged branches ran inside the streamed program
+    176.8 MiB.
     """
     t = 32768
     # on the XLA kernel: the chunked program on both sides (on one device the native

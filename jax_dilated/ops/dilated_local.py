@@ -420,7 +420,7 @@ def _read(acc, start, size: int, head0: int, heads: int):
 
 
 def _forward(call: _Call, query, key, value, kv_mask, rng, source):
-    if rng is None and source is None and _fused_serves(call, query, key, kv_mask):
+    if _fused_serves(call, query, key, kv_mask, rng, source):
         # a kernel that reads segments where they lie needs none of the chunks below
         return _forward_fused(call, query, key, value, kv_mask)
     b, t, h, d = query.shape
@@ -472,12 +472,14 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
     return o.astype(query.dtype), lse, lse_lo
 
 
-def _fused_serves(call: _Call, query, key, kv_mask) -> bool:
+def _fused_serves(call: _Call, query, key, kv_mask, rng, source) -> bool:
     """Whether the call runs as one fused call of the kernel per pass
     (``dilated_forward`` and ``dilated_backward``, the native CPU kernel's): one
-    kernel runs every branch, has both, and serves each branch's calls."""
+    kernel runs every branch, has both, and serves each branch's calls; no dropout
+    (``rng``) and no slots (``source``)."""
     kernel = call.kernel_of(0)
-    if (not call.fuse or any(call.kernel_of(i) is not kernel for i in range(len(call.plans)))
+    if (not call.fuse or rng is not None or source is not None
+            or any(call.kernel_of(i) is not kernel for i in range(len(call.plans)))
             or getattr(kernel, "dilated_forward", None) is None
             or getattr(kernel, "dilated_backward", None) is None):
         return False
@@ -534,8 +536,7 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
         if out is not None:
             out = (out.astype(stats) * call.groups).astype(query.dtype)
     lse_k = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: see dense.backward
-    if (rng is None and source is None and out is None
-            and _fused_serves(call, query, key, kv_mask)):
+    if out is None and _fused_serves(call, query, key, kv_mask, rng, source):
         # every branch's segments read where they lie, the gradients summed in place
         dq, dk, dv = call.kernel_of(0).dilated_backward(
             query, key, value, do, c_do, lse_k, delta, call.args, call.plans[::-1],

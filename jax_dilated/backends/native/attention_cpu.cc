@@ -27,7 +27,8 @@
 // BK), then for every tile of BQ query rows runs, per key block, S = q k^T on MR x 32
 // register tiles, the online-softmax update on S in place (running max m, sum l; exp
 // by a degree-7 polynomial and AVX-512's scalef), and O += P v on MR x 64 register
-// tiles.
+// tiles. The backward's items are (segment, kv head at one offset) and their query
+// heads; it runs key blocks of BC against query tiles of BR (section "backward").
 #if !defined(__AVX512F__) || !defined(__linux__)
 #error "the native CPU kernel needs Linux on an x86-64 CPU with AVX-512"
 #endif
