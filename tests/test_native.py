@@ -190,24 +190,33 @@ def test_dilated_attention_runs_it_and_matches_the_xla_kernel(mode):
     assert native.build.TARGET_DILATED in hlo
 
 
-# (T, H, Hkv, mode, head_offsets, causal, mask, segments, rates)
+# (T, H, Hkv, mode, head_offsets, causal, mask, segments, rates, shared): shared, whether
+# longnet's branches nest so that each shared pair is computed once (nested_order)
 _DILATED_CASES = [
-    (512, 4, 4, "longnet", "modulo", False, False, (64, 128, 256), (1, 2, 4)),
-    (512, 6, 2, "longnet", "blocked", True, True, (64, 128, 256), (1, 2, 4)),
-    (500, 6, 3, "longnet", "modulo", True, False, (64, 128, 256), (1, 2, 4)),  # T % w != 0
-    (300, 4, 1, "longnet", "modulo", False, True, (128, 512), (2, 4)),  # w > T, no rate 1
-    (512, 6, 6, "head_groups", "modulo", False, False, (64, 128, 256), (1, 2, 4)),
-    (500, 8, 2, "head_groups", "modulo", True, True, (64, 128, 256), (1, 2, 4)),
+    (512, 4, 4, "longnet", "modulo", False, False, (64, 128, 256), (1, 2, 4), True),
+    (512, 6, 2, "longnet", "blocked", True, True, (64, 128, 256), (1, 2, 4), False),
+    (500, 6, 3, "longnet", "modulo", True, False, (64, 128, 256), (1, 2, 4), True),  # T % w
+    (300, 4, 1, "longnet", "modulo", False, True, (128, 512), (2, 4), True),  # w > T, no rate 1
+    # key blocks (512) and query tiles cut by the finer branch's segments mid-way
+    (4000, 4, 2, "longnet", "modulo", False, True, (1000, 2000, 4000), (1, 2, 4), True),
+    (4000, 8, 2, "longnet", "modulo", True, False, (1000, 2000, 4000), (1, 2, 4), True),
+    (500, 4, 2, "longnet", "modulo", False, True, (6, 12), (1, 4), True),  # stride 4 across 6s
+    (300, 4, 4, "longnet", "modulo", True, False, (512, 1024), (1, 2), True),  # one has all
+    (256, 4, 2, "longnet", "modulo", False, False, (128, 128), (2, 1), True),  # same segments
+    (512, 4, 4, "longnet", "modulo", False, False, (64, 192), (2, 3), False),  # 2 does not divide 3
+    (512, 6, 6, "head_groups", "modulo", False, False, (64, 128, 256), (1, 2, 4), False),
+    (500, 8, 2, "head_groups", "modulo", True, True, (64, 128, 256), (1, 2, 4), False),
 ]
 
 
-@pytest.mark.parametrize("t, h, hkv, mode, offsets, causal, mask, segments, rates",
+@pytest.mark.parametrize("t, h, hkv, mode, offsets, causal, mask, segments, rates, shared",
                          _DILATED_CASES)
 def test_dilated_attention_in_one_call_per_pass_matches_float64(
-        t, h, hkv, mode, offsets, causal, mask, segments, rates):
+        t, h, hkv, mode, offsets, causal, mask, segments, rates, shared):
     """The fused dilated forward and backward (every branch in one call per pass,
     segments read where they lie, results written in place; longnet continues each
-    row's softmax across the branches) against the same attention in float64 on the
+    row's softmax across the branches, and nested branches compute each shared pair
+    once, with its logit plus log m) against the same attention in float64 on the
     XLA kernel (which test_parity checks against the PyTorch reference): outputs,
     log-sum-exp and the gradients of both (random cotangents on each) at 1e-5, rows
     of no key included."""
@@ -236,6 +245,85 @@ def test_dilated_attention_in_one_call_per_pass_matches_float64(
     assert hlo.count(f"@{native.build.TARGET_DILATED}(") == 1, "one forward call"
     assert hlo.count(f"@{native.build.TARGET_DILATED_BACKWARD}(") == 1, "one backward call"
     assert f"@{native.build.TARGET}(" not in hlo and "gather" not in hlo
+    assert hlo.count(f"shared_pairs = {str(shared).lower()}") == 2, "both passes"
+
+
+def _multiplicity(t, w, r, o):
+    """[T, T] int: whether branch (w, r) at offset o lets query p attend to key t
+    (segments of w tokens, the last one shorter; docs/semantics.md, section 2)."""
+    pos = np.arange(t)
+    sel = (pos % w) % r == o
+    same = pos[:, None] // w == pos[None, :] // w
+    return (sel[:, None] & sel[None, :] & same).astype(int)
+
+
+def test_nested_order_lets_each_pair_be_computed_once():
+    """Where nested_order gives an order, for every head and pair (p, t): exactly the
+    finest branch that lets the pair attend computes it (its own keys exclude those in
+    the query's segment of the next finer branch), with m(p, t) = 1 + min(depth p,
+    depth t), depth the coarser branches selecting a position: the kernel's rule
+    (attention_cpu.cc, Nesting) against m counted branch by branch, on random
+    configurations; and the ones it refuses."""
+    from jax_dilated.core import branch_plans as bp
+
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(300):
+        t, h, nb = int(rng.integers(8, 70)), int(rng.integers(1, 6)), int(rng.integers(2, 4))
+        rates = [int(rng.choice([1, 2, 3, 4, 6, 8])) for _ in range(nb)]
+        segs = [r * int(rng.integers(1, 10)) for r in rates]
+        rule = str(rng.choice(["modulo", "blocked"]))
+        plans = bp.plan_branches(list(zip(segs, rates)), seq_len=t, num_heads=h,
+                                 num_kv_heads=1, mode="longnet", offsets_rule=rule)
+        order = bp.nested_order(plans, t)
+        if order is None:
+            continue
+        checked += 1
+        chain = [plans[i] for i in order]
+        for j in range(h):
+            per = [(p.branch.effective_length, p.branch.rate, int(p.offsets[j])) for p in chain]
+            allowed = [_multiplicity(t, *b) for b in per]
+            m = sum(allowed)
+            owners = np.zeros((t, t), int)
+            for b, (w, r, o) in enumerate(per):
+                own = allowed[b].astype(bool)
+                if b:  # keys in the query's segment of the finer branch are its
+                    fw = per[b - 1][0]
+                    own &= np.arange(t)[:, None] // fw != np.arange(t)[None, :] // fw
+                depth = np.zeros(t, int)
+                for _, rc, oc in per[b + 1:]:
+                    depth += np.arange(t) % rc == oc
+                rule_m = 1 + np.minimum(depth[:, None], depth[None, :])
+                np.testing.assert_array_equal(np.where(own, rule_m, m), m)
+                owners += own
+            np.testing.assert_array_equal(owners, (m > 0).astype(int))
+    assert checked > 50, checked
+    # and the configurations that do not nest
+    def order(segs, rates, t=512, h=8, rule="modulo", mode="longnet"):
+        return bp.nested_order(bp.plan_branches(list(zip(segs, rates)), seq_len=t,
+                                                num_heads=h, num_kv_heads=1, mode=mode,
+                                                offsets_rule=rule), t)
+
+    assert order((256, 64, 128), (4, 1, 2)) == [1, 2, 0]
+    assert order((64, 128, 256), (1, 2, 4), rule="blocked") is None  # o_4(2) = 1, o_2(2) = 0
+    assert order((64, 192), (2, 3)) is None          # rates
+    assert order((96, 128), (1, 2)) is None          # 96 does not divide 128 ...
+    assert order((96, 128), (1, 2), t=90) == [0, 1]  # ... one segment each here
+    assert order((64, 128), (1, 2), mode="head_groups") is None  # heads run one branch
+    assert order((64,), (1,)) is None
+
+
+def test_shared_pairs_refused_where_branches_do_not_nest():
+    """The kernel checks the chain it is told of: branches that do not nest with
+    shared_pairs give an error, not a wrong result."""
+    from jax_dilated.core import branch_plans as bp
+
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((1, 256, 4, 32)), jnp.float32)
+    plans = bp.plan_branches([(64, 1), (128, 2), (256, 4)], seq_len=256, num_heads=4,
+                             num_kv_heads=4, mode="longnet", offsets_rule="blocked")
+    with pytest.raises(Exception, match="shared pairs: the branches are not nested"):
+        jax.block_until_ready(native.native_dilated_forward(
+            q, q, q, KernelArgs(scale=0.1), plans, accumulate=True, shared_pairs=True))
 
 
 def test_dilated_attention_holds_no_sequence_sized_temporary():

@@ -28,6 +28,7 @@ __all__ = [
     "BranchPlan",
     "plan_branches",
     "kv_head_plan",
+    "nested_order",
 ]
 
 MODES = ("longnet", "head_groups")
@@ -245,3 +246,38 @@ def plan_branches(branches, *, seq_len: int, num_heads: int, num_kv_heads: int,
                                 kv_heads, group))
     return plans
 
+
+
+def nested_order(plans: Sequence[BranchPlan], seq_len: int) -> list[int] | None:
+    """The order, finest first, in which longnet's branches nest, or None.
+
+    Branches nest when, sorted by (effective segment length, rate), each one's
+    segments lie inside the next one's (the next length is a multiple, or one segment
+    holds the whole sequence), each rate divides the next and every query head's
+    offsets agree (``o_next(j) mod r == o(j)``). Then a position the next branch
+    selects is selected by this one, so a pair (p, t) that two branches let attend
+    is let by every branch between them: each pair can be computed once, by the
+    finest branch that has it, with its logit plus ``log m(p, t)`` (docs/semantics.md,
+    section 7, "shared pairs"). ``"modulo"`` offsets with rates that divide one
+    another (LongNet's geometric branches) nest; ``"blocked"`` ones in general do not.
+
+    Returns:
+      Indices into ``plans``, finest first, when there are at least two branches
+      that all serve the same query heads (longnet) and nest; else None.
+    """
+    if len(plans) < 2 or any(p.branch.window is not None for p in plans):
+        return None
+    heads = plans[0].query_heads
+    if any(not np.array_equal(p.query_heads, heads) for p in plans):
+        return None
+    order = sorted(range(len(plans)), key=lambda i: (plans[i].branch.effective_length,
+                                                     plans[i].branch.rate))
+    for f, c in zip(order, order[1:]):
+        fine, coarse = plans[f], plans[c]
+        w_f, r_f = fine.branch.effective_length, fine.branch.rate
+        inside = (coarse.branch.effective_length % w_f == 0
+                  or coarse.branch.num_segments(seq_len) == 1)
+        if (not inside or coarse.branch.rate % r_f
+                or np.any(np.asarray(coarse.offsets) % r_f != np.asarray(fine.offsets))):
+            return None
+    return order

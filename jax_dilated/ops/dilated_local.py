@@ -497,17 +497,30 @@ def _fused_serves(call: _Call, query, key, kv_mask, rng, source) -> bool:
     return True
 
 
+def _fused_plans(call: _Call, seq_len: int) -> tuple[list, bool]:
+    """The branches in the order the fused calls run them, and whether they compute
+    each shared pair once: longnet's nested branches finest first
+    (:func:`~jax_dilated.core.branch_plans.nested_order`), else the streamed
+    program's order (last branch first)."""
+    order = (branch_plans.nested_order(call.plans, seq_len) if call.mode == "longnet"
+             else None)
+    if order is None:
+        return list(call.plans[::-1]), False
+    return [call.plans[i] for i in order], True
+
+
 def _forward_fused(call: _Call, query, key, value, kv_mask):
     """The forward as one fused call of the kernel (:func:`_fused_serves`), which reads
     every branch's dilated segments where they lie and writes its rows of ``(o, lse,
     lse_lo)`` in place: longnet continues each row's softmax over the branches' keys
-    (one softmax over the union of the keys, Eq. 10, with no merge pass), head_groups
-    writes each head's ``o / nb``. The branches run in the streamed program's order."""
-    plans = call.plans[::-1]
+    (one softmax over the union of the keys, Eq. 10, with no merge pass; nested
+    branches compute each shared pair once, :func:`_fused_plans`), head_groups writes
+    each head's ``o / nb``."""
+    plans, shared = _fused_plans(call, query.shape[1])
     longnet = call.mode == "longnet"
     o, lse, lse_lo = call.kernel_of(0).dilated_forward(
         query, key, value, call.args, plans, kv_mask=kv_mask, accumulate=longnet,
-        out_scale=1.0 if longnet else 1.0 / call.groups)
+        out_scale=1.0 if longnet else 1.0 / call.groups, shared_pairs=shared)
     return o.astype(query.dtype), lse, lse_lo
 
 
@@ -538,9 +551,10 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
     lse_k = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: see dense.backward
     if out is None and _fused_serves(call, query, key, kv_mask, rng, source):
         # every branch's segments read where they lie, the gradients summed in place
+        plans, shared = _fused_plans(call, query.shape[1])
         dq, dk, dv = call.kernel_of(0).dilated_backward(
-            query, key, value, do, c_do, lse_k, delta, call.args, call.plans[::-1],
-            kv_mask=kv_mask)
+            query, key, value, do, c_do, lse_k, delta, call.args, plans, kv_mask=kv_mask,
+            shared_pairs=shared)
         return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
     dq = jnp.zeros(query.shape, stats)
     dk = jnp.zeros(key.shape, stats)

@@ -126,7 +126,8 @@ def native_forward(q, k, v, args: KernelArgs, *, kv_valid=None):
 
 
 def native_dilated_forward(q, k, v, args: KernelArgs, plans, *, kv_mask=None,
-                           accumulate: bool, out_scale: float = 1.0):
+                           accumulate: bool, out_scale: float = 1.0,
+                           shared_pairs: bool = False):
     """Every branch of dilated attention in one FFI call, reading each branch's
     dilated segments where they lie in ``q``, ``k``, ``v`` and writing its rows of
     the result in place (nothing gathered, scattered or merged outside the kernel).
@@ -142,6 +143,11 @@ def native_dilated_forward(q, k, v, args: KernelArgs, plans, *, kv_mask=None,
         so the result is one softmax over all the branches' keys (docs/semantics.md,
         Eq. 10). False (head_groups): each row's one branch writes it.
       out_scale: static; the output is ``out_scale`` times the normalised one.
+      shared_pairs: static; with ``accumulate``, for ``plans`` in the order
+        :func:`~jax_dilated.core.branch_plans.nested_order` gives (finest first):
+        each (query, key) pair is computed once, by the finest branch that lets it
+        attend, with the logit ``s + log m`` (``m`` the branches that let it), instead
+        of once per branch (docs/semantics.md, section 7). Same result, fewer products.
 
     Returns:
       ``(o [B, T, H, D], lse, lse_lo [B, T, H])``; rows no branch selects hold ``o =
@@ -154,12 +160,12 @@ def native_dilated_forward(q, k, v, args: KernelArgs, plans, *, kv_mask=None,
                             vmap_method="broadcast_all")
     o, m, l = call(q, k, v, mask, **_branch_attributes(plans), scale=np.float32(args.scale),
                    causal=bool(args.is_causal), accumulate=bool(accumulate),
-                   out_scale=np.float32(out_scale))
+                   out_scale=np.float32(out_scale), shared_pairs=bool(shared_pairs))
     return varying_like((o, *softmax.lse_parts(m, l)), (q, k, v))
 
 
 def native_dilated_backward(q, k, v, do, c, lse, delta, args: KernelArgs, plans, *,
-                            kv_mask=None):
+                            kv_mask=None, shared_pairs: bool = False):
     """The gradients of :func:`native_dilated_forward`'s result, every branch in one
     FFI call: ``(dq, dk, dv)``, summed over the branches.
 
@@ -170,7 +176,8 @@ def native_dilated_backward(q, k, v, do, c, lse, delta, args: KernelArgs, plans,
     ``p = exp(s - lse)`` over each branch's keys, ``dv = p^T do'``, ``ds = p (do' v -
     delta)``, ``dq = scale ds k``, ``dk = scale ds^T q``, as
     :meth:`~jax_dilated.backends.base.Kernel.backward` on every dilated segment. The
-    other arguments are :func:`native_dilated_forward`'s; all float32.
+    other arguments are :func:`native_dilated_forward`'s (``shared_pairs``: ``p = m
+    exp(s - lse)``, each pair once); all float32.
     """
     call = jax.ffi.ffi_call(build.TARGET_DILATED_BACKWARD,
                             (jax.ShapeDtypeStruct(q.shape, jnp.float32),
@@ -179,7 +186,7 @@ def native_dilated_backward(q, k, v, do, c, lse, delta, args: KernelArgs, plans,
                             vmap_method="broadcast_all")
     grads = call(q, k, v, do, c, lse, delta, _kv_mask_bytes(kv_mask, q.shape[:2]),
                  **_branch_attributes(plans), scale=np.float32(args.scale),
-                 causal=bool(args.is_causal))
+                 causal=bool(args.is_causal), shared_pairs=bool(shared_pairs))
     return varying_like(tuple(grads), (q, k, v, do))
 
 

@@ -145,11 +145,47 @@ void pv_columns(const float* p, const float* v, int64_t vstride, float* o, int64
 // The plain call's items are the slices [n, :, h] of its arrays; a dilated branch's
 // are the dilated segments of the whole sequence, rows r positions apart, read and
 // written where they lie (no gather, no scatter).
+struct Item;
+
+// Longnet's nested branches (shared_pairs; docs/semantics.md, section 7): the
+// branches, finest first, form a chain in which each one's segments lie inside the
+// next one's, its rate divides the next one's and every head's offsets agree, so a
+// pair (p, t) that two branches let attend is also let by every branch between them.
+// Each pair is then computed once, by the finest branch that has it, with the logit
+// scale q.k + log m(p, t), m the number of branches that have it (Eq. 10's dense
+// form): a branch skips the keys in its query's segment of the finer branch, and
+// m(p, t) = 1 + min(depth(p), depth(t)), depth(x) the number of coarser branches
+// that select x (a prefix of them, by the nesting). One per (branch, query head).
+struct Nesting {
+  static constexpr int MAX = 16;
+  int64_t finer_w = 0;  // the finer branch's segment length (0: none)
+  int nc = 0;           // coarser branches: their rates and this head's offsets
+  int64_t rc[MAX], oc[MAX];
+  // the coarser branches that select position x (of the batch row)
+  int depth(int64_t x) const {
+    int n = 0;
+    for (int c = 0; c < nc; c++) n += x % rc[c] == oc[c];
+    return n;
+  }
+};
+
+// log m for a pair shared by 1 + v branches
+inline float log_multiplicity(int v) { return v == 0 ? 0.0f : std::log1p((float)v); }
+
+// The first index i >= 0 whose position pos0 + i step is at least x.
+inline int64_t first_index_at(int64_t x, int64_t pos0, int64_t step) {
+  return x <= pos0 ? 0 : (x - pos0 + step - 1) / step;
+}
+
 struct Item {
   const float *q, *k, *v;
   const uint8_t* valid;
   float *o, *m, *l;
   int64_t q_stride, kv_stride, valid_stride, stat_stride, lq, lk;
+  // shared pairs (nullptr: none): the item's nesting, and the positions in the batch
+  // row of query row i and key i, qpos0 + i step and kpos0 + i step
+  const Nesting* nest = nullptr;
+  int64_t qpos0 = 0, kpos0 = 0, step = 1;
 };
 
 struct Config {
@@ -160,16 +196,26 @@ struct Config {
 };
 
 struct Scratch {
-  std::vector<float> kt, s, qs, ot, mask;
+  // kbias: per key block and row depth v (0 without shared pairs) the additive term
+  // of each key: -inf for a padding column or an invalid key, else log m (Nesting)
+  std::vector<float> kt, s, qs, ot, kbias;
+  std::vector<uint8_t> block_masked, block_shared;  // some key -inf; some key of depth > 0
   Scratch(int64_t max_lk, int64_t d)
-      : kt(((max_lk + BK - 1) / BK) * d * BK), s(MR * BK), qs(BQ * d), ot(BQ * d), mask(BK) {}
+      : kt(((max_lk + BK - 1) / BK) * d * BK), s(MR * BK), qs(BQ * d), ot(BQ * d) {}
 };
 
 // Rows [r0, r1) of one item.
 void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t r1) {
   const int64_t d = cf.d;
+  const Nesting* ns = it.nest;
+  const int nv = ns ? ns->nc + 1 : 1;
   const int64_t kend_all = cf.causal ? std::min(it.lk, r1) : it.lk;
-  // k^T of the keys this run can see, in blocks [block][d][BK], zero-padded
+  const int64_t nblocks = (kend_all + BK - 1) / BK;
+  if ((int64_t)w.kbias.size() < nblocks * nv * BK) w.kbias.resize(nblocks * nv * BK);
+  w.block_masked.resize(nblocks);
+  w.block_shared.resize(nblocks);
+  // k^T of the keys this run can see, in blocks [block][d][BK], zero-padded, and
+  // their additive terms
   for (int64_t b0 = 0; b0 < kend_all; b0 += BK) {
     float* kt = w.kt.data() + (b0 / BK) * d * BK;
     const int64_t nk = std::min<int64_t>(BK, kend_all - b0);
@@ -179,15 +225,42 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
     }
     for (int64_t c = 0; c < d; c++)
       std::fill(kt + c * BK + nk, kt + c * BK + BK, 0.0f);
+    float* kb = w.kbias.data() + (b0 / BK) * nv * BK;
+    bool masked = false, shared = false;
+    for (int64_t j = 0; j < BK; j++) {
+      const bool ok = j < nk && (it.valid == nullptr || it.valid[(b0 + j) * it.valid_stride]);
+      masked |= !ok && j < (nk + 31) / 32 * 32;
+      const int dt = ok && ns ? ns->depth(it.kpos0 + (b0 + j) * it.step) : 0;
+      shared |= dt > 0;
+      for (int v = 0; v < nv; v++)
+        kb[v * BK + j] = ok ? log_multiplicity(std::min(v, dt)) : -INFINITY;
+    }
+    w.block_masked[b0 / BK] = masked;
+    w.block_shared[b0 / BK] = shared;
   }
   float m[BQ], l[BQ];
-  for (int64_t q0 = r0; q0 < r1; q0 += BQ) {
-    const int nq = (int)std::min<int64_t>(BQ, r1 - q0);
+  int depth[BQ];
+  for (int64_t q0 = r0, q1; q0 < r1; q0 = q1) {
+    // the tile: rows [q0, q1), with shared pairs all in one segment of the finer
+    // branch, whose keys [e0, e1) the finer branch computes (skipped here)
+    q1 = std::min(r1, q0 + BQ);
+    int64_t e0 = 0, e1 = 0;
+    if (ns && ns->finer_w) {
+      const int64_t fw = ns->finer_w, seg = (it.qpos0 + q0 * it.step) / fw;
+      q1 = std::min(q1, first_index_at((seg + 1) * fw, it.qpos0, it.step));
+      e0 = std::min(it.lk, first_index_at(seg * fw, it.kpos0, it.step));
+      e1 = std::min(it.lk, first_index_at((seg + 1) * fw, it.kpos0, it.step));
+    }
+    const int nq = (int)(q1 - q0);
     const int nqp = (nq + MR - 1) / MR * MR;
+    const int64_t kend = cf.causal ? std::min(it.lk, q1) : it.lk;
+    // shared pairs: a tile with no key of its own keeps the rows it continues as they are
+    if (ns && (kend <= 0 || (e0 <= 0 && e1 >= kend))) continue;
     std::fill(w.ot.begin(), w.ot.begin() + nqp * d, 0.0f);
     for (int i = 0; i < nqp; i++) {
       m[i] = -INFINITY;
       l[i] = 0.0f;
+      depth[i] = i < nq && ns ? ns->depth(it.qpos0 + (q0 + i) * it.step) : 0;
       const float* src = it.q + (q0 + i) * it.q_stride;
       for (int64_t c = 0; c < d; c++) w.qs[i * d + c] = i < nq ? src[c] * cf.scale : 0.0f;
       const int64_t stat = (q0 + i) * it.stat_stride;
@@ -199,29 +272,29 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
         for (int64_t c = 0; c < d; c++) w.ot[i * d + c] = prev[c] * l[i];
       }
     }
-    const int64_t kend = cf.causal ? std::min(it.lk, q0 + nq) : it.lk;
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
       const int nk = (int)std::min<int64_t>(BK, kend - k0);
       const int ncols = (nk + 31) / 32 * 32;
-      // additive key mask of this block: padding columns and invalid keys (none: skip)
-      const bool masked = ncols != nk || it.valid != nullptr;
-      for (int j = 0; masked && j < ncols; j++) {
-        bool ok = j < nk;
-        if (ok && it.valid != nullptr) ok = it.valid[(k0 + j) * it.valid_stride] != 0;
-        w.mask[j] = ok ? 0.0f : -INFINITY;
-      }
-      const bool diagonal = cf.causal && k0 + nk - 1 > q0;  // some key after some row
+      // the block's columns [x0, x1) the finer branch computes
+      const int64_t x0 = std::max(e0, k0) - k0, x1 = std::min(e1, k0 + nk) - k0;
+      if (x0 <= 0 && x1 >= nk) continue;
+      const bool cut = x1 > x0;
+      const float* kb = w.kbias.data() + (k0 / BK) * nv * BK;
+      const bool masked = w.block_masked[k0 / BK], shared = w.block_shared[k0 / BK];
+      // some column after some row (columns past nk included: keys after every row)
+      const bool diagonal = cf.causal && k0 + ncols - 1 > q0;
       const float* kt = w.kt.data() + (k0 / BK) * d * BK;
       for (int t0 = 0; t0 < nqp; t0 += MR) {
         qk_tile<BK>(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, ncols);
         for (int r = 0; r < MR; r++) {
           const int i = t0 + r;
           float* sr = w.s.data() + r * BK;
+          const int v = shared ? depth[i] : 0;
           __m512 mx = _mm512_set1_ps(-INFINITY);
-          if (masked) {
+          if (masked || v > 0) {
+            const float* add = kb + v * BK;
             for (int j = 0; j < ncols; j += 16) {
-              __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j),
-                                       _mm512_loadu_ps(w.mask.data() + j));
+              __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), _mm512_loadu_ps(add + j));
               _mm512_storeu_ps(sr + j, x);
               mx = _mm512_max_ps(mx, x);
             }
@@ -232,13 +305,21 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
             std::fill(sr, sr + ncols, 0.0f);
             continue;
           }
+          bool refill = false;
+          if (cut) {
+            std::fill(sr + std::max<int64_t>(x0, 0), sr + x1, -INFINITY);
+            refill = true;
+          }
           if (diagonal) {  // keys after the row's own index
             const int64_t first = q0 + i - k0 + 1;
             if (first < ncols) {
               std::fill(sr + std::max<int64_t>(first, 0), sr + ncols, -INFINITY);
-              mx = _mm512_set1_ps(-INFINITY);
-              for (int j = 0; j < ncols; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+              refill = true;
             }
+          }
+          if (refill) {
+            mx = _mm512_set1_ps(-INFINITY);
+            for (int j = 0; j < ncols; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
           }
           const float block_max = _mm512_reduce_max_ps(mx);
           const float m_new = std::max(m[i], block_max);
@@ -293,6 +374,7 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
 struct BwdHead {
   const float *q, *dout, *lse, *delta, *c;
   float* dq;
+  const Nesting* nest;  // shared pairs: this head's (nullptr: none)
 };
 
 // The query heads that read one kv head at one offset of one dilated segment, and
@@ -303,11 +385,15 @@ struct BwdItem {
   const uint8_t* valid;
   float *dk, *dv;
   int64_t q_stride, stat_stride, kv_stride, valid_stride, lq, lk;
+  int64_t pos0, step;  // row and key i lie at position pos0 + i step of the batch row
 };
 
 struct BwdScratch {
+  // lse: per row depth v (0 without shared pairs) lse - log m (Nesting), rows padded
   std::vector<float> qst, qs, dot, dos, lse, delta, dq, kb, ks, vb, dk, dv, st, dpt;
   std::vector<uint8_t> key_ok;
+  std::vector<int> key_depth;
+  std::vector<int64_t> key_cut0, key_cut1;  // the rows that share key t with the finer branch
   BwdScratch(int64_t max_lq, int64_t max_lk, int64_t d) {
     const int64_t lqp = (max_lq + BR - 1) / BR * BR, lkp = (max_lk + BC - 1) / BC * BC;
     for (auto* x : {&qst, &qs, &dot, &dos, &dq}) x->resize(lqp * d);
@@ -316,20 +402,26 @@ struct BwdScratch {
     dk.resize(lkp * d); dv.resize(lkp * d);
     st.resize(BC * BR); dpt.resize(BC * BR);
     key_ok.resize(BC);
+    key_depth.resize(BC);
+    key_cut0.resize(BC);
+    key_cut1.resize(BC);
   }
 };
 
 void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
   const int64_t d = cf.d, lq = it.lq, lk = it.lk;
   if (lq == 0 || lk == 0) return;
-  const int64_t nqt = (lq + BR - 1) / BR, nkb = (lk + BC - 1) / BC;
+  const int64_t nqt = (lq + BR - 1) / BR, nkb = (lk + BC - 1) / BC, lqp = nqt * BR;
   std::fill(w.dk.begin(), w.dk.begin() + nkb * BC * d, 0.0f);
   std::fill(w.dv.begin(), w.dv.begin() + nkb * BC * d, 0.0f);
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (const BwdHead& hd : it.heads) {
+    const Nesting* ns = hd.nest;
+    const int nv = ns ? ns->nc + 1 : 1;
+    if ((int64_t)w.lse.size() < nv * lqp) w.lse.resize(nv * lqp);
     // the head's query side, packed once: scale q and c do as rows and as
     // transposed tiles [tile][D][BR]; padding rows hold 0 and lse = +inf (p = 0)
-    for (int64_t i = 0; i < nqt * BR; i++) {
+    for (int64_t i = 0; i < lqp; i++) {
       const bool real = i < lq;
       const float ci = real ? hd.c[i * it.stat_stride] : 0.0f;
       const float* qrow = hd.q + i * it.q_stride;
@@ -341,10 +433,13 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
         w.qs[i * d + c] = qv; qt[c * BR] = qv;
         w.dos[i * d + c] = dv; dt[c * BR] = dv;
       }
-      w.lse[i] = real ? hd.lse[i * it.stat_stride] : INFINITY;
+      const int dp = real && ns ? ns->depth(it.pos0 + i * it.step) : 0;
+      for (int v = 0; v < nv; v++)
+        w.lse[v * lqp + i] = real ? hd.lse[i * it.stat_stride] - log_multiplicity(std::min(v, dp))
+                                  : INFINITY;
       w.delta[i] = real ? hd.delta[i * it.stat_stride] : 0.0f;
     }
-    std::fill(w.dq.begin(), w.dq.begin() + nqt * BR * d, 0.0f);
+    std::fill(w.dq.begin(), w.dq.begin() + lqp * d, 0.0f);
     for (int64_t kb = 0; kb < nkb; kb++) {
       const int64_t k0 = kb * BC, nk = std::min<int64_t>(BC, lk - k0);
       for (int64_t t = 0; t < BC; t++) {
@@ -357,17 +452,31 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
           w.vb[t * d + c] = real ? vrow[c] : 0.0f;
         }
         w.key_ok[t] = real && (it.valid == nullptr || it.valid[(k0 + t) * it.valid_stride]);
+        const int64_t pos = it.pos0 + (k0 + t) * it.step;
+        w.key_depth[t] = real && ns ? ns->depth(pos) : 0;
+        w.key_cut0[t] = w.key_cut1[t] = 0;
+        if (real && ns && ns->finer_w) {  // the rows in the key's segment of the finer branch
+          const int64_t seg = pos / ns->finer_w;
+          w.key_cut0[t] = first_index_at(seg * ns->finer_w, it.pos0, it.step);
+          w.key_cut1[t] = std::min(lq, first_index_at((seg + 1) * ns->finer_w, it.pos0, it.step));
+        }
       }
       // causal: the tiles whose last row reaches the block's first key
       for (int64_t qt = cf.causal ? k0 / BR : 0; qt < nqt; qt++) {
-        const int64_t q0 = qt * BR;
+        const int64_t q0 = qt * BR, q1 = std::min(lq, q0 + BR);
+        // shared pairs: skip a tile all of whose pairs with the block are the finer
+        // branch's (the block's first and last keys cut it whole)
+        if (w.key_cut0[0] <= q0 && w.key_cut1[0] >= q1 && w.key_cut0[nk - 1] <= q0 &&
+            w.key_cut1[nk - 1] >= q1)
+          continue;
         const float* qst = w.qst.data() + qt * d * BR;
         const float* dot = w.dot.data() + qt * d * BR;
         for (int t0 = 0; t0 < BC; t0 += MR) {
           qk_tile<BR>(w.kb.data() + t0 * d, qst, w.st.data() + t0 * BR, (int)d, BR);
           qk_tile<BR>(w.vb.data() + t0 * d, dot, w.dpt.data() + t0 * BR, (int)d, BR);
         }
-        // p^T = exp(s^T - lse) and ds^T = p^T (dp^T - delta), in place
+        // p^T = exp(s^T - lse) (m(p, t) exp(s^T - lse) with shared pairs) and
+        // ds^T = p^T (dp^T - delta), in place
         for (int t = 0; t < BC; t++) {
           float* sr = w.st.data() + t * BR;
           float* dr = w.dpt.data() + t * BR;
@@ -376,14 +485,21 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
             std::fill(dr, dr + BR, 0.0f);
             continue;
           }
+          const float* lse = w.lse.data() + w.key_depth[t] * lqp + q0;
           const __m512 key = _mm512_set1_ps((float)(k0 + t - q0));
+          const bool cut = w.key_cut0[t] < q1 && w.key_cut1[t] > q0;
+          const __m512 cut0 = _mm512_set1_ps((float)(w.key_cut0[t] - q0));
+          const __m512 cut1 = _mm512_set1_ps((float)(w.key_cut1[t] - q0));
           for (int c = 0; c < BR; c += 16) {
-            __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c),
-                                            _mm512_loadu_ps(w.lse.data() + q0 + c)));
+            __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c), _mm512_loadu_ps(lse + c)));
+            const __m512 row = _mm512_add_ps(lane, _mm512_set1_ps((float)c));
             if (cf.causal) {  // rows before the key see nothing of it
-              const __mmask16 seen = _mm512_cmp_ps_mask(
-                  _mm512_add_ps(lane, _mm512_set1_ps((float)c)), key, _CMP_GE_OQ);
-              p = _mm512_maskz_mov_ps(seen, p);
+              p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(row, key, _CMP_GE_OQ), p);
+            }
+            if (cut) {  // rows that share the key with the finer branch: its pairs
+              const __mmask16 shared = _mm512_cmp_ps_mask(row, cut0, _CMP_GE_OQ) &
+                                       _mm512_cmp_ps_mask(row, cut1, _CMP_LT_OQ);
+              p = _mm512_maskz_mov_ps(~shared, p);
             }
             const __m512 ds = _mm512_mul_ps(
                 p, _mm512_sub_ps(_mm512_loadu_ps(dr + c), _mm512_loadu_ps(w.delta.data() + q0 + c)));
@@ -602,6 +718,47 @@ void fill_rows(ffi::ThreadPool& pool, int64_t rows, std::vector<float*> arrays,
   });
 }
 
+// shared_pairs: the Nesting of every branch (in the order given, finest first) and
+// query head, branch b's head j at [b H + j]; an error unless the branches form the
+// chain Nesting describes (every branch serves every query head once; the next
+// branch's segments are multiples of this one's, or one segment of the whole
+// sequence; its rate a multiple of this one's; each head's offsets agree).
+ffi::Error read_nestings(const std::vector<Branch>& brs, int64_t t, int64_t h,
+                         std::vector<Nesting>& out) {
+  const int64_t nb = (int64_t)brs.size();
+  if (nb - 1 > Nesting::MAX) return ffi::Error::InvalidArgument("too many branches");
+  std::vector<int64_t> off(nb * h, -1);
+  for (int64_t b = 0; b < nb; b++) {
+    for (int64_t j = 0; j < brs[b].hs; j++) off[b * h + brs[b].qh[j]] = brs[b].qo[j];
+    for (int64_t j = 0; j < h; j++)
+      if (brs[b].hs != h || off[b * h + j] < 0)
+        return ffi::Error::InvalidArgument("shared pairs: every branch serves every head once");
+  }
+  for (int64_t b = 1; b < nb; b++) {
+    const Branch &f = brs[b - 1], &c = brs[b];
+    bool nested = (c.w % f.w == 0 || c.segments(t) == 1) && c.r % f.r == 0;
+    for (int64_t j = 0; j < h; j++) nested &= off[b * h + j] % f.r == off[(b - 1) * h + j];
+    if (!nested) return ffi::Error::InvalidArgument("shared pairs: the branches are not nested");
+  }
+  out.assign(nb * h, Nesting{});
+  for (int64_t b = 0; b < nb; b++)
+    for (int64_t j = 0; j < h; j++) {
+      Nesting& n = out[b * h + j];
+      n.finer_w = b > 0 ? brs[b - 1].w : 0;
+      for (int64_t c = b + 1; c < nb; c++, n.nc++) {
+        n.rc[n.nc] = brs[c].r;
+        n.oc[n.nc] = off[c * h + j];
+      }
+    }
+  return ffi::Error::Success();
+}
+
+// shared_pairs: whether branch b computes no pair (the finer branch is one segment
+// of the whole sequence, so it has every pair of b)
+bool all_pairs_finer(const std::vector<Branch>& brs, size_t b, int64_t t) {
+  return b > 0 && brs[b - 1].segments(t) == 1;
+}
+
 // Dilated attention's forward, every branch in one call: q [B, T, H, D], k, v
 // [B, T, Hkv, D], kv_mask empty or [B, T], the branches' attributes (read_branches).
 // Each dilated segment of each served head is an item whose rows are r positions
@@ -614,7 +771,8 @@ ffi::Error DilatedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U8> kv_mask, Ints segments,
                           Ints rates, Ints branch_heads, Ints q_heads, Ints q_offsets,
                           Ints branch_kv_heads, Ints kv_heads, Ints kv_offsets, float scale,
-                          bool causal, bool accumulate, float out_scale, ffi::ThreadPool pool,
+                          bool causal, bool accumulate, float out_scale, bool shared_pairs,
+                          ffi::ThreadPool pool,
                           ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
                           ffi::ResultBuffer<ffi::F32> l) {
   Shapes sh;
@@ -628,9 +786,17 @@ ffi::Error DilatedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   const int64_t b = sh.n, t = sh.lq, h = sh.h, hkv = sh.hkv, d = sh.d;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   float *op = o->typed_data(), *mp = m->typed_data(), *lp = l->typed_data();
+  std::vector<Nesting> nests;
+  if (shared_pairs) {
+    if (!accumulate) return ffi::Error::InvalidArgument("shared pairs need accumulate");
+    if (auto err = read_nestings(branches, t, h, nests); err.failure()) return err;
+  }
   fill_rows(pool, b * t * h, {mp, lp}, {1, 1}, {-INFINITY, 0.0f});
   const Config cf{d, scale, out_scale, causal, accumulate};
-  for (const Branch& br : branches) {
+  for (size_t ib = 0; ib < branches.size(); ib++) {
+    const Branch& br = branches[ib];
+    if (shared_pairs && all_pairs_finer(branches, ib, t)) continue;
+    const Nesting* nest = shared_pairs ? nests.data() + ib * h : nullptr;
     const int64_t segs = br.segments(t), r = br.r;
     auto item = [=](int64_t u) {
       const int64_t n = u / br.hs, j = u % br.hs, g = j / (br.hs / br.hk);
@@ -640,7 +806,8 @@ ffi::Error DilatedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
       return Item{qp + qrow * d, kp + krow * d, vp + krow * d,
                   valid == nullptr ? nullptr : valid + kpos,
                   op + qrow * d, mp + qrow, lp + qrow,
-                  r * h * d, r * hkv * d, r, r * h, br.rows(t, s, br.qo[j]), br.rows(t, s, br.ko[g])};
+                  r * h * d, r * hkv * d, r, r * h, br.rows(t, s, br.qo[j]), br.rows(t, s, br.ko[g]),
+                  nest == nullptr ? nullptr : nest + br.qh[j], qpos - bi * t, kpos - bi * t, r};
     };
     run_items(cf, b * segs * br.hs, br.w / r, br.w / r, item, pool);
   }
@@ -665,7 +832,7 @@ ffi::Error DilatedBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::U8> kv_mask,
                            Ints segments, Ints rates, Ints branch_heads, Ints q_heads,
                            Ints q_offsets, Ints branch_kv_heads, Ints kv_heads, Ints kv_offsets,
-                           float scale, bool causal, ffi::ThreadPool pool,
+                           float scale, bool causal, bool shared_pairs, ffi::ThreadPool pool,
                            ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                            ffi::ResultBuffer<ffi::F32> dv) {
   Shapes sh;
@@ -686,10 +853,16 @@ ffi::Error DilatedBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
               *deltap = delta.typed_data();
   float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
   fill_rows(pool, b * t, {dqp, dkp, dvp}, {h * d, hkv * d, hkv * d}, {0.0f, 0.0f, 0.0f});
+  std::vector<Nesting> nests;
+  if (shared_pairs)
+    if (auto err = read_nestings(branches, t, h, nests); err.failure()) return err;
   const Config cf{d, scale, 1.0f, causal, false};
   int64_t max_l = 0;
   for (const Branch& br : branches) max_l = std::max(max_l, br.w / br.r);
-  for (const Branch& br : branches) {
+  for (size_t ib = 0; ib < branches.size(); ib++) {
+    const Branch& br = branches[ib];
+    if (shared_pairs && all_pairs_finer(branches, ib, t)) continue;
+    const Nesting* nest = shared_pairs ? nests.data() + ib * h : nullptr;
     // the kv (offset, head) pairs of the branch and the query heads reading each
     std::vector<std::pair<int64_t, int64_t>> pairs;
     std::vector<std::vector<int64_t>> readers;
@@ -707,11 +880,11 @@ ffi::Error DilatedBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
       const int64_t krow = kpos * hkv + pairs[pi].second;
       BwdItem it{{}, kp + krow * d, vp + krow * d, valid == nullptr ? nullptr : valid + kpos,
                  dkp + krow * d, dvp + krow * d, r * h * d, r * h, r * hkv * d, r, 0,
-                 br.rows(t, s, pairs[pi].first)};
+                 br.rows(t, s, pairs[pi].first), kpos - bi * t, r};
       for (int64_t j : readers[pi]) {
         const int64_t qrow = (bi * t + s * br.w + br.qo[j]) * h + br.qh[j];
         it.heads.push_back({qp + qrow * d, dop + qrow * d, lsep + qrow, deltap + qrow,
-                            cp + qrow, dqp + qrow * d});
+                            cp + qrow, dqp + qrow * d, nest == nullptr ? nullptr : nest + br.qh[j]});
         it.lq = br.rows(t, s, br.qo[j]);  // one offset: the pair's
       }
       if (!ts.bwd) ts.bwd = std::make_unique<BwdScratch>(max_l, max_l, d);
@@ -754,6 +927,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionDilatedForwardCpu, DilatedForwa
                                   .Attr<bool>("causal")
                                   .Attr<bool>("accumulate")
                                   .Attr<float>("out_scale")
+                                  .Attr<bool>("shared_pairs")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>()   // o
                                   .Ret<ffi::Buffer<ffi::F32>>()   // m
@@ -779,6 +953,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionDilatedBackwardCpu, DilatedBack
                                   .Attr<ffi::Span<const int64_t>>("kv_offsets")
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal")
+                                  .Attr<bool>("shared_pairs")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dq
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dk
