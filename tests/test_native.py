@@ -216,8 +216,8 @@ def test_dilated_attention_in_one_call_per_pass_matches_float64(
     """The fused dilated forward and backward (every branch in one call per pass,
     segments read where they lie, results written in place; longnet continues each
     row's softmax across the branches, and nested branches compute each shared pair
-    once, with its logit plus log m) against the same attention in float64 on the
-    XLA kernel (which test_parity checks against the PyTorch reference): outputs,
+    once, weighted by its multiplicity m) against the same attention in float64 on
+    the XLA kernel (which test_parity checks against the PyTorch reference): outputs,
     log-sum-exp and the gradients of both (random cotangents on each) at 1e-5, rows
     of no key included."""
     rng = np.random.default_rng(t + h + hkv)

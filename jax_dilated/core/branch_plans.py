@@ -257,7 +257,7 @@ def nested_order(plans: Sequence[BranchPlan], seq_len: int) -> list[int] | None:
     offsets agree (``o_next(j) mod r == o(j)``). Then a position the next branch
     selects is selected by this one, so a pair (p, t) that two branches let attend
     is let by every branch between them: each pair can be computed once, by the
-    finest branch that has it, with its logit plus ``log m(p, t)`` (docs/semantics.md,
+    finest branch that has it, weighted ``m(p, t) exp(s)`` (docs/semantics.md,
     section 7, "shared pairs"). ``"modulo"`` offsets with rates that divide one
     another (LongNet's geometric branches) nest; ``"blocked"`` ones in general do not.
 

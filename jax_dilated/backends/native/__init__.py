@@ -146,7 +146,7 @@ def native_dilated_forward(q, k, v, args: KernelArgs, plans, *, kv_mask=None,
       shared_pairs: static; with ``accumulate``, for ``plans`` in the order
         :func:`~jax_dilated.core.branch_plans.nested_order` gives (finest first):
         each (query, key) pair is computed once, by the finest branch that lets it
-        attend, with the logit ``s + log m`` (``m`` the branches that let it), instead
+        attend, weighted ``m exp(s)`` (``m`` the branches that let it), instead
         of once per branch (docs/semantics.md, section 7). Same result, fewer products.
 
     Returns:

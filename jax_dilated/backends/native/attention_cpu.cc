@@ -151,11 +151,13 @@ struct Item;
 // branches, finest first, form a chain in which each one's segments lie inside the
 // next one's, its rate divides the next one's and every head's offsets agree, so a
 // pair (p, t) that two branches let attend is also let by every branch between them.
-// Each pair is then computed once, by the finest branch that has it, with the logit
-// scale q.k + log m(p, t), m the number of branches that have it (Eq. 10's dense
-// form): a branch skips the keys in its query's segment of the finer branch, and
-// m(p, t) = 1 + min(depth(p), depth(t)), depth(x) the number of coarser branches
-// that select x (a prefix of them, by the nesting). One per (branch, query head).
+// Each pair is then computed once, by the finest branch that has it, with weight
+// m(p, t) exp(s_pt), m the number of branches that have it (Eq. 10's dense form,
+// logit s + log m; m multiplies the exponential rather than log m joining a logit,
+// which float32 would round where logits are large): a branch skips the keys in its
+// query's segment of the finer branch, and m(p, t) = 1 + min(depth(p), depth(t)),
+// depth(x) the number of coarser branches that select x (a prefix of them, by the
+// nesting). One per (branch, query head).
 struct Nesting {
   static constexpr int MAX = 16;
   int64_t finer_w = 0;  // the finer branch's segment length (0: none)
@@ -168,9 +170,6 @@ struct Nesting {
     return n;
   }
 };
-
-// log m for a pair shared by 1 + v branches
-inline float log_multiplicity(int v) { return v == 0 ? 0.0f : std::log1p((float)v); }
 
 // The first index i >= 0 whose position pos0 + i step is at least x.
 inline int64_t first_index_at(int64_t x, int64_t pos0, int64_t step) {
@@ -196,10 +195,11 @@ struct Config {
 };
 
 struct Scratch {
-  // kbias: per key block and row depth v (0 without shared pairs) the additive term
-  // of each key: -inf for a padding column or an invalid key, else log m (Nesting)
-  std::vector<float> kt, s, qs, ot, kbias;
-  std::vector<uint8_t> block_masked, block_shared;  // some key -inf; some key of depth > 0
+  // per key block: kmask, each key's additive mask (-inf for a padding column or an
+  // invalid key, else 0); kmul, for rows of depth v = 1..nc (shared pairs), each
+  // key's multiplicity m = 1 + min(v, depth) (Nesting)
+  std::vector<float> kt, s, qs, ot, kmask, kmul;
+  std::vector<uint8_t> block_masked, block_shared;  // some key masked; some key of depth > 0
   Scratch(int64_t max_lk, int64_t d)
       : kt(((max_lk + BK - 1) / BK) * d * BK), s(MR * BK), qs(BQ * d), ot(BQ * d) {}
 };
@@ -208,14 +208,15 @@ struct Scratch {
 void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t r1) {
   const int64_t d = cf.d;
   const Nesting* ns = it.nest;
-  const int nv = ns ? ns->nc + 1 : 1;
+  const int nc = ns ? ns->nc : 0;
   const int64_t kend_all = cf.causal ? std::min(it.lk, r1) : it.lk;
   const int64_t nblocks = (kend_all + BK - 1) / BK;
-  if ((int64_t)w.kbias.size() < nblocks * nv * BK) w.kbias.resize(nblocks * nv * BK);
+  w.kmask.resize(nblocks * BK);
+  if ((int64_t)w.kmul.size() < nblocks * nc * BK) w.kmul.resize(nblocks * nc * BK);
   w.block_masked.resize(nblocks);
   w.block_shared.resize(nblocks);
-  // k^T of the keys this run can see, in blocks [block][d][BK], zero-padded, and
-  // their additive terms
+  // k^T of the keys this run can see, in blocks [block][d][BK], zero-padded, their
+  // mask and multiplicities
   for (int64_t b0 = 0; b0 < kend_all; b0 += BK) {
     float* kt = w.kt.data() + (b0 / BK) * d * BK;
     const int64_t nk = std::min<int64_t>(BK, kend_all - b0);
@@ -225,15 +226,15 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
     }
     for (int64_t c = 0; c < d; c++)
       std::fill(kt + c * BK + nk, kt + c * BK + BK, 0.0f);
-    float* kb = w.kbias.data() + (b0 / BK) * nv * BK;
+    float* km = w.kmul.data() + (b0 / BK) * nc * BK;
     bool masked = false, shared = false;
     for (int64_t j = 0; j < BK; j++) {
       const bool ok = j < nk && (it.valid == nullptr || it.valid[(b0 + j) * it.valid_stride]);
       masked |= !ok && j < (nk + 31) / 32 * 32;
+      w.kmask[b0 + j] = ok ? 0.0f : -INFINITY;
       const int dt = ok && ns ? ns->depth(it.kpos0 + (b0 + j) * it.step) : 0;
       shared |= dt > 0;
-      for (int v = 0; v < nv; v++)
-        kb[v * BK + j] = ok ? log_multiplicity(std::min(v, dt)) : -INFINITY;
+      for (int v = 1; v <= nc; v++) km[(v - 1) * BK + j] = 1.0f + std::min(v, dt);
     }
     w.block_masked[b0 / BK] = masked;
     w.block_shared[b0 / BK] = shared;
@@ -279,7 +280,8 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
       const int64_t x0 = std::max(e0, k0) - k0, x1 = std::min(e1, k0 + nk) - k0;
       if (x0 <= 0 && x1 >= nk) continue;
       const bool cut = x1 > x0;
-      const float* kb = w.kbias.data() + (k0 / BK) * nv * BK;
+      const float* kmask = w.kmask.data() + k0;
+      const float* kmul = w.kmul.data() + (k0 / BK) * nc * BK;
       const bool masked = w.block_masked[k0 / BK], shared = w.block_shared[k0 / BK];
       // some column after some row (columns past nk included: keys after every row)
       const bool diagonal = cf.causal && k0 + ncols - 1 > q0;
@@ -289,12 +291,10 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
         for (int r = 0; r < MR; r++) {
           const int i = t0 + r;
           float* sr = w.s.data() + r * BK;
-          const int v = shared ? depth[i] : 0;
           __m512 mx = _mm512_set1_ps(-INFINITY);
-          if (masked || v > 0) {
-            const float* add = kb + v * BK;
+          if (masked) {
             for (int j = 0; j < ncols; j += 16) {
-              __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), _mm512_loadu_ps(add + j));
+              __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), _mm512_loadu_ps(kmask + j));
               _mm512_storeu_ps(sr + j, x);
               mx = _mm512_max_ps(mx, x);
             }
@@ -330,8 +330,11 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
           const float alpha = std::exp(m[i] - m_new);  // exp(-inf) = 0 on the first
           const __m512 shift = _mm512_set1_ps(m_new);
           __m512 sum = _mm512_setzero_ps();
+          const int v = shared ? depth[i] : 0;  // p = m exp(s - max), m of the row's depth
+          const float* mul = v > 0 ? kmul + (v - 1) * BK : nullptr;
           for (int j = 0; j < ncols; j += 16) {
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), shift));
+            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), shift));
+            if (v > 0) e = _mm512_mul_ps(e, _mm512_loadu_ps(mul + j));
             sum = _mm512_add_ps(sum, e);
             _mm512_storeu_ps(sr + j, e);
           }
@@ -389,8 +392,9 @@ struct BwdItem {
 };
 
 struct BwdScratch {
-  // lse: per row depth v (0 without shared pairs) lse - log m (Nesting), rows padded
-  std::vector<float> qst, qs, dot, dos, lse, delta, dq, kb, ks, vb, dk, dv, st, dpt;
+  // mult: for keys of depth v = 1..nc (shared pairs), each row's multiplicity m =
+  // 1 + min(v, depth) (Nesting), rows padded
+  std::vector<float> qst, qs, dot, dos, lse, delta, dq, kb, ks, vb, dk, dv, st, dpt, mult;
   std::vector<uint8_t> key_ok;
   std::vector<int> key_depth;
   std::vector<int64_t> key_cut0, key_cut1;  // the rows that share key t with the finer branch
@@ -417,8 +421,8 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (const BwdHead& hd : it.heads) {
     const Nesting* ns = hd.nest;
-    const int nv = ns ? ns->nc + 1 : 1;
-    if ((int64_t)w.lse.size() < nv * lqp) w.lse.resize(nv * lqp);
+    const int nc = ns ? ns->nc : 0;
+    if ((int64_t)w.mult.size() < nc * lqp) w.mult.resize(nc * lqp);
     // the head's query side, packed once: scale q and c do as rows and as
     // transposed tiles [tile][D][BR]; padding rows hold 0 and lse = +inf (p = 0)
     for (int64_t i = 0; i < lqp; i++) {
@@ -433,10 +437,9 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
         w.qs[i * d + c] = qv; qt[c * BR] = qv;
         w.dos[i * d + c] = dv; dt[c * BR] = dv;
       }
+      w.lse[i] = real ? hd.lse[i * it.stat_stride] : INFINITY;
       const int dp = real && ns ? ns->depth(it.pos0 + i * it.step) : 0;
-      for (int v = 0; v < nv; v++)
-        w.lse[v * lqp + i] = real ? hd.lse[i * it.stat_stride] - log_multiplicity(std::min(v, dp))
-                                  : INFINITY;
+      for (int v = 1; v <= nc; v++) w.mult[(v - 1) * lqp + i] = 1.0f + std::min(v, dp);
       w.delta[i] = real ? hd.delta[i * it.stat_stride] : 0.0f;
     }
     std::fill(w.dq.begin(), w.dq.begin() + lqp * d, 0.0f);
@@ -475,7 +478,7 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
           qk_tile<BR>(w.kb.data() + t0 * d, qst, w.st.data() + t0 * BR, (int)d, BR);
           qk_tile<BR>(w.vb.data() + t0 * d, dot, w.dpt.data() + t0 * BR, (int)d, BR);
         }
-        // p^T = exp(s^T - lse) (m(p, t) exp(s^T - lse) with shared pairs) and
+        // p^T = exp(s^T - lse) (times m(p, t) with shared pairs) and
         // ds^T = p^T (dp^T - delta), in place
         for (int t = 0; t < BC; t++) {
           float* sr = w.st.data() + t * BR;
@@ -485,13 +488,16 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
             std::fill(dr, dr + BR, 0.0f);
             continue;
           }
-          const float* lse = w.lse.data() + w.key_depth[t] * lqp + q0;
+          const int v = w.key_depth[t];  // p = m exp(s - lse), m of the key's depth
+          const float* mul = v > 0 ? w.mult.data() + (v - 1) * lqp + q0 : nullptr;
           const __m512 key = _mm512_set1_ps((float)(k0 + t - q0));
           const bool cut = w.key_cut0[t] < q1 && w.key_cut1[t] > q0;
           const __m512 cut0 = _mm512_set1_ps((float)(w.key_cut0[t] - q0));
           const __m512 cut1 = _mm512_set1_ps((float)(w.key_cut1[t] - q0));
           for (int c = 0; c < BR; c += 16) {
-            __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c), _mm512_loadu_ps(lse + c)));
+            __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c),
+                                            _mm512_loadu_ps(w.lse.data() + q0 + c)));
+            if (v > 0) p = _mm512_mul_ps(p, _mm512_loadu_ps(mul + c));
             const __m512 row = _mm512_add_ps(lane, _mm512_set1_ps((float)c));
             if (cf.causal) {  // rows before the key see nothing of it
               p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(row, key, _CMP_GE_OQ), p);
