@@ -33,6 +33,7 @@ Peers that are not installed are skipped with a message (``bash benchmarks/setup
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -61,6 +62,7 @@ DAP = "dilated-attention-pytorch"
 JAX_NN = "jax.nn/seg"
 TOKAMAX = "tokamax/seg"
 BLOCK_MATMUL = "block matmul"
+UNSHARED = "jax-dilated, unshared"  # --unshared: each longnet branch computes all its pairs
 JAX_PEERS = (JAX_NN, TOKAMAX)  # timed in their own set with jax-dilated (see _run_one)
 PEERS = {"torch_sdpa": TORCH_SDPA, "dilated_attention_pytorch": DAP, "jax_nn": JAX_NN,
          "tokamax": TOKAMAX}
@@ -91,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", type=str_list, default=tuple(PEERS),
                    help="comma-separated subset of " + ",".join(PEERS) + " (default all; "
                         "'none' for jax-dilated alone)")
+    p.add_argument("--unshared", action="store_true",
+                   help="longnet: also time jax-dilated with each branch computing all its "
+                        "pairs (no shared pairs, docs/semantics.md section 7) in the same set")
     p.add_argument("--memory-seq-lens", type=int_list, default=None,
                    help="sequence lengths of the compiled temp-memory table (default "
                         "16384,32768,65536; --quick 4096,8192,16384; '' skips it)")
@@ -272,6 +277,19 @@ def _block_matmul(args, dtype, progress) -> tuple[dict, Callable[[], object]]:
     return info, pairs(best, reps)
 
 
+@contextlib.contextmanager
+def _each_branch_all_pairs():
+    """Programs traced inside compute every longnet branch's pairs, shared ones
+    included: ``nested_order`` answers None, as for branches that do not nest."""
+    from jax_dilated.core import branch_plans as plans
+    nested_order = plans.nested_order
+    plans.nested_order = lambda *args, **kw: None
+    try:
+        yield
+    finally:
+        plans.nested_order = nested_order
+
+
 def _variants(args, mode, causal, inputs, libs, notes) -> list[Variant]:
     """jax-dilated and the available peers for one (mode, causal)."""
     jd = libs["jd"]
@@ -279,6 +297,11 @@ def _variants(args, mode, causal, inputs, libs, notes) -> list[Variant]:
     out = [_jax_variant(JAX_DILATED, functools.partial(
         jd.dilated_attention, mode=mode, implementation=args.implementation, **cfg),
         inputs, dtype=args.dtype)]
+    if args.unshared and mode == "longnet":
+        with _each_branch_all_pairs():  # compiled here, so the program keeps it
+            out.append(_jax_variant(UNSHARED, functools.partial(
+                jd.dilated_attention, mode=mode, implementation=args.implementation, **cfg),
+                inputs, dtype=args.dtype))
     torch = libs.get("torch")
     if "torch_sdpa" in libs:
         td = libs["torch_sdpa"]

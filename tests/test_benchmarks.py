@@ -374,6 +374,47 @@ def _run_on_a_loaded_machine(op, args, targets_title: str):
     return payload
 
 
+def test_dilated_op_times_longnet_unshared_beside_it(tmp_path):
+    """``python -m benchmarks dilated --unshared`` at a tiny size: longnet's set times
+    jax-dilated with each branch computing all its pairs beside the default (shared
+    pairs), the two agree, and only programs traced inside the switch drop shared
+    pairs (the native kernel's attribute in the lowered program)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import jax_dilated as jd
+    from benchmarks import dilated
+    from jax_dilated.backends import native
+    op = harness.OPS["dilated"]
+    parser = argparse.ArgumentParser()
+    op.add_arguments(parser)
+    harness.add_common_arguments(parser, op)
+    args = parser.parse_args(
+        ["-n", "256", "--segments", "64,128", "--rates", "1,2", "--heads", "2",
+         "--head-dim", "16", "--modes", "longnet", "--causal", "no", "--peers", "none",
+         "--unshared", "--memory-seq-lens", "", "--matmul-batches", "1", "--repeats", "1",
+         "--warmup", "0", "--no-plot", "--json", str(tmp_path / "d.json")])
+    harness.resolve_common(args, op)
+    args.load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(0.1, 0.1))
+    with contextlib.redirect_stdout(io.StringIO()):
+        payload = op.run(args)
+    (run,) = payload["runs"]
+    assert set(run["variants"]) == {dilated.JAX_DILATED, dilated.UNSHARED}
+    assert run["checks"][dilated.UNSHARED]["agree"]
+    assert run["variants"][dilated.UNSHARED]["forward_backward"]["over_jax_dilated"] > 0
+    if native.unavailable_reason() is None:
+        x = jax.ShapeDtypeStruct((1, 256, 2, 16), jnp.float32)
+        def lowered():  # a new function each time: jit's cache would keep the first trace
+            return jax.jit(functools.partial(jd.dilated_attention, segment_lengths=(64, 128),
+                                             dilation_rates=(1, 2))).lower(x, x, x).as_text()
+
+        with dilated._each_branch_all_pairs():
+            assert "shared_pairs = false" in lowered()
+        assert "shared_pairs = true" in lowered()
+
+
 def test_packed_op_runs_end_to_end_at_a_tiny_size(tmp_path):
     """``python -m benchmarks packed`` in this process at a tiny size: every part runs,
     packed results equal the documents run alone, the ring's executed work is what the
