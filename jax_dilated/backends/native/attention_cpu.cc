@@ -52,6 +52,10 @@ namespace {
 constexpr int MR = 6;    // query rows per register tile
 constexpr int BQ = 48;   // query rows per tile (a multiple of MR)
 constexpr int BK = 512;  // keys per block (a multiple of 32; 256: 1-2.5% slower)
+// floats between the rows of a packed k^T block: BK plus one cache line, so that the
+// transposing stores of one key (one per row) fall in different L1 sets (2 KiB apart
+// they shared two, and packing took 9-16% of the forward)
+constexpr int KTS = BK + 16;
 constexpr int MAX_D = 256;
 constexpr int BR = 96;   // backward: query rows per tile (a multiple of 32 and of MR)
 constexpr int BC = 48;   // backward: keys per block (a multiple of MR)
@@ -79,9 +83,9 @@ inline __m512 exp512(__m512 x) {
 }
 
 // s[MR][ncols] = a[MR][D] . b[D][ncols], for the first ncols (a multiple of 32)
-// columns; b's and s's rows are BS floats apart. Not inlined: its 12 accumulators
+// columns; b's rows are BS floats apart, s's SS. Not inlined: its 12 accumulators
 // get the registers to themselves.
-template <int BS>
+template <int BS, int SS = BS>
 __attribute__((noinline)) void qk_tile(const float* a, const float* b, float* s, int d_head,
                                        int ncols) {
   for (int c = 0; c < ncols; c += 32) {
@@ -98,8 +102,8 @@ __attribute__((noinline)) void qk_tile(const float* a, const float* b, float* s,
       }
     }
     for (int r = 0; r < MR; r++) {
-      _mm512_storeu_ps(s + r * BS + c, acc[r][0]);
-      _mm512_storeu_ps(s + r * BS + c + 16, acc[r][1]);
+      _mm512_storeu_ps(s + r * SS + c, acc[r][0]);
+      _mm512_storeu_ps(s + r * SS + c + 16, acc[r][1]);
     }
   }
 }
@@ -201,7 +205,7 @@ struct Scratch {
   std::vector<float> kt, s, qs, ot, kmask, kmul;
   std::vector<uint8_t> block_masked, block_shared;  // some key masked; some key of depth > 0
   Scratch(int64_t max_lk, int64_t d)
-      : kt(((max_lk + BK - 1) / BK) * d * BK), s(MR * BK), qs(BQ * d), ot(BQ * d) {}
+      : kt(((max_lk + BK - 1) / BK) * d * KTS), s(MR * BK), qs(BQ * d), ot(BQ * d) {}
 };
 
 // Rows [r0, r1) of one item.
@@ -215,17 +219,17 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
   if ((int64_t)w.kmul.size() < nblocks * nc * BK) w.kmul.resize(nblocks * nc * BK);
   w.block_masked.resize(nblocks);
   w.block_shared.resize(nblocks);
-  // k^T of the keys this run can see, in blocks [block][d][BK], zero-padded, their
-  // mask and multiplicities
+  // k^T of the keys this run can see, in blocks [block][d][KTS] (the first BK of each
+  // row used), zero-padded, their mask and multiplicities
   for (int64_t b0 = 0; b0 < kend_all; b0 += BK) {
-    float* kt = w.kt.data() + (b0 / BK) * d * BK;
+    float* kt = w.kt.data() + (b0 / BK) * d * KTS;
     const int64_t nk = std::min<int64_t>(BK, kend_all - b0);
     for (int64_t t = 0; t < nk; t++) {
       const float* src = it.k + (b0 + t) * it.kv_stride;
-      for (int64_t c = 0; c < d; c++) kt[c * BK + t] = src[c];
+      for (int64_t c = 0; c < d; c++) kt[c * KTS + t] = src[c];
     }
     for (int64_t c = 0; c < d; c++)
-      std::fill(kt + c * BK + nk, kt + c * BK + BK, 0.0f);
+      std::fill(kt + c * KTS + nk, kt + c * KTS + BK, 0.0f);
     float* km = w.kmul.data() + (b0 / BK) * nc * BK;
     bool masked = false, shared = false;
     for (int64_t j = 0; j < BK; j++) {
@@ -275,7 +279,6 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
     }
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
       const int nk = (int)std::min<int64_t>(BK, kend - k0);
-      const int ncols = (nk + 31) / 32 * 32;
       // the block's columns [x0, x1) the finer branch computes
       const int64_t x0 = std::max(e0, k0) - k0, x1 = std::min(e1, k0 + nk) - k0;
       if (x0 <= 0 && x1 >= nk) continue;
@@ -283,48 +286,52 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
       const float* kmask = w.kmask.data() + k0;
       const float* kmul = w.kmul.data() + (k0 / BK) * nc * BK;
       const bool masked = w.block_masked[k0 / BK], shared = w.block_shared[k0 / BK];
-      // some column after some row (columns past nk included: keys after every row)
-      const bool diagonal = cf.causal && k0 + ncols - 1 > q0;
-      const float* kt = w.kt.data() + (k0 / BK) * d * BK;
+      const float* kt = w.kt.data() + (k0 / BK) * d * KTS;
       for (int t0 = 0; t0 < nqp; t0 += MR) {
-        qk_tile<BK>(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, ncols);
+        // causal: the group's columns end at its last row's own index (the diagonal
+        // block's keys after every row of the group are not computed)
+        const int gk = cf.causal ? (int)std::min<int64_t>(nk, q0 + std::min(t0 + MR, nq) - k0)
+                                 : nk;
+        if (gk <= 0 || (x0 <= 0 && x1 >= gk)) continue;  // nothing of the block for it
+        const int gcols = (gk + 31) / 32 * 32;
+        qk_tile<KTS, BK>(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, gcols);
         for (int r = 0; r < MR; r++) {
           const int i = t0 + r;
           float* sr = w.s.data() + r * BK;
           __m512 mx = _mm512_set1_ps(-INFINITY);
           if (masked) {
-            for (int j = 0; j < ncols; j += 16) {
+            for (int j = 0; j < gcols; j += 16) {
               __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), _mm512_loadu_ps(kmask + j));
               _mm512_storeu_ps(sr + j, x);
               mx = _mm512_max_ps(mx, x);
             }
           } else {
-            for (int j = 0; j < ncols; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+            for (int j = 0; j < gcols; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
           }
           if (i >= nq) {  // padding row
-            std::fill(sr, sr + ncols, 0.0f);
+            std::fill(sr, sr + gcols, 0.0f);
             continue;
           }
           bool refill = false;
-          if (cut) {
-            std::fill(sr + std::max<int64_t>(x0, 0), sr + x1, -INFINITY);
+          if (cut && x0 < gk) {
+            std::fill(sr + std::max<int64_t>(x0, 0), sr + std::min<int64_t>(x1, gk), -INFINITY);
             refill = true;
           }
-          if (diagonal) {  // keys after the row's own index
+          if (cf.causal) {  // keys after the row's own index (columns past gk included)
             const int64_t first = q0 + i - k0 + 1;
-            if (first < ncols) {
-              std::fill(sr + std::max<int64_t>(first, 0), sr + ncols, -INFINITY);
+            if (first < gcols) {
+              std::fill(sr + std::max<int64_t>(first, 0), sr + gcols, -INFINITY);
               refill = true;
             }
           }
           if (refill) {
             mx = _mm512_set1_ps(-INFINITY);
-            for (int j = 0; j < ncols; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+            for (int j = 0; j < gcols; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
           }
           const float block_max = _mm512_reduce_max_ps(mx);
           const float m_new = std::max(m[i], block_max);
           if (m_new == -INFINITY) {  // nothing allowed yet: p = 0
-            std::fill(sr, sr + ncols, 0.0f);
+            std::fill(sr, sr + gcols, 0.0f);
             continue;
           }
           const float alpha = std::exp(m[i] - m_new);  // exp(-inf) = 0 on the first
@@ -332,7 +339,7 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
           __m512 sum = _mm512_setzero_ps();
           const int v = shared ? depth[i] : 0;  // p = m exp(s - max), m of the row's depth
           const float* mul = v > 0 ? kmul + (v - 1) * BK : nullptr;
-          for (int j = 0; j < ncols; j += 16) {
+          for (int j = 0; j < gcols; j += 16) {
             __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), shift));
             if (v > 0) e = _mm512_mul_ps(e, _mm512_loadu_ps(mul + j));
             sum = _mm512_add_ps(sum, e);
@@ -348,7 +355,7 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
           }
         }
         pv_columns<BK, 1>(w.s.data(), it.v + k0 * it.kv_stride, it.kv_stride,
-                          w.ot.data() + t0 * d, d, (int)d, nk);
+                          w.ot.data() + t0 * d, d, (int)d, gk);
       }
     }
     for (int i = 0; i < nq; i++) {
