@@ -267,7 +267,10 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
       l[i] = 0.0f;
       depth[i] = i < nq && ns ? ns->depth(it.qpos0 + (q0 + i) * it.step) : 0;
       const float* src = it.q + (q0 + i) * it.q_stride;
-      for (int64_t c = 0; c < d; c++) w.qs[i * d + c] = i < nq ? src[c] * cf.scale : 0.0f;
+      const __m512 scale = _mm512_set1_ps(i < nq ? cf.scale : 0.0f);
+      for (int64_t c = 0; c < d; c += 16)
+        _mm512_storeu_ps(w.qs.data() + i * d + c,
+                         i < nq ? _mm512_mul_ps(_mm512_loadu_ps(src + c), scale) : scale);
       const int64_t stat = (q0 + i) * it.stat_stride;
       if (cf.accumulate && i < nq && it.l[stat] > 0.0f) {
         // continue the row's softmax: unnormalise the output it holds
@@ -456,10 +459,13 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
         const bool real = t < nk;
         const float* krow = it.k + (k0 + t) * it.kv_stride;
         const float* vrow = it.v + (k0 + t) * it.kv_stride;
-        for (int64_t c = 0; c < d; c++) {
-          w.kb[t * d + c] = real ? krow[c] : 0.0f;
-          w.ks[t * d + c] = real ? krow[c] * cf.scale : 0.0f;
-          w.vb[t * d + c] = real ? vrow[c] : 0.0f;
+        // (vector copies: a scalar loop here cost 4-7% of forward+backward)
+        const __m512 zero = _mm512_setzero_ps(), scale = _mm512_set1_ps(cf.scale);
+        for (int64_t c = 0; c < d; c += 16) {
+          const __m512 kx = real ? _mm512_loadu_ps(krow + c) : zero;
+          _mm512_storeu_ps(w.kb.data() + t * d + c, kx);
+          _mm512_storeu_ps(w.ks.data() + t * d + c, _mm512_mul_ps(kx, scale));
+          _mm512_storeu_ps(w.vb.data() + t * d + c, real ? _mm512_loadu_ps(vrow + c) : zero);
         }
         w.key_ok[t] = real && (it.valid == nullptr || it.valid[(k0 + t) * it.valid_stride]);
         const int64_t pos = it.pos0 + (k0 + t) * it.step;
