@@ -361,6 +361,16 @@ def test_xformers_shim_is_softmax_attention(causal):
 
 # ------------------------------------------------------------------ packed (issue 17)
 
+def _op_args(name: str, argv: list[str]):
+    """The registered op ``name`` and ``argv`` parsed as ``python -m benchmarks name``
+    parses it (the op's own options and the common ones)."""
+    op = harness.OPS[name]
+    parser = argparse.ArgumentParser()
+    op.add_arguments(parser)
+    harness.add_common_arguments(parser, op)
+    return op, parser.parse_args(argv)
+
+
 def _run_on_a_loaded_machine(op, args, targets_title: str):
     """Run ``op`` with ``args`` while the load average reads 1.5 on 2 cores: its payload,
     after checking that the table printed the targets and the load warning."""
@@ -387,15 +397,11 @@ def test_dilated_op_times_longnet_unshared_beside_it(tmp_path):
     import jax_dilated as jd
     from benchmarks import dilated
     from jax_dilated.backends import native
-    op = harness.OPS["dilated"]
-    parser = argparse.ArgumentParser()
-    op.add_arguments(parser)
-    harness.add_common_arguments(parser, op)
-    args = parser.parse_args(
-        ["-n", "256", "--segments", "64,128", "--rates", "1,2", "--heads", "2",
-         "--head-dim", "16", "--modes", "longnet", "--causal", "no", "--peers", "none",
-         "--unshared", "--memory-seq-lens", "", "--matmul-batches", "1", "--repeats", "1",
-         "--warmup", "0", "--no-plot", "--json", str(tmp_path / "d.json")])
+    op, args = _op_args("dilated", [
+        "-n", "256", "--segments", "64,128", "--rates", "1,2", "--heads", "2",
+        "--head-dim", "16", "--modes", "longnet", "--causal", "no", "--peers", "none",
+        "--unshared", "--memory-seq-lens", "", "--matmul-batches", "1", "--repeats",
+        "1", "--warmup", "0", "--no-plot", "--json", str(tmp_path / "d.json")])
     harness.resolve_common(args, op)
     args.load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(0.1, 0.1))
     with contextlib.redirect_stdout(io.StringIO()):
@@ -420,15 +426,11 @@ def test_packed_op_runs_end_to_end_at_a_tiny_size(tmp_path):
     packed results equal the documents run alone, the ring's executed work is what the
     skip rules give, and the targets and the load warning are printed."""
     from benchmarks import packed
-    op = harness.OPS["packed"]
-    parser = argparse.ArgumentParser()
-    op.add_arguments(parser)
-    harness.add_common_arguments(parser, op)
-    args = parser.parse_args(
-        ["-n", "64", "--documents", "4", "--devices", "2", "--heads", "2", "--head-dim", "4",
-         "--block", "8", "--layouts", "zigzag", "--modes", "longnet", "--segment-lengths",
-         "16", "--dilation-rates", "2", "--no-forward", "--repeats", "1", "--warmup",
-         "0", "--json", str(tmp_path / "p.json")])
+    op, args = _op_args("packed", [
+        "-n", "64", "--documents", "4", "--devices", "2", "--heads", "2", "--head-dim",
+        "4", "--block", "8", "--layouts", "zigzag", "--modes", "longnet",
+        "--segment-lengths", "16", "--dilation-rates", "2", "--no-forward", "--repeats",
+        "1", "--warmup", "0", "--json", str(tmp_path / "p.json")])
     payload = _run_on_a_loaded_machine(op, args, "issue 17 targets")
     assert payload["benchmark"] == "packed" and "environment" in payload
     for part in ("ring", "block_sparse"):
@@ -458,15 +460,12 @@ def test_window_op_runs_end_to_end_at_a_tiny_size(tmp_path):
     every variant agrees with the dense masked reference (and jax.nn's local window);
     the block cover, the ring's executed work (by hand) and a lying variant's check."""
     from benchmarks import window
-    op = harness.OPS["window"]
-    parser = argparse.ArgumentParser()
-    op.add_arguments(parser)
-    harness.add_common_arguments(parser, op)
-    args = parser.parse_args(
-        ["--ring-seq-len", "32", "--ring-window", "8", "--devices", "2", "--local-seq-len",
-         "32", "--local-window", "8", "--block", "4", "--cap-seq-len", "32", "--heads", "2",
-         "--head-dim", "4", "--check-seq-len", "32", "--no-forward", "--repeats", "1",
-         "--warmup", "0", "--lead-in", "0", "--json", str(tmp_path / "w.json")])
+    op, args = _op_args("window", [
+        "--ring-seq-len", "32", "--ring-window", "8", "--devices", "2",
+        "--local-seq-len", "32", "--local-window", "8", "--block", "4", "--cap-seq-len",
+        "32", "--heads", "2", "--head-dim", "4", "--check-seq-len", "32",
+        "--no-forward", "--repeats", "1", "--warmup", "0", "--lead-in", "0", "--json",
+        str(tmp_path / "w.json")])
     payload = _run_on_a_loaded_machine(op, args, "issue 18 targets")
     assert payload["benchmark"] == "window" and "environment" in payload
     for part in ("ring", "local", "softcap"):
@@ -519,14 +518,10 @@ def test_strategies_op_runs_end_to_end_at_a_tiny_size(tmp_path, capsys, monkeypa
     from jax_dilated.ops import strategies
 
     monkeypatch.setattr(strategies, "_device_kind", lambda: "gpu")
-    op = harness.OPS["strategies"]
-    parser = argparse.ArgumentParser()
-    op.add_arguments(parser)
-    harness.add_common_arguments(parser, op)
-    args = parser.parse_args(
-        ["--ops", "dilated", "--seq-lens", "256", "--kv-heads", "8", "--devices", "8",
-         "--heads", "8", "--head-dim", "8", "--repeats", "1", "--warmup", "0",
-         "--json", str(tmp_path / "s.json"), "--no-plot"])
+    op, args = _op_args("strategies", [
+        "--ops", "dilated", "--seq-lens", "256", "--kv-heads", "8", "--devices", "8",
+        "--heads", "8", "--head-dim", "8", "--repeats", "1", "--warmup", "0", "--json",
+        str(tmp_path / "s.json"), "--no-plot"])
     harness.resolve_common(args, op)
     args.load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(0.1, 0.1))
     payload = op.run(args)
