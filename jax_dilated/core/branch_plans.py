@@ -247,7 +247,6 @@ def plan_branches(branches, *, seq_len: int, num_heads: int, num_kv_heads: int,
     return plans
 
 
-
 def nested_order(plans: Sequence[BranchPlan], seq_len: int) -> list[int] | None:
     """The order, finest first, in which longnet's branches nest, or None.
 

@@ -143,14 +143,6 @@ void pv_columns(const float* p, const float* v, int64_t vstride, float* o, int64
   }
 }
 
-// Where one (n, head) of a call has its rows: query row i is q + i q_stride (its
-// output o + i q_stride, its statistics m, l + i stat_stride), key t is k, v +
-// t kv_stride and its validity byte valid[t valid_stride] (valid nullptr: all valid).
-// The plain call's items are the slices [n, :, h] of its arrays; a dilated branch's
-// are the dilated segments of the whole sequence, rows r positions apart, read and
-// written where they lie (no gather, no scatter).
-struct Item;
-
 // Longnet's nested branches (shared_pairs; docs/semantics.md, section 7): the
 // branches, finest first, form a chain in which each one's segments lie inside the
 // next one's, its rate divides the next one's and every head's offsets agree, so a
@@ -180,6 +172,12 @@ inline int64_t first_index_at(int64_t x, int64_t pos0, int64_t step) {
   return x <= pos0 ? 0 : (x - pos0 + step - 1) / step;
 }
 
+// Where one (n, head) of a call has its rows: query row i is q + i q_stride (its
+// output o + i q_stride, its statistics m, l + i stat_stride), key t is k, v +
+// t kv_stride and its validity byte valid[t valid_stride] (valid nullptr: all valid).
+// The plain call's items are the slices [n, :, h] of its arrays; a dilated branch's
+// are the dilated segments of the whole sequence, rows r positions apart, read and
+// written where they lie (no gather, no scatter).
 struct Item {
   const float *q, *k, *v;
   const uint8_t* valid;
