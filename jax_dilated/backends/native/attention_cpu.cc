@@ -18,7 +18,8 @@
 // branch of LongNet's dilated attention (docs/semantics.md, section 2) on q [B, T,
 // H, D], k, v [B, T, Hkv, D], each dilated segment an item whose rows are r
 // positions apart, read where they lie and written into o, m, l [B, T, H, ...] in
-// place; longnet's branches continue each row's softmax, so no merge is needed.
+// place; longnet's branches continue each row's softmax, so no merge is needed, and
+// nested branches compute each pair they share once (shared_pairs, Nesting below).
 // D is a multiple of 16 up to 256.
 //
 // Work: items of (n, h, a run of query rows), shared by an atomic counter among the
@@ -29,6 +30,7 @@
 // by a degree-7 polynomial and AVX-512's scalef), and O += P v on MR x 64 register
 // tiles. The backward's items are (segment, kv head at one offset) and their query
 // heads; it runs key blocks of BC against query tiles of BR (section "backward").
+// The dilated calls ask for huge pages on their results (prefer_huge_pages).
 #if !defined(__AVX512F__) || !defined(__linux__)
 #error "the native CPU kernel needs Linux on an x86-64 CPU with AVX-512"
 #endif
