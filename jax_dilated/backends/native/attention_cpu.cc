@@ -57,7 +57,7 @@ constexpr int BQ = 48;   // query rows per tile (a multiple of MR)
 constexpr int BK = 512;  // keys per block (a multiple of 32; 256: 1-2.5% slower)
 // floats between the rows of a packed k^T block: BK plus one cache line, so that the
 // transposing stores of one key (one per row) fall in different L1 sets (2 KiB apart
-// they shared two, and packing took 9-16% of the forward)
+// they shared two, and packing was a large share of the forward)
 constexpr int KTS = BK + 16;
 constexpr int MAX_D = 256;
 constexpr int BR = 96;   // backward: query rows per tile (a multiple of 32 and of MR)
@@ -460,7 +460,6 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
         const bool real = t < nk;
         const float* krow = it.k + (k0 + t) * it.kv_stride;
         const float* vrow = it.v + (k0 + t) * it.kv_stride;
-        // (vector copies: a scalar loop here cost 4-7% of forward+backward)
         const __m512 zero = _mm512_setzero_ps(), scale = _mm512_set1_ps(cf.scale);
         for (int64_t c = 0; c < d; c += 16) {
           const __m512 kx = real ? _mm512_loadu_ps(krow + c) : zero;
