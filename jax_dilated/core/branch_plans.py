@@ -276,6 +276,9 @@ def nested_order(plans: Sequence[BranchPlan], seq_len: int) -> list[int] | None:
         w_f, r_f = fine.branch.effective_length, fine.branch.rate
         inside = (coarse.branch.effective_length % w_f == 0
                   or coarse.branch.num_segments(seq_len) == 1)
+        # a rate that does not divide its segment shifts the next segment's columns
+        inside &= (w_f % r_f == 0
+                   and coarse.branch.effective_length % coarse.branch.rate == 0)
         if (not inside or coarse.branch.rate % r_f
                 or np.any(np.asarray(coarse.offsets) % r_f != np.asarray(fine.offsets))):
             return None

@@ -675,9 +675,12 @@ struct Branch {
   int64_t w, r, hs, hk;
   const int64_t *qh, *qo, *kh, *ko;
   int64_t segments(int64_t t) const { return (t + w - 1) / w; }
-  // the dilated rows of segment s at offset off that exist
+  // the most dilated rows a segment has at any offset (r need not divide w)
+  int64_t max_rows() const { return (w + r - 1) / r; }
+  // the dilated rows of segment s at offset off that exist: ceil((w - off) / r) in a
+  // whole segment, fewer where the segment ends at t
   int64_t rows(int64_t t, int64_t s, int64_t off) const {
-    return std::clamp<int64_t>((t - s * w - off + r - 1) / r, 0, w / r);
+    return std::clamp<int64_t>((t - s * w - off + r - 1) / r, 0, (w - off + r - 1) / r);
   }
 };
 
@@ -696,7 +699,7 @@ ffi::Error read_branches(Ints segments, Ints rates, Ints branch_heads, Ints q_he
     const Branch br{segments[i], rates[i], branch_heads[i], branch_kv_heads[i],
                     q_heads.begin() + qf, q_offsets.begin() + qf,
                     kv_heads.begin() + kf, kv_offsets.begin() + kf};
-    if (br.w <= 0 || br.r <= 0 || br.w % br.r || br.hs <= 0 || br.hk <= 0 || br.hs % br.hk ||
+    if (br.w <= 0 || br.r <= 0 || br.hs <= 0 || br.hk <= 0 || br.hs % br.hk ||
         qf + br.hs > (int64_t)q_heads.size() || kf + br.hk > (int64_t)kv_heads.size())
       return ffi::Error::InvalidArgument("bad branch geometry");
     for (int64_t j = 0; j < br.hs; j++)
@@ -766,7 +769,9 @@ ffi::Error read_nestings(const std::vector<Branch>& brs, int64_t t, int64_t h,
   }
   for (int64_t b = 1; b < nb; b++) {
     const Branch &f = brs[b - 1], &c = brs[b];
-    bool nested = (c.w % f.w == 0 || c.segments(t) == 1) && c.r % f.r == 0;
+    // (a rate that does not divide its segment shifts the next segment's columns)
+    bool nested = (c.w % f.w == 0 || c.segments(t) == 1) && c.r % f.r == 0 &&
+                  f.w % f.r == 0 && c.w % c.r == 0;
     for (int64_t j = 0; j < h; j++) nested &= off[b * h + j] % f.r == off[(b - 1) * h + j];
     if (!nested) return ffi::Error::InvalidArgument("shared pairs: the branches are not nested");
   }
@@ -840,7 +845,7 @@ ffi::Error DilatedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                   r * h * d, r * hkv * d, r, r * h, br.rows(t, s, br.qo[j]), br.rows(t, s, br.ko[g]),
                   nest == nullptr ? nullptr : nest + br.qh[j], qpos - bi * t, kpos - bi * t, r};
     };
-    run_items(cf, b * segs * br.hs, br.w / r, br.w / r, item, pool);
+    run_items(cf, b * segs * br.hs, br.max_rows(), br.max_rows(), item, pool);
   }
   // rows no branch selected (l = 0) hold no output yet
   const int64_t rows = b * t * h, per = 16384;
@@ -890,7 +895,7 @@ ffi::Error DilatedBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
     if (auto err = read_nestings(branches, t, h, nests); err.failure()) return err;
   const Config cf{d, scale, 1.0f, causal, false};
   int64_t max_l = 0;
-  for (const Branch& br : branches) max_l = std::max(max_l, br.w / br.r);
+  for (const Branch& br : branches) max_l = std::max(max_l, br.max_rows());
   for (size_t ib = 0; ib < branches.size(); ib++) {
     const Branch& br = branches[ib];
     if (shared_pairs && all_pairs_finer(branches, ib, t)) continue;
