@@ -32,7 +32,7 @@ torch = pytest.importorskip("torch")  # the reference; without it the module ski
 
 import torch_reference as ref  # noqa: E402
 from _helpers import (  # noqa: E402
-    TOL, XLA_CPU_MEMORY, as_np, assert_close, rounded, to_jax, to_torch)
+    TOL, XLA_CPU_MEMORY, as_np, assert_close, np_dtype, rounded, to_jax, to_torch)
 from torch_reference.block_sparse import expand_block_mask  # noqa: E402
 
 B, H, HKV, D = 2, 4, 2, 8
@@ -148,6 +148,54 @@ def test_soft_cap_row_at_minus_the_cap(cap, dtype):
     assert np.all(logits < -4 * cap)  # row 0: every capped logit is -c (to rounding)
     want = reference(q, k, v, g, logit_soft_cap=cap)
     check(f"cap {cap}", dtype, out, grads, *want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_soft_cap_slope_where_tanh_saturates(dtype):
+    """The backward's ``d tanh(x)/dx`` at saturated ``|x|`` (5..20, both signs) and
+    below, elementwise against float64 ``sech^2`` at the dtype's tolerance:
+    ``1 - tanh^2`` is 0 or wrong in the leading digits there on any CPU (in float32
+    tanh(5) is 1 - 9e-5 to within 6e-8, so 1 - tanh^2 is off by ~1e-3 relative)."""
+    x = np.concatenate([np.linspace(5.0, 20.0, 61), np.linspace(0.0, 5.0, 41)])
+    x = rounded(np.concatenate([x, -x]), dtype)
+    got = jax.jit(xla.block_math.soft_cap_slope)(to_jax(x, dtype))
+    assert got.dtype == np_dtype(dtype)
+    want = 1.0 / np.cosh(x) ** 2
+    err = np.max(np.abs(as_np(got) - want) / want)
+    assert err <= TOL[dtype], f"sech^2: relative error {err:.3e} > {TOL[dtype]:.1e}"
+
+
+def test_soft_cap_gradients_where_every_logit_saturates():
+    """Every logit of every row at ``5 <= |s / c| <= 8``: every gradient of q and k
+    goes through ``sech^2(s / c)`` (1e-4 .. 1e-7), which must keep float32's
+    tolerance (``1 - tanh^2`` gives 1e-3 relative errors here on any CPU)."""
+    cap = 3.0
+    rng = np.random.default_rng(12)
+    u = rng.standard_normal(D)
+    u /= np.linalg.norm(u)
+    # q = a u, k = b u (+ a little noise): s = SCALE a b, |a b| in [2.5, 4] / SCALE ...
+    a = rng.choice([-1.0, 1.0], (B, 32, H)) * rng.uniform(5.0, 6.4, (B, 32, H))
+    b = rng.uniform(1.0, 1.25, (B, 32, HKV))
+    q = a[..., None] * u * cap ** 0.5 * 2.0
+    k = b[..., None] * u * cap ** 0.5 + 1e-3 * rng.standard_normal((B, 32, HKV, D))
+    v = rng.standard_normal((B, 32, HKV, D))
+    g = rng.standard_normal((B, 32, H, D))
+    q, k, v, g = (rounded(x, "float32") for x in (q, k, v, g))
+    x = SCALE * np.einsum("bqgjd,bkgd->bqgjk", q.reshape(B, 32, HKV, H // HKV, D), k)
+    x /= cap  # ... so |s / c| in [5, 8] for every (query, key) pair
+    assert 5.0 <= np.abs(x).min() and np.abs(x).max() <= 8.0, np.abs(x).min()
+    args = KernelArgs(scale=SCALE, block_q=8, block_k=8, logit_soft_cap=cap)
+    out, grads = grad_step(lambda q, k, v: xla.attention(q, k, v, args)[0])(
+        *(to_jax(x, "float32") for x in (g, q, k, v)))
+    want_out, want_grads = reference(q, k, v, g, logit_soft_cap=cap)
+    check(f"cap {cap}, saturated", "float32", out, grads, want_out, want_grads)
+    # dq and dk are of order sech^2 (below the floor of 1 that ``check`` measures
+    # against): held to float32's tolerance relative to their own size.
+    for name, got, want in zip("qk", grads, want_grads):
+        size = np.max(np.abs(want))
+        assert 1e-6 < size < 1e-2, (name, size)
+        err = np.max(np.abs(as_np(got) - want)) / size
+        assert err <= TOL["float32"], f"d{name}: relative error {err:.3e} > 1.0e-05"
 
 
 def test_banded_kernel_visits_only_the_band():
