@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.layers.common import AttentionCore
-from jax_dilated.ops.dilated_packed import document_starts
+from jax_dilated.core.documents import document_starts
 
 __all__ = ["HeadsConfig", "ParamSpec", "param_specs", "sink_logits", "project_qkv", "project_out",
            "check_qk_transform", "apply_qk_transform", "xavier_normal"]

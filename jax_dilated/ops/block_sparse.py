@@ -58,6 +58,7 @@ from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads, window_arg
 from jax_dilated.core import layouts, softmax, validation
 from jax_dilated.core.arrays import take_static
+from jax_dilated.core.documents import document_ids
 from jax_dilated.core.vma import varying_like
 from jax_dilated.ops.block_sparse_plan import (
     HeadClass,
@@ -314,14 +315,17 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
     block_size = validation.check_positive_int("block_size", block_size)
     is_causal = validation.check_flag("is_causal", is_causal)
     kv_mask = validation.check_kv_mask(kv_mask, b, tk)
-    segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
+    layouts.check_layout(layout)
+    num_devices = (None if seq_axis is None
+                   else validation.axis_size(seq_axis, "block_sparse_attention"))
+    segment_ids = document_ids(validation.check_segment_ids(segment_ids, query.shape, key.shape),
+                               axis_name=seq_axis, num_devices=num_devices, layout=layout)
     scale = validation.check_scale(scale, query.shape[-1])
     window = validation.check_window(window, is_causal)
     logit_soft_cap = validation.check_logit_soft_cap(logit_soft_cap)
     sinks = validation.check_sinks(sinks, h)
     if sinks is not None:  # as in ring_attention (see ring_partials)
         sinks = varying_like(sinks, (query, key))
-    layouts.check_layout(layout)
     kernel = get_kernel(implementation)
     if not hasattr(kernel, "block_sparse_forward"):
         raise ValueError(
@@ -342,7 +346,6 @@ def block_sparse_attention(query, key, value, *, block_size: int, pattern,
         plan = _Plan(kernel, args, classes, h, gq, gk)
         o, lse, _ = _local(query, key, value, kv_mask, plan, aux, segment_ids, sinks)
     else:
-        num_devices = validation.axis_size(seq_axis, "block_sparse_attention")
         if tk != tq:
             raise ValueError(
                 f"over a ring, query and key/value shards must have the same length, got "

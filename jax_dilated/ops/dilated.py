@@ -20,6 +20,7 @@ from __future__ import annotations
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.core.branches import is_window
+from jax_dilated.core.documents import document_ids
 from jax_dilated.backends.base import window_arg
 from jax_dilated.ops import dilated_packed, distributed, head_parallel
 from jax_dilated.ops.branch_combine import one_device
@@ -190,7 +191,8 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
     plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
                                    num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
     rng = dropout_rng if args.dropout_rate > 0.0 else None
-    segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
+    segment_ids = document_ids(validation.check_segment_ids(segment_ids, query.shape, key.shape),
+                               axis_name=seq_axis, num_devices=num_devices)
     kernel = get_kernel(implementation)  # validates the name now, at trace time
     if seq_axis is None and segment_ids is not None:
         return dilated_packed.packed_attention(kernel, args, plans, mode, query, key, value,

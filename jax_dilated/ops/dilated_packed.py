@@ -41,21 +41,12 @@ import numpy as np
 
 from jax_dilated.backends.base import KernelArgs
 from jax_dilated.core import branch_plans
+from jax_dilated.core.documents import document_starts
 from jax_dilated.ops import dilated_local, dilated_window
 from jax_dilated.ops.branch_combine import combine_branches
 
-__all__ = ["document_starts", "group_count", "packed_branch", "packed_attention",
+__all__ = ["group_count", "packed_branch", "packed_attention",
            "check_max_documents", "slots_capacity", "padded_layout"]
-
-
-def document_starts(segment_ids):
-    """[B, T] int32: the position of the first token of each token's document (a
-    maximal run of equal ids)."""
-    t = segment_ids.shape[1]
-    pos = jnp.arange(t, dtype=jnp.int32)
-    first = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                             segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    return jax.lax.cummax(jnp.where(first, pos[None, :], 0), axis=1)
 
 
 def group_count(seq_len: int, segment_length: int, max_documents: int) -> int:

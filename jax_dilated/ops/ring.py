@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads, window_arg
 from jax_dilated.core import layouts, softmax, validation
+from jax_dilated.core.documents import document_ids
 from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
 from jax_dilated.ops.ring_steps import kernel_steps
@@ -348,7 +349,8 @@ def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
         )
     is_causal = validation.check_flag("is_causal", is_causal)
     kv_mask = validation.check_kv_mask(kv_mask, b, n)
-    segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
+    segment_ids = document_ids(validation.check_segment_ids(segment_ids, query.shape, key.shape),
+                               axis_name=seq_axis, num_devices=num_devices, layout=layout)
     window = validation.check_window(window, is_causal)
     logit_soft_cap = validation.check_logit_soft_cap(logit_soft_cap)
     sinks = validation.check_sinks(sinks, h)

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dilated.core import layouts, validation
+from jax_dilated.core.documents import document_ids
 from jax_dilated.ops import strategies
 
 __all__ = ["sharded"]
@@ -144,7 +145,9 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                 f"batch size must be divisible by it, got query {tuple(query.shape)}.")
         layouts.check_divisible(t, num, layout)
         validation.check_kv_mask(kv_mask, query.shape[0], key.shape[1])
-        segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
+        # documents are runs of the global sequence, before the shards cut them
+        segment_ids = document_ids(
+            validation.check_segment_ids(segment_ids, query.shape, key.shape))
         packed = segment_ids is not None
         sinks = validation.check_sinks(sinks, h)
         if sinks is not None and not strategies.accepts(fn, "sinks"):

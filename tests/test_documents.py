@@ -1,0 +1,206 @@
+"""One meaning of ``segment_ids`` everywhere: a document is a maximal run of equal ids.
+
+docs/semantics.md, section 1 ("Packed sequences"). The rows below reuse ids: id 0
+names two documents with another between them, so an operation that let equal ids
+attend to each other wherever they are (the old rule of exact and block-sparse
+attention and of sliding-window branches) fails here. Every path, on one device, over
+``jd.sharded`` (each strategy and layout) and inside ``jax.shard_map`` on local shards
+(documents crossing shard boundaries), must give what its documents give run alone:
+output and the gradients of q, k, v through a random cotangent, float64, at 1e-10.
+The documents alone run through the same operation on one device without
+``segment_ids``; that call is parity-tested against the PyTorch references elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _mesh import build_mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_dilated as jd
+from jax_dilated.core import documents, layouts
+
+from _helpers import TOL, assert_close
+
+B, T, D = 2, 48, 4
+# row 0: the issue's row, id 0 reused after id 1; row 1: ids 3 and 5 both reused
+ROWS = ([0] * 10 + [1] * 4 + [0] * 20 + [2] * 14,
+        [3] * 7 + [5] * 9 + [3] * 5 + [5] * 19 + [4] * 8)
+IDS = np.array(ROWS, np.int32)
+
+
+def _runs(row):
+    """[(start, end)] of the maximal runs of equal ids of one row (plain loop)."""
+    out, start = [], 0
+    for i in range(1, len(row) + 1):
+        if i == len(row) or row[i] != row[start]:
+            out.append((start, i))
+            start = i
+    return out
+
+
+def _inputs(h, hkv, seed):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, h, D))
+    k, v = (rng.standard_normal((B, T, hkv, D)) for _ in range(2))
+    g = rng.standard_normal((B, T, h, D))
+    mask = rng.random((B, T)) < 0.9
+    return q, k, v, g, mask
+
+
+def _grads(f, q, k, v, g):
+    def loss(q, k, v):
+        out = f(q, k, v)
+        return jnp.sum(out * g), out
+
+    (dq, dk, dv), out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return [np.asarray(x) for x in (out, dq, dk, dv)]
+
+
+def _alone(fn, q, k, v, mask):
+    """Every document of every row through ``fn`` on its own, concatenated back."""
+    rows = []
+    for b, row in enumerate(ROWS):
+        rows.append(jnp.concatenate(
+            [fn(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e], kv_mask=mask[b:b + 1, s:e])
+             for s, e in _runs(row)], axis=1))
+    return jnp.concatenate(rows, axis=0)
+
+
+def _check(fn, packed, h=4, hkv=2, seed=0):
+    q, k, v, g, mask = _inputs(h, hkv, seed)
+    want = _grads(lambda q, k, v: _alone(fn, q, k, v, mask), q, k, v, g)
+    got = _grads(lambda q, k, v: packed(q, k, v, kv_mask=mask, segment_ids=IDS), q, k, v, g)
+    for what, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, w, TOL["float64"], what)
+
+
+def test_document_ids_count_maximal_runs():
+    want = np.array([[i for i, (s, e) in enumerate(_runs(row)) for _ in range(s, e)]
+                     for row in ROWS])
+    np.testing.assert_array_equal(documents.document_ids(IDS), want)
+    starts = np.array([[s for s, e in _runs(row) for _ in range(s, e)] for row in ROWS])
+    np.testing.assert_array_equal(documents.document_starts(jnp.asarray(IDS)), starts)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_document_ids_inside_shard_map_see_the_whole_row(layout):
+    """Local shards (4 devices, a run of id 0 crossing boundaries, ids equal across a
+    boundary in another run) number the runs of the global row."""
+    mesh = build_mesh((4,), ("seq",), "auto")
+    f = jax.shard_map(functools.partial(documents.document_ids, axis_name="seq",
+                                        num_devices=4, layout=layout),
+                      mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
+    got = layouts.from_layout(jax.jit(f)(layouts.to_layout(jnp.asarray(IDS), 4, layout)),
+                              4, layout)
+    np.testing.assert_array_equal(got, documents.document_ids(IDS))
+
+
+WINDOWED = dict(segment_lengths=(jd.SlidingWindow(16), 8, 16), dilation_rates=(1, 1, 2))
+DILATED = dict(segment_lengths=(8, 16), dilation_rates=(2, 4))
+DENSE = dict(block_size=4, pattern=jd.block_patterns.AllBlocks())
+ONE_DEVICE = [
+    ("windowed-longnet", jd.dilated_attention, dict(WINDOWED, is_causal=False)),
+    ("windowed-longnet-causal", jd.dilated_attention, dict(WINDOWED, is_causal=True)),
+    ("windowed-head_groups", jd.dilated_attention,
+     dict(WINDOWED, mode="head_groups", is_causal=True)),
+    ("dilated-bounded", jd.dilated_attention, dict(DILATED, is_causal=True, max_documents=5)),
+    ("exact", jd.ring_attention, dict(is_causal=False)),
+    ("exact-causal-window", jd.ring_attention, dict(is_causal=True, window=(5, 0))),
+    ("block_sparse", jd.block_sparse_attention, dict(DENSE, is_causal=True)),
+]
+
+
+@pytest.mark.parametrize("name,op,kw", ONE_DEVICE, ids=[c[0] for c in ONE_DEVICE])
+def test_one_device_packed_rows_equal_documents_alone(name, op, kw):
+    fn = functools.partial(op, **kw)
+    if op is jd.ring_attention:  # one device: the operation's own call, no ring
+        fn = functools.partial(jd.sharded(fn, build_mesh((1,), ("seq",), "auto"),
+                                          seq_axis="seq"))
+    if "max_documents" in kw:  # a bound of the packed call only
+        alone = functools.partial(op, **{a: b for a, b in kw.items() if a != "max_documents"})
+    else:
+        alone = fn
+    _check(alone, fn)
+
+
+SHARDED = [
+    # (op, options, strategy, P, layout)
+    ("exact", dict(is_causal=True), "ring", 4, "zigzag"),
+    ("exact", dict(is_causal=False), "ring", 4, "striped"),
+    ("exact", dict(is_causal=True), "allgather", 2, "contiguous"),
+    ("exact", dict(is_causal=True), "heads", 2, "contiguous"),
+    ("block_sparse", dict(DENSE, is_causal=True), "ring", 4, "contiguous"),
+    ("block_sparse", dict(DENSE, is_causal=False), "allgather", 2, "zigzag"),
+    ("dilated", dict(WINDOWED, is_causal=True), "ring", 2, "contiguous"),
+    ("dilated", dict(DILATED, is_causal=False, head_offsets="blocked"), "allgather", 4,
+     "contiguous"),
+    ("dilated", dict(DILATED, mode="head_groups", is_causal=True), "heads", 2, "contiguous"),
+    ("dilated", dict(DILATED, is_causal=True), "auto", 4, "contiguous"),
+]
+_FNS = {"exact": jd.ring_attention, "dilated": jd.dilated_attention,
+        "block_sparse": jd.block_sparse_attention}
+
+
+@pytest.mark.parametrize("op,kw,strategy,p,layout", SHARDED,
+                         ids=[f"{c[0]}-{c[2]}-P{c[3]}-{c[4]}" for c in SHARDED])
+def test_sharded_packed_rows_equal_documents_alone(op, kw, strategy, p, layout):
+    fn = functools.partial(_FNS[op], **kw)
+    mesh = build_mesh((p,), ("seq",), "explicit" if p >= 4 else "auto")
+    alone = (jd.sharded(fn, build_mesh((1,), ("seq",), "auto"), seq_axis="seq")
+             if op == "exact" else fn)  # ring_attention runs inside shard_map only
+    _check(alone, jd.sharded(fn, mesh, seq_axis="seq", layout=layout, strategy=strategy),
+           seed=p)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_ring_on_local_shards_sees_documents_across_boundaries(layout):
+    """The user's own ``shard_map``: the local shards' ids in ``layout`` order."""
+    mesh = build_mesh((4,), ("seq",), "auto")
+    spec = P(None, "seq")
+    ring = jax.shard_map(
+        lambda q, k, v, m, s: jd.ring_attention(q, k, v, kv_mask=m, segment_ids=s,
+                                                seq_axis="seq", layout=layout, is_causal=True),
+        mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
+    lay = functools.partial(layouts.to_layout, num_devices=4, layout=layout)
+
+    def packed(q, k, v, kv_mask, segment_ids):
+        out = ring(lay(q), lay(k), lay(v), lay(kv_mask), lay(jnp.asarray(segment_ids)))
+        return layouts.from_layout(out, 4, layout)
+
+    alone = jd.sharded(functools.partial(jd.ring_attention, is_causal=True),
+                       build_mesh((1,), ("seq",), "auto"), seq_axis="seq")
+    _check(alone, packed, seed=7)
+
+
+def test_dilated_on_local_shards_sees_documents_across_boundaries():
+    mesh = build_mesh((2,), ("seq",), "auto")
+    spec = P(None, "seq")
+    kw = dict(WINDOWED, is_causal=True)
+    local = jax.shard_map(
+        lambda q, k, v, kv_mask, segment_ids: jd.dilated_attention(
+            q, k, v, kv_mask=kv_mask, segment_ids=segment_ids, seq_axis="seq", **kw),
+        mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
+    _check(functools.partial(jd.dilated_attention, **kw),
+           lambda q, k, v, kv_mask, segment_ids: local(q, k, v, kv_mask, segment_ids), seed=8)
+
+
+def test_layer_packed_rows_equal_documents_alone():
+    """An NNX multi-head layer with rotary positions: positions and attention both
+    restart at each run."""
+    from flax import nnx
+
+    layer = jd.nnx.MultiheadDilatedAttention(
+        8, 4, segment_lengths=(8, 16), dilation_rates=(1, 2), qk_transform=jd.models.Rotary(),
+        param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(9).standard_normal((B, T, 8))
+    got = layer(x, segment_ids=IDS, is_causal=True)
+    want = jnp.concatenate([jnp.concatenate([layer(x[b:b + 1, s:e], is_causal=True)
+                                             for s, e in _runs(row)],
+                                            axis=1) for b, row in enumerate(ROWS)])
+    assert_close(got, want, TOL["float64"], "layer")
