@@ -12,9 +12,9 @@ The ids (``make_ids``), T = 64, batch 2:
     documents longer than a block and across ring shards / zigzag chunks) and a
     padding document (id 99, 8 tokens) whose keys are masked out (kv_mask False):
     its queries have no key and output zeros;
-  row 1: ids that are not sorted and not contiguous (one id in several runs; equal
-    ids attend whatever lies between), random kv_mask, and a run of id 5 whose keys
-    are all masked (zeros again).
+  row 1: ids that are not sorted and reused (ids 3, 7 and 1 each name several
+    documents: a document is a maximal run), random kv_mask, and a run of id 5 whose
+    keys are all masked (zeros again).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import jax_dilated as jd
 from jax_dilated import block_patterns as bp
 from jax_dilated.backends import KernelArgs, cudnn, registry, xla
 from jax_dilated.backends.base import segments_meet
+from jax_dilated.core.documents import document_ids
 
 torch = pytest.importorskip("torch")  # the reference; without it the module skips
 
@@ -57,9 +58,12 @@ def make_ids(t: int = T, seed: int = 0):
 
 
 def doc_mask(ids):
-    """bool [B, 1, T, T]: same document."""
+    """bool [B, 1, T, T]: same document (a maximal run of equal ids: the runs are
+    numbered first, so an id reused after another names a new document)."""
     ids = np.asarray(ids)
-    return (ids[:, :, None] == ids[:, None, :])[:, None]
+    runs = np.cumsum(np.concatenate([np.ones_like(ids[:, :1]), ids[:, 1:] != ids[:, :-1]],
+                                    axis=1), axis=1)
+    return (runs[:, :, None] == runs[:, None, :])[:, None]
 
 
 def make_inputs(seed: int, t: int = T):
@@ -178,9 +182,11 @@ def test_ring_parity(p, layout, causal, dtype):
 
 def test_kernel_small_blocks():
     """The XLA kernel itself (``attention``) with blocks of 16: blocks without a
-    same-document pair are skipped, the rest masked; float64 parity."""
+    same-document pair are skipped, the rest masked; float64 parity. A kernel compares
+    ids for equality: it gets the document indices the entry points make."""
     q, k, v, g = make_inputs(seed=3)
     ids, mask = make_ids()
+    ids = np.asarray(document_ids(ids))
     args = KernelArgs(scale=1.0 / np.sqrt(D), is_causal=True, block_q=16, block_k=16)
 
     def fn(q, k, v, mask, ids):

@@ -12,7 +12,7 @@ so that these also run where PyTorch is not installed.
 
 The ids (T = 32, batch 2): row 0 holds sorted documents of 3, 1, 13, 9 and 6 tokens
 (the 13-token one spans shards and zigzag chunks on 2 and 4 devices); row 1 has ids
-that are not sorted and a run of one id repeated. Random padding masks on top.
+that are not sorted, and ids 5 and 3 each name two documents. Random padding masks on top.
 Shapes are tiny: the module runs in seconds.
 """
 
@@ -66,7 +66,10 @@ def _torch_exact(q, k, v, g, mask, ids, causal):
     import torch_reference as ref
 
     tq, tk, tv = (to_torch(x, requires_grad=True) for x in (q, k, v))
-    same = torch.as_tensor(ids[:, :, None] == ids[:, None, :])[:, None]
+    # a document is a maximal run of equal ids: number the runs, then compare
+    runs = np.cumsum(np.concatenate([np.ones_like(ids[:, :1]), ids[:, 1:] != ids[:, :-1]],
+                                    axis=1), axis=1)
+    same = torch.as_tensor(runs[:, :, None] == runs[:, None, :])[:, None]
     out = ref.dense_attention(tq, tk, tv, is_causal=causal, kv_mask=torch.as_tensor(mask),
                               allowed=same)
     (to_torch(g) * out).sum().backward()
