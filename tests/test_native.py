@@ -187,7 +187,7 @@ def test_dilated_attention_runs_it_and_matches_the_xla_kernel(mode):
     for g, w in zip(got, want):
         _close(g, w, rtol=2e-5)
     hlo = jax.jit(lambda: run(None)).lower().as_text()
-    assert native.build.TARGET_DILATED in hlo
+    assert native.build.target(native.build.TARGET_DILATED) in hlo
 
 
 # (T, H, Hkv, mode, head_offsets, causal, mask, segments, rates, shared): shared, whether
@@ -242,9 +242,9 @@ def test_dilated_attention_in_one_call_per_pass_matches_float64(
     for g, w in zip(got, want):
         _close(g, w)
     hlo = jax.jit(run).lower(q, k, v).as_text()
-    assert hlo.count(f"@{native.build.TARGET_DILATED}(") == 1, "one forward call"
-    assert hlo.count(f"@{native.build.TARGET_DILATED_BACKWARD}(") == 1, "one backward call"
-    assert f"@{native.build.TARGET}(" not in hlo and "gather" not in hlo
+    assert hlo.count(f"@{native.build.target(native.build.TARGET_DILATED)}(") == 1, "one forward call"
+    assert hlo.count(f"@{native.build.target(native.build.TARGET_DILATED_BACKWARD)}(") == 1, "one backward call"
+    assert f"@{native.build.target(native.build.TARGET)}(" not in hlo and "gather" not in hlo
     assert hlo.count(f"shared_pairs = {str(shared).lower()}") == 2, "both passes"
 
 

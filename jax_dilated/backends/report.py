@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import jax
 
-from jax_dilated.backends import registry, selection
+from jax_dilated.backends import native, registry, selection
 from jax_dilated.core import validation
 
 __all__ = ["KernelChoice", "backend_report"]
@@ -112,8 +112,9 @@ def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
                                            else f"not used ({available})"), file=file)
         if info.platform == "cpu":
             why = registry.native_reason(info)
-            print("native CPU kernel: " + ("available (float32)" if why is None
-                                           else f"not used ({why})"), file=file)
+            print("native CPU kernel: " + (
+                f"available ({native.instruction_set()} build; float32, bfloat16 and "
+                f"float16 inputs)" if why is None else f"not used ({why})"), file=file)
         width = max(len(r.operation) for r in rows)
         for r in rows:
             print(f"  {r.operation:<{width}}  {r.kernel:<6}  {r.reason}", file=file)

@@ -168,8 +168,9 @@ class CallSpec:
     soft_cap: bool = False
 
 
-# The native CPU kernel (jax_dilated/backends/native): what it computes.
-NATIVE_DTYPES = ("float32",)
+# The native CPU kernel (jax_dilated/backends/native): what it computes (half-precision
+# inputs converted to float32 in the kernel, results in the input dtype).
+NATIVE_DTYPES = ("float32", "bfloat16", "float16")
 NATIVE_MAX_HEAD_DIM = 256
 
 
@@ -181,7 +182,7 @@ def native_call_reason(spec: CallSpec) -> str | None:
         return "block-sparse calls (the XLA kernel's listed blocks)"
     dtype = np.dtype(spec.dtype).name if not isinstance(spec.dtype, str) else spec.dtype
     if dtype not in NATIVE_DTYPES:
-        return f"dtype {dtype} (the native kernel computes float32)"
+        return f"dtype {dtype} (the native kernel takes float32, bfloat16 or float16)"
     if spec.head_dim % 16 or spec.head_dim > NATIVE_MAX_HEAD_DIM:
         return (f"head_dim {spec.head_dim} (the native kernel needs a multiple of 16 up "
                 f"to {NATIVE_MAX_HEAD_DIM})")

@@ -14,15 +14,19 @@ segment is read where it lies in the ``[B, T, H, D]`` arrays and its rows are
 written (or its gradients added) in place, so nothing is gathered, scattered or
 merged outside the kernel.
 
-It serves float32 calls with head_dim a multiple of 16 up to 256, with or without
-causality and a kv mask, grouped-query heads included. Everything else (another
-dtype, dropout, a sliding window, soft-capping, causal positions other than
-``0..L-1``, segment ids) goes to the XLA kernel, per call at trace time
-(:meth:`NativeCpuKernel.call_reason`), as on a GPU the calls cuDNN cannot serve do.
+It serves float32, bfloat16 and float16 calls (half-precision inputs are converted
+to float32 where the kernel packs its tiles; products, softmax statistics and
+accumulators are float32, and outputs come back in the input dtype) with head_dim a
+multiple of 16 up to 256, with or without causality and a kv mask, grouped-query
+heads included. Everything else (float64, dropout, a sliding window, soft-capping,
+causal positions other than ``0..L-1``, segment ids) goes to the XLA kernel, per
+call at trace time (:meth:`NativeCpuKernel.call_reason`), as on a GPU the calls
+cuDNN cannot serve do.
 
 It is compiled on first use for this machine (:mod:`.build`): Linux on x86-64 with
-AVX-512 and a C++ compiler. Where it cannot be built, ``implementation=None`` runs
-the XLA kernel on CPU and :func:`jax_dilated.backend_report` says why.
+AVX2 and FMA (an AVX-512 build where the CPU has it) or on aarch64, and a C++
+compiler. Where it cannot be built, ``implementation=None`` runs the XLA kernel on
+CPU and :func:`jax_dilated.backend_report` says why.
 """
 
 from __future__ import annotations
@@ -38,14 +42,21 @@ from jax_dilated.backends.xla import XlaKernel, dense
 from jax_dilated.core import softmax
 from jax_dilated.core.vma import varying_like
 
-__all__ = ["NativeCpuKernel", "KERNEL", "unavailable_reason", "native_forward",
-           "native_dilated_forward", "native_dilated_backward"]
+__all__ = ["NativeCpuKernel", "KERNEL", "unavailable_reason", "instruction_set",
+           "native_forward", "native_dilated_forward", "native_dilated_backward"]
 
 
 def unavailable_reason() -> str | None:
     """None when the native kernel is built and registered, else why not (once per
     process: the first call compiles it or loads it from the cache)."""
     return build.load()
+
+
+def instruction_set() -> str | None:
+    """The instruction set of the build in use, as ``jd.backend_report()`` names it
+    (``"AVX-512"``, ``"AVX2+FMA"``, ``"NEON"``), or None where it cannot run."""
+    isa = build.isa()
+    return None if isa is None else build.ISA_NAMES[isa]
 
 
 class NativeCpuKernel(XlaKernel):
@@ -72,6 +83,8 @@ class NativeCpuKernel(XlaKernel):
             reason = "segment ids"
         if reason is None and kv_valid is not None and kv_valid.ndim not in (2, 3):
             reason = f"a kv mask of rank {kv_valid.ndim}"
+        if reason is None and k.dtype != q.dtype:
+            reason = f"keys of dtype {k.dtype} with queries of dtype {q.dtype}"
         return reason or unavailable_reason()
 
     def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
@@ -111,14 +124,16 @@ class NativeCpuKernel(XlaKernel):
 
 
 def native_forward(q, k, v, args: KernelArgs, *, kv_valid=None):
-    """The FFI call: q [N, Lq, H, D], k, v [N, Lk, Hkv, D] float32, kv_valid None or
-    [N, Lk] / [N, Lk, Hkv] bool -> ``(o [N, Lq, H, D], lse, lse_lo [N, Lq, H])``."""
+    """The FFI call: q [N, Lq, H, D], k, v [N, Lk, Hkv, D] of one dtype (float32,
+    bfloat16 or float16), kv_valid None or [N, Lk] / [N, Lk, Hkv] bool -> ``(o [N, Lq,
+    H, D] in that dtype, lse, lse_lo [N, Lq, H] float32)``."""
     valid = (jnp.zeros((0,), jnp.uint8) if kv_valid is None
              else jnp.broadcast_to(kv_valid, k.shape[:2] + kv_valid.shape[2:])
              .astype(jnp.uint8))
     rows = jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)
-    call = jax.ffi.ffi_call(build.TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                                           rows, rows), vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(build.target(build.TARGET),
+                            (jax.ShapeDtypeStruct(q.shape, q.dtype), rows, rows),
+                            vmap_method="broadcast_all")
     o, m, l = call(q, k, v, valid, scale=np.float32(args.scale),
                    causal=bool(args.is_causal))
     # inside shard_map the custom call's results vary as its inputs do
@@ -133,7 +148,7 @@ def native_dilated_forward(q, k, v, args: KernelArgs, plans, *, kv_mask=None,
     the result in place (nothing gathered, scattered or merged outside the kernel).
 
     Args:
-      q: [B, T, H, D]; k, v: [B, T, Hkv, D]; float32.
+      q: [B, T, H, D]; k, v: [B, T, Hkv, D]; float32, bfloat16 or float16 (one dtype).
       args: the kernel arguments (``scale``, ``is_causal``; causal inside each
         dilated segment).
       plans: the :class:`~jax_dilated.core.branch_plans.BranchPlan` of every branch
@@ -150,18 +165,21 @@ def native_dilated_forward(q, k, v, args: KernelArgs, plans, *, kv_mask=None,
         of once per branch (docs/semantics.md, section 7). Same result, fewer products.
 
     Returns:
-      ``(o [B, T, H, D], lse, lse_lo [B, T, H])``; rows no branch selects hold ``o =
-      0``, ``lse = -inf``, ``lse_lo = 0``.
+      ``(o [B, T, H, D] in q's dtype, lse, lse_lo [B, T, H] float32)``; rows no
+      branch selects hold ``o = 0``, ``lse = -inf``, ``lse_lo = 0``.
     """
     mask = _kv_mask_bytes(kv_mask, q.shape[:2])
     rows = jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)
-    call = jax.ffi.ffi_call(build.TARGET_DILATED,
-                            (jax.ShapeDtypeStruct(q.shape, jnp.float32), rows, rows),
+    # with accumulate each branch reads back the output the ones before wrote, so the
+    # kernel keeps it in float32 (rounded to q's dtype once, at the end)
+    o_dtype = jnp.float32 if accumulate else q.dtype
+    call = jax.ffi.ffi_call(build.target(build.TARGET_DILATED),
+                            (jax.ShapeDtypeStruct(q.shape, o_dtype), rows, rows),
                             vmap_method="broadcast_all")
     o, m, l = call(q, k, v, mask, **_branch_attributes(plans), scale=np.float32(args.scale),
                    causal=bool(args.is_causal), accumulate=bool(accumulate),
                    out_scale=np.float32(out_scale), shared_pairs=bool(shared_pairs))
-    return varying_like((o, *softmax.lse_parts(m, l)), (q, k, v))
+    return varying_like((o.astype(q.dtype), *softmax.lse_parts(m, l)), (q, k, v))
 
 
 def native_dilated_backward(q, k, v, do, c, lse, delta, args: KernelArgs, plans, *,
@@ -177,17 +195,23 @@ def native_dilated_backward(q, k, v, do, c, lse, delta, args: KernelArgs, plans,
     delta)``, ``dq = scale ds k``, ``dk = scale ds^T q``, as
     :meth:`~jax_dilated.backends.base.Kernel.backward` on every dilated segment. The
     other arguments are :func:`native_dilated_forward`'s (``shared_pairs``: ``p = m
-    exp(s - lse)``, each pair once); all float32.
+    exp(s - lse)``, each pair once). ``q``, ``k``, ``v`` and ``do`` are of one dtype
+    (float32, bfloat16 or float16), ``c``, ``lse`` and ``delta`` float32; the
+    gradients are summed over the branches in float32 and returned in the inputs'
+    dtype.
     """
-    call = jax.ffi.ffi_call(build.TARGET_DILATED_BACKWARD,
+    call = jax.ffi.ffi_call(build.target(build.TARGET_DILATED_BACKWARD),
                             (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                              jax.ShapeDtypeStruct(k.shape, jnp.float32),
                              jax.ShapeDtypeStruct(v.shape, jnp.float32)),
                             vmap_method="broadcast_all")
-    grads = call(q, k, v, do, c, lse, delta, _kv_mask_bytes(kv_mask, q.shape[:2]),
+    f32 = jnp.float32
+    grads = call(q, k, v, do.astype(q.dtype), c.astype(f32), lse.astype(f32),
+                 delta.astype(f32), _kv_mask_bytes(kv_mask, q.shape[:2]),
                  **_branch_attributes(plans), scale=np.float32(args.scale),
                  causal=bool(args.is_causal), shared_pairs=bool(shared_pairs))
-    return varying_like(tuple(grads), (q, k, v, do))
+    grads = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+    return varying_like(grads, (q, k, v, do))
 
 
 def _kv_mask_bytes(kv_mask, rows):

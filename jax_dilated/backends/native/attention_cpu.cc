@@ -1,40 +1,63 @@
-// Blockwise online-softmax attention for x86-64 CPUs with AVX-512, float32: the
-// forward, and dilated attention's fused forward and backward, as XLA FFI custom
-// calls (jax_dilated/backends/native/build.py builds and registers them). The
-// mathematics is docs/semantics.md, section 1: for each query row p and the keys t
-// it may attend to,
+// Blockwise online-softmax attention for CPUs, as XLA FFI custom calls
+// (jax_dilated/backends/native/build.py builds and registers them): the forward, and
+// dilated attention's fused forward and backward. One source serves every vector
+// width: the kernels below are written over `V`, a handful of operations on one
+// vector register of floats, implemented for AVX-512 (16 lanes), AVX2 with FMA and
+// F16C (8 lanes) and NEON on aarch64 (4 lanes); the build's instruction set (the
+// compiler's target flags) picks one, with the register-tile shapes that fit its
+// register file. Inputs are float32, bfloat16 or float16; they are converted to
+// float32 where the kernel packs its tiles, and every product, exponential and
+// statistic is float32.
+//
+// The mathematics is docs/semantics.md, section 1: for each query row p and the keys
+// t it may attend to,
 //     o_p = sum_t exp(s_pt - lse_p) v_t,   s_pt = scale q_p . k_t,
 //     lse_p = log sum_t exp(s_pt),
 // with o_p = 0 and lse_p = -inf for a row without keys. A key is allowed when
 // kv_valid (if given) marks it and, for causal calls, when its index is at most the
 // query's (positions are the indices 0..L-1 of the call, as the XLA kernel's default).
 //
-// Two calls. The plain one (Forward): q [N, Lq, H, D], k and v [N, Lk, Hkv, D]
+// Three calls. The plain one (Forward): q [N, Lq, H, D], k and v [N, Lk, Hkv, D]
 // (H % Hkv == 0, grouped-query heads read kv head h / (H / Hkv)), kv_valid [N, Lk]
-// or [N, Lk, Hkv] (uint8, or an empty array for none), o [N, Lq, H, D], and per row
-// [N, Lq, H] its maximum logit m and l = sum_t exp(s_pt - m), from which the caller
-// forms lse = m + log l in two parts (core/softmax.py: extreme logits keep their
-// precision); l = 0 for a row without keys. The dilated one (DilatedForward): every
-// branch of LongNet's dilated attention (docs/semantics.md, section 2) on q [B, T,
-// H, D], k, v [B, T, Hkv, D], each dilated segment an item whose rows are r
-// positions apart, read where they lie and written into o, m, l [B, T, H, ...] in
-// place; longnet's branches continue each row's softmax, so no merge is needed, and
-// nested branches compute each pair they share once (shared_pairs, Nesting below).
+// or [N, Lk, Hkv] (uint8, or an empty array for none), o [N, Lq, H, D] in the
+// inputs' dtype, and per row [N, Lq, H] its maximum logit m and l = sum_t exp(s_pt -
+// m) (float32), from which the caller forms lse = m + log l in two parts
+// (core/softmax.py: extreme logits keep their precision); l = 0 for a row without
+// keys. The dilated one (DilatedForward): every branch of LongNet's dilated attention
+// (docs/semantics.md, section 2) on q [B, T, H, D], k, v [B, T, Hkv, D], each dilated
+// segment an item whose rows are r positions apart, read where they lie and written
+// into o, m, l [B, T, H, ...] in place; longnet's branches continue each row's
+// softmax (so o is float32 there: it is read back by the next branch), and nested
+// branches compute each pair they share once (shared_pairs, Nesting below). Its
+// backward (DilatedBackward) adds every branch's gradients into float32 dq, dk, dv.
 // D is a multiple of 16 up to 256.
 //
 // Work: items of (n, h, a run of query rows), shared by an atomic counter among the
 // calling thread and tasks on XLA's intra-op thread pool (so a call uses the threads
 // XLA was given and no more). Each item packs k^T of its kv head once (key blocks of
-// BK), then for every tile of BQ query rows runs, per key block, S = q k^T on MR x 32
-// register tiles, the online-softmax update on S in place (running max m, sum l; exp
-// by a degree-7 polynomial and AVX-512's scalef), and O += P v on MR x 64 register
-// tiles. The backward's items are (segment, kv head at one offset) and their query
-// heads; it runs key blocks of BC against query tiles of BR (section "backward").
-// The dilated calls ask for huge pages on their results (prefer_huge_pages).
-#if !defined(__AVX512F__) || !defined(__linux__)
-#error "the native CPU kernel needs Linux on an x86-64 CPU with AVX-512"
+// BK), then for every tile of BQ query rows runs, per key block, S = q k^T on MR x
+// QK_COLS register tiles, the online-softmax update on S in place (running max m, sum
+// l; exp by a degree-7 polynomial), and O += P v on MR x PV_COLS register tiles. The
+// backward's items are (segment, kv head at one offset) and their query heads; it
+// runs key blocks of BC against query tiles of BR (section "backward"). The dilated
+// calls ask for huge pages on their results (prefer_huge_pages).
+#if !defined(__linux__)
+#error "the native CPU kernel is built for Linux"
 #endif
+
+#if defined(__AVX512F__)
+#define JD_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define JD_AVX2 1
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define JD_NEON 1
+#include <arm_neon.h>
+#else
+#error "the native CPU kernel needs x86-64 with AVX2, FMA and F16C (or AVX-512), or aarch64"
+#endif
+
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -44,6 +67,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -52,98 +76,327 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int MR = 6;    // query rows per register tile
+// Half-precision inputs as stored (the bits): only converted, never computed on.
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+
+// ------------------------------------------------------------ the vector type
+//
+// V::T is one register of V::N floats. The kernels use only what is below: loads
+// (converting bfloat16 and float16 to float32) and stores (rounding float32 to
+// them, to nearest even), lane-wise arithmetic, fused multiply-add, the two pieces
+// of exp (rounding to an integer, scaling by 2^n), horizontal max and sum, and lane
+// masks from comparisons. Tile shapes per instruction set: MR query (or key) rows
+// per register tile, QK_VECS vectors of columns in the S = q k^T tiles and PV_VECS
+// in the O += P v tiles; MR x VECS accumulators, VECS loaded rows and one broadcast
+// must fit the register file (AVX-512 and NEON 32 registers, AVX2 16).
+
+#if JD_AVX512
+struct V {
+  using T = __m512;
+  using Mask = __mmask16;
+  static constexpr int N = 16;
+  static constexpr const char* isa = "avx512";
+  static T zero() { return _mm512_setzero_ps(); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T iota() {
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const bf16_t* p) {  // bfloat16 is the top half of a float32
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static T load(const f16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store(float* p, T x) { _mm512_storeu_ps(p, x); }
+  static void store(bf16_t* p, T x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7fc0));  // NaN stays a (quiet) NaN
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static void store(f16_t* p, T x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }    // a b + c
+  static T fnma(T a, T b, T c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+  static T round(T x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static T ldexp(T p, T n) { return _mm512_scalef_ps(p, n); }  // p 2^n, n integral
+  static float reduce_max(T x) { return _mm512_reduce_max_ps(x); }
+  static float reduce_add(T x) { return _mm512_reduce_add_ps(x); }
+  static Mask ge(T a, T b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+  static Mask lt(T a, T b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static Mask both(Mask a, Mask b) { return a & b; }
+  static T keep(Mask m, T x) { return _mm512_maskz_mov_ps(m, x); }   // x where m, else 0
+  static T drop(Mask m, T x) { return _mm512_maskz_mov_ps(~m, x); }  // 0 where m, else x
+};
+// 12 accumulators for S (6 x 32 columns) and 24 for O (6 x 64): 15 and 29 registers
+constexpr int MR = 6, QK_VECS = 2, PV_VECS = 4;
+
+#elif JD_AVX2
+struct V {
+  using T = __m256;
+  using Mask = __m256;  // all-ones lanes where true
+  static constexpr int N = 8;
+  static constexpr const char* isa = "avx2";
+  static T zero() { return _mm256_setzero_ps(); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T iota() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const bf16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static T load(const f16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store(float* p, T x) { _mm256_storeu_ps(p, x); }
+  static void store(bf16_t* p, T x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0),
+                           _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    // (every lane is below 2^16, so the saturating pack is a plain narrowing)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
+  static void store(f16_t* p, T x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T fnma(T a, T b, T c) { return _mm256_fnmadd_ps(a, b, c); }
+  static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static T ldexp(T p, T n) {
+    // 2^n built in the exponent field; below float's normal range (n < -126) the
+    // result is 0 (exp's argument is clamped above -104, so n >= -150, and the field
+    // would wrap), where AVX-512's scalef gives a subnormal: nothing a softmax weight
+    // of at most 1 can notice.
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)),
+                         _mm256_cmp_ps(n, _mm256_set1_ps(-126.0f), _CMP_GE_OQ));
+  }
+  static float reduce_max(T x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static float reduce_add(T x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static Mask ge(T a, T b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+  static Mask lt(T a, T b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static Mask both(Mask a, Mask b) { return _mm256_and_ps(a, b); }
+  static T keep(Mask m, T x) { return _mm256_and_ps(m, x); }
+  static T drop(Mask m, T x) { return _mm256_andnot_ps(m, x); }
+};
+// 16 registers: S and O both on 6 x 16 tiles (12 accumulators, 2 rows, 1 broadcast),
+// the shape of the classic AVX2 matrix-multiply micro-kernel
+constexpr int MR = 6, QK_VECS = 2, PV_VECS = 2;
+
+#elif JD_NEON
+struct V {
+  using T = float32x4_t;
+  using Mask = uint32x4_t;
+  static constexpr int N = 4;
+  static constexpr const char* isa = "neon";
+  static T zero() { return vdupq_n_f32(0.0f); }
+  static T set1(float x) { return vdupq_n_f32(x); }
+  static T iota() {
+    static const float lanes[4] = {0, 1, 2, 3};
+    return vld1q_f32(lanes);
+  }
+  static T load(const float* p) { return vld1q_f32(p); }
+  static T load(const bf16_t* p) {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
+  }
+  static T load(const f16_t* p) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
+  }
+  static void store(float* p, T x) { vst1q_f32(p, x); }
+  static void store(bf16_t* p, T x) {
+    const uint32x4_t u = vreinterpretq_u32_f32(x);
+    const uint32x4_t odd = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+    uint32x4_t r = vshrq_n_u32(vaddq_u32(u, vaddq_u32(vdupq_n_u32(0x7fff), odd)), 16);
+    r = vbslq_u32(vceqq_f32(x, x), r, vdupq_n_u32(0x7fc0));  // NaN stays a (quiet) NaN
+    vst1_u16(reinterpret_cast<uint16_t*>(p), vmovn_u32(r));
+  }
+  static void store(f16_t* p, T x) {
+    vst1_u16(reinterpret_cast<uint16_t*>(p), vreinterpret_u16_f16(vcvt_f16_f32(x)));
+  }
+  static T add(T a, T b) { return vaddq_f32(a, b); }
+  static T sub(T a, T b) { return vsubq_f32(a, b); }
+  static T mul(T a, T b) { return vmulq_f32(a, b); }
+  static T max(T a, T b) { return vmaxq_f32(a, b); }
+  static T fma(T a, T b, T c) { return vfmaq_f32(c, a, b); }
+  static T fnma(T a, T b, T c) { return vfmsq_f32(c, a, b); }
+  static T round(T x) { return vrndnq_f32(x); }
+  static T ldexp(T p, T n) {  // as AVX2's: 0 below float's normal range
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    const T r = vmulq_f32(p, vreinterpretq_f32_s32(e));
+    return vreinterpretq_f32_u32(
+        vandq_u32(vreinterpretq_u32_f32(r), vcgeq_f32(n, vdupq_n_f32(-126.0f))));
+  }
+  static float reduce_max(T x) { return vmaxvq_f32(x); }
+  static float reduce_add(T x) { return vaddvq_f32(x); }
+  static Mask ge(T a, T b) { return vcgeq_f32(a, b); }
+  static Mask lt(T a, T b) { return vcltq_f32(a, b); }
+  static Mask both(Mask a, Mask b) { return vandq_u32(a, b); }
+  static T keep(Mask m, T x) { return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x), m)); }
+  static T drop(Mask m, T x) { return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(x), m)); }
+};
+// 32 registers of 4 lanes: S and O on 6 x 16 tiles (24 accumulators, 4 rows, 1 broadcast)
+constexpr int MR = 6, QK_VECS = 4, PV_VECS = 4;
+#endif
+
+using VT = V::T;
+constexpr int N = V::N;
+constexpr int QK_COLS = QK_VECS * N;  // columns of one S register tile
+constexpr int PV_COLS = PV_VECS * N;  // columns of one O register tile
+// Block sizes follow the caches (a 32-48 KiB L1 and an L2 of 0.5-2 MiB per core on
+// every CPU served), not the vector width, so they are the same for every build.
 constexpr int BQ = 48;   // query rows per tile (a multiple of MR)
-constexpr int BK = 512;  // keys per block (a multiple of 32; 256: 1-2.5% slower)
+constexpr int BK = 512;  // keys per block (a multiple of QK_COLS; 256: 1-2.5% slower)
 // floats between the rows of a packed k^T block: BK plus one cache line, so that the
 // transposing stores of one key (one per row) fall in different L1 sets (2 KiB apart
 // they shared two, and packing was a large share of the forward)
 constexpr int KTS = BK + 16;
 constexpr int MAX_D = 256;
-constexpr int BR = 96;   // backward: query rows per tile (a multiple of 32 and of MR)
+constexpr int BR = 96;   // backward: query rows per tile (a multiple of QK_COLS and MR)
 constexpr int BC = 48;   // backward: keys per block (a multiple of MR)
+static_assert(BQ % MR == 0 && BC % MR == 0 && BR % MR == 0, "tiles of MR rows");
+static_assert(BK % QK_COLS == 0 && BR % QK_COLS == 0, "blocks of whole S tiles");
+static_assert(16 % N == 0, "a head_dim that is a multiple of 16 is whole vectors");
 
-inline __m512 exp512(__m512 x) {
-  // exp(x) = 2^n e^r, n = round(x log2 e), |r| <= ln2 / 2; e^r by its Taylor
-  // polynomial to degree 7 in Horner form (relative error below 2e-7).
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2lo = _mm512_set1_ps(-2.12194440e-4f);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // exp underflows to 0 below
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2hi, x);
-  r = _mm512_fnmadd_ps(n, ln2lo, r);
-  __m512 p = _mm512_set1_ps(1.9841270e-4f);  // 1/7!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3888889e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// exp(x) for the softmax: exp(x) = 2^n e^r, n = round(x log2 e), |r| <= ln2 / 2; e^r
+// by its Taylor polynomial to degree 7 in Horner form (relative error below 2e-7).
+// Arguments below -104 give 0 (as exp's float32 value, up to subnormals).
+inline VT vexp(VT x) {
+  x = V::max(x, V::set1(-104.0f));
+  const VT n = V::round(V::mul(x, V::set1(1.44269504088896341f)));
+  VT r = V::fnma(n, V::set1(0.693359375f), x);  // ln 2 in two parts: r exact
+  r = V::fnma(n, V::set1(-2.12194440e-4f), r);
+  VT p = V::set1(1.9841270e-4f);  // 1/7!
+  p = V::fma(p, r, V::set1(1.3888889e-3f));
+  p = V::fma(p, r, V::set1(8.3333333e-3f));
+  p = V::fma(p, r, V::set1(4.1666667e-2f));
+  p = V::fma(p, r, V::set1(1.6666667e-1f));
+  p = V::fma(p, r, V::set1(0.5f));
+  p = V::fma(p, r, V::set1(1.0f));
+  p = V::fma(p, r, V::set1(1.0f));
+  return V::ldexp(p, n);
 }
 
-// s[MR][ncols] = a[MR][D] . b[D][ncols], for the first ncols (a multiple of 32)
-// columns; b's rows are BS floats apart, s's SS. Not inlined: its 12 accumulators
-// get the registers to themselves.
+// A row of d inputs as float32: the row itself for float32 inputs, else converted
+// into tmp (d floats).
+inline const float* as_float(const float* src, int64_t, float*) { return src; }
+template <class In>
+const float* as_float(const In* src, int64_t d, float* tmp) {
+  for (int64_t c = 0; c < d; c += N) V::store(tmp + c, V::load(src + c));
+  return tmp;
+}
+
+// s[MR][ncols] = a[MR][D] . b[D][ncols], for the first ncols (a multiple of QK_COLS)
+// columns; b's rows are BS floats apart, s's SS. Not inlined: its accumulators get
+// the registers to themselves.
 template <int BS, int SS = BS>
 __attribute__((noinline)) void qk_tile(const float* a, const float* b, float* s, int d_head,
                                        int ncols) {
-  for (int c = 0; c < ncols; c += 32) {
-    __m512 acc[MR][2];
-    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int c = 0; c < ncols; c += QK_COLS) {
+    VT acc[MR][QK_VECS];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+      for (int j = 0; j < QK_VECS; j++) acc[r][j] = V::zero();
     for (int d = 0; d < d_head; d++) {
-      const __m512 b0 = _mm512_loadu_ps(b + d * BS + c);
-      const __m512 b1 = _mm512_loadu_ps(b + d * BS + c + 16);
-#pragma GCC unroll 6
+      VT bv[QK_VECS];
+#pragma GCC unroll 4
+      for (int j = 0; j < QK_VECS; j++) bv[j] = V::load(b + d * BS + c + j * N);
+#pragma GCC unroll 8
       for (int r = 0; r < MR; r++) {
-        const __m512 x = _mm512_set1_ps(a[r * d_head + d]);
-        acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+        const VT x = V::set1(a[r * d_head + d]);
+#pragma GCC unroll 4
+        for (int j = 0; j < QK_VECS; j++) acc[r][j] = V::fma(x, bv[j], acc[r][j]);
       }
     }
-    for (int r = 0; r < MR; r++) {
-      _mm512_storeu_ps(s + r * SS + c, acc[r][0]);
-      _mm512_storeu_ps(s + r * SS + c + 16, acc[r][1]);
-    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+      for (int j = 0; j < QK_VECS; j++) V::store(s + r * SS + c + j * N, acc[r][j]);
   }
 }
 
-// o[MR][NV * 16] += p[MR][:nk] . v[:nk][NV * 16], p's entry (r, t) at p[r PR + t PT]
-// (a tile or its transpose), v's rows vstride floats apart, o's ostride.
+// o[MR][NV N] += p[MR][:nk] . v[:nk][NV N], p's entry (r, t) at p[r PR + t PT] (a
+// tile or its transpose), v's rows vstride floats apart, o's ostride.
 template <int NV, int PR, int PT>
 __attribute__((noinline)) void pv_tile(const float* p, const float* v, int64_t vstride,
                                        float* o, int64_t ostride, int nk) {
-  __m512 acc[MR][NV];
+  VT acc[MR][NV];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; r++)
-    for (int j = 0; j < NV; j++) acc[r][j] = _mm512_loadu_ps(o + r * ostride + 16 * j);
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; j++) acc[r][j] = V::load(o + r * ostride + N * j);
   for (int t = 0; t < nk; t++) {
-    __m512 b[NV];
-    for (int j = 0; j < NV; j++) b[j] = _mm512_loadu_ps(v + t * vstride + 16 * j);
-#pragma GCC unroll 6
+    VT b[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; j++) b[j] = V::load(v + t * vstride + N * j);
+#pragma GCC unroll 8
     for (int r = 0; r < MR; r++) {
-      const __m512 a = _mm512_set1_ps(p[r * PR + t * PT]);
-      for (int j = 0; j < NV; j++) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
+      const VT a = V::set1(p[r * PR + t * PT]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; j++) acc[r][j] = V::fma(a, b[j], acc[r][j]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < MR; r++)
-    for (int j = 0; j < NV; j++) _mm512_storeu_ps(o + r * ostride + 16 * j, acc[r][j]);
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; j++) V::store(o + r * ostride + N * j, acc[r][j]);
 }
 
-// o[MR][D] += p[MR][:nk] . v[:nk][D], D in 64-column tiles and a last one of 16-48.
+// The last nv (< PV_VECS) vectors of columns, on a tile of that width.
+template <int NV, int PR, int PT>
+void pv_rest(const float* p, const float* v, int64_t vstride, float* o, int64_t ostride,
+             int nk, int nv) {
+  if constexpr (NV > 0) {
+    if (nv == NV) pv_tile<NV, PR, PT>(p, v, vstride, o, ostride, nk);
+    else pv_rest<NV - 1, PR, PT>(p, v, vstride, o, ostride, nk, nv);
+  }
+}
+
+// o[MR][D] += p[MR][:nk] . v[:nk][D], D in tiles of PV_COLS columns and a narrower
+// last one.
 template <int PR, int PT>
 void pv_columns(const float* p, const float* v, int64_t vstride, float* o, int64_t ostride,
                 int d_head, int nk) {
   int c = 0;
-  for (; c + 64 <= d_head; c += 64) pv_tile<4, PR, PT>(p, v + c, vstride, o + c, ostride, nk);
-  switch ((d_head - c) / 16) {
-    case 3: pv_tile<3, PR, PT>(p, v + c, vstride, o + c, ostride, nk); break;
-    case 2: pv_tile<2, PR, PT>(p, v + c, vstride, o + c, ostride, nk); break;
-    case 1: pv_tile<1, PR, PT>(p, v + c, vstride, o + c, ostride, nk); break;
-    default: break;
-  }
+  for (; c + PV_COLS <= d_head; c += PV_COLS)
+    pv_tile<PV_VECS, PR, PT>(p, v + c, vstride, o + c, ostride, nk);
+  pv_rest<PV_VECS - 1, PR, PT>(p, v + c, vstride, o + c, ostride, nk, (d_head - c) / N);
 }
 
 // Longnet's nested branches (shared_pairs; docs/semantics.md, section 7): the
@@ -180,11 +433,14 @@ inline int64_t first_index_at(int64_t x, int64_t pos0, int64_t step) {
 // t kv_stride and its validity byte valid[t valid_stride] (valid nullptr: all valid).
 // The plain call's items are the slices [n, :, h] of its arrays; a dilated branch's
 // are the dilated segments of the whole sequence, rows r positions apart, read and
-// written where they lie (no gather, no scatter).
+// written where they lie (no gather, no scatter). In: the inputs' element type; Out:
+// the output's (float, or In where each row is written once).
+template <class In, class Out>
 struct Item {
-  const float *q, *k, *v;
+  const In *q, *k, *v;
   const uint8_t* valid;
-  float *o, *m, *l;
+  Out* o;
+  float *m, *l;
   int64_t q_stride, kv_stride, valid_stride, stat_stride, lq, lk;
   // shared pairs (nullptr: none): the item's nesting, and the positions in the batch
   // row of query row i and key i, qpos0 + i step and kpos0 + i step
@@ -202,15 +458,19 @@ struct Config {
 struct Scratch {
   // per key block: kmask, each key's additive mask (-inf for a padding column or an
   // invalid key, else 0); kmul, for rows of depth v = 1..nc (shared pairs), each
-  // key's multiplicity m = 1 + min(v, depth) (Nesting)
-  std::vector<float> kt, s, qs, ot, kmask, kmul;
+  // key's multiplicity m = 1 + min(v, depth) (Nesting); vp, half-precision inputs'
+  // values as float32 (float32 ones are read where they lie); row, one converted row
+  std::vector<float> kt, s, qs, ot, kmask, kmul, vp, row;
   std::vector<uint8_t> block_masked, block_shared;  // some key masked; some key of depth > 0
   Scratch(int64_t max_lk, int64_t d)
-      : kt(((max_lk + BK - 1) / BK) * d * KTS), s(MR * BK), qs(BQ * d), ot(BQ * d) {}
+      : kt(((max_lk + BK - 1) / BK) * d * KTS), s(MR * BK), qs(BQ * d), ot(BQ * d),
+        row(MAX_D) {}
 };
 
 // Rows [r0, r1) of one item.
-void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t r1) {
+template <class In, class Out>
+void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0, int64_t r1) {
+  constexpr bool f32_in = std::is_same_v<In, float>;
   const int64_t d = cf.d;
   const Nesting* ns = it.nest;
   const int nc = ns ? ns->nc : 0;
@@ -218,16 +478,23 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
   const int64_t nblocks = (kend_all + BK - 1) / BK;
   w.kmask.resize(nblocks * BK);
   if ((int64_t)w.kmul.size() < nblocks * nc * BK) w.kmul.resize(nblocks * nc * BK);
+  if (!f32_in && (int64_t)w.vp.size() < kend_all * d) w.vp.resize(kend_all * d);
   w.block_masked.resize(nblocks);
   w.block_shared.resize(nblocks);
   // k^T of the keys this run can see, in blocks [block][d][KTS] (the first BK of each
-  // row used), zero-padded, their mask and multiplicities
+  // row used), zero-padded, their mask and multiplicities (and half-precision values
+  // as float32 rows)
   for (int64_t b0 = 0; b0 < kend_all; b0 += BK) {
     float* kt = w.kt.data() + (b0 / BK) * d * KTS;
     const int64_t nk = std::min<int64_t>(BK, kend_all - b0);
     for (int64_t t = 0; t < nk; t++) {
-      const float* src = it.k + (b0 + t) * it.kv_stride;
+      const float* src = as_float(it.k + (b0 + t) * it.kv_stride, d, w.row.data());
       for (int64_t c = 0; c < d; c++) kt[c * KTS + t] = src[c];
+      if constexpr (!f32_in) {
+        const In* vrow = it.v + (b0 + t) * it.kv_stride;
+        float* dst = w.vp.data() + (b0 + t) * d;
+        for (int64_t c = 0; c < d; c += N) V::store(dst + c, V::load(vrow + c));
+      }
     }
     for (int64_t c = 0; c < d; c++)
       std::fill(kt + c * KTS + nk, kt + c * KTS + BK, 0.0f);
@@ -235,7 +502,7 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
     bool masked = false, shared = false;
     for (int64_t j = 0; j < BK; j++) {
       const bool ok = j < nk && (it.valid == nullptr || it.valid[(b0 + j) * it.valid_stride]);
-      masked |= !ok && j < (nk + 31) / 32 * 32;
+      masked |= !ok && j < (nk + QK_COLS - 1) / QK_COLS * QK_COLS;
       w.kmask[b0 + j] = ok ? 0.0f : -INFINITY;
       const int dt = ok && ns ? ns->depth(it.kpos0 + (b0 + j) * it.step) : 0;
       shared |= dt > 0;
@@ -243,6 +510,16 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
     }
     w.block_masked[b0 / BK] = masked;
     w.block_shared[b0 / BK] = shared;
+  }
+  // where P v reads the values: in place (float32) or packed
+  const float* vbase;
+  int64_t vstride;
+  if constexpr (f32_in) {
+    vbase = it.v;
+    vstride = it.kv_stride;
+  } else {
+    vbase = w.vp.data();
+    vstride = d;
   }
   float m[BQ], l[BQ];
   int depth[BQ];
@@ -267,18 +544,19 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
       m[i] = -INFINITY;
       l[i] = 0.0f;
       depth[i] = i < nq && ns ? ns->depth(it.qpos0 + (q0 + i) * it.step) : 0;
-      const float* src = it.q + (q0 + i) * it.q_stride;
-      const __m512 scale = _mm512_set1_ps(i < nq ? cf.scale : 0.0f);
-      for (int64_t c = 0; c < d; c += 16)
-        _mm512_storeu_ps(w.qs.data() + i * d + c,
-                         i < nq ? _mm512_mul_ps(_mm512_loadu_ps(src + c), scale) : scale);
+      const In* src = it.q + (q0 + i) * it.q_stride;
+      const VT scale = V::set1(i < nq ? cf.scale : 0.0f);
+      for (int64_t c = 0; c < d; c += N)
+        V::store(w.qs.data() + i * d + c, i < nq ? V::mul(V::load(src + c), scale) : scale);
       const int64_t stat = (q0 + i) * it.stat_stride;
-      if (cf.accumulate && i < nq && it.l[stat] > 0.0f) {
-        // continue the row's softmax: unnormalise the output it holds
-        m[i] = it.m[stat];
-        l[i] = it.l[stat];
-        const float* prev = it.o + (q0 + i) * it.q_stride;
-        for (int64_t c = 0; c < d; c++) w.ot[i * d + c] = prev[c] * l[i];
+      if constexpr (std::is_same_v<Out, float>) {
+        if (cf.accumulate && i < nq && it.l[stat] > 0.0f) {
+          // continue the row's softmax: unnormalise the output it holds
+          m[i] = it.m[stat];
+          l[i] = it.l[stat];
+          const float* prev = it.o + (q0 + i) * it.q_stride;
+          for (int64_t c = 0; c < d; c++) w.ot[i * d + c] = prev[c] * l[i];
+        }
       }
     }
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
@@ -297,20 +575,20 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
         const int gk = cf.causal ? (int)std::min<int64_t>(nk, q0 + std::min(t0 + MR, nq) - k0)
                                  : nk;
         if (gk <= 0 || (x0 <= 0 && x1 >= gk)) continue;  // nothing of the block for it
-        const int gcols = (gk + 31) / 32 * 32;
+        const int gcols = (gk + QK_COLS - 1) / QK_COLS * QK_COLS;
         qk_tile<KTS, BK>(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, gcols);
         for (int r = 0; r < MR; r++) {
           const int i = t0 + r;
           float* sr = w.s.data() + r * BK;
-          __m512 mx = _mm512_set1_ps(-INFINITY);
+          VT mx = V::set1(-INFINITY);
           if (masked) {
-            for (int j = 0; j < gcols; j += 16) {
-              __m512 x = _mm512_add_ps(_mm512_loadu_ps(sr + j), _mm512_loadu_ps(kmask + j));
-              _mm512_storeu_ps(sr + j, x);
-              mx = _mm512_max_ps(mx, x);
+            for (int j = 0; j < gcols; j += N) {
+              const VT x = V::add(V::load(sr + j), V::load(kmask + j));
+              V::store(sr + j, x);
+              mx = V::max(mx, x);
             }
           } else {
-            for (int j = 0; j < gcols; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+            for (int j = 0; j < gcols; j += N) mx = V::max(mx, V::load(sr + j));
           }
           if (i >= nq) {  // padding row
             std::fill(sr, sr + gcols, 0.0f);
@@ -329,43 +607,42 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
             }
           }
           if (refill) {
-            mx = _mm512_set1_ps(-INFINITY);
-            for (int j = 0; j < gcols; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+            mx = V::set1(-INFINITY);
+            for (int j = 0; j < gcols; j += N) mx = V::max(mx, V::load(sr + j));
           }
-          const float block_max = _mm512_reduce_max_ps(mx);
+          const float block_max = V::reduce_max(mx);
           const float m_new = std::max(m[i], block_max);
           if (m_new == -INFINITY) {  // nothing allowed yet: p = 0
             std::fill(sr, sr + gcols, 0.0f);
             continue;
           }
           const float alpha = std::exp(m[i] - m_new);  // exp(-inf) = 0 on the first
-          const __m512 shift = _mm512_set1_ps(m_new);
-          __m512 sum = _mm512_setzero_ps();
+          const VT shift = V::set1(m_new);
+          VT sum = V::zero();
           const int v = shared ? depth[i] : 0;  // p = m exp(s - max), m of the row's depth
           const float* mul = v > 0 ? kmul + (v - 1) * BK : nullptr;
-          for (int j = 0; j < gcols; j += 16) {
-            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), shift));
-            if (v > 0) e = _mm512_mul_ps(e, _mm512_loadu_ps(mul + j));
-            sum = _mm512_add_ps(sum, e);
-            _mm512_storeu_ps(sr + j, e);
+          for (int j = 0; j < gcols; j += N) {
+            VT e = vexp(V::sub(V::load(sr + j), shift));
+            if (v > 0) e = V::mul(e, V::load(mul + j));
+            sum = V::add(sum, e);
+            V::store(sr + j, e);
           }
-          l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
+          l[i] = l[i] * alpha + V::reduce_add(sum);
           m[i] = m_new;
           if (alpha != 1.0f) {
             float* orow = w.ot.data() + i * d;
-            const __m512 a = _mm512_set1_ps(alpha);
-            for (int64_t c = 0; c < d; c += 16)
-              _mm512_storeu_ps(orow + c, _mm512_mul_ps(a, _mm512_loadu_ps(orow + c)));
+            const VT a = V::set1(alpha);
+            for (int64_t c = 0; c < d; c += N) V::store(orow + c, V::mul(a, V::load(orow + c)));
           }
         }
-        pv_columns<BK, 1>(w.s.data(), it.v + k0 * it.kv_stride, it.kv_stride,
-                          w.ot.data() + t0 * d, d, (int)d, gk);
+        pv_columns<BK, 1>(w.s.data(), vbase + k0 * vstride, vstride, w.ot.data() + t0 * d, d,
+                          (int)d, gk);
       }
     }
     for (int i = 0; i < nq; i++) {
-      const float inv = l[i] > 0.0f ? cf.out_scale / l[i] : 0.0f;
-      float* dst = it.o + (q0 + i) * it.q_stride;
-      for (int64_t c = 0; c < d; c++) dst[c] = w.ot[i * d + c] * inv;
+      const VT inv = V::set1(l[i] > 0.0f ? cf.out_scale / l[i] : 0.0f);
+      Out* dst = it.o + (q0 + i) * it.q_stride;
+      for (int64_t c = 0; c < d; c += N) V::store(dst + c, V::mul(V::load(w.ot.data() + i * d + c), inv));
       const int64_t stat = (q0 + i) * it.stat_stride;
       it.m[stat] = m[i];
       it.l[stat] = l[i];
@@ -382,20 +659,25 @@ void run_rows(const Config& cf, const Item& it, Scratch& w, int64_t r0, int64_t 
 // rounded lse alone is read. Keys are the rows of the tiles (S^T = k q^T): the
 // per-row statistics of the queries then run along the vector lanes, and every
 // product is one of the two register tiles above with no transpose of p or ds.
+// q, k, v and do are read in the inputs' type and packed as float32; the gradients
+// are float32 (summed over the branches in place).
 
 // One query head of a backward item: row i of q, do and dq at + i q_stride, its
 // lse, delta and c at + i stat_stride.
+template <class In>
 struct BwdHead {
-  const float *q, *dout, *lse, *delta, *c;
+  const In *q, *dout;
+  const float *lse, *delta, *c;
   float* dq;
   const Nesting* nest;  // shared pairs: this head's (nullptr: none)
 };
 
 // The query heads that read one kv head at one offset of one dilated segment, and
 // that kv head's rows: their gradients are this item's alone (within a branch).
+template <class In>
 struct BwdItem {
-  std::vector<BwdHead> heads;
-  const float *k, *v;
+  std::vector<BwdHead<In>> heads;
+  const In *k, *v;
   const uint8_t* valid;
   float *dk, *dv;
   int64_t q_stride, stat_stride, kv_stride, valid_stride, lq, lk;
@@ -404,8 +686,9 @@ struct BwdItem {
 
 struct BwdScratch {
   // mult: for keys of depth v = 1..nc (shared pairs), each row's multiplicity m =
-  // 1 + min(v, depth) (Nesting), rows padded
-  std::vector<float> qst, qs, dot, dos, lse, delta, dq, kb, ks, vb, dk, dv, st, dpt, mult;
+  // 1 + min(v, depth) (Nesting), rows padded; row, row2: one converted row each
+  std::vector<float> qst, qs, dot, dos, lse, delta, dq, kb, ks, vb, dk, dv, st, dpt, mult,
+      row, row2;
   std::vector<uint8_t> key_ok;
   std::vector<int> key_depth;
   std::vector<int64_t> key_cut0, key_cut1;  // the rows that share key t with the finer branch
@@ -416,6 +699,7 @@ struct BwdScratch {
     for (auto* x : {&kb, &ks, &vb}) x->resize(BC * d);
     dk.resize(lkp * d); dv.resize(lkp * d);
     st.resize(BC * BR); dpt.resize(BC * BR);
+    row.resize(MAX_D); row2.resize(MAX_D);
     key_ok.resize(BC);
     key_depth.resize(BC);
     key_cut0.resize(BC);
@@ -423,14 +707,15 @@ struct BwdScratch {
   }
 };
 
-void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
+template <class In>
+void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
   const int64_t d = cf.d, lq = it.lq, lk = it.lk;
   if (lq == 0 || lk == 0) return;
   const int64_t nqt = (lq + BR - 1) / BR, nkb = (lk + BC - 1) / BC, lqp = nqt * BR;
   std::fill(w.dk.begin(), w.dk.begin() + nkb * BC * d, 0.0f);
   std::fill(w.dv.begin(), w.dv.begin() + nkb * BC * d, 0.0f);
-  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (const BwdHead& hd : it.heads) {
+  const VT lane = V::iota();
+  for (const BwdHead<In>& hd : it.heads) {
     const Nesting* ns = hd.nest;
     const int nc = ns ? ns->nc : 0;
     if ((int64_t)w.mult.size() < nc * lqp) w.mult.resize(nc * lqp);
@@ -439,8 +724,8 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
     for (int64_t i = 0; i < lqp; i++) {
       const bool real = i < lq;
       const float ci = real ? hd.c[i * it.stat_stride] : 0.0f;
-      const float* qrow = hd.q + i * it.q_stride;
-      const float* drow = hd.dout + i * it.q_stride;
+      const float* qrow = real ? as_float(hd.q + i * it.q_stride, d, w.row.data()) : nullptr;
+      const float* drow = real ? as_float(hd.dout + i * it.q_stride, d, w.row2.data()) : nullptr;
       float* qt = w.qst.data() + (i / BR) * d * BR + i % BR;
       float* dt = w.dot.data() + (i / BR) * d * BR + i % BR;
       for (int64_t c = 0; c < d; c++) {
@@ -458,14 +743,14 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
       const int64_t k0 = kb * BC, nk = std::min<int64_t>(BC, lk - k0);
       for (int64_t t = 0; t < BC; t++) {
         const bool real = t < nk;
-        const float* krow = it.k + (k0 + t) * it.kv_stride;
-        const float* vrow = it.v + (k0 + t) * it.kv_stride;
-        const __m512 zero = _mm512_setzero_ps(), scale = _mm512_set1_ps(cf.scale);
-        for (int64_t c = 0; c < d; c += 16) {
-          const __m512 kx = real ? _mm512_loadu_ps(krow + c) : zero;
-          _mm512_storeu_ps(w.kb.data() + t * d + c, kx);
-          _mm512_storeu_ps(w.ks.data() + t * d + c, _mm512_mul_ps(kx, scale));
-          _mm512_storeu_ps(w.vb.data() + t * d + c, real ? _mm512_loadu_ps(vrow + c) : zero);
+        const In* krow = it.k + (k0 + t) * it.kv_stride;
+        const In* vrow = it.v + (k0 + t) * it.kv_stride;
+        const VT zero = V::zero(), scale = V::set1(cf.scale);
+        for (int64_t c = 0; c < d; c += N) {
+          const VT kx = real ? V::load(krow + c) : zero;
+          V::store(w.kb.data() + t * d + c, kx);
+          V::store(w.ks.data() + t * d + c, V::mul(kx, scale));
+          V::store(w.vb.data() + t * d + c, real ? V::load(vrow + c) : zero);
         }
         w.key_ok[t] = real && (it.valid == nullptr || it.valid[(k0 + t) * it.valid_stride]);
         const int64_t pos = it.pos0 + (k0 + t) * it.step;
@@ -503,27 +788,21 @@ void backward_item(const Config& cf, const BwdItem& it, BwdScratch& w) {
           }
           const int v = w.key_depth[t];  // p = m exp(s - lse), m of the key's depth
           const float* mul = v > 0 ? w.mult.data() + (v - 1) * lqp + q0 : nullptr;
-          const __m512 key = _mm512_set1_ps((float)(k0 + t - q0));
+          const VT key = V::set1((float)(k0 + t - q0));
           const bool cut = w.key_cut0[t] < q1 && w.key_cut1[t] > q0;
-          const __m512 cut0 = _mm512_set1_ps((float)(w.key_cut0[t] - q0));
-          const __m512 cut1 = _mm512_set1_ps((float)(w.key_cut1[t] - q0));
-          for (int c = 0; c < BR; c += 16) {
-            __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c),
-                                            _mm512_loadu_ps(w.lse.data() + q0 + c)));
-            if (v > 0) p = _mm512_mul_ps(p, _mm512_loadu_ps(mul + c));
-            const __m512 row = _mm512_add_ps(lane, _mm512_set1_ps((float)c));
-            if (cf.causal) {  // rows before the key see nothing of it
-              p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(row, key, _CMP_GE_OQ), p);
-            }
-            if (cut) {  // rows that share the key with the finer branch: its pairs
-              const __mmask16 shared = _mm512_cmp_ps_mask(row, cut0, _CMP_GE_OQ) &
-                                       _mm512_cmp_ps_mask(row, cut1, _CMP_LT_OQ);
-              p = _mm512_maskz_mov_ps(~shared, p);
-            }
-            const __m512 ds = _mm512_mul_ps(
-                p, _mm512_sub_ps(_mm512_loadu_ps(dr + c), _mm512_loadu_ps(w.delta.data() + q0 + c)));
-            _mm512_storeu_ps(sr + c, p);
-            _mm512_storeu_ps(dr + c, ds);
+          const VT cut0 = V::set1((float)(w.key_cut0[t] - q0));
+          const VT cut1 = V::set1((float)(w.key_cut1[t] - q0));
+          for (int c = 0; c < BR; c += N) {
+            VT p = vexp(V::sub(V::load(sr + c), V::load(w.lse.data() + q0 + c)));
+            if (v > 0) p = V::mul(p, V::load(mul + c));
+            const VT row = V::add(lane, V::set1((float)c));
+            if (cf.causal) p = V::keep(V::ge(row, key), p);  // rows before the key see nothing of it
+            if (cut)  // rows that share the key with the finer branch: its pairs
+              p = V::drop(V::both(V::ge(row, cut0), V::lt(row, cut1)), p);
+            const VT ds = V::mul(
+                p, V::sub(V::load(dr + c), V::load(w.delta.data() + q0 + c)));
+            V::store(sr + c, p);
+            V::store(dr + c, ds);
           }
         }
         for (int t0 = 0; t0 < BC; t0 += MR) {
@@ -594,10 +873,11 @@ void parallel_for(ffi::ThreadPool& pool, int64_t count, Unit unit) {
   while (w->done.load(std::memory_order_acquire) < w->count) std::this_thread::yield();
 }
 
-// Attention over `count` items (item(i) says where item i's rows are, at most max_lq
-// query and max_lk key rows), their rows cut into runs.
+// Attention over `count` items (item(i) gives item i's Item: where its rows are, at
+// most max_lq query and max_lk key rows), their rows cut into runs.
+template <class ItemFn>
 void run_items(const Config& cf, int64_t count, int64_t max_lq, int64_t max_lk,
-               const std::function<Item(int64_t)>& item, ffi::ThreadPool& pool) {
+               const ItemFn& item, ffi::ThreadPool& pool) {
   if (count == 0 || max_lq == 0) return;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // runs of query rows: at least 2 units per thread, never below BQ rows
@@ -608,23 +888,45 @@ void run_items(const Config& cf, int64_t count, int64_t max_lq, int64_t max_lk,
   parallel_for(pool, count * runs, [&, run_len, runs](int64_t u, ThreadScratch& ts) {
     // causal: the longest runs (the last rows) first
     const int64_t j = cf.causal ? runs - 1 - u / count : u / count;
-    const Item it = item(u % count);
+    const auto it = item(u % count);
     if (j * run_len >= it.lq) return;
     if (!ts.fwd) ts.fwd = std::make_unique<Scratch>(max_lk, cf.d);
     run_rows(cf, it, *ts.fwd, j * run_len, std::min(it.lq, (j + 1) * run_len));
   });
 }
 
-// q [..., L, C, D] and k [..., Lk, Ck, D] of one rank: N (the product of the leading
-// axes), L, C, D, Lk and Ck.
+// f(tag) for the inputs' element type, tag a value of float, bf16_t or f16_t.
+template <class F>
+ffi::Error with_input_type(ffi::DataType type, F&& f) {
+  switch (type) {
+    case ffi::DataType::F32: return f(float{});
+    case ffi::DataType::BF16: return f(bf16_t{});
+    case ffi::DataType::F16: return f(f16_t{});
+    default:
+      return ffi::Error::InvalidArgument("q, k and v must be float32, bfloat16 or float16");
+  }
+}
+
+template <class T>
+const T* data_of(const ffi::AnyBuffer& b) {
+  return static_cast<const T*>(b.untyped_data());
+}
+
+// q [..., L, C, D] and k, v [..., Lk, Ck, D] of one rank and dtype: N (the product
+// of the leading axes), L, C, D, Lk and Ck.
 struct Shapes {
   int64_t n, lq, h, d, lk, hkv;
 };
 
-ffi::Error read_shapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, Shapes& sh) {
-  auto qd = q.dimensions(), kd = k.dimensions();
+ffi::Error read_shapes(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                       const ffi::AnyBuffer& v, Shapes& sh) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() < 4 || kd.size() != qd.size())
     return ffi::Error::InvalidArgument("q and k must be [..., L, H, D] of one rank");
+  if (!std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
+    return ffi::Error::InvalidArgument("k and v must have one shape");
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("q, k and v must have one dtype");
   const size_t r = qd.size();
   sh.n = 1;
   for (size_t i = 0; i + 3 < r; i++) sh.n *= qd[i];
@@ -637,32 +939,38 @@ ffi::Error read_shapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, Shape
   return ffi::Error::Success();
 }
 
-// The plain call: o [N, Lq, H, D], m, l [N, Lq, H] for q [N, Lq, H, D], k, v
-// [N, Lk, Hkv, D] and kv_valid empty, [N, Lk] or [N, Lk, Hkv].
-ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+// The plain call: o [N, Lq, H, D] (the inputs' dtype), m, l [N, Lq, H] for q [N, Lq,
+// H, D], k, v [N, Lk, Hkv, D] and kv_valid empty, [N, Lk] or [N, Lk, Hkv].
+ffi::Error Forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::U8> kv_valid, float scale, bool causal,
-                   ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
-                   ffi::ResultBuffer<ffi::F32> l) {
+                   ffi::ThreadPool pool, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l) {
   Shapes sh;
-  if (auto err = read_shapes(q, k, sh); err.failure()) return err;
+  if (auto err = read_shapes(q, k, v, sh); err.failure()) return err;
+  if (o->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("o must have the inputs' dtype");
   const uint8_t* valid = kv_valid.element_count() == 0 ? nullptr : kv_valid.typed_data();
   const int64_t vc = valid == nullptr ? 1 : (int64_t)kv_valid.element_count() / (sh.n * sh.lk);
   if (valid != nullptr && ((vc != 1 && vc != sh.hkv) ||
                            (int64_t)kv_valid.element_count() != sh.n * sh.lk * vc))
     return ffi::Error::InvalidArgument("kv_valid must be [N, Lk] or [N, Lk, Hkv]");
   const Config cf{sh.d, scale, 1.0f, causal, false};
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  float *op = o->typed_data(), *mp = m->typed_data(), *lp = l->typed_data();
-  auto item = [=](int64_t nh) {
-    const int64_t n = nh / sh.h, h = nh % sh.h, hk = h / (sh.h / sh.hkv);
-    const int64_t qrow = (n * sh.lq * sh.h + h), krow = n * sh.lk * sh.hkv + hk;
-    return Item{qp + qrow * sh.d, kp + krow * sh.d, vp + krow * sh.d,
-                valid == nullptr ? nullptr : valid + n * sh.lk * vc + (vc == 1 ? 0 : hk),
-                op + qrow * sh.d, mp + qrow, lp + qrow,
-                sh.h * sh.d, sh.hkv * sh.d, vc, sh.h, sh.lq, sh.lk};
-  };
-  run_items(cf, sh.n * sh.h, sh.lq, sh.lk, item, pool);
-  return ffi::Error::Success();
+  float *mp = m->typed_data(), *lp = l->typed_data();
+  return with_input_type(q.element_type(), [&](auto tag) {
+    using In = decltype(tag);
+    const In *qp = data_of<In>(q), *kp = data_of<In>(k), *vp = data_of<In>(v);
+    In* op = static_cast<In*>(o->untyped_data());
+    auto item = [=](int64_t nh) {
+      const int64_t n = nh / sh.h, h = nh % sh.h, hk = h / (sh.h / sh.hkv);
+      const int64_t qrow = (n * sh.lq * sh.h + h), krow = n * sh.lk * sh.hkv + hk;
+      return Item<In, In>{qp + qrow * sh.d, kp + krow * sh.d, vp + krow * sh.d,
+                          valid == nullptr ? nullptr : valid + n * sh.lk * vc + (vc == 1 ? 0 : hk),
+                          op + qrow * sh.d, mp + qrow, lp + qrow,
+                          sh.h * sh.d, sh.hkv * sh.d, vc, sh.h, sh.lq, sh.lk};
+    };
+    run_items(cf, sh.n * sh.h, sh.lq, sh.lk, item, pool);
+    return ffi::Error::Success();
+  });
 }
 
 // The branches of a dilated call (docs/semantics.md, section 2), from the calls'
@@ -717,10 +1025,11 @@ ffi::Error read_branches(Ints segments, Ints rates, Ints branch_heads, Ints q_he
   return ffi::Error::Success();
 }
 
-// q [B, T, H, D], k [B, T, Hkv, D] and kv_mask empty or [B, T]: their shapes.
-ffi::Error read_dilated(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
-                        ffi::Buffer<ffi::U8>& kv_mask, Shapes& sh, const uint8_t*& valid) {
-  if (auto err = read_shapes(q, k, sh); err.failure()) return err;
+// q [B, T, H, D], k, v [B, T, Hkv, D] and kv_mask empty or [B, T]: their shapes.
+ffi::Error read_dilated(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                        const ffi::AnyBuffer& v, ffi::Buffer<ffi::U8>& kv_mask, Shapes& sh,
+                        const uint8_t*& valid) {
+  if (auto err = read_shapes(q, k, v, sh); err.failure()) return err;
   if (sh.lk != sh.lq) return ffi::Error::InvalidArgument("q and k must have one length");
   valid = kv_mask.element_count() == 0 ? nullptr : kv_mask.typed_data();
   if (valid != nullptr && (int64_t)kv_mask.element_count() != sh.n * sh.lq)
@@ -794,41 +1103,13 @@ bool all_pairs_finer(const std::vector<Branch>& brs, size_t b, int64_t t) {
   return b > 0 && brs[b - 1].segments(t) == 1;
 }
 
-// Dilated attention's forward, every branch in one call: q [B, T, H, D], k, v
-// [B, T, Hkv, D], kv_mask empty or [B, T], the branches' attributes (read_branches).
-// Each dilated segment of each served head is an item whose rows are r positions
-// apart, read where they lie and written into o, m, l in place. accumulate
-// (longnet): every branch continues each row's softmax, so o, m and l are those of
-// one softmax over all the branches' keys; else (head_groups) each row is written by
-// its one branch, the output times out_scale. Rows no branch selects get o = 0,
-// m = -inf, l = 0.
-ffi::Error DilatedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U8> kv_mask, Ints segments,
-                          Ints rates, Ints branch_heads, Ints q_heads, Ints q_offsets,
-                          Ints branch_kv_heads, Ints kv_heads, Ints kv_offsets, float scale,
-                          bool causal, bool accumulate, float out_scale, bool shared_pairs,
-                          ffi::ThreadPool pool,
-                          ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
-                          ffi::ResultBuffer<ffi::F32> l) {
-  Shapes sh;
-  const uint8_t* valid;
-  if (auto err = read_dilated(q, k, kv_mask, sh, valid); err.failure()) return err;
-  std::vector<Branch> branches;
-  if (auto err = read_branches(segments, rates, branch_heads, q_heads, q_offsets,
-                               branch_kv_heads, kv_heads, kv_offsets, sh.h, sh.hkv, branches);
-      err.failure())
-    return err;
+// DilatedForward's work for inputs of type In and an output of type Out.
+template <class In, class Out>
+void dilated_forward(const Config& cf, const Shapes& sh, const uint8_t* valid,
+                     const std::vector<Branch>& branches, const std::vector<Nesting>& nests,
+                     bool shared_pairs, const In* qp, const In* kp, const In* vp, Out* op,
+                     float* mp, float* lp, ffi::ThreadPool& pool) {
   const int64_t b = sh.n, t = sh.lq, h = sh.h, hkv = sh.hkv, d = sh.d;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  float *op = o->typed_data(), *mp = m->typed_data(), *lp = l->typed_data();
-  std::vector<Nesting> nests;
-  if (shared_pairs) {
-    if (!accumulate) return ffi::Error::InvalidArgument("shared pairs need accumulate");
-    if (auto err = read_nestings(branches, t, h, nests); err.failure()) return err;
-  }
-  prefer_huge_pages(op, o->size_bytes());
-  fill_rows(pool, b * t * h, {mp, lp}, {1, 1}, {-INFINITY, 0.0f});
-  const Config cf{d, scale, out_scale, causal, accumulate};
   for (size_t ib = 0; ib < branches.size(); ib++) {
     const Branch& br = branches[ib];
     if (shared_pairs && all_pairs_finer(branches, ib, t)) continue;
@@ -839,11 +1120,13 @@ ffi::Error DilatedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
       const int64_t bi = n / segs, s = n % segs;
       const int64_t qpos = bi * t + s * br.w + br.qo[j], kpos = bi * t + s * br.w + br.ko[g];
       const int64_t qrow = qpos * h + br.qh[j], krow = kpos * hkv + br.kh[g];
-      return Item{qp + qrow * d, kp + krow * d, vp + krow * d,
-                  valid == nullptr ? nullptr : valid + kpos,
-                  op + qrow * d, mp + qrow, lp + qrow,
-                  r * h * d, r * hkv * d, r, r * h, br.rows(t, s, br.qo[j]), br.rows(t, s, br.ko[g]),
-                  nest == nullptr ? nullptr : nest + br.qh[j], qpos - bi * t, kpos - bi * t, r};
+      return Item<In, Out>{qp + qrow * d, kp + krow * d, vp + krow * d,
+                           valid == nullptr ? nullptr : valid + kpos,
+                           op + qrow * d, mp + qrow, lp + qrow,
+                           r * h * d, r * hkv * d, r, r * h, br.rows(t, s, br.qo[j]),
+                           br.rows(t, s, br.ko[g]),
+                           nest == nullptr ? nullptr : nest + br.qh[j], qpos - bi * t,
+                           kpos - bi * t, r};
     };
     run_items(cf, b * segs * br.hs, br.max_rows(), br.max_rows(), item, pool);
   }
@@ -851,49 +1134,69 @@ ffi::Error DilatedForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   const int64_t rows = b * t * h, per = 16384;
   parallel_for(pool, (rows + per - 1) / per, [=](int64_t u, ThreadScratch&) {
     for (int64_t row = u * per; row < std::min(rows, (u + 1) * per); row++)
-      if (lp[row] == 0.0f) std::fill(op + row * d, op + (row + 1) * d, 0.0f);
+      if (lp[row] == 0.0f) std::fill(op + row * d, op + (row + 1) * d, Out{});
   });
-  return ffi::Error::Success();
 }
 
-// Dilated attention's backward, every branch in one call: q, k, v, kv_mask and the
-// branches as for DilatedForward; dout [B, T, H, D] and per row [B, T, H] c, lse
-// (the rounded log-sum-exp of the whole call, 0 for a row without keys) and delta
-// (section "backward" above). dq, dk, dv are the sums over the branches; an item is
-// one dilated segment of one kv head at one offset with the query heads that read
-// it, so within a branch no two items write one row.
-ffi::Error DilatedBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> dout,
-                           ffi::Buffer<ffi::F32> c, ffi::Buffer<ffi::F32> lse,
-                           ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::U8> kv_mask,
-                           Ints segments, Ints rates, Ints branch_heads, Ints q_heads,
-                           Ints q_offsets, Ints branch_kv_heads, Ints kv_heads, Ints kv_offsets,
-                           float scale, bool causal, bool shared_pairs, ffi::ThreadPool pool,
-                           ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                           ffi::ResultBuffer<ffi::F32> dv) {
+// Dilated attention's forward, every branch in one call: q [B, T, H, D], k, v
+// [B, T, Hkv, D], kv_mask empty or [B, T], the branches' attributes (read_branches).
+// Each dilated segment of each served head is an item whose rows are r positions
+// apart, read where they lie and written into o, m, l in place. accumulate
+// (longnet): every branch continues each row's softmax, so o, m and l are those of
+// one softmax over all the branches' keys, and o must be float32 (each branch reads
+// back what the ones before wrote); else (head_groups) each row is written by its one
+// branch, the output times out_scale, in float32 or the inputs' dtype. Rows no branch
+// selects get o = 0, m = -inf, l = 0.
+ffi::Error DilatedForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::Buffer<ffi::U8> kv_mask, Ints segments, Ints rates,
+                          Ints branch_heads, Ints q_heads, Ints q_offsets,
+                          Ints branch_kv_heads, Ints kv_heads, Ints kv_offsets, float scale,
+                          bool causal, bool accumulate, float out_scale, bool shared_pairs,
+                          ffi::ThreadPool pool, ffi::Result<ffi::AnyBuffer> o,
+                          ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l) {
   Shapes sh;
   const uint8_t* valid;
-  if (auto err = read_dilated(q, k, kv_mask, sh, valid); err.failure()) return err;
-  if (dout.element_count() != q.element_count() ||
-      c.element_count() * sh.d != q.element_count() ||
-      lse.element_count() != c.element_count() || delta.element_count() != c.element_count())
-    return ffi::Error::InvalidArgument("dout must be shaped as q, c, lse and delta as its rows");
+  if (auto err = read_dilated(q, k, v, kv_mask, sh, valid); err.failure()) return err;
+  const bool f32_out = o->element_type() == ffi::DataType::F32;
+  if (!f32_out && o->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("o must be float32 or have the inputs' dtype");
+  if (accumulate && !f32_out)
+    return ffi::Error::InvalidArgument("accumulate needs a float32 o");
   std::vector<Branch> branches;
   if (auto err = read_branches(segments, rates, branch_heads, q_heads, q_offsets,
                                branch_kv_heads, kv_heads, kv_offsets, sh.h, sh.hkv, branches);
       err.failure())
     return err;
-  const int64_t b = sh.n, t = sh.lq, h = sh.h, hkv = sh.hkv, d = sh.d;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  const float *dop = dout.typed_data(), *cp = c.typed_data(), *lsep = lse.typed_data(),
-              *deltap = delta.typed_data();
-  float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
-  for (auto* buf : {&dq, &dk, &dv}) prefer_huge_pages((*buf)->untyped_data(), (*buf)->size_bytes());
-  fill_rows(pool, b * t, {dqp, dkp, dvp}, {h * d, hkv * d, hkv * d}, {0.0f, 0.0f, 0.0f});
   std::vector<Nesting> nests;
-  if (shared_pairs)
-    if (auto err = read_nestings(branches, t, h, nests); err.failure()) return err;
-  const Config cf{d, scale, 1.0f, causal, false};
+  if (shared_pairs) {
+    if (!accumulate) return ffi::Error::InvalidArgument("shared pairs need accumulate");
+    if (auto err = read_nestings(branches, sh.lq, sh.h, nests); err.failure()) return err;
+  }
+  float *mp = m->typed_data(), *lp = l->typed_data();
+  prefer_huge_pages(o->untyped_data(), o->size_bytes());
+  fill_rows(pool, sh.n * sh.lq * sh.h, {mp, lp}, {1, 1}, {-INFINITY, 0.0f});
+  const Config cf{sh.d, scale, out_scale, causal, accumulate};
+  return with_input_type(q.element_type(), [&](auto tag) {
+    using In = decltype(tag);
+    const In *qp = data_of<In>(q), *kp = data_of<In>(k), *vp = data_of<In>(v);
+    if (f32_out)
+      dilated_forward(cf, sh, valid, branches, nests, shared_pairs, qp, kp, vp,
+                      static_cast<float*>(o->untyped_data()), mp, lp, pool);
+    else
+      dilated_forward(cf, sh, valid, branches, nests, shared_pairs, qp, kp, vp,
+                      static_cast<In*>(o->untyped_data()), mp, lp, pool);
+    return ffi::Error::Success();
+  });
+}
+
+// DilatedBackward's work for inputs of type In.
+template <class In>
+void dilated_backward(const Config& cf, const Shapes& sh, const uint8_t* valid,
+                      const std::vector<Branch>& branches, const std::vector<Nesting>& nests,
+                      bool shared_pairs, const In* qp, const In* kp, const In* vp,
+                      const In* dop, const float* cp, const float* lsep, const float* deltap,
+                      float* dqp, float* dkp, float* dvp, ffi::ThreadPool& pool) {
+  const int64_t b = sh.n, t = sh.lq, h = sh.h, hkv = sh.hkv, d = sh.d;
   int64_t max_l = 0;
   for (const Branch& br : branches) max_l = std::max(max_l, br.max_rows());
   for (size_t ib = 0; ib < branches.size(); ib++) {
@@ -915,9 +1218,10 @@ ffi::Error DilatedBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
       const int64_t n = u / np, pi = u % np, bi = n / segs, s = n % segs;
       const int64_t kpos = bi * t + s * br.w + pairs[pi].first;
       const int64_t krow = kpos * hkv + pairs[pi].second;
-      BwdItem it{{}, kp + krow * d, vp + krow * d, valid == nullptr ? nullptr : valid + kpos,
-                 dkp + krow * d, dvp + krow * d, r * h * d, r * h, r * hkv * d, r, 0,
-                 br.rows(t, s, pairs[pi].first), kpos - bi * t, r};
+      BwdItem<In> it{{}, kp + krow * d, vp + krow * d,
+                     valid == nullptr ? nullptr : valid + kpos,
+                     dkp + krow * d, dvp + krow * d, r * h * d, r * h, r * hkv * d, r, 0,
+                     br.rows(t, s, pairs[pi].first), kpos - bi * t, r};
       for (int64_t j : readers[pi]) {
         const int64_t qrow = (bi * t + s * br.w + br.qo[j]) * h + br.qh[j];
         it.heads.push_back({qp + qrow * d, dop + qrow * d, lsep + qrow, deltap + qrow,
@@ -928,29 +1232,79 @@ ffi::Error DilatedBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
       backward_item(cf, it, *ts.bwd);
     });
   }
-  return ffi::Error::Success();
+}
+
+// Dilated attention's backward, every branch in one call: q, k, v, kv_mask and the
+// branches as for DilatedForward; dout [B, T, H, D] (the inputs' dtype) and per row
+// [B, T, H] c, lse (the rounded log-sum-exp of the whole call, 0 for a row without
+// keys) and delta (section "backward" above). dq, dk, dv (float32) are the sums over
+// the branches; an item is one dilated segment of one kv head at one offset with the
+// query heads that read it, so within a branch no two items write one row.
+ffi::Error DilatedBackward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> c,
+                           ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                           ffi::Buffer<ffi::U8> kv_mask, Ints segments, Ints rates,
+                           Ints branch_heads, Ints q_heads, Ints q_offsets,
+                           Ints branch_kv_heads, Ints kv_heads, Ints kv_offsets, float scale,
+                           bool causal, bool shared_pairs, ffi::ThreadPool pool,
+                           ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                           ffi::ResultBuffer<ffi::F32> dv) {
+  Shapes sh;
+  const uint8_t* valid;
+  if (auto err = read_dilated(q, k, v, kv_mask, sh, valid); err.failure()) return err;
+  if (dout.element_type() != q.element_type() || dout.element_count() != q.element_count() ||
+      c.element_count() * sh.d != q.element_count() ||
+      lse.element_count() != c.element_count() || delta.element_count() != c.element_count())
+    return ffi::Error::InvalidArgument(
+        "dout must be shaped and typed as q, c, lse and delta as its rows");
+  std::vector<Branch> branches;
+  if (auto err = read_branches(segments, rates, branch_heads, q_heads, q_offsets,
+                               branch_kv_heads, kv_heads, kv_offsets, sh.h, sh.hkv, branches);
+      err.failure())
+    return err;
+  float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
+  for (auto* buf : {&dq, &dk, &dv}) prefer_huge_pages((*buf)->untyped_data(), (*buf)->size_bytes());
+  fill_rows(pool, sh.n * sh.lq, {dqp, dkp, dvp}, {sh.h * sh.d, sh.hkv * sh.d, sh.hkv * sh.d},
+            {0.0f, 0.0f, 0.0f});
+  std::vector<Nesting> nests;
+  if (shared_pairs)
+    if (auto err = read_nestings(branches, sh.lq, sh.h, nests); err.failure()) return err;
+  const Config cf{sh.d, scale, 1.0f, causal, false};
+  return with_input_type(q.element_type(), [&](auto tag) {
+    using In = decltype(tag);
+    dilated_backward(cf, sh, valid, branches, nests, shared_pairs, data_of<In>(q),
+                     data_of<In>(k), data_of<In>(v), data_of<In>(dout), c.typed_data(),
+                     lse.typed_data(), delta.typed_data(), dqp, dkp, dvp, pool);
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace
 
+// The instruction set this library was built for ("avx512", "avx2" or "neon"), which
+// build.py reports (jd.backend_report).
+extern "C" __attribute__((visibility("default"))) const char* JaxDilatedNativeIsa() {
+  return V::isa;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionForwardCpu, Forward,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k
+                                  .Arg<ffi::AnyBuffer>()         // v
                                   .Arg<ffi::Buffer<ffi::U8>>()   // kv_valid
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal")
                                   .Ctx<ffi::ThreadPool>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // o
+                                  .Ret<ffi::AnyBuffer>()          // o
                                   .Ret<ffi::Buffer<ffi::F32>>()   // m
                                   .Ret<ffi::Buffer<ffi::F32>>());  // l
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionDilatedForwardCpu, DilatedForward,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k
+                                  .Arg<ffi::AnyBuffer>()         // v
                                   .Arg<ffi::Buffer<ffi::U8>>()   // kv_mask
                                   .Attr<ffi::Span<const int64_t>>("segments")
                                   .Attr<ffi::Span<const int64_t>>("rates")
@@ -966,16 +1320,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionDilatedForwardCpu, DilatedForwa
                                   .Attr<float>("out_scale")
                                   .Attr<bool>("shared_pairs")
                                   .Ctx<ffi::ThreadPool>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // o
+                                  .Ret<ffi::AnyBuffer>()          // o
                                   .Ret<ffi::Buffer<ffi::F32>>()   // m
                                   .Ret<ffi::Buffer<ffi::F32>>());  // l
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionDilatedBackwardCpu, DilatedBackward,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // dout
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k
+                                  .Arg<ffi::AnyBuffer>()         // v
+                                  .Arg<ffi::AnyBuffer>()         // dout
                                   .Arg<ffi::Buffer<ffi::F32>>()  // c
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lse
                                   .Arg<ffi::Buffer<ffi::F32>>()  // delta

@@ -2,17 +2,35 @@
 
 The kernel (``attention_cpu.cc``) is C++ against XLA's FFI headers, which ship with
 ``jaxlib`` (``jax.ffi.include_dir()``), so it is compiled on the user's machine, for
-its CPU (``-march=native``) and its jaxlib, by the system's C++ compiler (``$CXX``,
-else ``c++``). The shared library is cached under ``$JAX_DILATED_CACHE`` (default
-``$XDG_CACHE_HOME/jax_dilated`` or ``~/.cache/jax_dilated``), named by a hash of the
-source, the compiler, the flags, jaxlib's version and the CPU, so a later process
-loads it in milliseconds. Where it cannot be built (no compiler, no AVX-512, not
-Linux on x86-64) :func:`load` says why and the XLA kernel serves every call.
+its CPU and its jaxlib, by the system's C++ compiler (``$CXX``, else ``c++``). One
+source serves three instruction sets, chosen for the machine:
+
+- ``avx512``: x86-64 CPUs with AVX-512 (``-march=native``);
+- ``avx2``: x86-64 CPUs with AVX2, FMA and F16C and no AVX-512 (``-mavx2 -mfma
+  -mf16c``, tuned for the machine);
+- ``neon``: aarch64 (``-mcpu=native``).
+
+``JAX_DILATED_NATIVE_ISA=avx2`` forces the AVX2 build on a CPU with AVX-512 (AVX2
+code runs there), so that build is tested and measured on any x86-64 machine;
+``avx512`` and ``neon`` may be named too, and are refused where the CPU lacks them.
+The shared library is cached under ``$JAX_DILATED_CACHE`` (default
+``$XDG_CACHE_HOME/jax_dilated`` or ``~/.cache/jax_dilated``), named by the
+instruction set and a hash of the source, the compiler, the flags, jaxlib's version
+and the CPU, so a later process loads it in milliseconds. Where it cannot be built
+(no compiler, not Linux on x86-64 with AVX2 or aarch64) :func:`load` says why and
+the XLA kernel serves every call.
+
+Each build registers its FFI targets under names of its own (:func:`target`), so
+builds can live side by side in one process: a program compiled under one keeps
+calling it. :func:`using` switches builds for the programs traced inside it (tests
+of every instruction set, benchmarks of one kernel version against another).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -25,47 +43,155 @@ import tempfile
 import jax
 
 SOURCE = pathlib.Path(__file__).with_name("attention_cpu.cc")
-# the FFI targets' names in XLA and their handlers' symbols in the library
+# the FFI calls (the stem of their targets' names in XLA) and their handlers' symbols
 TARGET = "jax_dilated_attention_forward_cpu"
 TARGET_DILATED = "jax_dilated_dilated_attention_forward_cpu"
 TARGET_DILATED_BACKWARD = "jax_dilated_dilated_attention_backward_cpu"
 _SYMBOLS = {TARGET: "JaxDilatedAttentionForwardCpu",
             TARGET_DILATED: "JaxDilatedAttentionDilatedForwardCpu",
             TARGET_DILATED_BACKWARD: "JaxDilatedAttentionDilatedBackwardCpu"}
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
+# the symbol naming the instruction set the library was compiled for
+_ISA_SYMBOL = "JaxDilatedNativeIsa"
+
+ISA_ENV = "JAX_DILATED_NATIVE_ISA"
+ISAS = ("avx512", "avx2", "neon")
+ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2+FMA", "neon": "NEON"}
+_X86_64 = ("x86_64", "AMD64")
+_AARCH64 = ("aarch64", "arm64")
+# what each x86-64 build needs in /proc/cpuinfo's flags
+_X86_NEEDS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma", "f16c")}
+_ISA_FLAGS = {"avx512": ("-march=native",),
+              # no -march=native: it would turn on AVX-512 where the CPU has it
+              "avx2": ("-mavx2", "-mfma", "-mf16c", "-mtune=native"),
+              "neon": ("-mcpu=native",)}
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 
 
-@functools.lru_cache(maxsize=None)
+@dataclasses.dataclass(frozen=True)
+class Library:
+    """A built and registered kernel: its instruction set and its FFI targets' names."""
+
+    isa: str
+    path: pathlib.Path
+    targets: dict
+
+
+# the builds `using` selects, innermost last: (isa or None, source path or None)
+_override: list[tuple[str | None, str | None]] = []
+
+
 def load() -> str | None:
-    """Build (or find in the cache), load and register the kernel once per process.
+    """Build (or find in the cache), load and register the kernel for the build in use
+    (the machine's instruction set, ``$JAX_DILATED_NATIVE_ISA``, or :func:`using`),
+    once per process and build.
 
     Returns None when the kernel is registered, else why it cannot run here (the
     calls then go to the XLA kernel; ``jd.backend_report()`` prints the reason).
     """
-    reason = _platform_reason()
-    if reason:
-        return reason
+    return _load(*_requested())[0]
+
+
+def library() -> Library | None:
+    """The build in use (None where :func:`load` gives a reason)."""
+    return _load(*_requested())[1]
+
+
+def isa() -> str | None:
+    """The instruction set of the build in use (``"avx512"``, ``"avx2"``, ``"neon"``),
+    or None where it cannot run."""
+    lib = library()
+    return None if lib is None else lib.isa
+
+
+def target(call: str) -> str:
+    """The registered FFI target of ``call`` (:data:`TARGET`, :data:`TARGET_DILATED`,
+    :data:`TARGET_DILATED_BACKWARD`) in the build in use."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernel cannot run here: {load()}")
+    return lib.targets[call]
+
+
+@contextlib.contextmanager
+def using(isa: str | None = None, source: str | os.PathLike | None = None):
+    """Programs traced inside use another build of the kernel: ``isa`` (one of
+    :data:`ISAS`; None: as outside) and ``source`` (a kernel source file to build
+    instead of :data:`SOURCE`, e.g. an earlier version's, whose FFI calls take the
+    same arguments; None: as outside).
+
+    JAX's caches are cleared on entry and exit, so that nothing traced under one
+    build is reused under another; programs already compiled keep their build.
+    """
+    outer = _requested()
+    _override.append((isa or outer[0], str(source) if source is not None else outer[1]))
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _override.pop()
+        jax.clear_caches()
+
+
+def _requested() -> tuple[str | None, str | None]:
+    """(isa, source) in use: :func:`using`'s, else ``$JAX_DILATED_NATIVE_ISA`` and the
+    package's source (None: the machine's choice, :data:`SOURCE`)."""
+    if _override:
+        return _override[-1]
+    return os.environ.get(ISA_ENV, "").strip().lower() or None, None
+
+
+@functools.lru_cache(maxsize=None)
+def _load(requested_isa: str | None, source: str | None) -> tuple[str | None, Library | None]:
+    chosen = _choose_isa(requested_isa)
+    if chosen not in ISAS:
+        return chosen, None
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
-        return f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} not found) to build it"
+        return f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} not found) to build it", None
+    source_path = SOURCE if source is None else pathlib.Path(source)
     try:
-        library = _build(compiler)
-        lib = ctypes.cdll.LoadLibrary(str(library))
-        for target, symbol in _SYMBOLS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+        path = _build(compiler, chosen, source_path)
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        # (a source from before the symbol existed was an AVX-512 one)
+        built_for = (ctypes.CFUNCTYPE(ctypes.c_char_p)((_ISA_SYMBOL, lib))().decode()
+                     if hasattr(lib, _ISA_SYMBOL) else chosen)
+        if built_for != chosen:
+            raise RuntimeError(f"built for {built_for}, not {chosen}")
+        # names of this build's own: another build registers its calls beside them
+        tag = path.stem.split("-", 1)[1].replace("-", "_")
+        targets = {call: f"{call}_{tag}" for call in _SYMBOLS}
+        for call, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(targets[call], jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
-        return f"it did not build or load ({type(err).__name__}: {_first_line(err)})"
-    return None
+        return f"it did not build or load ({type(err).__name__}: {_first_line(err)})", None
+    return None, Library(chosen, path, targets)
 
 
-def _platform_reason() -> str | None:
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"it needs Linux on x86-64 (this is {platform.system()} {platform.machine()})"
+def _choose_isa(requested: str | None) -> str:
+    """The instruction set to build for (one of :data:`ISAS`), else why none can be."""
+    system, machine = platform.system(), platform.machine()
+    if requested is not None and requested not in ISAS:
+        return f"{ISA_ENV}={requested!r} is not one of {', '.join(ISAS)}"
+    if system != "Linux" or machine not in _X86_64 + _AARCH64:
+        return (f"it needs Linux on x86-64 with AVX2 and FMA, or on aarch64 (this is "
+                f"{system} {machine})")
+    if machine in _AARCH64:
+        if requested not in (None, "neon"):
+            return f"{ISA_ENV}={requested} needs an x86-64 CPU (this is {machine})"
+        return "neon"
+    if requested == "neon":
+        return f"{ISA_ENV}=neon needs an aarch64 CPU (this is {machine})"
     flags = _cpu_flags()
-    if "avx512f" not in flags:
-        return "it needs a CPU with AVX-512 (this CPU has no avx512f)"
-    return None
+    if requested is None:
+        if all(f in flags for f in _X86_NEEDS["avx512"]):
+            return "avx512"
+        requested = "avx2"
+    missing = [f for f in _X86_NEEDS[requested] if f not in flags]
+    if missing:
+        return (f"the {ISA_NAMES[requested]} build needs a CPU with "
+                f"{', '.join(_X86_NEEDS[requested])} (this CPU has no {', '.join(missing)})")
+    return requested
 
 
 def _cpu_flags() -> set[str]:
@@ -86,34 +212,36 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "jax_dilated"
 
 
-def _build(compiler: str) -> pathlib.Path:
-    """The cached library for this source, compiler, jaxlib and CPU; compiled if absent
-    (into a temporary file renamed into place, so that concurrent processes agree)."""
+def _build(compiler: str, isa_: str, source: pathlib.Path) -> pathlib.Path:
+    """The cached library for this source, instruction set, compiler, jaxlib and CPU;
+    compiled if absent (into a temporary file renamed into place, so that concurrent
+    processes agree)."""
     import jaxlib
 
     include = jax.ffi.include_dir()
+    flags = (*_FLAGS, *_ISA_FLAGS[isa_])
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(_FLAGS).encode(),
+    for part in (source.read_bytes(), compiler.encode(), " ".join(flags).encode(),
                  jaxlib.__version__.encode(), " ".join(sorted(_cpu_flags())).encode(),
-                 platform.processor().encode()):
+                 platform.processor().encode(), platform.machine().encode()):
         key.update(part + b"\0")
     cache = _cache_dir()
-    library = cache / f"attention_cpu-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
+    library_path = cache / f"attention_cpu-{isa_}-{key.hexdigest()[:16]}.so"
+    if library_path.exists():
+        return library_path
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        run = subprocess.run([compiler, *_FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
+        run = subprocess.run([compiler, *flags, f"-I{include}", str(source), "-o", tmp],
                              capture_output=True, text=True, timeout=300)
         if run.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-500:]}")
-        os.replace(tmp, library)
+        os.replace(tmp, library_path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return library
+    return library_path
 
 
 def _first_line(err: Exception) -> str:
