@@ -601,8 +601,8 @@ def test_layer_errors():
         jd.nnx.MultiheadRingAttention(E, H, mesh=None, seq_axis=None, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="at least as many heads as branches"):
         make_layer(num_heads=1, embed_dim=4, mode="head_groups")
-    with pytest.raises(ValueError, match="multiple of its dilation rate"):
-        make_layer(segment_lengths=(6,), dilation_rates=(4,))
+    with pytest.raises(ValueError, match="dilation_rates must hold positive ints"):
+        make_layer(segment_lengths=(6,), dilation_rates=(0,))
     with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\)"):
         make_layer(dropout_rate=1.5)
     with pytest.raises(ValueError, match="mode must be one of"):

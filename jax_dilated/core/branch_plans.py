@@ -56,9 +56,17 @@ class Branch:
     window: SlidingWindow | None = None
 
     @property
+    def padded_length(self) -> int:
+        """``effective_length`` rounded up to a multiple of ``rate``: a segment laid out
+        as rows of ``rate`` columns, its last row completed by positions that do not
+        exist (invalid keys, dropped queries) when the rate does not divide it."""
+        return -(-self.effective_length // self.rate) * self.rate
+
+    @property
     def dilated_length(self) -> int:
-        """Tokens in one dilated segment: ``effective_length / rate``."""
-        return self.effective_length // self.rate
+        """Slots of one dilated segment: ``ceil(effective_length / rate)``, the
+        selected positions of offset 0 (offset ``o`` selects ``ceil((w - o) / r)``)."""
+        return self.padded_length // self.rate
 
     def num_segments(self, seq_len: int) -> int:
         return -(-seq_len // self.effective_length)
@@ -92,9 +100,12 @@ def validate_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, int],
     :class:`~jax_dilated.core.branches.SlidingWindow` (a sliding-window branch); it is
     returned as is, and its dilation rate must be 1.
 
+    Any positive segment length goes with any positive rate: a segment of ``w``
+    tokens selects ``ceil((w - o) / r)`` of them at offset ``o``.
+
     Raises:
       TypeError / ValueError naming the argument when the lists are not lists of
-      positive ints, differ in length, or a segment is not a multiple of its rate.
+      positive ints or differ in length.
     """
     if isinstance(segment_lengths, (list, tuple)):
         windows = {i: w for i, w in enumerate(segment_lengths) if is_window(w)}
@@ -117,13 +128,6 @@ def validate_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, int],
                 f"(segment_lengths[{i}]) with dilation_rates[{i}]={rs[i]} "
                 f"(dilation_rates={list(rs)}).")
         ws[i] = window
-    for w, r in zip(ws, rs):
-        if not is_window(w) and w % r:
-            raise ValueError(
-                f"every segment length must be a multiple of its dilation rate, got "
-                f"segment length {w} with dilation rate {r} (segment_lengths="
-                f"{list(segment_lengths)}, dilation_rates={list(rs)})."
-            )
     return tuple(zip(ws, rs))
 
 

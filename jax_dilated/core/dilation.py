@@ -1,8 +1,11 @@
 """Dilating and undilating arrays: the gather/scatter between positions and dilated segments.
 
 For a branch ``(w, r)`` the sequence is cut into segments of ``w`` tokens and every
-segment into ``w / r`` rows of ``r`` columns; a head with offset ``o`` selects column
-``o``, a dense *dilated segment* of ``w / r`` tokens in increasing position order.
+segment into ``ceil(w / r)`` rows of ``r`` columns; a head with offset ``o`` selects
+column ``o``, a dense *dilated segment* of ``ceil(w / r)`` slots in increasing position
+order. Where ``r`` does not divide ``w`` the last row is completed by slots that hold
+no position (``Branch.padded_length``): their keys are invalid (``key_validity``) and
+their query rows are dropped on the way back, as for positions past ``T``.
 """
 
 from __future__ import annotations
@@ -26,14 +29,15 @@ def gather_dilated(x, branch: branch_plans.Branch, offsets: np.ndarray, heads: n
       offsets, heads: [Hs] static offset and head index of each output head.
 
     Returns:
-      [B * S, w / r, Hs, ...] with ``S`` segments; token ``a`` of segment ``s``
+      [B * S, ceil(w / r), Hs, ...] with ``S`` segments; token ``a`` of segment ``s``
       for output head ``i`` is position ``s*w + a*r + offsets[i]`` of head
-      ``heads[i]`` (positions past ``T`` read padding).
+      ``heads[i]`` (slots past the segment's end or past ``T`` read padding).
     """
     b, t, hx = x.shape[:3]
-    w, r = branch.effective_length, branch.rate
+    w, r, wp = branch.effective_length, branch.rate, branch.padded_length
     s = branch.num_segments(t)
-    x = pad_axis(x, 1, s * w).reshape(b, s, w // r, r * hx, *x.shape[3:])
+    x = _pad_segments(pad_axis(x, 1, s * w), s, w, wp)
+    x = x.reshape(b, s, wp // r, r * hx, *x.shape[3:])
     flat = np.asarray(offsets) * hx + np.asarray(heads)
     if np.array_equal(flat, np.arange(flat[0], flat[0] + len(flat))):
         # one run of columns (a head group at one offset, or everything): a slice,
@@ -42,7 +46,16 @@ def gather_dilated(x, branch: branch_plans.Branch, offsets: np.ndarray, heads: n
             x = jax.lax.slice_in_dim(x, int(flat[0]), int(flat[0]) + len(flat), axis=3)
     else:
         x = take_static(x, flat, axis=3)
-    return x.reshape(b * s, w // r, len(flat), *x.shape[4:])
+    return x.reshape(b * s, wp // r, len(flat), *x.shape[4:])
+
+
+def _pad_segments(x, s: int, w: int, wp: int, value=0):
+    """[B, S w, ...] -> [B, S wp, ...]: every segment padded at its end to ``wp``."""
+    if wp == w:
+        return x
+    x = x.reshape(x.shape[0], s, w, *x.shape[2:])
+    x = pad_axis(x, 2, wp, value)
+    return x.reshape(x.shape[0], s * wp, *x.shape[3:])
 
 
 def scatter_dilated(y, branch: branch_plans.Branch, offsets: np.ndarray, batch: int,
@@ -53,25 +66,30 @@ def scatter_dilated(y, branch: branch_plans.Branch, offsets: np.ndarray, batch: 
     lse), or an array [B, S w, Hs, ...] whose entries there are kept (writing ``y``
     into an existing array).
     """
-    w, r = branch.effective_length, branch.rate
+    w, r, wp = branch.effective_length, branch.rate, branch.padded_length
     s = y.shape[0] // batch
     head_and_rest = y.shape[2:]  # (Hs, ...)
-    y = y.reshape(batch, s, w // r, *head_and_rest)
+    y = y.reshape(batch, s, wp // r, *head_and_rest)
     if r > 1:
         selected = np.arange(r)[:, None] == np.asarray(offsets)[None, :]  # [r, Hs]
         selected = selected.reshape((1, 1, 1) + selected.shape + (1,) * (len(head_and_rest) - 1))
         if np.ndim(fill):
-            fill = fill.reshape(batch, s, w // r, r, *head_and_rest).astype(y.dtype)
+            fill = _pad_segments(fill, s, w, wp)
+            fill = fill.reshape(batch, s, wp // r, r, *head_and_rest).astype(y.dtype)
         else:
             fill = jnp.asarray(fill, y.dtype)
         y = jnp.where(selected, jnp.expand_dims(y, 3), fill)
-    y = y.reshape(batch, s * w, *head_and_rest)
-    return y[:, :seq_len]
+    y = y.reshape(batch, s, wp, *head_and_rest)
+    if wp != w:  # the slots that complete each segment's last row hold no position
+        y = y[:, :, :w]
+    return y.reshape(batch, s * w, *head_and_rest)[:, :seq_len]
 
 
 def key_validity(kv_mask, branch: branch_plans.Branch, batch: int, seq_len: int):
-    """[B, T] validity of keys, or None when every key of every segment exists."""
-    if kv_mask is None and seq_len % branch.effective_length == 0:
+    """[B, T] validity of keys, or None when every key of every segment exists (and
+    every slot of every dilated segment holds a position)."""
+    if (kv_mask is None and seq_len % branch.effective_length == 0
+            and branch.padded_length == branch.effective_length):
         return None
     return jnp.ones((batch, seq_len), bool) if kv_mask is None else kv_mask
 
@@ -83,8 +101,9 @@ def attend_dilated(attend, branch: branch_plans.Branch, plan: branch_plans.Branc
 
     Args:
       attend: ``attend(q, k, v, kv_valid) -> (o, lse, lse_lo)`` on dilated segments
-        ``q`` [N, w/r, Hq, D], ``k``/``v`` [N, w/r, Hkv_g, D], ``kv_valid`` None or
-        [N, w/r, Hkv_g] (a kernel call on one device; a ring across devices).
+        ``q`` [N, L, Hq, D], ``k``/``v`` [N, L, Hkv_g, D], ``kv_valid`` None or
+        [N, L, Hkv_g], ``L = branch.dilated_length`` (a kernel call on one device; a
+        ring across devices).
       branch: how to cut ``query``'s sequence axis (``plan.branch`` on one device;
         the local shard as one piece when a segment spans devices).
       plan: the heads, offsets and compact kv heads of the branch.

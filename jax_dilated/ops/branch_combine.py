@@ -43,7 +43,8 @@ def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
                                            kv_mask, rng, sinks=sinks, lse_grad=lse_grad)
     plain = functools.partial(batched, kernel, args, plans, mode, rng=rng)
     windows = any(p.branch.window is not None for p in plans)
-    whole = all(query.shape[1] % p.branch.effective_length == 0 for p in plans
+    whole = all(query.shape[1] % p.branch.effective_length == 0
+                and p.branch.padded_length == p.branch.effective_length for p in plans
                 if p.branch.window is None)
     if mode == "longnet" and whole:
         return dilated_local.dilated_local(

@@ -73,7 +73,9 @@ def _branch_decode(kernel, plan: branch_plans.BranchPlan, query, key_cache, valu
     if plan.branch.window is not None:
         return _window_decode(kernel, plan, query, key_cache, value_cache, p, args, num_heads)
     w, r = plan.branch.segment_length, plan.branch.rate
-    n = min(w // r, -(-cache_len // r))  # selected keys per head in p's segment
+    # selected keys per head in p's segment: at most ceil(w / r); those past the
+    # segment's end (r need not divide w) lie after p and are invalid below
+    n = min(-(-w // r), -(-cache_len // r))
     start = (p // w) * w
     offsets = jnp.asarray(plan.offsets, jnp.int32)  # [Hq]
     positions = start + offsets[None, :] + r * jnp.arange(n, dtype=jnp.int32)[:, None]  # [n, Hq]

@@ -207,7 +207,9 @@ class _Branch:
 
     Arrays of the call, ``[B, T, ...]``, are seen as ``[B * S, w, ...]`` (``S``
     segments of ``w`` tokens; a free reshape when ``w`` divides ``T``, else the
-    sequence is padded to ``S w`` first).
+    sequence is padded to ``S w`` first). Where the rate does not divide the segment,
+    every segment is padded at its end to ``Branch.padded_length`` tokens, and ``w``
+    is that length: each item is then one segment whose rate divides it (``cut``).
     """
 
     def __init__(self, call: _Call, i: int, query, key, source=None):
@@ -217,19 +219,20 @@ class _Branch:
         b, t, h, d = query.shape
         self.batch, self.seq_len, self.heads = b, t, h
         self.kv_heads = key.shape[2]
-        self.w = self.branch.effective_length
+        self.w = self.branch.padded_length  # an item's tokens
+        # one item as a branch of its own: the views' chunks are dilated by it
+        self.cut = branch_plans.Branch(self.w, self.branch.rate, self.w)
         # slots: the chunks' rows come from (and go back to) the packed arrays, through
         # ``index`` [B T'] (flat packed row of every slot, B T for an empty one)
         self.index = self.filled = None
         if source is not None:
             t = source.shape[1]
-            if t % self.w:
+            if t % self.w or self.w != self.branch.effective_length:
                 raise AssertionError("the slots are cut by every segment")  # pragma: no cover
             self.filled = source < self.seq_len
             rows = source + jnp.arange(b, dtype=source.dtype)[:, None] * self.seq_len
             self.index = jnp.where(self.filled, rows, b * self.seq_len).reshape(-1)
         self.segments = self.branch.num_segments(t)
-        self.padded = self.segments * self.w
         self.items = b * self.segments
         heads = self.plan.query_heads
         self.h0, self.hs = int(heads[0]), len(heads)
@@ -250,14 +253,18 @@ class _Branch:
         """[B, T, ...] -> [B S, w, ...] (slots: the packed rows, [B T, ...])."""
         if self.index is not None:
             return x.reshape(self.batch * self.seq_len, *x.shape[2:])
-        x = pad_axis(x, 1, self.padded, fill)
-        return x.reshape(self.items, self.w, *x.shape[2:])
+        w = self.branch.effective_length
+        x = pad_axis(x, 1, self.segments * w, fill)
+        x = pad_axis(x.reshape(self.items, w, *x.shape[2:]), 1, self.w, fill)
+        return x
 
     def unview(self, x):
         """Inverse of :meth:`view`: [B S, w, ...] -> [B, T, ...]."""
         if self.index is not None:
             return x.reshape(self.batch, self.seq_len, *x.shape[1:])
-        x = x.reshape(self.batch, self.padded, *x.shape[2:])
+        w = self.branch.effective_length
+        x = jax.lax.slice_in_dim(x, 0, w, axis=1)  # the segment's own tokens
+        x = x.reshape(self.batch, self.segments * w, *x.shape[2:])
         return jax.lax.slice_in_dim(x, 0, self.seq_len, axis=1)
 
     def _rows(self, start, size: int):
@@ -323,15 +330,15 @@ class _Branch:
 
     def gather_q(self, x):
         """Chunk [n, w, H, ...] -> its dilated query heads [n, w/r, H_b, ...]."""
-        return dilation.gather_dilated(x, self.branch, self.plan.offsets, self.plan.query_heads)
+        return dilation.gather_dilated(x, self.cut, self.plan.offsets, self.plan.query_heads)
 
     def gather_kv(self, x):
         """Chunk [n, w, H_kv, ...] -> the branch's gathered kv heads [n, w/r, H_g, ...]."""
-        return dilation.gather_dilated(x, self.branch, self.plan.kv_offsets, self.plan.kv_heads)
+        return dilation.gather_dilated(x, self.cut, self.plan.kv_offsets, self.plan.kv_heads)
 
     def scatter_q(self, y, fill):
         """[n, w/r, H_b, ...] -> [n, w, H_b, ...] (``fill`` where a head selects nothing)."""
-        return dilation.scatter_dilated(y, self.branch, self.plan.offsets, y.shape[0], self.w,
+        return dilation.scatter_dilated(y, self.cut, self.plan.offsets, y.shape[0], self.w,
                                         fill)
 
     def put_selected(self, acc, y, start):
@@ -355,7 +362,7 @@ class _Branch:
 
     def scatter_kv(self, y):
         """Gathered kv-head gradients [n, w/r, H_g, D] -> [n, w, H_kv, D] (summed per kv head)."""
-        y = dilation.scatter_dilated(y, self.branch, self.plan.kv_offsets, y.shape[0], self.w, 0)
+        y = dilation.scatter_dilated(y, self.cut, self.plan.kv_offsets, y.shape[0], self.w, 0)
         parts = []
         for sources in self.kv_sources:
             if len(sources) == 0:
@@ -463,7 +470,7 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
                 old = tuple(br.read(x, start, size, br.h0, br.hs)
                             for x in (o_acc, lse_acc, lo_acc))
                 o_c, lse_c, lo_c = dilation.merge_selected(
-                    old, br.branch, br.plan.offsets, br.plan.query_heads, (o_c, lse_c, lo_c))
+                    old, br.cut, br.plan.offsets, br.plan.query_heads, (o_c, lse_c, lo_c))
             return tuple(br.store(x, y, start, br.h0)
                          for x, y in zip((o_acc, lse_acc, lo_acc), (o_c, lse_c, lo_c)))
 
@@ -486,12 +493,12 @@ def _fused_serves(call: _Call, query, key, kv_mask, rng, source) -> bool:
     b, t, _, d = query.shape
     spec = jax.ShapeDtypeStruct
     for plan in call.plans:
-        w, r = plan.branch.effective_length, plan.branch.rate
+        rows = plan.branch.dilated_length
         items = b * plan.branch.num_segments(t)
         reason = kernel.call_reason(
-            spec((items, w // r, len(plan.query_heads), d), query.dtype),
-            spec((items, w // r, len(plan.kv_heads), d), key.dtype), call.args,
-            kv_valid=None if kv_mask is None else spec((items, w // r), bool))
+            spec((items, rows, len(plan.query_heads), d), query.dtype),
+            spec((items, rows, len(plan.kv_heads), d), key.dtype), call.args,
+            kv_valid=None if kv_mask is None else spec((items, rows), bool))
         if reason is not None:
             return False
     return True
@@ -563,7 +570,9 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
     for n_done, i in enumerate(reversed(range(nb))):  # order: as in _forward
         br = _Branch(call, i, query, key, source)
         q_v, k_v, v_v, do_v = br.view(query), br.view(key), br.view(value), br.view(do)
-        lse_v, delta_v, c_v = br.view(lse_k), br.view(delta), br.view(c_do)
+        # rows that hold no position (past T, or completing a segment's last row)
+        # get lse = inf: p = 0 there, whatever their logits
+        lse_v, delta_v, c_v = br.view(lse_k, jnp.inf), br.view(delta), br.view(c_do)
         out_v = None if out is None else br.view(out)
         valid_v = br.valid(kv_mask)
         rng_i = _branch_rng(rng, i)

@@ -91,7 +91,7 @@ def packed_branch(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
     selected = ((rel % w) % r)[..., None] == offsets                    # [B, T, Hs]
     aligned = max_documents is not None
     if aligned:
-        per_group = w // r
+        per_group = -(-w // r)  # slots of a group: ceil(w / r) (r need not divide w)
         groups = group_count(t, w, max_documents)
         length = groups * per_group
         ordinal = jnp.cumsum(rel % w == 0, axis=1, dtype=jnp.int32) - 1  # group of p
@@ -163,9 +163,11 @@ def slots_capacity(plans, seq_len: int) -> tuple[int, int] | None:
     """``(A, D_max)``: the alignment ``A`` of the padded layout (module docstring) and
     the most documents per row it serves without more than doubling the row, ``seq_len
     // A``; None where it does not serve: no segment-grid branch, a segment length that
-    does not divide the largest, or room for fewer than 2 documents."""
+    does not divide the largest or that its rate does not divide (the slots are the
+    unpacked program's segments, unpadded), or room for fewer than 2 documents."""
     lengths = [p.branch.effective_length for p in plans if p.branch.window is None]
-    if not lengths:
+    if not lengths or any(p.branch.padded_length != p.branch.effective_length
+                          for p in plans if p.branch.window is None):
         return None
     unit = max(lengths)
     if any(unit % w for w in lengths) or seq_len // unit < 2:

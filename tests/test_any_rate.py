@@ -1,0 +1,192 @@
+"""Any positive segment length with any positive dilation rate (docs/semantics.md,
+section 2): a segment of ``w`` tokens selects ``ceil((w - o) / r)`` of them at offset
+``o``, however ``r`` and ``w`` relate.
+
+Parity against the float64 PyTorch reference (``torch_reference.dilated``, which
+selects positions by ``(p mod w) mod r == o`` with no divisibility assumed): output
+and the gradients of q, k, v through a random cotangent, float64 at 1e-10 and
+float32 at 1e-5 (the kernel the CPU selects: the native one where it builds),
+both modes, both head-offset rules, causal or not, GQA, padding masks. Then the
+paths that lean on the segment grid: packed rows, sliding windows beside such
+branches, decoding, sharded sequences, the layers and ``LongNetConfig``; among the
+configurations, Prov-GigaPath's (segment lengths ``2 ** linspace(10, 20, 5)``, rounded
+down, at rates 1..16: 185363 is not a multiple of 8).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _mesh import build_mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_dilated as jd
+from jax_dilated.ops import decode
+
+from _helpers import TOL, assert_close
+
+GIGAPATH = dict(segment_lengths=(1024, 5792, 32768, 185363, 1048576),
+                dilation_rates=(1, 2, 4, 8, 16))
+
+# (segment lengths, rates, T): the non-dividing segments shorter than the sequence
+# (several segments, a ragged last one), one that is exactly the sequence, rates
+# larger than the segment
+CONFIGS = {
+    "12r5-20r3": ((12, 20), (5, 3), 40),
+    "7r3-ragged": ((7, 30), (3, 4), 31),
+    "6r4-10r3-25r7": ((6, 10, 25), (4, 3, 7), 57),
+    "3r5-exact": ((3, 16), (5, 6), 16),
+}
+
+
+def _inputs(t, h, hkv, seed, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, t, h, 8))
+    k, v = (rng.standard_normal((2, t, hkv, 8)) for _ in range(2))
+    g = rng.standard_normal((2, t, h, 8))
+    mask = rng.random((2, t)) < 0.85
+    return [x.astype(dtype) for x in (q, k, v, g)] + [mask]
+
+
+def _grads(f, q, k, v, g):
+    def loss(q, k, v):
+        out = f(q, k, v)
+        return jnp.sum(out.astype(jnp.float64) * g), out
+
+    (dq, dk, dv), out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return [np.asarray(x, np.float64) for x in (out, dq, dk, dv)]
+
+
+def _torch(q, k, v, g, mask, *, segment_lengths, dilation_rates, mode, head_offsets,
+           is_causal):
+    torch = pytest.importorskip("torch")
+    from torch_reference import dilated as ref
+
+    from _helpers import as_np, to_torch
+
+    tq, tk, tv = (to_torch(np.asarray(x, np.float64), requires_grad=True) for x in (q, k, v))
+    branches = [("segment", w, r) for w, r in zip(segment_lengths, dilation_rates)]
+    out = ref.dilated_attention_full(tq, tk, tv, branches=branches, mode=mode,
+                                     head_offsets=head_offsets, is_causal=is_causal,
+                                     kv_mask=torch.as_tensor(mask))
+    (to_torch(g) * out).sum().backward()
+    return [as_np(out)] + [as_np(x.grad) for x in (tq, tk, tv)]
+
+
+PARITY = [(name, mode, offsets, causal, dtype)
+          for name in CONFIGS for mode in ("longnet", "head_groups")
+          for offsets, causal in (("modulo", True), ("blocked", False))
+          for dtype in ("float64", "float32")]
+
+
+@pytest.mark.parametrize("name,mode,offsets,causal,dtype", PARITY,
+                         ids=["-".join(map(str, c)) for c in PARITY])
+def test_parity_with_torch(name, mode, offsets, causal, dtype):
+    ws, rs, t = CONFIGS[name]
+    q, k, v, g, mask = _inputs(t, 6, 3, seed=len(name), dtype=np.dtype(dtype))
+    kw = dict(segment_lengths=ws, dilation_rates=rs, mode=mode, head_offsets=offsets,
+              is_causal=causal)
+    got = _grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw),
+                 q, k, v, g)
+    want = _torch(q, k, v, g, mask, **kw)
+    for what, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, w, TOL[dtype], what)
+
+
+@pytest.mark.parametrize("t", [1100, 1500])
+def test_gigapath_configuration(t):
+    """Prov-GigaPath's branches on sequences shorter than all but its first segment:
+    accepted, and equal to the reference (float32, the CPU's kernel)."""
+    q, k, v, g, mask = (x[:1] for x in _inputs(t, 4, 4, seed=t, dtype=np.float32))
+    kw = dict(GIGAPATH, mode="longnet", head_offsets="modulo", is_causal=True)
+    got = _grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw),
+                 q, k, v, g)
+    want = _torch(q, k, v, g, mask, **kw)
+    for what, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, w, TOL["float32"], what)
+
+
+def test_gigapath_in_the_layers_and_config():
+    cfg = jd.models.LongNetConfig(vocab_size=11, embed_dim=20, num_layers=1, num_heads=5,
+                                  **GIGAPATH)
+    assert cfg.segment_lengths[3] % cfg.dilation_rates[3] == 3
+    from flax import nnx
+
+    model = jd.models.LongNetLM(cfg, rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(0).integers(0, 11, (1, 1030))
+    assert np.isfinite(np.asarray(model(tokens))).all()
+
+
+def _alone(fn, q, k, v, mask, ids):
+    rows = []
+    for b in range(ids.shape[0]):
+        cut = np.flatnonzero(np.diff(ids[b])) + 1
+        bounds = list(zip([0, *cut], [*cut, ids.shape[1]]))
+        rows.append(jnp.concatenate([fn(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e],
+                                        kv_mask=mask[b:b + 1, s:e]) for s, e in bounds],
+                                    axis=1))
+    return jnp.concatenate(rows)
+
+
+@pytest.mark.parametrize("max_documents", [None, 4])
+def test_packed_rows_with_a_window_beside(max_documents):
+    """Packed rows (the bounded streams, the compact streams) with a sliding-window
+    branch beside non-dividing ones equal the documents run alone."""
+    kw = dict(segment_lengths=(jd.SlidingWindow(6), 12, 20), dilation_rates=(1, 5, 3),
+              is_causal=True)
+    q, k, v, g, mask = _inputs(40, 4, 2, seed=11)
+    ids = np.array([[1] * 7 + [2] * 21 + [3] * 12, [4] * 25 + [1] * 15], np.int32)
+    fn = functools.partial(jd.dilated_attention, **kw)
+    got = _grads(lambda q, k, v: fn(q, k, v, kv_mask=mask, segment_ids=ids,
+                                    max_documents=max_documents), q, k, v, g)
+    want = _grads(lambda q, k, v: _alone(fn, q, k, v, mask, ids), q, k, v, g)
+    for what, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, w, TOL["float64"], what)
+
+
+def test_decode_matches_causal_forward():
+    kw = dict(segment_lengths=(12, 20), dilation_rates=(5, 3))
+    q, k, v, *_ = _inputs(40, 4, 2, seed=12)
+    cache = decode.init_kv_cache(2, 48, 2, 8, q.dtype)
+
+    def step(cache, x):
+        out, cache = decode.decode_step(cache, *(a[:, None] for a in x), **kw)
+        return cache, out[:, 0]
+
+    _, out = jax.lax.scan(step, cache, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v)))
+    full = jd.dilated_attention(q, k, v, is_causal=True, **kw)
+    assert_close(jnp.moveaxis(out, 0, 1), full, 1e-12, "decode")
+
+
+def test_sharded_sequence_equals_one_device():
+    """A non-dividing branch whose segments sit on the shards (12 | 24), one spanning
+    the two devices, over ``seq_axis``: output and gradients equal one device."""
+    kw = dict(segment_lengths=(12, 48), dilation_rates=(5, 2), is_causal=True)
+    q, k, v, g, mask = _inputs(48, 4, 2, seed=13)
+    mesh = build_mesh((2,), ("seq",), "auto")
+    spec = P(None, "seq")
+    dist = jax.shard_map(lambda q, k, v, m: jd.dilated_attention(q, k, v, kv_mask=m,
+                                                                  seq_axis="seq", **kw),
+                         mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
+    got = _grads(lambda q, k, v: dist(q, k, v, mask), q, k, v, g)
+    want = _grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw),
+                  q, k, v, g)
+    for what, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, w, TOL["float64"], what)
+
+
+def test_xla_kernel_agrees_with_the_default():
+    """float32 on the XLA kernel (the native kernel serves the default call on CPU
+    where it builds): the same numbers at 1e-5."""
+    ws, rs, t = CONFIGS["6r4-10r3-25r7"]
+    q, k, v, g, mask = _inputs(t, 6, 3, seed=14, dtype=np.float32)
+    kw = dict(segment_lengths=ws, dilation_rates=rs, is_causal=True)
+    a = _grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw), q, k, v, g)
+    b = _grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask,
+                                                    implementation="xla", **kw), q, k, v, g)
+    for what, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+        assert_close(x, y, TOL["float32"], what)
