@@ -20,7 +20,15 @@ so every attention the tests compute goes through dilated attention. ``<ours>`` 
 dilation rate 1, which is exactly dense softmax attention (docs/semantics.md, "Short
 last segment, segment longer than the sequence"), i.e. what the tests expect of
 Flax's own function. Each test case then runs under :mod:`unittest`; calls of ours
-are counted per case.
+are counted per case, and every call of ours that returns is repeated with stock
+Flax's ``dot_product_attention`` (NNX's in the NNX module, Linen's in the Linen
+module) on the same arguments: the output's dtype and shape must be Flax's, and its
+values too where both are concrete (not traced) and no dropout is drawn (ours draws
+its own), at the tolerance of the output's dtype or of the dtype Flax computes in,
+whichever is narrower (with ``force_fp32_for_softmax``, Flax's float32 output of
+bfloat16 inputs comes from bfloat16 logits). A query row with no key to attend
+to is left out of the value comparison: there ours outputs zeros
+(docs/semantics.md) and Flax the mean of the values.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import os
 import pathlib
 import shutil
@@ -41,6 +50,9 @@ from collections.abc import Callable
 from typing import Any
 
 import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import linen, nnx
 
 import jax_dilated as jd
@@ -130,18 +142,84 @@ class _Proxy(types.ModuleType):
         return getattr(self._real, name)
 
 
+#: relative tolerance (to max(max |Flax's output|, 1)) of a value comparison, by
+#: dtype; float64 as float32, which is all stock Flax computes there in places (NNX's
+#: jax.nn.dot_product_attention, Linen's force_fp32_for_softmax)
+VALUE_TOL = {"float64": 1e-5, "float32": 1e-5, "float16": 1e-2, "bfloat16": 2e-2}
+
+
+def _dropout_drawn(kwargs) -> bool:
+    return bool(kwargs.get("dropout_rate", 0.0)) and not kwargs.get("deterministic", False)
+
+
+def _rows_with_keys(mask, shape):
+    """Bool [batch..., q_len, heads] (broadcastable to ``shape``'s leading axes): the
+    query rows of Flax's mask that may attend to some key (all, without a mask)."""
+    if mask is None:
+        return np.ones((1,) * (len(shape) - 1), bool)
+    m = np.asarray(mask) != 0                    # [batch..., heads, q, kv] (broadcast)
+    m = m.reshape((1,) * (len(shape) - m.ndim) + m.shape)
+    return np.swapaxes(np.any(m, axis=-1), -1, -2)
+
+
+def compare_with_stock(ours_out, stock: Callable, args, kwargs) -> tuple[str, bool]:
+    """Stock Flax's attention on ``args`` / ``kwargs`` against ``ours_out``: the first
+    difference ("" if none), and whether the values were compared."""
+    params = inspect.signature(stock).parameters
+    kw = {k: v for k, v in kwargs.items() if k in params}
+    try:
+        want = stock(*args, **kw)
+    except Exception as err:  # noqa: BLE001 - reported as a difference
+        return f"stock Flax raised {type(err).__name__}: {err}", False
+    if (ours_out.dtype, ours_out.shape) != (want.dtype, want.shape):
+        return (f"output {ours_out.dtype}{list(ours_out.shape)}, stock Flax "
+                f"{want.dtype}{list(want.shape)}"), False
+    traced = any(isinstance(x, jax.core.Tracer)
+                 for x in (ours_out, want, kwargs.get("mask")))
+    if traced or _dropout_drawn(kwargs):
+        return "", False
+    got, ref = (np.asarray(x, np.float64) for x in (ours_out, want))
+    keep = np.broadcast_to(_rows_with_keys(kwargs.get("mask"), got.shape)[..., None],
+                           got.shape)
+    got, ref = np.where(keep, got, 0.0), np.where(keep, ref, 0.0)
+    err = np.max(np.abs(got - ref), initial=0.0) / max(np.max(np.abs(ref), initial=0.0), 1.0)
+    # Flax computes in `dtype` (else the inputs' common type) and may return a wider
+    # type (Linen's force_fp32_for_softmax): its values are only as accurate as the
+    # narrower of the two
+    qkv = (*args, *(kwargs[n] for n in ("query", "key", "value") if n in kwargs))[:3]
+    computed = kwargs.get("dtype")
+    computed = jnp.result_type(*qkv) if computed is None else computed
+    tol = max(VALUE_TOL.get(str(want.dtype), 1e-5),
+              VALUE_TOL.get(jnp.dtype(computed).name, 1e-5))
+    if not err <= tol:
+        return f"{want.dtype} values differ from stock Flax: relative error {err:.2e}", True
+    return "", True
+
+
 @dataclasses.dataclass
 class Ours:
-    """Our attention function, counting its calls."""
+    """Our attention function, counting its calls; with ``stock``, each call that
+    returns is compared with stock Flax's (:func:`compare_with_stock`)."""
 
     fn: Callable
+    stock: Callable | None = None
     calls: int = 0
+    compared: int = 0        # calls whose output dtype and shape were compared
+    valued: int = 0          # ... and of those, whose values were
+    differences: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         @functools.wraps(self.fn)  # Linen filters keyword arguments by the signature
         def counted(*args, **kwargs):
             self.calls += 1
-            return self.fn(*args, **kwargs)
+            out = self.fn(*args, **kwargs)
+            if self.stock is not None:
+                difference, valued = compare_with_stock(out, self.stock, args, kwargs)
+                self.compared += 1
+                self.valued += valued
+                if difference:
+                    self.differences.append(difference)
+            return out
         self.counted = counted
 
 
@@ -190,10 +268,17 @@ class Outcome:
     passed: bool
     error: str         # the exception's type and message ("" when passed)
     calls: int         # calls of our attention function
+    compared: int = 0  # of those, compared with stock Flax (dtype and shape) ...
+    valued: int = 0    # ... and values
+    differences: tuple = ()  # how those calls differed from stock Flax
 
 
-def ours_for_flax_tests() -> Ours:
-    return Ours(jd.attention_fn(segment_lengths=(SEGMENT,), dilation_rates=(1,)))
+#: stock Flax's attention function, for each test module
+STOCK = {"nnx": nnx.dot_product_attention, "linen": linen.dot_product_attention}
+
+
+def ours_for_flax_tests(stock: Callable | None = None) -> Ours:
+    return Ours(jd.attention_fn(segment_lengths=(SEGMENT,), dilation_rates=(1,)), stock)
 
 
 def _cases(suite):
@@ -225,17 +310,19 @@ class _Result(unittest.TestResult):
 
 def run_module(which: str) -> list[Outcome]:
     """Run every test case of Flax's module ``which`` with our attention patched in."""
-    ours = ours_for_flax_tests()
+    ours = ours_for_flax_tests(STOCK[which])
     module = load_module(which, ours.counted)
     outcomes = []
     for case in _cases(unittest.defaultTestLoader.loadTestsFromModule(module)):
         result = _Result()
-        before = ours.calls
+        before = (ours.calls, ours.compared, ours.valued, len(ours.differences))
         with enable_x64(False):  # Flax's tests assume JAX's default (this suite enables it)
             case.run(result)
         if result.skipped:
             raise AssertionError(f"{case.id()} skipped itself: {result.skipped}")
         name = case.id().split(".", 1)[1]
         outcomes.append(Outcome(name, result.wasSuccessful(), result.first,
-                                ours.calls - before))
+                                ours.calls - before[0], ours.compared - before[1],
+                                ours.valued - before[2],
+                                tuple(ours.differences[before[3]:])))
     return outcomes

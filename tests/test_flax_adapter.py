@@ -6,17 +6,22 @@
   outputs and gradients equal stock Flax attention (float32, 1e-6 relative) when the
   configuration is dense, and equal ``jd.dilated_attention`` run on every batch
   element alone (float64, 1e-12) when it is dilated.
+* Output dtypes follow Flax's ``dot_product_attention`` (Linen's and NNX's):
+  ``force_fp32_for_softmax``, ``dtype=``, mixed and integer inputs, NNX's
+  ``promote_dtype`` hook; dtype and values against stock Flax.
 * Bad shapes, masks that differ between heads and non-bool flags raise clear errors.
 * Flax's own attention test modules (``tests/nnx/nn/attention_test.py`` and
   ``tests/linen/linen_attention_test.py`` of the installed Flax version, fetched from
   PyPI once, never copied here) run with ``jd.attention_fn`` patched in as the
   attention function (``tests/_flax_suite.py``): every test either passes or is
   refused with one of the documented errors (cross-attention and Flax's decode
-  cache, sown attention weights, broadcast dropout, complex dtypes).
+  cache, sown attention weights, broadcast dropout, complex dtypes), and every call
+  of ours that returns gives stock Flax's output dtype, shape and values.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import _flax_suite
@@ -153,6 +158,120 @@ def test_flax_layers_with_flax_shapes(batch_shape):
     assert_close(got, expected, 1e-6, "linen, causal mask")
 
 
+# ------------------------------------------------------------ Flax's output-dtype rules
+
+BF16, F16, F32, F64 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64
+#: relative tolerance of a value comparison, by the narrowest dtype Flax computes in;
+#: float64 as float32: stock Flax is float32-accurate there (NNX's
+#: jax.nn.dot_product_attention is 1.6e-7 off exact in float64 on jax 0.10, Linen's
+#: force_fp32_for_softmax takes the softmax in float32)
+VALUE_TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-5, "float64": 1e-5}
+
+DTYPE_CASES = [
+    # (name, query/key/value dtypes, keyword arguments of the call)
+    ("bf16", (BF16,) * 3, {}),
+    ("bf16-force_fp32", (BF16,) * 3, dict(force_fp32_for_softmax=True)),
+    ("f16-force_fp32", (F16,) * 3, dict(force_fp32_for_softmax=True)),
+    ("f32-force_fp32", (F32,) * 3, dict(force_fp32_for_softmax=True)),
+    ("f64-force_fp32", (F64,) * 3, dict(force_fp32_for_softmax=True)),
+    ("mixed-f32-bf16-bf16", (F32, BF16, BF16), {}),
+    ("mixed-bf16-f16-bf16", (BF16, F16, BF16), {}),
+    ("mixed-bf16-bf16-f16-force_fp32", (BF16, BF16, F16), dict(force_fp32_for_softmax=True)),
+    ("f32-dtype_bf16", (F32,) * 3, dict(dtype=BF16)),
+    ("bf16-dtype_f32", (BF16,) * 3, dict(dtype=F32)),
+    ("f32-dtype_bf16-force_fp32", (F32,) * 3, dict(dtype=BF16, force_fp32_for_softmax=True)),
+    ("mixed-dtype_f16-force_fp32", (F16, F32, F16),
+     dict(dtype=F16, force_fp32_for_softmax=True)),
+    ("int32", (jnp.int32,) * 3, {}),
+]
+
+
+def _dtype_inputs(dtypes, seed=11):
+    rng = np.random.default_rng(seed)
+    shape = (2, T, H, D)
+    return tuple(jnp.asarray(rng.integers(-2, 3, shape) if jnp.issubdtype(dt, jnp.integer)
+                             else rng.standard_normal(shape), dt) for dt in dtypes)
+
+
+def _assert_like_stock(got, expected, computed, what):
+    """Flax's output dtype and shape, and its values at the tolerance of the narrower of
+    the output dtype and the dtype Flax computes in (``computed``)."""
+    assert (got.dtype, got.shape) == (expected.dtype, expected.shape), (
+        f"{what}: output {got.dtype}{list(got.shape)}, stock Flax "
+        f"{expected.dtype}{list(expected.shape)}")
+    tol = max(VALUE_TOL[jnp.dtype(expected.dtype).name], VALUE_TOL[jnp.dtype(computed).name])
+    assert_close(np.asarray(got, np.float64), np.asarray(expected, np.float64), tol, what)
+
+
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+@pytest.mark.parametrize("name,dtypes,kw", DTYPE_CASES, ids=[c[0] for c in DTYPE_CASES])
+def test_output_dtype_follows_flax(flavour, name, dtypes, kw):
+    """Ours returns what Flax's dot_product_attention returns, in its dtype: inputs
+    promoted to ``dtype`` (else to their common floating type), and with Linen's
+    ``force_fp32_for_softmax`` the float32 weights' einsum with the value promoting the
+    output to ``promote_types(dtype, float32)``. NNX's function has no
+    ``force_fp32_for_softmax`` (its layer never passes one): there the flag is left out."""
+    if flavour == "nnx":
+        kw = {k: v for k, v in kw.items() if k != "force_fp32_for_softmax"}
+    stock = {"linen": nn.dot_product_attention, "nnx": nnx.dot_product_attention}[flavour]
+    q, k, v = _dtype_inputs(dtypes)
+    mask = nn.make_causal_mask(np.ones((2, T)))
+    got = jd.attention_fn(**DENSE)(q, k, v, mask=mask, **kw)
+    expected = stock(q, k, v, mask=mask, **kw)
+    computed = kw["dtype"] if "dtype" in kw else jnp.result_type(q, k, v)
+    computed = computed if jnp.issubdtype(computed, jnp.inexact) else F32
+    _assert_like_stock(got, expected, computed, f"{flavour} {name}")
+    # traced (the dtype is decided at trace time, the same)
+    traced = jax.jit(lambda q, k, v: jd.attention_fn(**DENSE)(q, k, v, mask=mask, **kw))
+    assert traced(q, k, v).dtype == expected.dtype
+
+
+def test_nnx_promote_dtype_hook_decides_the_dtype():
+    """NNX's ``promote_dtype`` hook, passed, decides the dtype as in
+    nnx.dot_product_attention (which then computes in ``query.dtype``), even against
+    ``dtype``."""
+    def to_float32(arrays, dtype=None):
+        del dtype  # a hook that ignores it
+        return tuple(x.astype(F32) for x in arrays)
+
+    q, k, v = _dtype_inputs((BF16,) * 3)
+    got = jd.attention_fn(**DENSE)(q, k, v, dtype=BF16, promote_dtype=to_float32)
+    expected = nnx.dot_product_attention(q, k, v, dtype=BF16, promote_dtype=to_float32)
+    _assert_like_stock(got, expected, F32, "nnx promote_dtype hook")
+
+
+def test_linen_layer_with_force_fp32_for_softmax():
+    """nn.MultiHeadDotProductAttention(dtype=bfloat16, force_fp32_for_softmax=True):
+    the attention function's output is float32 with ours as with stock Flax (the
+    out-projection then computes in bfloat16), and the layer's outputs agree."""
+    x = jnp.asarray(np.random.default_rng(13).standard_normal((2, T, 16)), F32)
+    seen = {}
+
+    def recording(name, fn):
+        @functools.wraps(fn)  # Linen passes the keyword arguments fn's signature names
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            seen[name] = out
+            return out
+        return wrapped
+
+    kw = dict(num_heads=H, qkv_features=16, dtype=BF16, force_fp32_for_softmax=True,
+              deterministic=True)
+    params = nn.MultiHeadDotProductAttention(**kw).init(jax.random.key(0), x)
+    outs = {name: nn.MultiHeadDotProductAttention(
+                **kw, attention_fn=recording(name, fn)).apply(params, x)
+            for name, fn in (("ours", jd.attention_fn(**DENSE)),
+                             ("stock", nn.dot_product_attention))}
+    _assert_like_stock(seen["ours"], seen["stock"], BF16, "attention_fn's output")
+    _assert_like_stock(outs["ours"], outs["stock"], BF16, "layer output")
+
+
+def test_non_floating_dtype_is_refused():
+    q, k, v = _dtype_inputs((F32,) * 3)
+    with pytest.raises(ValueError, match=r"dtype must be a floating .*int32"):
+        jd.attention_fn(**DENSE)(q, k, v, dtype=jnp.int32)
+
+
 # ------------------------------------------------------------------------------ errors
 
 
@@ -266,7 +385,9 @@ def flax_sources():
 @pytest.mark.parametrize("which", ["nnx", "linen"])
 def test_flax_own_attention_tests(which, flax_sources, record_property):
     """Flax's own attention tests with jd.attention_fn as the attention function: each
-    case passes, or fails with one of the documented refusals; nothing else."""
+    case passes, or fails with one of the documented refusals; nothing else. And every
+    call of ours that returns gives stock Flax's output dtype and shape (and values,
+    where concrete and without dropout): ``_flax_suite.compare_with_stock``."""
     outcomes = _flax_suite.run_module(which)
     refused, unexplained = {}, []
     for o in outcomes:
@@ -279,11 +400,16 @@ def test_flax_own_attention_tests(which, flax_sources, record_property):
         else:
             unexplained.append(f"{o.name}: {o.error}")
     with_ours = sum(o.passed and o.calls > 0 for o in outcomes)
+    differing = [f"{o.name}: {d}" for o in outcomes for d in o.differences]
     summary = (f"Flax {which} attention tests: {len(outcomes)} cases, "
                f"{sum(o.passed for o in outcomes)} pass ({with_ours} of them calling "
                f"jd.attention_fn), refused or worded differently: "
-               + ", ".join(f"{len(v)} {r}" for r, v in refused.items()))
+               + ", ".join(f"{len(v)} {r}" for r, v in refused.items())
+               + f"; {sum(o.compared for o in outcomes)} calls compared with stock Flax "
+               f"({sum(o.valued for o in outcomes)} by value), {len(differing)} differ")
     record_property("flax_suite", summary)
     print(summary)
     assert not unexplained, "Flax tests failing for another reason:\n" + "\n".join(unexplained)
+    assert not differing, "Calls differing from stock Flax:\n" + "\n".join(differing)
+    assert sum(o.compared for o in outcomes) >= MIN_PASSED_WITH_OURS[which], summary
     assert with_ours >= MIN_PASSED_WITH_OURS[which], summary

@@ -219,8 +219,14 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
       ``fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
       dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
       precision=None, module=None, is_causal=False, promote_dtype=None, ...)`` returning
-      ``[batch..., length, heads, head_dim]``. ``query``, ``key`` and ``value`` are
-      promoted to one dtype (``dtype``, else their common type), as in Flax. Not
+      ``[batch..., length, heads, head_dim]``. Dtypes follow Flax's
+      ``dot_product_attention``: ``query``, ``key`` and ``value`` are promoted to one
+      dtype (``dtype``, else their common type, made floating; NNX's
+      ``promote_dtype`` hook, when passed, decides instead) and attention runs in it
+      (its softmax statistics float32 or wider whatever the dtype); the output is in
+      that dtype, except that with Linen's ``force_fp32_for_softmax=True`` it is
+      ``promote_types(dtype, float32)`` (float32 for bfloat16 or float16 inputs), as
+      Flax's float32 attention weights times ``value`` give. Not
       supported, with a ``ValueError``: ``bias``, ``module`` (``sow_weights``), custom
       einsums, key length != query length (cross-attention, Flax's ``decode`` cache:
       decode with :class:`jax_dilated.nnx.MultiheadDilatedAttention`), a value depth
@@ -269,9 +275,9 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
         mask broadcastable to [batch..., heads, length, length] (see
         :func:`jax_dilated.attention_fn`). Returns [batch..., length, heads, head_dim].
         """
-        del force_fp32_for_softmax  # softmax statistics are always float32 or wider
         for name, flag in (("is_causal", is_causal), ("deterministic", deterministic),
-                           ("broadcast_dropout", broadcast_dropout)):
+                           ("broadcast_dropout", broadcast_dropout),
+                           ("force_fp32_for_softmax", force_fp32_for_softmax)):
             check_flag(name, flag)
         if bias is not None:
             raise ValueError("jd.attention_fn takes no additive bias (got bias of shape "
@@ -303,11 +309,13 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
             raise ValueError(
                 "jd.attention_fn draws dropout independently per batch row and head: build "
                 "the Flax layer with broadcast_dropout=False to use attention dropout.")
-        # one dtype, as in Flax: `dtype` if given, else the common type (NNX's
-        # `promote_dtype` hook, given, decides instead)
+        # one dtype, as in Flax (NNX's `promote_dtype` hook, given, decides instead)
         if promote_dtype is not None:
             query, key, value = promote_dtype((query, key, value), dtype=dtype)
-        dtype = jnp.result_type(query, key, value) if dtype is None else dtype
+            dtype = query.dtype
+        else:
+            dtype = _flax_dtype(query, key, value, dtype)
+        out_dtype = _flax_output_dtype(dtype, force_fp32_for_softmax)
         b = math.prod(batch_shape)
         query, key, value = (_flatten(x, b).astype(dtype) for x in (query, key, value))
         if mask is not None:
@@ -323,9 +331,32 @@ def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
 
         out = (run(bool(causal), None) if mask is None
                else _masked(mask, causal, b, t, run, packed))
-        return out.reshape(batch_shape + tuple(out.shape[1:]))
+        return out.reshape(batch_shape + tuple(out.shape[1:])).astype(out_dtype)
 
     return dilated_attention_fn
+
+
+def _flax_dtype(query, key, value, dtype):
+    """The dtype Flax's ``dot_product_attention`` computes in (``flax.linen.dtypes`` /
+    ``flax.nnx.nn.dtypes.promote_dtype``): ``dtype`` if given (it must be inexact),
+    else the common type of query, key and value, promoted to an inexact type."""
+    if dtype is None:
+        dtype = jnp.result_type(query, key, value)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            dtype = jnp.promote_types(jnp.float32, dtype)
+    elif not jnp.issubdtype(dtype, jnp.inexact):
+        raise ValueError(f"jd.attention_fn: dtype must be a floating (inexact) dtype, as "
+                         f"in Flax, got dtype={dtype!r}.")
+    return jnp.dtype(dtype)
+
+
+def _flax_output_dtype(dtype, force_fp32_for_softmax: bool):
+    """The dtype of Flax's attention output for the compute ``dtype``: Linen's
+    ``force_fp32_for_softmax`` (NNX has none) leaves the attention weights float32,
+    and their einsum with ``value`` promotes, so the output is
+    ``promote_types(dtype, float32)`` (float32 for bfloat16/float16, float64 for
+    float64); otherwise ``dtype``."""
+    return jnp.promote_types(dtype, jnp.float32) if force_fp32_for_softmax else dtype
 
 
 @functools.partial(jax.jit, static_argnames=("core", "is_causal", "dropout_rate"))
