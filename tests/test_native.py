@@ -3,8 +3,12 @@ against a float64 reference, gradients through it (the XLA kernel's backward fro
 log-sum-exp), which calls it serves, and that ``implementation=None`` runs it on this
 CPU inside the library's operations.
 
-The reference is the dense softmax of the mathematics (docs/semantics.md, section 1)
-in float64 NumPy, independent of both kernels; float32 tolerance 1e-5 relative.
+Every build this machine can run is tested (``ISAS``, through ``build.using``): the
+AVX2 one on every x86-64 CPU with AVX2, the AVX-512 one where the CPU has it, NEON on
+aarch64. The reference is the dense softmax of the mathematics (docs/semantics.md,
+sections 1 and 2) in float64, independent of both kernels, on the inputs as the
+kernel sees them (rounded to bfloat16 / float16 for those); tolerances relative to
+the largest reference magnitude: float32 1e-5, bfloat16 2e-2, float16 1e-3.
 """
 
 from __future__ import annotations
@@ -22,12 +26,24 @@ from _mesh import devices as mesh_devices
 
 import jax_dilated as jd
 from jax_dilated.backends import KernelArgs, native, registry, selection, xla
+from jax_dilated.core import softmax
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or native.unavailable_reason() is not None,
     reason=f"the native CPU kernel cannot run here: {native.unavailable_reason()}")
 
 RTOL = 1e-5
+HALF_RTOL = {"bfloat16": 2e-2, "float16": 1e-3}
+# the builds this machine runs (the machine's own first)
+ISAS = tuple(sorted(native.build.available_isas(), key=lambda i: i != native.build.isa()))
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Runs the test on one build of the kernel (its programs traced under it)."""
+    with native.build.using(isa=request.param):
+        assert native.unavailable_reason() is None, native.unavailable_reason()
+        yield request.param
 
 
 def _dense_reference(q, k, v, scale, causal, valid):
@@ -65,13 +81,19 @@ def _inputs(n, lq, lk, h, hkv, d, seed=0, mask=None):
     return q, k, v, valid
 
 
-def _close(got, want, rtol=RTOL):
+def _close(got, want, rtol=RTOL, what=""):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     scale = max(np.max(np.abs(want[np.isfinite(want)]), initial=0.0), 1.0)
-    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want), err_msg=what)
     with np.errstate(invalid="ignore"):  # -inf - -inf where both rows are empty
         diff = np.abs(np.where(np.isfinite(want), got - want, 0.0))
-    assert diff.max() <= rtol * scale, diff.max() / scale
+    assert diff.max() <= rtol * scale, (what, diff.max() / scale)
+
+
+def _rounded(x, dtype):
+    """x as the kernel sees it in dtype, and that value in float32 (exact)."""
+    x = jnp.asarray(x, dtype)
+    return x, np.asarray(x.astype(jnp.float32))
 
 
 @pytest.mark.parametrize("n, lq, lk, h, hkv, d, causal, mask", [
@@ -83,7 +105,7 @@ def _close(got, want, rtol=RTOL):
     (2, 64, 64, 8, 8, 80, True, "2d"),       # head_dim not a multiple of 64
     (1, 5, 3, 2, 2, 256, False, "2d"),       # the widest head, tiny
 ])
-def test_forward_matches_float64_reference(n, lq, lk, h, hkv, d, causal, mask):
+def test_forward_matches_float64_reference(isa, n, lq, lk, h, hkv, d, causal, mask):
     q, k, v, valid = _inputs(n, lq, lk, h, hkv, d, seed=lq + lk, mask=mask)
     args = KernelArgs(scale=float(d) ** -0.5, is_causal=causal)
     o, lse, lse_lo = jax.jit(lambda q, k, v, m: native.KERNEL.forward(
@@ -96,7 +118,7 @@ def test_forward_matches_float64_reference(n, lq, lk, h, hkv, d, causal, mask):
         assert np.all(np.asarray(o)[~np.isfinite(want_lse)] == 0.0)
 
 
-def test_rows_without_keys_give_zeros():
+def test_rows_without_keys_give_zeros(isa):
     """A batch item whose keys are all masked: o = 0 and lse = -inf, no NaN."""
     q, k, v, _ = _inputs(2, 40, 40, 2, 1, 64, seed=3)
     valid = np.ones((2, 40), bool)
@@ -107,7 +129,7 @@ def test_rows_without_keys_give_zeros():
     _close(np.asarray(o)[0], want_o[0])
 
 
-def test_gradients_through_the_native_forward():
+def test_gradients_through_the_native_forward(isa):
     """``attention`` runs the native forward and the XLA kernel's backward from its
     log-sum-exp: gradients of o and lse against the float64 dense formula's."""
     q, k, v, valid = _inputs(2, 200, 200, 4, 2, 64, seed=7, mask="2d")
@@ -169,7 +191,7 @@ def test_selected_by_default_on_this_cpu():
 
 
 @pytest.mark.parametrize("mode", ["head_groups", "longnet"])
-def test_dilated_attention_runs_it_and_matches_the_xla_kernel(mode):
+def test_dilated_attention_runs_it_and_matches_the_xla_kernel(isa, mode):
     """LongNet's dilated attention in float32, forward and gradients: the default
     (native forward) against implementation='xla', and the FFI call is in the program."""
     rng = np.random.default_rng(11)
@@ -219,7 +241,7 @@ def test_dilated_attention_in_one_call_per_pass_matches_float64(
     once, weighted by its multiplicity m) against the same attention in float64 on
     the XLA kernel (which test_parity checks against the PyTorch reference): outputs,
     log-sum-exp and the gradients of both (random cotangents on each) at 1e-5, rows
-    of no key included."""
+    of no key included; every build against one reference."""
     rng = np.random.default_rng(t + h + hkv)
     q = rng.standard_normal((2, t, h, 32)).astype(np.float32)
     k, v = (rng.standard_normal((2, t, hkv, 32)).astype(np.float32) for _ in range(2))
@@ -237,15 +259,19 @@ def test_dilated_attention_in_one_call_per_pass_matches_float64(
         return (*out, *vjp((do.astype(q.dtype),
                             jnp.where(jnp.isfinite(lse), dlse.astype(q.dtype), 0))))
 
-    got = jax.jit(run)(q, k, v)
     want = run(*(x.astype(np.float64) for x in (q, k, v)), implementation="xla")
-    for g, w in zip(got, want):
-        _close(g, w)
-    hlo = jax.jit(run).lower(q, k, v).as_text()
-    assert hlo.count(f"@{native.build.target(native.build.TARGET_DILATED)}(") == 1, "one forward call"
-    assert hlo.count(f"@{native.build.target(native.build.TARGET_DILATED_BACKWARD)}(") == 1, "one backward call"
-    assert f"@{native.build.target(native.build.TARGET)}(" not in hlo and "gather" not in hlo
-    assert hlo.count(f"shared_pairs = {str(shared).lower()}") == 2, "both passes"
+    for isa in ISAS:  # (the reference is most of the time: one for every build)
+        with native.build.using(isa=isa):
+            got = jax.jit(run)(q, k, v)
+            for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+                _close(g, w, what=f"{isa} {name}")
+            hlo = jax.jit(run).lower(q, k, v).as_text()
+            target = native.build.target
+            assert hlo.count(f"@{target(native.build.TARGET_DILATED)}(") == 1, "one forward call"
+            assert hlo.count(f"@{target(native.build.TARGET_DILATED_BACKWARD)}(") == 1, \
+                "one backward call"
+            assert f"@{target(native.build.TARGET)}(" not in hlo and "gather" not in hlo
+            assert hlo.count(f"shared_pairs = {str(shared).lower()}") == 2, "both passes"
 
 
 def _multiplicity(t, w, r, o):
@@ -313,7 +339,7 @@ def test_nested_order_lets_each_pair_be_computed_once():
     assert order((64,), (1,)) is None
 
 
-def test_shared_pairs_refused_where_branches_do_not_nest():
+def test_shared_pairs_refused_where_branches_do_not_nest(isa):
     """The kernel checks the chain it is told of: branches that do not nest with
     shared_pairs give an error, not a wrong result."""
     from jax_dilated.core import branch_plans as bp
@@ -387,12 +413,192 @@ def test_build_uses_the_cache_directory(tmp_path):
 
 
 def test_backend_report_names_it(capsys):
-    """jd.backend_report says which operations run the native forward in float32."""
+    """jd.backend_report says which operations run the native forward, in which
+    dtypes, and the build's instruction set."""
     rows = {r.operation: r.kernel for r in jd.backend_report(dtype="float32", head_dim=64)}
     out = capsys.readouterr().out
-    assert "native CPU kernel: available" in out
+    assert f"native CPU kernel: available ({native.instruction_set()} build; float32, " \
+           f"bfloat16 and float16 inputs)" in out
+    assert native.instruction_set() == native.build.ISA_NAMES[ISAS[0]]
     assert rows["dilated_attention mode='head_groups'"] == "native"
     assert rows["dilated_attention mode='longnet'"] == "native"
     assert rows["ring_attention is_causal=False"] == "xla"  # the XLA kernel's ring steps
     assert rows["block_sparse_attention"] == "xla"
     assert all(r.kernel == "xla" for r in jd.backend_report(dtype="float64", quiet=True))
+    half = jd.backend_report(dtype="float16", head_dim=64, quiet=True)
+    assert half[0].operation == "dilated_attention mode='longnet'" and half[0].kernel == "native"
+
+
+# ------------------------------------------------------------ half precision
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_forward(isa, dtype):
+    """bfloat16 / float16 inputs to the plain call: converted where the kernel packs
+    them, float32 arithmetic, the output in the input dtype and the log-sum-exp in
+    float32, against the float64 reference on the rounded inputs; and such calls are
+    the native kernel's."""
+    q, k, v, valid = _inputs(2, 150, 200, 4, 2, 64, seed=21, mask="2d")
+    (q, q32), (k, k32), (v, v32) = (_rounded(x, dtype) for x in (q, k, v))
+    args = KernelArgs(scale=0.125, is_causal=True)
+    assert native.KERNEL.call_reason(q, k, args) is None
+    o, lse, _ = jax.jit(lambda q, k, v: native.KERNEL.forward(q, k, v, args, kv_valid=valid))(
+        q, k, v)
+    assert o.dtype == jnp.dtype(dtype) and lse.dtype == jnp.float32
+    want_o, want_lse = _dense_reference(q32, k32, v32, args.scale, True, valid)
+    _close(o, want_o, HALF_RTOL[dtype])
+    _close(lse, want_lse, RTOL)  # nothing of lse is rounded to the input dtype
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mode", ["longnet", "head_groups"])
+def test_half_precision_dilated_attention(dtype, mode):
+    """Dilated attention on bfloat16 / float16 inputs runs the fused native passes
+    (forward and backward) on every build: output and gradients in the input dtype,
+    against the dense float64 form (_dilated_reference) on the rounded inputs and
+    cotangent."""
+    rng = np.random.default_rng(5)
+    t, h, hkv = 200, 4, 2
+    (q, q32), (k, k32), (v, v32), (do, do32) = (
+        _rounded(rng.standard_normal(shape), dtype)
+        for shape in ((2, t, h, 32), (2, t, hkv, 32), (2, t, hkv, 32), (2, t, h, 32)))
+    branches, mask = ((32, 1), (64, 2), (128, 4)), rng.random((2, t)) < 0.8
+    kw = dict(segment_lengths=[w for w, _ in branches], dilation_rates=[r for _, r in branches],
+              mode=mode, is_causal=True, kv_mask=mask)
+
+    def run(q, k, v, do):
+        out, vjp = jax.vjp(functools.partial(jd.dilated_attention, **kw), q, k, v)
+        return (out, *vjp(do))
+
+    o, _, *grads = _dilated_reference(q32, k32, v32, do32, np.zeros(q.shape[:-1]), branches,
+                                      mode, True, 32 ** -0.5, kv_mask=mask)
+    for isa in ISAS:
+        with native.build.using(isa=isa):
+            got = jax.jit(run)(q, k, v, do)
+            for name, g, w in zip(("o", "dq", "dk", "dv"), got, (o, *grads)):
+                assert g.dtype == jnp.dtype(dtype), (isa, name, g.dtype)
+                _close(g, w, HALF_RTOL[dtype], what=f"{isa} {name}")
+            hlo = jax.jit(run).lower(q, k, v, do).as_text()
+            for call in (native.build.TARGET_DILATED, native.build.TARGET_DILATED_BACKWARD):
+                assert f"@{native.build.target(call)}(" in hlo, call
+
+
+# ------------------------------------------- rates that do not divide the segment
+
+
+def _dilated_reference(q, k, v, do, dlse, branches, mode, causal, scale, kv_mask=None):
+    """float64 (o, lse, dq, dk, dv) of dilated attention by its dense form
+    (docs/semantics.md, section 2) with ``do`` and ``dlse`` the cotangents: longnet's
+    logits are ``scale q.k + log m(p, t)``, m the branches that let p attend to t;
+    head_groups' head j of group i runs branch i alone at offset i mod r_i, the
+    output divided by the number of groups. ``kv_mask`` None or [B, T] bool."""
+    b, t, h, _ = q.shape
+    g = h // k.shape[2]
+    nb = len(branches)
+    sizes = [h // nb + (i < h % nb) for i in range(nb)]
+    group = np.repeat(np.arange(nb), sizes)
+    m = np.zeros((h, t, t))
+    for j in range(h):
+        for i, (w, r) in enumerate(branches):
+            if mode == "longnet":
+                m[j] += _multiplicity(t, w, r, j % r)
+            elif group[j] == i:
+                m[j] += _multiplicity(t, w, r, i % r)
+    if causal:
+        m *= np.tril(np.ones((t, t)))
+    m = m[None] * (1 if kv_mask is None else np.asarray(kv_mask)[:, None, None, :])
+    allowed, has = m > 0, (m > 0).any(-1)
+    log_m = np.log(np.maximum(m, 1))
+    out_scale = 1.0 if mode == "longnet" else 1.0 / nb
+
+    def f(q, k, v):
+        kr, vr = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, kr) * scale + log_m
+        # (rows without keys take the log-sum-exp of zeros: no NaN in the gradient)
+        lse = jax.nn.logsumexp(jnp.where(has[..., None], jnp.where(allowed, s, -jnp.inf), 0.0),
+                               axis=-1)
+        p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)
+        return (jnp.einsum("bhqk,bkhd->bqhd", p, vr) * out_scale,
+                jnp.where(has, lse, -jnp.inf).transpose(0, 2, 1))
+
+    (o, lse), vjp = jax.vjp(f, *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+    return (o, lse, *vjp((jnp.asarray(do, jnp.float64),
+                          jnp.where(jnp.isfinite(lse), jnp.asarray(dlse, jnp.float64), 0.0))))
+
+
+@pytest.mark.parametrize("mode", ["longnet", "head_groups"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rates_that_do_not_divide_the_segment(mode, causal):
+    """A segment's dilated rows at offset o are ceil((w - o) / r) (docs/semantics.md,
+    section 2: r need not divide w; the last segment shorter): segments of 12 at
+    rate 5 and of 20 at rate 3 over T = 40, grouped-query heads, through the fused
+    calls directly (native_dilated_forward / native_dilated_backward, as one-device
+    dilated attention calls them), forward and gradients against float64 on every
+    build."""
+    from jax_dilated.core import branch_plans as bp
+
+    branches, t, h, hkv, d = [(12, 5), (20, 3)], 40, 4, 2, 16
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((2, t, h, d)).astype(np.float32)
+    k, v = (rng.standard_normal((2, t, hkv, d)).astype(np.float32) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    dlse = rng.standard_normal(q.shape[:-1]).astype(np.float32)
+    args = KernelArgs(scale=0.3, is_causal=causal)
+    plans = bp.plan_branches(branches, seq_len=t, num_heads=h, num_kv_heads=hkv, mode=mode,
+                             offsets_rule="modulo")
+    groups = 1 if mode == "longnet" else len(branches)
+    want = _dilated_reference(q, k, v, do, dlse, branches, mode, causal, args.scale)
+
+    def fused(q, k, v):
+        o, lse, lse_lo = native.native_dilated_forward(
+            q, k, v, args, plans, accumulate=mode == "longnet", out_scale=1.0 / groups)
+        # the backward's inputs as dilated attention forms them (ops/dilated_local.py)
+        c, delta = softmax.backward_scale(
+            do, o, lse_lo, jnp.where(jnp.isfinite(lse), dlse, 0.0))
+        grads = native.native_dilated_backward(
+            q, k, v, do, c / groups, jnp.where(jnp.isneginf(lse), 0.0, lse), delta, args,
+            plans)
+        return (o, lse, *grads)
+
+    for isa in ISAS:
+        with native.build.using(isa=isa):
+            got = jax.jit(fused)(q, k, v)
+            for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+                _close(g, w, what=f"{isa} {name}")
+
+
+# ------------------------------------------------------------ the builds
+
+
+def test_each_build_is_chosen_forced_or_refused(monkeypatch, tmp_path):
+    """The machine's build by default (AVX-512 where the CPU has it), every build
+    this machine can run under ``build.using`` or ``JAX_DILATED_NATIVE_ISA``, each
+    registering calls of its own; what the CPU lacks, an unknown name and a source
+    that does not compile are refused with the reason."""
+    build = native.build
+    flags = build._cpu_flags()
+    if build.isa() in ("avx512", "avx2"):
+        assert build.isa() == ("avx512" if "avx512f" in flags else "avx2")
+        assert "avx2" in ISAS  # the AVX2 build is tested on every x86-64 CPU with AVX2
+    targets = set()
+    for isa in ISAS:
+        with build.using(isa=isa):
+            assert build.load() is None and build.isa() == isa
+            assert native.instruction_set() == build.ISA_NAMES[isa]
+            targets.add(build.target(build.TARGET_DILATED))
+        monkeypatch.setenv(build.ISA_ENV, isa)
+        assert build.isa() == isa
+    assert len(targets) == len(ISAS)
+    for isa in set(build.ISAS) - set(ISAS):
+        with build.using(isa=isa):
+            assert build.isa() is None and "needs" in build.load(), build.load()
+            assert registry.native_reason(selection.DeviceInfo("cpu", "cpu")) == build.load()
+    monkeypatch.setenv(build.ISA_ENV, "sse2")
+    assert "JAX_DILATED_NATIVE_ISA='sse2' is not one of avx512, avx2, neon" in build.load()
+    monkeypatch.delenv(build.ISA_ENV)
+    broken = tmp_path / "attention_cpu.cc"
+    broken.write_text("#error this source does not compile\n")
+    monkeypatch.setenv("JAX_DILATED_CACHE", str(tmp_path))
+    with build.using(source=broken):
+        assert build.load().startswith("it did not build or load (RuntimeError")
+    assert build.load() is None

@@ -103,6 +103,12 @@ def isa() -> str | None:
     return None if lib is None else lib.isa
 
 
+def available_isas() -> tuple[str, ...]:
+    """The instruction sets of the builds this machine can run (on an x86-64 CPU with
+    AVX-512: ``("avx512", "avx2")``), whether or not a compiler is at hand."""
+    return tuple(i for i in ISAS if _choose_isa(i) == i)
+
+
 def target(call: str) -> str:
     """The registered FFI target of ``call`` (:data:`TARGET`, :data:`TARGET_DILATED`,
     :data:`TARGET_DILATED_BACKWARD`) in the build in use."""
