@@ -15,6 +15,10 @@ forward+backward of
   log-sum-exp no gradient);
 * ``tokamax/seg``: ``tokamax.dot_product_attention(implementation="xla")`` per dilated
   segment (head_groups: it returns no log-sum-exp);
+* ``jax-dilated [SPEC]`` (``--native-builds``, ``--native-dtypes``): jax-dilated again
+  on another build of the native CPU kernel (an instruction set, or the kernel source
+  of an earlier commit) or at another input dtype, in the same interleaved set, so
+  that its ratio to the default entry is paired round by round;
 * ``block matmul``: the attention-block matmuls ``[N, L, D] x [N, L, D]`` (QK^T) and
   ``[N, L, L] x [N, L, D]`` (PV) with ``L = --matmul-block``, ``N`` the best of a short
   scan, run back to back inside one compiled loop (one timed call lasts about 50 ms):
@@ -36,6 +40,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import pathlib
 import sys
 import time
 from collections.abc import Callable
@@ -107,6 +112,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "joins the timed set (default 1,2,4,8,16)")
     p.add_argument("--implementation", default=None,
                    help="jd.dilated_attention implementation (default: by device kind)")
+    p.add_argument("--native-builds", type=str_list, default=(),
+                   help="extra jax-dilated entries, each on another build of the native CPU "
+                        "kernel, in the same sets: an instruction set (avx2, avx512: "
+                        "JAX_DILATED_NATIVE_ISA picks the default entry's) or git:REV, the "
+                        "kernel source of commit REV (e.g. git:688b85e) built for this "
+                        "machine, called by today's Python side (float32)")
+    p.add_argument("--native-dtypes", type=str_list, default=(),
+                   help="extra jax-dilated entries at other input dtypes (e.g. bfloat16), in "
+                        "the same sets")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -155,6 +169,7 @@ class Variant:
     checked: bool = True
     note: str | None = None
     compile_s: dict = dataclasses.field(default_factory=dict)
+    dtype: str | None = None  # its inputs' dtype where not --dtype (its check's tolerance)
 
 
 def _resolve(args: argparse.Namespace) -> None:
@@ -173,6 +188,15 @@ def _resolve(args: argparse.Namespace) -> None:
         if peer not in PEERS:
             raise SystemExit(f"--peers: unknown peer {peer!r} (choose from {', '.join(PEERS)})")
     args.causals = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
+    from jax_dilated.backends.native import build
+    for spec in args.native_builds:
+        if spec not in build.ISAS and not (spec.startswith("git:") and len(spec) > 4):
+            raise SystemExit(f"--native-builds: {spec!r} is neither an instruction set "
+                             f"({', '.join(build.ISAS)}) nor git:REV")
+    for dtype in args.native_dtypes:
+        if dtype not in CHECK_RTOL:
+            raise SystemExit(f"--native-dtypes: {dtype!r} (choose from "
+                             f"{', '.join(CHECK_RTOL)})")
 
 
 # --------------------------------------------------------------------- the variants
@@ -278,6 +302,41 @@ def _block_matmul(args, dtype, progress) -> tuple[dict, Callable[[], object]]:
 
 
 @contextlib.contextmanager
+def _native_build(spec: str):
+    """Programs compiled inside run on the native kernel's build ``spec``
+    (``--native-builds``): an instruction set, or ``git:REV``, the kernel source of
+    commit REV written to a temporary file and built for this machine."""
+    from jax_dilated.backends.native import build
+    if spec.startswith("git:"):
+        source = _git_kernel_source(spec[4:])
+        switch = build.using(source=source)
+    else:
+        switch = build.using(isa=spec)
+    with switch:
+        why = build.load()
+        if why is not None:
+            raise SystemExit(f"--native-builds {spec}: the native kernel cannot run: {why}")
+        yield
+
+
+@functools.lru_cache(maxsize=None)
+def _git_kernel_source(rev: str) -> str:
+    """The native kernel's source at commit ``rev`` in a temporary file (kept for the
+    process: the build is cached by its content)."""
+    import subprocess
+    import tempfile
+    from jax_dilated.backends.native import build
+    relative = build.SOURCE.relative_to(harness.ROOT).as_posix()
+    run = subprocess.run(["git", "-C", str(harness.ROOT), "show", f"{rev}:{relative}"],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"--native-builds git:{rev}: {run.stderr.strip()}")
+    path = pathlib.Path(tempfile.mkdtemp(prefix="jax_dilated_kernel_")) / f"attention_cpu-{rev}.cc"
+    path.write_text(run.stdout)
+    return str(path)
+
+
+@contextlib.contextmanager
 def _each_branch_all_pairs():
     """Programs traced inside compute every longnet branch's pairs, shared ones
     included: ``nested_order`` answers None, as for branches that do not nest."""
@@ -302,6 +361,16 @@ def _variants(args, mode, causal, inputs, libs, notes) -> list[Variant]:
             out.append(_jax_variant(UNSHARED, functools.partial(
                 jd.dilated_attention, mode=mode, implementation=args.implementation, **cfg),
                 inputs, dtype=args.dtype))
+    for spec in args.native_builds:
+        with _native_build(spec):  # compiled here, so the program keeps that build
+            out.append(_jax_variant(f"{JAX_DILATED} [{spec}]", functools.partial(
+                jd.dilated_attention, mode=mode, implementation=args.implementation, **cfg),
+                inputs, dtype=args.dtype))
+    for dtype in args.native_dtypes:
+        out.append(_jax_variant(f"{JAX_DILATED} [{dtype}]", functools.partial(
+            jd.dilated_attention, mode=mode, implementation=args.implementation, **cfg),
+            inputs, dtype=dtype))
+        out[-1].dtype = dtype
     torch = libs.get("torch")
     if "torch_sdpa" in libs:
         td = libs["torch_sdpa"]
@@ -413,8 +482,9 @@ def _cross_check(variants: list[Variant], dtype: str) -> dict:
             for name, g, ref in zip("qkv", grads, ref_grads):
                 check[f"d{name}"] = harness.max_rel_diff(g, ref)
         worst = max(c["rel_to_max"] for c in check.values())
+        rtol = CHECK_RTOL[var.dtype or dtype]
         checks[var.name] = {"checked": True, **check, "worst_rel": worst,
-                            "rtol": CHECK_RTOL[dtype], "agree": worst <= CHECK_RTOL[dtype]}
+                            "rtol": rtol, "agree": worst <= rtol}
     return checks
 
 
@@ -551,10 +621,13 @@ def run(args: argparse.Namespace) -> dict:
     progress.close()
 
     env = harness.environment(args.threads, args.load)
+    from jax_dilated.backends import native
+    env["native_kernel"] = native.instruction_set() or f"not used: {native.unavailable_reason()}"
     config = {k: getattr(args, k) for k in (
         "dtype", "batch", "heads", "head_dim", "seq_len", "segments", "rates", "modes",
         "causal", "peers", "repeats", "warmup", "memory_seq_lens", "matmul_block",
-        "matmul_batches", "implementation", "quick", "seed", "threads")}
+        "matmul_batches", "implementation", "native_builds", "native_dtypes", "quick",
+        "seed", "threads")}
     payload = {"benchmark": "dilated", "config": config, "environment": env,
                "notes": list(notes), "block_matmul": info, "runs": runs, "memory": memory}
     print_summary(payload)
@@ -570,7 +643,8 @@ def print_summary(payload: dict) -> None:
     print(f"dilated attention: B={cfg['batch']} n={cfg['seq_len']} H={cfg['heads']} "
           f"D={cfg['head_dim']} {cfg['dtype']} segments={list(cfg['segments'])} "
           f"rates={list(cfg['rates'])}, {cfg['threads']} threads, median of {cfg['repeats']} "
-          f"interleaved rounds; {env.get('cpu')}, jax {env.get('jax')}, torch "
+          f"interleaved rounds; {env.get('cpu')}, native kernel "
+          f"{env.get('native_kernel', '-')}, jax {env.get('jax')}, torch "
           f"{env.get('torch')}, commit {str(env.get('git_commit'))[:10]}"
           f"{' (dirty)' if env.get('git_dirty') else ''}, {env.get('date_utc')}")
     print()

@@ -78,6 +78,9 @@ class Library:
 
 # the builds `using` selects, innermost last: (isa or None, source path or None)
 _override: list[tuple[str | None, str | None]] = []
+# the libraries registered in this process, by path (two requests can name one library:
+# a source path that holds the package's source; XLA takes each target name once)
+_registered: dict[pathlib.Path, Library] = {}
 
 
 def load() -> str | None:
@@ -157,6 +160,8 @@ def _load(requested_isa: str | None, source: str | None) -> tuple[str | None, Li
     source_path = SOURCE if source is None else pathlib.Path(source)
     try:
         path = _build(compiler, chosen, source_path)
+        if path in _registered:
+            return None, _registered[path]
         lib = ctypes.cdll.LoadLibrary(str(path))
         # (a source from before the symbol existed was an AVX-512 one)
         built_for = (ctypes.CFUNCTYPE(ctypes.c_char_p)((_ISA_SYMBOL, lib))().decode()
@@ -171,7 +176,8 @@ def _load(requested_isa: str | None, source: str | None) -> tuple[str | None, Li
                                         platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
         return f"it did not build or load ({type(err).__name__}: {_first_line(err)})", None
-    return None, Library(chosen, path, targets)
+    _registered[path] = Library(chosen, path, targets)
+    return None, _registered[path]
 
 
 def _choose_isa(requested: str | None) -> str:
