@@ -518,8 +518,8 @@ def test_gradients_match_dense(data):
 _X = np.random.default_rng(0).standard_normal((2, 8, 4, 4)).astype(np.float32)
 _BAD_COMMON = {
     "scale": [-1.0, 0.0, float("inf"), float("nan"), "big", True, 1j],
-    "segment_lengths": [(), (0,), (-4,), (4.0,), "8", 8, (8,), (8, 5), None],
-    "dilation_rates": [(), (0,), (3,), (1.5,), "1", (1,), (1, 3), None],
+    "segment_lengths": [(), (0,), (-4,), (4.0,), "8", 8, (8,), (8, -5), None],
+    "dilation_rates": [(), (0,), (3,), (1.5,), "1", (1,), (1, 0), None],
     "mode": ["bogus", None, 1],
     "head_offsets": ["bogus", None],
     "implementation": ["bogus", 3],
