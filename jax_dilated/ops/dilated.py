@@ -44,7 +44,8 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
       key, value: [batch, seq, num_kv_heads, head_dim]; ``num_heads % num_kv_heads == 0``
         (query head ``j`` reads kv head ``j // (num_heads // num_kv_heads)``).
       segment_lengths: segment length ``w_i`` of every branch (static ints).
-      dilation_rates: dilation rate ``r_i`` of every branch; ``w_i % r_i == 0``.
+      dilation_rates: dilation rate ``r_i`` of every branch (any positive int: a whole
+        segment selects ``ceil((w_i - o) / r_i)`` positions at offset ``o``).
       mode: ``"longnet"`` (every head runs every branch; branches mixed by their
         softmax denominators) or ``"head_groups"`` (branch ``i`` on head group
         ``i``, output divided by the number of branches).
