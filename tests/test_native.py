@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -602,3 +604,24 @@ def test_each_build_is_chosen_forced_or_refused(monkeypatch, tmp_path):
     with build.using(source=broken):
         assert build.load().startswith("it did not build or load (RuntimeError")
     assert build.load() is None
+
+
+@pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64")),
+                    reason="needs an aarch64 cross compiler and qemu-aarch64 (Debian: "
+                           "g++-aarch64-linux-gnu, qemu-user)")
+def test_aarch64_build_under_qemu(tmp_path):
+    """The NEON build, where this machine cannot run it: the kernel's source compiles
+    for aarch64, and its arithmetic (exp, conversions, a forward and a backward item,
+    float32 and half precision; tests/native_kernel_check.cc) passes under qemu."""
+    check = pathlib.Path(__file__).with_name("native_kernel_check.cc")
+    binary = tmp_path / "check"
+    build = subprocess.run(
+        ["aarch64-linux-gnu-g++", "-O2", "-march=armv8-a", "-std=c++17", "-static", "-pthread",
+         "-Wall", "-Wextra", "-isystem", jax.ffi.include_dir(),
+         "-I", str(native.build.SOURCE.parent), str(check), "-o", str(binary)],
+        capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0 and "warning" not in build.stderr, build.stderr[-2000:]
+    run = subprocess.run(["qemu-aarch64", str(binary)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0 and run.stdout.startswith("build: neon"), run.stdout + run.stderr
+    assert run.stdout.rstrip().endswith("all passed"), run.stdout
