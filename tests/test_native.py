@@ -28,7 +28,6 @@ from _mesh import devices as mesh_devices
 
 import jax_dilated as jd
 from jax_dilated.backends import KernelArgs, native, registry, selection, xla
-from jax_dilated.core import softmax
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or native.unavailable_reason() is not None,
@@ -533,40 +532,31 @@ def _dilated_reference(q, k, v, do, dlse, branches, mode, causal, scale, kv_mask
 def test_rates_that_do_not_divide_the_segment(mode, causal):
     """A segment's dilated rows at offset o are ceil((w - o) / r) (docs/semantics.md,
     section 2: r need not divide w; the last segment shorter): segments of 12 at
-    rate 5 and of 20 at rate 3 over T = 40, grouped-query heads, through the fused
-    calls directly (native_dilated_forward / native_dilated_backward, as one-device
-    dilated attention calls them), forward and gradients against float64 on every
-    build."""
-    from jax_dilated.core import branch_plans as bp
-
+    rate 5 and of 20 at rate 3 over T = 40, grouped-query heads, run by the fused
+    native passes; output, log-sum-exp and gradients against float64 on every build."""
     branches, t, h, hkv, d = [(12, 5), (20, 3)], 40, 4, 2, 16
     rng = np.random.default_rng(12)
     q = rng.standard_normal((2, t, h, d)).astype(np.float32)
     k, v = (rng.standard_normal((2, t, hkv, d)).astype(np.float32) for _ in range(2))
     do = rng.standard_normal(q.shape).astype(np.float32)
     dlse = rng.standard_normal(q.shape[:-1]).astype(np.float32)
-    args = KernelArgs(scale=0.3, is_causal=causal)
-    plans = bp.plan_branches(branches, seq_len=t, num_heads=h, num_kv_heads=hkv, mode=mode,
-                             offsets_rule="modulo")
-    groups = 1 if mode == "longnet" else len(branches)
-    want = _dilated_reference(q, k, v, do, dlse, branches, mode, causal, args.scale)
+    scale = 0.3
+    want = _dilated_reference(q, k, v, do, dlse, branches, mode, causal, scale)
+    kw = dict(segment_lengths=[w for w, _ in branches], dilation_rates=[r for _, r in branches],
+              mode=mode, is_causal=causal, scale=scale, return_lse=True)
 
-    def fused(q, k, v):
-        o, lse, lse_lo = native.native_dilated_forward(
-            q, k, v, args, plans, accumulate=mode == "longnet", out_scale=1.0 / groups)
-        # the backward's inputs as dilated attention forms them (ops/dilated_local.py)
-        c, delta = softmax.backward_scale(
-            do, o, lse_lo, jnp.where(jnp.isfinite(lse), dlse, 0.0))
-        grads = native.native_dilated_backward(
-            q, k, v, do, c / groups, jnp.where(jnp.isneginf(lse), 0.0, lse), delta, args,
-            plans)
-        return (o, lse, *grads)
+    def run(q, k, v):
+        (o, lse), vjp = jax.vjp(functools.partial(jd.dilated_attention, **kw), q, k, v)
+        return (o, lse, *vjp((do, jnp.where(jnp.isfinite(lse), dlse, 0.0))))
 
     for isa in ISAS:
         with native.build.using(isa=isa):
-            got = jax.jit(fused)(q, k, v)
+            got = jax.jit(run)(q, k, v)
             for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
                 _close(g, w, what=f"{isa} {name}")
+            hlo = jax.jit(run).lower(q, k, v).as_text()
+            for call in (native.build.TARGET_DILATED, native.build.TARGET_DILATED_BACKWARD):
+                assert hlo.count(f"@{native.build.target(call)}(") == 1, call
 
 
 # ------------------------------------------------------------ the builds
