@@ -515,9 +515,9 @@ def test_strategies_op_runs_end_to_end_at_a_tiny_size(tmp_path, capsys, monkeypa
     offers (on a pretended GPU: 8 heads over 8 devices exchange heads only in the
     longest branch), and the step counter counts every step it announces."""
     from benchmarks import strategies as bench
-    from jax_dilated.ops import strategies
+    from jax_dilated.ops.strategies import cost
 
-    monkeypatch.setattr(strategies, "_device_kind", lambda: "gpu")
+    monkeypatch.setattr(cost, "_device_kind", lambda: "gpu")
     op, args = _op_args("strategies", [
         "--ops", "dilated", "--seq-lens", "256", "--kv-heads", "8", "--devices", "8",
         "--heads", "8", "--head-dim", "8", "--repeats", "1", "--warmup", "0", "--json",

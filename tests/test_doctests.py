@@ -25,7 +25,7 @@ MODULES = [
     "jax_dilated.ops.decode",
     "jax_dilated.core.layouts",
     "jax_dilated.ops.sharded",
-    "jax_dilated.ops.strategies",
+    "jax_dilated.ops.strategies.choice",
     "jax_dilated.layers.factory",
     "jax_dilated.layers.flax_adapter",
     "jax_dilated.layers.nnx",

@@ -21,7 +21,7 @@ from _mesh import devices as mesh_devices, make_mesh
 
 import jax_dilated as jd
 from jax_dilated import block_patterns as bp
-from jax_dilated.ops import strategies
+from jax_dilated.ops.strategies import cost
 
 B, T, D = 2, 64, 8
 
@@ -309,7 +309,7 @@ def test_auto_orders_dilated_memory_as_compiled():
     MiB with the native CPU forward, 24.3 against 33.1 with the XLA kernel's), heads
     from 8192 (37.9 against 48.9; 42.1 against 49.9): the XLA kernel's logits blocks
     of a spanning branch are as small as a shard's dilated tokens on the ring and full
-    under the head exchange (strategies._logits_blocks_held)."""
+    under the head exchange (cost._logits_blocks_held)."""
     for t, want in ((4096, "ring"), (8192, "heads")):
         dil = _benchmark_dilated(t)
         pick, costs, _ = jd.explain_strategy(dil, (1, t, 8, 64), num_devices=8,
@@ -492,7 +492,7 @@ def test_auto_prices_the_per_branch_mix(capsys, monkeypatch):
     small = functools.partial(jd.dilated_attention, segment_lengths=(4, 16, 64),
                               dilation_rates=(1, 2, 4), is_causal=True)
     q, k, v, g, mask = _inputs(8, 4)
-    monkeypatch.setattr(strategies, "_device_kind", lambda: "gpu")
+    monkeypatch.setattr(cost, "_device_kind", lambda: "gpu")
     # (float64: the XLA kernel's streamed program, whose exchange sends q, k, v again
     # in the backward, so the branch of 2 devices keeps its ring)
     assert jd.explain_strategy(small, q.shape, k.shape, num_devices=8,
@@ -507,9 +507,9 @@ def test_cost_model_figures():
     """Bytes and memory per device follow the documented formulas."""
     fn = functools.partial(jd.ring_attention, is_causal=True)
     b, t, h, hkv, d, p = 1, 4096, 8, 2, 64, 4
-    costs = strategies.estimate(fn, batch=b, seq_len=t, num_heads=h, num_kv_heads=hkv,
-                                head_dim=d, num_devices=p, dtype="float32",
-                                layout="zigzag")
+    costs = cost.estimate(fn, batch=b, seq_len=t, num_heads=h, num_kv_heads=hkv,
+                          head_dim=d, num_devices=p, dtype="float32",
+                          layout="zigzag")
     kshard = b * (t // p) * hkv * d * 4
     qshard = b * (t // p) * h * d * 4
     assert costs["ring"].sent_bytes == costs["allgather"].sent_bytes == 6 * (p - 1) * kshard
@@ -523,8 +523,8 @@ def test_cost_model_figures():
     # it gathers (8 here: one per query head, each at its own offset)
     dil = functools.partial(jd.dilated_attention, segment_lengths=(1024, 4096),
                             dilation_rates=(1, 4))
-    costs = strategies.estimate(dil, batch=b, seq_len=t, num_heads=h, num_kv_heads=h,
-                                head_dim=d, num_devices=p)
+    costs = cost.estimate(dil, batch=b, seq_len=t, num_heads=h, num_kv_heads=h,
+                          head_dim=d, num_devices=p)
     assert costs["ring"].sent_bytes == 6 * (p - 1) * b * (t // p // 4) * h * d * 4
 
 
@@ -533,7 +533,7 @@ def test_branch_results_held_follow_the_kernel_that_serves(monkeypatch):
     cannot stream them into one partial: with cuDNN. On a GPU that is half-precision
     inputs; float32 runs on the XLA kernel there, which streams, as on CPU. (Without
     the XLA kernel's logits blocks, float32 whatever the inputs: the next test.)"""
-    monkeypatch.setattr(strategies, "_logits_blocks_held", lambda *shape: 0.0)
+    monkeypatch.setattr(cost, "_logits_blocks_held", lambda *shape: 0.0)
     dil = functools.partial(jd.dilated_attention, segment_lengths=(1024, 4096, 16384),
                             dilation_rates=(1, 2, 4))
     shape = dict(batch=1, seq_len=16384, num_heads=8, num_kv_heads=8, head_dim=64,
@@ -541,7 +541,7 @@ def test_branch_results_held_follow_the_kernel_that_serves(monkeypatch):
 
     def held_per_element(dtype, platform, **options):
         fn = functools.partial(dil, **options)
-        costs = strategies.estimate(fn, dtype=dtype, platform=platform, **shape)
+        costs = cost.estimate(fn, dtype=dtype, platform=platform, **shape)
         return costs["ring"].held_bytes / jnp.dtype(dtype).itemsize
 
     cpu = held_per_element("float32", "cpu")

@@ -27,7 +27,7 @@ from jax_dilated.ops.block_sparse import block_sparse_attention
 from jax_dilated.ops.dilated import dilated_attention
 from jax_dilated.ops.ring import ring_attention
 from jax_dilated.ops.sharded import sharded
-from jax_dilated.ops.strategies import check_strategy
+from jax_dilated.ops.strategies import check_sharded_strategy
 
 __all__ = [
     "AttentionCore",
@@ -197,7 +197,7 @@ def dilated_core(*, segment_lengths, dilation_rates, mode="longnet", head_offset
                ("implementation", implementation)) + _block_options(
                    block_q, block_k) + _score_options(logit_soft_cap=logit_soft_cap)
     return AttentionCore("dilated", attention_fn, options, mesh, seq_axis, batch_axis,
-                         head_axis, strategy=check_strategy(strategy))
+                         head_axis, strategy=check_sharded_strategy(strategy))
 
 
 def ring_core(*, mesh, seq_axis, layout="contiguous", batch_axis=None, head_axis=None,
@@ -224,7 +224,7 @@ def ring_core(*, mesh, seq_axis, layout="contiguous", batch_axis=None, head_axis
     options = (("scale", scale), ("implementation", implementation)) + _block_options(
         block_q, block_k) + _score_options(window, logit_soft_cap)
     return AttentionCore("ring", attention_fn, options, mesh, seq_axis, batch_axis,
-                         head_axis, layout, check_strategy(strategy))
+                         head_axis, layout, check_sharded_strategy(strategy))
 
 
 def block_sparse_core(*, block_size, pattern, scale=None, implementation=None,
@@ -250,7 +250,7 @@ def block_sparse_core(*, block_size, pattern, scale=None, implementation=None,
     options = (("block_size", block_size), ("pattern", pattern), ("scale", scale),
                ("implementation", implementation)) + _score_options(window, logit_soft_cap)
     return AttentionCore("block_sparse", attention_fn, options, mesh, seq_axis, batch_axis,
-                         head_axis, layout, check_strategy(strategy))
+                         head_axis, layout, check_sharded_strategy(strategy))
 
 
 def check_sinks_flag(sinks, core: AttentionCore) -> bool:

@@ -155,7 +155,7 @@ def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
     block_q, block_k = validation.check_block_sizes(block_q, block_k)
     logit_soft_cap = validation.check_logit_soft_cap(logit_soft_cap)
     sinks = validation.check_sinks(sinks, h)
-    strategy = distributed.check_strategy(strategy, len(branches))
+    strategy = distributed.check_branch_strategy(strategy, len(branches))
     if seq_axis is None and strategy != "ring":
         raise ValueError(f"strategy={strategy!r} says how to parallelise the sequence axis: "
                          f"it needs seq_axis= (inside shard_map, or through jd.sharded); "

@@ -161,7 +161,7 @@ def streamed_partial(kernel, args: KernelArgs, plans, mode: str, query, key, val
     """
     kernels = None if branch_kernels is None else tuple(branch_kernels)
     # chunked even on a kernel with a fused program: the strategies' cost model
-    # (ops/strategies.py) prices every strategy's local branches as this program, and
+    # (ops/strategies/cost.py) prices every strategy's local branches as this program, and
     # a head exchange (a spanning branch's) cannot run inside a fused call
     return _attend(_Call(kernel, args, tuple(plans), mode, num_branches,
                          branch_kernels=kernels, fuse=False), query, key, value, kv_mask,

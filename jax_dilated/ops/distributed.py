@@ -80,7 +80,7 @@ from jax_dilated.ops import branch_combine, dilated_local, dilated_window
 from jax_dilated.ops.head_parallel import kv_repeat
 from jax_dilated.ops.ring import RingConfig, ring_partials
 
-__all__ = ["BRANCH_STRATEGIES", "ShardedBranch", "shard_branches", "check_strategy",
+__all__ = ["BRANCH_STRATEGIES", "ShardedBranch", "shard_branches", "check_branch_strategy",
            "branch_strategies", "heads_by_branch",
            "group_gather", "sharded_dilated", "branch_partials"]
 
@@ -183,9 +183,10 @@ def heads_by_branch(branches, plans, *, local_len: int, num_devices: int):
     return sharded
 
 
-def check_strategy(strategy, num_branches: int):
-    """``strategy`` as given (one of :data:`BRANCH_STRATEGIES`) or as a tuple with one
-    entry per branch; a ``ValueError`` for anything else."""
+def check_branch_strategy(strategy, num_branches: int):
+    """Dilated attention's own ``strategy=`` over a mesh, as given: one of
+    :data:`BRANCH_STRATEGIES` for every branch, or a tuple with exactly one entry per
+    branch (``num_branches``); a ``ValueError`` for anything else."""
     if isinstance(strategy, str):
         if strategy not in BRANCH_STRATEGIES:
             raise ValueError(f"strategy must be one of {BRANCH_STRATEGIES} or a sequence "
@@ -201,7 +202,7 @@ def check_strategy(strategy, num_branches: int):
 
 def branch_strategies(strategy, plans, sharded_branches) -> tuple[str, ...]:
     """The strategy of every branch: ``strategy`` is one of :data:`BRANCH_STRATEGIES`
-    for all branches or a sequence with one entry per branch (:func:`check_strategy`).
+    for all branches or a sequence with one entry per branch (:func:`check_branch_strategy`).
 
     Raises:
       ValueError naming the branch and the entries that can serve it, when a
@@ -209,7 +210,7 @@ def branch_strategies(strategy, plans, sharded_branches) -> tuple[str, ...]:
       ``"heads"`` is given to a spanning branch whose query heads do not divide by the
       devices of its segment.
     """
-    strategy = check_strategy(strategy, len(sharded_branches))
+    strategy = check_branch_strategy(strategy, len(sharded_branches))
     if isinstance(strategy, str):  # one word for all: window branches keep their ring
         entries = tuple("ring" if sb.cut.window is not None else strategy
                         for sb in sharded_branches)

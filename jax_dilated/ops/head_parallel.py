@@ -1,7 +1,7 @@
 """Head parallelism inside ``shard_map``: the all-to-all between sequence shards and
 head shards, and dilated attention of this device's heads over the whole sequence.
 
-The ``"heads"`` strategy of :mod:`jax_dilated.ops.strategies` builds on these, and so
+The ``"heads"`` strategy (:mod:`jax_dilated.ops.strategies.heads`) builds on these, and so
 does dilated attention with ``seq_axis`` (:func:`dilated_over_heads`: its ``"heads"``
 strategy, and packed rows under every strategy), which
 :func:`jax_dilated.dilated_attention` calls: this module sits below both (it imports

@@ -113,7 +113,7 @@ def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
                         f"{fn!r}.")
     validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
     layouts.check_layout(layout)
-    strategy = strategies.check_strategy(strategy)
+    strategy = strategies.check_sharded_strategy(strategy)
     op = strategies.describe(fn)
     axis_kw = _axis_keyword(fn)
     # Only the ring takes a layout; dilated attention shards contiguously.

@@ -1,0 +1,108 @@
+"""What ``strategy="auto"`` picks: the least estimated time among the strategies that can
+serve (:func:`choose`, from :mod:`jax_dilated.ops.strategies.cost`), and
+:func:`explain_strategy`, which prints the choice and the numbers."""
+
+from __future__ import annotations
+
+import sys
+
+import jax.numpy as jnp
+
+from jax_dilated.ops.strategies.cost import estimate, pricing_for
+from jax_dilated.ops.strategies.operation import Operation, describe
+
+__all__ = ["choose", "explain_strategy"]
+
+
+def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
+           head_dim: int, num_devices: int, dtype="float32", layout: str = "contiguous",
+           platform: str | None = None, segment_ids: bool = False):
+    """``(strategy, costs, why)``: the strategy ``"auto"`` picks for this call.
+
+    Among the strategies that can serve, the one with the least estimated time,
+    ``time ~ work x F + exposed bytes / bandwidth`` per device, where ``F`` is the
+    flops of the whole attention (forward and backward, ``10 B T^2 H D`` dense;
+    dilated: the branches' segments; block-sparse as dense, a bound) and
+    ``flops / bandwidth`` the device kind's balance (``cost._BALANCE``: flops one byte
+    moved costs). On CPU no transfer overlaps and the work done in calls over a
+    shard's tokens costs ``cost._CPU_SEQ_SHARDED_WORK`` times as much (measured; see
+    the constant). Ties (within 10%) go to the one holding less memory, then to the
+    order ring, heads, per-branch mix, allgather. For dilated attention the
+    per-branch mix of :func:`estimate` competes too; ``strategy`` is then its tuple.
+    ``segment_ids``: the call has packed rows (only strategies that can serve them
+    are considered; :func:`estimate`).
+    """
+    op = op if isinstance(op, Operation) else describe(op)
+    costs = estimate(op, batch=batch, seq_len=seq_len, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     num_devices=num_devices, dtype=dtype, layout=layout,
+                     segment_ids=segment_ids, platform=platform)
+    pricing = pricing_for(op, platform, batch, seq_len, num_heads, head_dim)
+    times = {s: pricing.of(c) for s, c in costs.items() if c.reason is None}
+    if not times:
+        raise ValueError("no strategy can serve this call: " + "; ".join(
+            f"{s}: {c.reason}" for s, c in costs.items()))
+    best = min(times.values())
+    order = ("ring", "heads", "per_branch", "allgather")
+    near = [s for s in order if s in times and times[s] <= 1.1 * best]
+    key = min(near, key=lambda s: (costs[s].held_bytes, order.index(s)))
+    c = costs[key]
+    exposed = pricing.exposed_of(c)
+    why = (f"least estimated time (work {c.work:.3f} of {pricing.flops:.3g} flops, "
+           f"{c.sent_bytes / 2**20:.2f} MiB sent, {exposed / 2**20:.2f} MiB of it "
+           f"exposed at {pricing.balance:g} flop/byte)")
+    if len(near) > 1:
+        why += f"; within 10% of {[s for s in near if s != key]}, and holds least memory"
+    return c.strategy, costs, why
+
+
+def explain_strategy(fn, query_shape, key_shape=None, *, num_devices: int,
+                     dtype="float32", layout: str = "contiguous", platform=None,
+                     file=None, quiet: bool = False, segment_ids: bool = False):
+    """Which strategy ``strategy="auto"`` picks for ``fn`` on these shapes, and why.
+
+    Args:
+      fn: the operation as given to ``jd.sharded`` (e.g.
+        ``functools.partial(jd.dilated_attention, segment_lengths=..., ...)``).
+      query_shape, key_shape: global ``[batch, seq, heads, head_dim]`` shapes
+        (``key_shape`` defaults to ``query_shape``).
+      num_devices: devices of the sequence axis.
+      dtype, layout: of the call; platform: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (default:
+        this machine's).
+      file, quiet: where to print (default stdout); ``quiet`` only returns.
+      segment_ids: whether the call has packed rows (``segment_ids=``).
+
+    Returns:
+      ``(strategy, {strategy: StrategyCost}, why)``.
+
+    Example:
+      >>> import functools, jax_dilated as jd
+      >>> pick, costs, why = jd.explain_strategy(
+      ...     functools.partial(jd.ring_attention, is_causal=True), (1, 4096, 8, 64),
+      ...     (1, 4096, 2, 64), num_devices=4, layout="zigzag", quiet=True)
+      >>> pick in ("ring", "heads", "allgather"), costs["heads"].reason is None
+      (True, True)
+    """
+    key_shape = tuple(query_shape) if key_shape is None else tuple(key_shape)
+    b, t, h, d = query_shape
+    hkv = key_shape[2]
+    pick, costs, why = choose(fn, batch=b, seq_len=t, num_heads=h, num_kv_heads=hkv,
+                              head_dim=d, num_devices=num_devices, dtype=dtype,
+                              layout=layout, platform=platform,
+                              segment_ids=segment_ids)
+    if not quiet:
+        out = sys.stdout if file is None else file
+        op = describe(fn)
+        print(f"strategy for {op.name} on query {tuple(query_shape)}, key {key_shape}, "
+              f"{jnp.dtype(dtype).name}, {num_devices} devices, layout={layout!r}: "
+              f"{pick} - {why}", file=out)
+        for s, c in costs.items():
+            state = "can serve" if c.reason is None else f"cannot serve: {c.reason}"
+            if c.note:
+                state += f" ({c.note})"
+            s = s if isinstance(c.strategy, str) else f"per-branch {c.strategy}"
+            print(f"  {s:<9} sent {c.sent_bytes / 2**20:9.2f} MiB/device, held "
+                  f"{c.held_bytes / 2**20:9.2f} MiB/device, "
+                  f"{'overlapped' if c.overlap else 'not overlapped'}, work share "
+                  f"{c.work:.3f}; {state}", file=out)
+    return pick, costs, why
