@@ -10,7 +10,8 @@ forward's time at 16K tokens. Here instead one loop per branch walks over chunks
 of segments; a chunk's queries, keys and values are sliced and dilated into a
 kernel-sized buffer, the kernel runs on it, and its result goes straight into the
 accumulators (the output and the log-sum-exp, carried through every branch and
-updated in place). Temporaries stay the size of one chunk.
+updated in place). Temporaries stay the size of one chunk. (A branch's chunks, their
+geometry and views of the arrays: :mod:`jax_dilated.ops.dilated_chunks`.)
 
 The accumulated pair ``(O, LSE)`` is, per mode:
 
@@ -52,13 +53,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_dilated.backends.base import Kernel, KernelArgs, is_blockwise
 from jax_dilated.core import branch_plans, dilation, softmax
-from jax_dilated.core.arrays import pad_axis
-from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
+from jax_dilated.ops.dilated_chunks import (BranchView, branch_rng, chunk_rng, loop_chunks,
+                                            slice_items)
 
 __all__ = ["dilated_local"]
 
@@ -143,7 +143,7 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
                           kv_mask, dropout_rng, source)
     windowed = [(plans[i], dilated_window.local_partial(
         kernel, args, plans[i], query, key, value, kv_mask,
-        _branch_rng(dropout_rng, len(plans) + i), segment_ids)) for i in windows]
+        branch_rng(dropout_rng, len(plans) + i), segment_ids)) for i in windows]
     o, lse = dilated_window.mix(partial, windowed, mode, len(plans), query.dtype)
     return softmax.sinks_on_output(o, lse, sinks)
 
@@ -168,261 +168,6 @@ def streamed_partial(kernel, args: KernelArgs, plans, mode: str, query, key, val
                    dropout_rng, None)
 
 
-# --------------------------------------------------------------------------- chunks
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chunks:
-    """How a branch's ``items`` dilated segments are walked: ``full`` chunks of
-    ``size`` in a loop, then one static chunk of ``rest`` (0: none)."""
-
-    size: int
-    full: int
-    rest: int
-
-    @property
-    def count(self) -> int:
-        return self.full + (1 if self.rest else 0)
-
-
-def _chunks(items: int, target: int) -> _Chunks:
-    """Chunks of about ``target`` items; a divisor of ``items`` when one is close."""
-    target = max(1, min(items, target))
-    for size in range(target, (target + 1) // 2 - 1, -1):
-        if size >= 1 and items % size == 0:
-            return _Chunks(size, items // size, 0)
-    return _Chunks(target, items // target, items % target)
-
-
-def _branch_rng(rng, i: int):
-    return None if rng is None else jax.random.fold_in(rng, i)
-
-
-def _chunk_rng(rng, c):
-    return None if rng is None else jax.random.fold_in(rng, c)
-
-
-class _Branch:
-    """One branch's static geometry and its views of the call's arrays.
-
-    Arrays of the call, ``[B, T, ...]``, are seen as ``[B * S, w, ...]`` (``S``
-    segments of ``w`` tokens; a free reshape when ``w`` divides ``T``, else the
-    sequence is padded to ``S w`` first). Where the rate does not divide the segment,
-    every segment is padded at its end to ``Branch.padded_length`` tokens, and ``w``
-    is that length: each item is then one segment whose rate divides it (``cut``).
-    """
-
-    def __init__(self, call: _Call, i: int, query, key, source=None):
-        self.plan = call.plans[i]
-        self.kernel = call.kernel_of(i)
-        self.branch = self.plan.branch
-        b, t, h, d = query.shape
-        self.batch, self.seq_len, self.heads = b, t, h
-        self.kv_heads = key.shape[2]
-        self.w = self.branch.padded_length  # an item's tokens
-        # one item as a branch of its own: the views' chunks are dilated by it
-        self.cut = branch_plans.Branch(self.w, self.branch.rate, self.w)
-        # slots: the chunks' rows come from (and go back to) the packed arrays, through
-        # ``index`` [B T'] (flat packed row of every slot, B T for an empty one)
-        self.index = self.filled = None
-        if source is not None:
-            t = source.shape[1]
-            if t % self.w or self.w != self.branch.effective_length:
-                raise AssertionError("the slots are cut by every segment")  # pragma: no cover
-            self.filled = source < self.seq_len
-            rows = source + jnp.arange(b, dtype=source.dtype)[:, None] * self.seq_len
-            self.index = jnp.where(self.filled, rows, b * self.seq_len).reshape(-1)
-        self.segments = self.branch.num_segments(t)
-        self.items = b * self.segments
-        heads = self.plan.query_heads
-        self.h0, self.hs = int(heads[0]), len(heads)
-        if not np.array_equal(heads, np.arange(self.h0, self.h0 + self.hs)):
-            raise AssertionError("branch plans give contiguous head ranges")  # pragma: no cover
-        rate = self.branch.rate
-        d_shape = (self.w // rate, self.hs, d)
-        k_shape = (self.w // rate, len(self.plan.kv_heads), d)
-        target = self.kernel.batch_chunk(
-            self.items, jax.ShapeDtypeStruct((self.items, *d_shape), query.dtype),
-            jax.ShapeDtypeStruct((self.items, *k_shape), key.dtype), call.args)
-        self.chunks = _chunks(self.items, target)
-        # gathered kv head g is kv head kv_heads[g]: the kv heads' contributions
-        # are sums over the gathered heads that read them
-        self.kv_sources = [np.flatnonzero(self.plan.kv_heads == j) for j in range(self.kv_heads)]
-
-    def view(self, x, fill=0):
-        """[B, T, ...] -> [B S, w, ...] (slots: the packed rows, [B T, ...])."""
-        if self.index is not None:
-            return x.reshape(self.batch * self.seq_len, *x.shape[2:])
-        w = self.branch.effective_length
-        x = pad_axis(x, 1, self.segments * w, fill)
-        x = pad_axis(x.reshape(self.items, w, *x.shape[2:]), 1, self.w, fill)
-        return x
-
-    def unview(self, x):
-        """Inverse of :meth:`view`: [B S, w, ...] -> [B, T, ...]."""
-        if self.index is not None:
-            return x.reshape(self.batch, self.seq_len, *x.shape[1:])
-        w = self.branch.effective_length
-        x = jax.lax.slice_in_dim(x, 0, w, axis=1)  # the segment's own tokens
-        x = x.reshape(self.batch, self.segments * w, *x.shape[2:])
-        return jax.lax.slice_in_dim(x, 0, self.seq_len, axis=1)
-
-    def _rows(self, start, size: int):
-        """Slots: the packed rows of items ``[start, start + size)``, [size w]."""
-        return jax.lax.dynamic_slice_in_dim(self.index, start * self.w, size * self.w)
-
-    def _selected_rows(self, start, size: int, offset: int):
-        """Slots: the packed rows that offset ``offset`` selects in items ``[start,
-        start + size)``, [size, w/r]."""
-        r = self.branch.rate
-        return self._rows(start, size).reshape(size, self.w // r, r)[:, :, offset]
-
-    def load(self, x_v, start, size: int, fill=None):
-        """Items ``[start, start + size)`` of a view: [size, w, ...]. Slots: gathered
-        from the packed rows; an empty slot holds ``fill`` (None: any finite row, for
-        keys masked invalid and queries whose results are dropped)."""
-        if self.index is None:
-            return _slice(x_v, start, size)
-        rows = self._rows(start, size)
-        got = (jnp.take(x_v, rows, axis=0, mode="clip") if fill is None else
-               jnp.take(x_v, rows, axis=0, mode="fill", fill_value=fill))
-        return got.reshape(size, self.w, *x_v.shape[1:])
-
-    def dilated(self, x_v, start, size: int, kind: str, fill=None):
-        """The dilated chunk [size, w/r, H_b, ...] of a view for the branch's query
-        (``kind="q"``) or gathered kv heads (``"kv"``). Slots, when the heads form one
-        run at one offset (head_groups; every rate-1 branch): only the selected rows
-        and heads are gathered, where :meth:`load` would fetch every row and head."""
-        offsets, heads = ((self.plan.offsets, self.plan.query_heads) if kind == "q"
-                          else (self.plan.kv_offsets, self.plan.kv_heads))
-        gather = self.gather_q if kind == "q" else self.gather_kv
-        one_run = (np.all(offsets == offsets[0])
-                   and np.array_equal(heads, np.arange(heads[0], heads[0] + len(heads))))
-        if self.index is None or not one_run:
-            return gather(self.load(x_v, start, size, fill))
-        r = self.branch.rate
-        rows = self._selected_rows(start, size, int(offsets[0]))
-        starts = jnp.stack([rows.reshape(-1), jnp.full((rows.size,), int(heads[0]),
-                                                       rows.dtype)], axis=-1)
-        dims = jax.lax.GatherDimensionNumbers(offset_dims=tuple(range(1, x_v.ndim)),
-                                              collapsed_slice_dims=(0,),
-                                              start_index_map=(0, 1))
-        mode = (jax.lax.GatherScatterMode.CLIP if fill is None
-                else jax.lax.GatherScatterMode.FILL_OR_DROP)
-        got = jax.lax.gather(x_v, starts, dims, (1, len(heads), *x_v.shape[2:]), mode=mode,
-                             fill_value=fill)
-        return got.reshape(size, self.w // r, len(heads), *x_v.shape[2:])
-
-    def store(self, acc, part, start, head0: int):
-        """``acc`` with ``part`` [n, w, H_b, ...] written at items ``start`` on, heads
-        ``head0`` on (slots: scattered to the packed rows, empty slots dropped)."""
-        if self.index is None:
-            return _update(acc, part, start, head0)
-        rows = self._rows(start, part.shape[0])
-        part = part.reshape(-1, *part.shape[2:]).astype(acc.dtype)
-        return acc.at[rows, head0:head0 + part.shape[1]].set(part, mode="drop")
-
-    def read(self, acc, start, size: int, head0: int, heads: int):
-        """The ``[size, w, heads, ...]`` part of ``acc`` that :meth:`store` writes."""
-        if self.index is None:
-            return _read(acc, start, size, head0, heads)
-        return self.load(acc, start, size)[:, :, head0:head0 + heads]
-
-    def gather_q(self, x):
-        """Chunk [n, w, H, ...] -> its dilated query heads [n, w/r, H_b, ...]."""
-        return dilation.gather_dilated(x, self.cut, self.plan.offsets, self.plan.query_heads)
-
-    def gather_kv(self, x):
-        """Chunk [n, w, H_kv, ...] -> the branch's gathered kv heads [n, w/r, H_g, ...]."""
-        return dilation.gather_dilated(x, self.cut, self.plan.kv_offsets, self.plan.kv_heads)
-
-    def scatter_q(self, y, fill):
-        """[n, w/r, H_b, ...] -> [n, w, H_b, ...] (``fill`` where a head selects nothing)."""
-        return dilation.scatter_dilated(y, self.cut, self.plan.offsets, y.shape[0], self.w,
-                                        fill)
-
-    def put_selected(self, acc, y, start):
-        """``acc`` [B S, w, H, ...] with ``y`` [n, w/r, H_b, ...] written at the positions
-        the branch's heads select, item ``start`` on; nothing else is touched.
-
-        For head_groups, whose heads all share one offset and no other branch writes:
-        one strided in-place write of exactly ``y``, where scattering first would write
-        ``r`` times as much (mostly zeros the accumulator already holds).
-        """
-        r = self.branch.rate
-        offset = int(self.plan.offsets[0])
-        if self.index is not None:  # the selected slots' packed rows
-            rows = self._selected_rows(start, y.shape[0], offset)
-            return acc.at[rows.reshape(-1), self.h0:self.h0 + self.hs].set(
-                y.reshape(-1, *y.shape[2:]).astype(acc.dtype), mode="drop")
-        view = acc.reshape(acc.shape[0], self.w // r, r, *acc.shape[2:])
-        idx = (start, 0, offset, self.h0) + (0,) * (acc.ndim - 3)
-        view = jax.lax.dynamic_update_slice(view, jnp.expand_dims(y, 2).astype(acc.dtype), idx)
-        return view.reshape(acc.shape)
-
-    def scatter_kv(self, y):
-        """Gathered kv-head gradients [n, w/r, H_g, D] -> [n, w, H_kv, D] (summed per kv head)."""
-        y = dilation.scatter_dilated(y, self.cut, self.plan.kv_offsets, y.shape[0], self.w, 0)
-        parts = []
-        for sources in self.kv_sources:
-            if len(sources) == 0:
-                parts.append(jnp.zeros_like(y[:, :, 0]))
-            else:
-                parts.append(functools.reduce(jnp.add, [y[:, :, g] for g in sources]))
-        return jnp.stack(parts, axis=2)
-
-    def valid(self, kv_mask):
-        """Key validity [B S, w, H_kv] or None (every key of every segment exists);
-        slots: a filled slot whose packed key is valid."""
-        if self.index is not None:
-            valid = self.filled
-            if kv_mask is not None:
-                valid = valid & jnp.take(kv_mask.reshape(-1), self.index, mode="clip").reshape(
-                    valid.shape)
-            valid = jnp.broadcast_to(valid[:, :, None], (*valid.shape, self.kv_heads))
-            return valid.reshape(self.items, self.w, self.kv_heads)
-        valid = dilation.key_validity(kv_mask, self.branch, self.batch, self.seq_len)
-        if valid is None:
-            return None
-        valid = jnp.broadcast_to(valid[:, :, None], (self.batch, self.seq_len, self.kv_heads))
-        return self.view(valid, False)
-
-
-def _loop(chunks: _Chunks, body, carry, br: _Branch):
-    """``body(carry, start, size, c)`` over every chunk ``c`` (traced start in the loop);
-    slots: a chunk of empty slots only is skipped (it would compute nothing)."""
-    if br.index is not None:
-        def step(acc, start, size, c):
-            need = jnp.any(br._rows(start, size) < br.batch * br.seq_len)
-            return maybe_skip(need, lambda a: body(a, start, size, c), acc)
-    else:
-        step = body
-    if chunks.full == 1:
-        carry = step(carry, 0, chunks.size, 0)
-    elif chunks.full > 1:
-        carry = jax.lax.fori_loop(
-            0, chunks.full, lambda c, acc: step(acc, c * chunks.size, chunks.size, c), carry)
-    if chunks.rest:
-        carry = step(carry, chunks.full * chunks.size, chunks.rest, chunks.full)
-    return carry
-
-
-def _slice(x, start, size):
-    return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
-
-
-def _update(acc, part, start, head0: int):
-    """``acc`` [B S, w, H, ...] with ``part`` [n, w, H_b, ...] written at item ``start``, head ``head0``."""
-    idx = (start, 0, head0) + (0,) * (acc.ndim - 3)
-    return jax.lax.dynamic_update_slice(acc, part.astype(acc.dtype), idx)
-
-
-def _read(acc, start, size: int, head0: int, heads: int):
-    """The ``[size, w, heads, ...]`` slice of ``acc`` that :func:`_update` writes."""
-    idx = (start, 0, head0) + (0,) * (acc.ndim - 3)
-    return jax.lax.dynamic_slice(acc, idx, (size, acc.shape[1], heads) + acc.shape[3:])
-
-
 # --------------------------------------------------------------------------- forward
 
 
@@ -443,20 +188,20 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
     # not the last write, and XLA keeps the accumulator in the output buffer instead of
     # copying it there at the end (a sequence-sized temporary less).
     for n_done, i in enumerate(reversed(range(nb))):
-        br = _Branch(call, i, query, key, source)
+        br = BranchView(call.plans[i], call.kernel_of(i), call.args, query, key, source)
         q_v, k_v, v_v = br.view(query), br.view(key), br.view(value)
         valid_v = br.valid(kv_mask)
-        rng_i = _branch_rng(rng, i)
+        rng_i = branch_rng(rng, i)
 
         def body(acc, start, size, c, br=br, q_v=q_v, k_v=k_v, v_v=v_v, valid_v=valid_v,
                  rng_i=rng_i, first=n_done == 0):
             o_acc, lse_acc, lo_acc = acc
-            valid = _slice(valid_v, start, size)
+            valid = slice_items(valid_v, start, size)
             o_c, lse_c, lo_c = br.kernel.forward(
                 br.dilated(q_v, start, size, "q"), br.dilated(k_v, start, size, "kv"),
                 br.dilated(v_v, start, size, "kv"), call.args,
                 kv_valid=None if valid is None else br.gather_kv(valid),
-                dropout_rng=_chunk_rng(rng_i, c))
+                dropout_rng=chunk_rng(rng_i, c))
             if not longnet:
                 o_c = o_c / jnp.asarray(call.groups, o_c.dtype)
                 return (br.put_selected(o_acc, o_c, start),
@@ -474,7 +219,8 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
             return tuple(br.store(x, y, start, br.h0)
                          for x, y in zip((o_acc, lse_acc, lo_acc), (o_c, lse_c, lo_c)))
 
-        acc = _loop(br.chunks, body, (br.view(o), br.view(lse, -jnp.inf), br.view(lse_lo)), br)
+        acc = loop_chunks(br.chunks, body,
+                          (br.view(o), br.view(lse, -jnp.inf), br.view(lse_lo)), br)
         o, lse, lse_lo = (br.unview(x) for x in acc)
     return o.astype(query.dtype), lse, lse_lo
 
@@ -568,20 +314,20 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
     dv = jnp.zeros(value.shape, stats)
     dq, dk, dv = varying_like((dq, dk, dv), (query, key, value, do))
     for n_done, i in enumerate(reversed(range(nb))):  # order: as in _forward
-        br = _Branch(call, i, query, key, source)
+        br = BranchView(call.plans[i], call.kernel_of(i), call.args, query, key, source)
         q_v, k_v, v_v, do_v = br.view(query), br.view(key), br.view(value), br.view(do)
         # rows that hold no position (past T, or completing a segment's last row)
         # get lse = inf: p = 0 there, whatever their logits
         lse_v, delta_v, c_v = br.view(lse_k, jnp.inf), br.view(delta), br.view(c_do)
         out_v = None if out is None else br.view(out)
         valid_v = br.valid(kv_mask)
-        rng_i = _branch_rng(rng, i)
+        rng_i = branch_rng(rng, i)
 
         def body(acc, start, size, c, br=br, q_v=q_v, k_v=k_v, v_v=v_v, do_v=do_v,
                  lse_v=lse_v, delta_v=delta_v, c_v=c_v, out_v=out_v, valid_v=valid_v,
                  rng_i=rng_i, first=n_done == 0):
             dq_acc, dk_acc, dv_acc = acc
-            valid = _slice(valid_v, start, size)
+            valid = slice_items(valid_v, start, size)
             do_c = (br.dilated(do_v, start, size, "q", 0).astype(stats)
                     * br.dilated(c_v, start, size, "q", 0)[..., None]).astype(do.dtype)
             dq_c, dk_c, dv_c = br.kernel.backward(
@@ -591,7 +337,7 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
                 br.dilated(lse_v, start, size, "q", jnp.inf),
                 br.dilated(delta_v, start, size, "q", 0), call.args,
                 kv_valid=None if valid is None else br.gather_kv(valid),
-                dropout_rng=_chunk_rng(rng_i, c),
+                dropout_rng=chunk_rng(rng_i, c),
                 out=None if out_v is None else br.dilated(out_v, start, size, "q", 0))
             dk_c, dv_c = br.scatter_kv(dk_c.astype(stats)), br.scatter_kv(dv_c.astype(stats))
             if not first:  # the accumulators start at zero
@@ -606,7 +352,7 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
                 dq_acc = br.store(dq_acc, dq_c, start, br.h0)
             return dq_acc, br.store(dk_acc, dk_c, start, 0), br.store(dv_acc, dv_c, start, 0)
 
-        dq_v, dk_v, dv_v = _loop(br.chunks, body, (br.view(dq), br.view(dk), br.view(dv)), br)
+        dq_v, dk_v, dv_v = loop_chunks(br.chunks, body, (br.view(dq), br.view(dk), br.view(dv)), br)
         dq, dk, dv = br.unview(dq_v), br.unview(dk_v), br.unview(dv_v)
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 
