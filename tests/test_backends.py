@@ -31,7 +31,7 @@ from _helpers import as_np, assert_close, to_torch
 from _mesh import devices as mesh_devices
 
 import jax_dilated as jd
-from jax_dilated.backends import KernelArgs, cudnn, native, registry, selection, xla
+from jax_dilated.backends import KernelArgs, call_specs, cudnn, native, registry, selection, xla
 from jax_dilated.backends.base import BlockLists, Kernel
 from jax_dilated.core import softmax
 
@@ -184,16 +184,16 @@ def test_augmented_backward_limits():
 def test_call_spec_positions():
     q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
     causal = KernelArgs(scale=0.25, is_causal=True)
-    assert cudnn.call_spec(q, q, causal).positions == "arange"
-    assert cudnn.call_spec(q, q, causal, np.arange(8), np.arange(8)).positions == "arange"
-    assert cudnn.call_spec(q, q, causal, np.arange(8) + 8, np.arange(8)).positions == \
+    assert call_specs.call_spec(q, q, causal).positions == "arange"
+    assert call_specs.call_spec(q, q, causal, np.arange(8), np.arange(8)).positions == "arange"
+    assert call_specs.call_spec(q, q, causal, np.arange(8) + 8, np.arange(8)).positions == \
         "arbitrary"
     seen = []
-    jax.jit(lambda p: seen.append(cudnn.call_spec(q, q, causal, p, p).positions) or p)(
+    jax.jit(lambda p: seen.append(call_specs.call_spec(q, q, causal, p, p).positions) or p)(
         jnp.arange(8))
     assert seen == ["arbitrary"]  # traced positions cannot be proven to be arange
     # without causality positions are irrelevant
-    assert cudnn.call_spec(q, q, KernelArgs(scale=0.25), np.arange(8) + 3).positions == \
+    assert call_specs.call_spec(q, q, KernelArgs(scale=0.25), np.arange(8) + 3).positions == \
         "arange"
 
 

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_dilated as jd
 from jax_dilated import block_patterns as bp
-from jax_dilated.backends import KernelArgs, cudnn, registry, selection, xla
+from jax_dilated.backends import KernelArgs, call_specs, cudnn, registry, selection, xla
 
 torch = pytest.importorskip("torch")  # the reference; without it the module skips
 
@@ -397,14 +397,14 @@ def test_cudnn_serves_left_windows_and_refuses_the_rest():
     q = jax.ShapeDtypeStruct((1, 64, 4, 64), jnp.bfloat16)
     for args, word in ((KernelArgs(scale=1.0, window=(8, 2)), "right of the query"),
                        (KernelArgs(scale=1.0, logit_soft_cap=30.0), "soft-cap")):
-        reason = selection.cudnn_call_reason(info, cudnn.call_spec(q, q, args))
+        reason = selection.cudnn_call_reason(info, call_specs.call_spec(q, q, args))
         assert reason is not None and word in reason, reason
     for args in (KernelArgs(scale=1.0), KernelArgs(scale=1.0, window=(8, 0)),
                  KernelArgs(scale=1.0, window=(8, 0), is_causal=True)):
-        assert selection.cudnn_call_reason(info, cudnn.call_spec(q, q, args)) is None
+        assert selection.cudnn_call_reason(info, call_specs.call_spec(q, q, args)) is None
     # positions that are not arange (a ring step) keep a window off cuDNN
     shifted = np.arange(64) + 64
-    reason = selection.cudnn_call_reason(info, cudnn.call_spec(
+    reason = selection.cudnn_call_reason(info, call_specs.call_spec(
         q, q, KernelArgs(scale=1.0, window=(8, 0)), shifted, np.arange(64)))
     assert reason is not None and "sliding window by position arrays" in reason
     strict = cudnn.CudnnKernel(ops=cudnn.ReferenceOps(), device=info)

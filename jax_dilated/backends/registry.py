@@ -30,7 +30,7 @@ import functools
 
 import jax
 
-from jax_dilated.backends import cudnn, native, selection, xla
+from jax_dilated.backends import call_specs, cudnn, native, selection, xla
 from jax_dilated.backends.base import Kernel
 
 __all__ = ["IMPLEMENTATIONS", "get_kernel", "select_implementation", "AutoKernel",
@@ -191,7 +191,7 @@ class AutoKernel:
         """The XLA kernel's fused ring steps, or None where cuDNN can serve a ring step
         (non-causal and no window: positions do not matter), so that the ring calls
         ``forward``/``backward`` per step and gets cuDNN."""
-        spec = cudnn.call_spec(q, k, args, q_positions=None, k_positions=None)
+        spec = call_specs.call_spec(q, k, args, q_positions=None, k_positions=None)
         if args.is_causal or args.window is not None:  # steps pass traced positions
             spec = dataclasses.replace(spec, positions="arbitrary")
         if selection.cudnn_call_reason(self.cudnn.info, spec) is None:

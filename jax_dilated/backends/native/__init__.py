@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends import cudnn, selection
+from jax_dilated.backends import call_specs, selection
 from jax_dilated.backends.base import KernelArgs
 from jax_dilated.backends.native import build
 from jax_dilated.backends.xla import XlaKernel, dense
@@ -76,7 +76,7 @@ class NativeCpuKernel(XlaKernel):
         dtypes, shapes and which arguments are present; the rules are
         :func:`~jax_dilated.backends.selection.native_call_reason`)."""
         del dropout_rng
-        reason = selection.native_call_reason(cudnn.call_spec(
+        reason = selection.native_call_reason(call_specs.call_spec(
             q, k, args, q_positions=q_positions, k_positions=k_positions,
             kv_valid=kv_valid))
         if reason is None and (q_segment_ids is not None or k_segment_ids is not None):
