@@ -7,9 +7,8 @@
   kernel otherwise. The choice is made per call *while tracing*, from static
   shapes, dtypes and which masks are present - never by catching errors at run
   time. On a CPU where the native kernel builds (:mod:`.native`: Linux on x86-64 with
-  AVX-512 and a C++ compiler) the calls it serves (float32, head_dim a multiple of
-  16) run its compiled forward and the XLA kernel's backward, the others the XLA
-  kernel. On every other device (TPU, older or non-NVIDIA GPUs, CPUs without the
+  AVX2 and FMA, or on aarch64, and a C++ compiler) the calls it serves run it, the
+  others the XLA kernel. On every other device (TPU, older or non-NVIDIA GPUs, CPUs without the
   native kernel) it is the XLA kernel.
 * ``implementation="xla"``: the blockwise XLA kernel everywhere.
 * ``implementation="native"``: the native CPU kernel where it serves a call (the
@@ -27,16 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import get_args
 
 import jax
 
 from jax_dilated.backends import call_specs, cudnn, native, selection, xla
 from jax_dilated.backends.base import Kernel
+from jax_dilated.core.types import Implementation
 
 __all__ = ["IMPLEMENTATIONS", "get_kernel", "select_implementation", "AutoKernel",
-           "explain_call"]
+           "explain_call", "device_choice", "DeviceChoice"]
 
-IMPLEMENTATIONS = ("xla", "cudnn", "native")
+IMPLEMENTATIONS = get_args(Implementation)  # ("xla", "cudnn", "native")
 
 
 def _check_name(implementation) -> None:
@@ -58,7 +59,44 @@ def _hint_reason(info: selection.DeviceInfo, dtype, head_dim) -> str | None:
     return selection.cudnn_call_reason(info, spec)
 
 
-def select_implementation(implementation: str | None, *, device=None, dtype=None,
+@dataclasses.dataclass(frozen=True)
+class DeviceChoice:
+    """The kernel a device gives a request, and why: the one statement of the
+    CPU / GPU decision tree, read by :func:`select_implementation` (what runs) and
+    :func:`explain_call` (what :func:`jax_dilated.backend_report` prints).
+
+    kernel: ``"xla"``, ``"cudnn"`` or ``"native"``.
+    why_not: None when the device runs the kernel asked for (or, for
+      ``implementation=None``, its best one); else why the XLA kernel serves instead,
+      or, for an explicit name, why it cannot run here (:func:`select_implementation`
+      raises it).
+    """
+
+    kernel: str
+    why_not: str | None = None
+
+
+def device_choice(implementation: str | None, info: selection.DeviceInfo,
+                  software_reason: str | None = "detect") -> DeviceChoice:
+    """Which kernel ``info``'s device runs for ``implementation`` (None: by device
+    kind): the native kernel on a CPU where it builds, cuDNN on a device that can run
+    it, the XLA kernel elsewhere. Calls a chosen kernel cannot serve still go to the
+    XLA kernel, one by one (``selection.native_call_reason``,
+    ``selection.cudnn_call_reason``)."""
+    if implementation == "xla":
+        return DeviceChoice("xla")
+    if implementation == "native" or (implementation is None and info.platform == "cpu"):
+        reason = native_reason(info)
+        if reason is None or implementation == "native":
+            return DeviceChoice("native", reason)
+        return DeviceChoice("xla", f"no native CPU kernel: {reason}")
+    reason = selection.cudnn_device_reason(info, software_reason)
+    if implementation is None and reason:
+        return DeviceChoice("xla", "no cuDNN on this device")
+    return DeviceChoice("cudnn", reason)
+
+
+def select_implementation(implementation: Implementation | None, *, device=None, dtype=None,
                           head_dim: int | None = None,
                           software_reason: str | None = "detect") -> str:
     """Resolve ``implementation`` (None = by device kind) to a registered name.
@@ -83,20 +121,14 @@ def select_implementation(implementation: str | None, *, device=None, dtype=None
     if implementation == "xla":
         return "xla"
     info = selection.describe_device(device if device is not None else jax.devices()[0])
-    if implementation == "native" or (implementation is None and info.platform == "cpu"):
-        reason = native_reason(info)
-        if reason is None:
-            return "native"
-        if implementation == "native":
-            raise ValueError(f"implementation='native' cannot run here: {reason}. "
-                             f"Use implementation=None or 'xla'.")
-        return "xla"
-    device_reason = selection.cudnn_device_reason(info, software_reason)
+    choice = device_choice(implementation, info, software_reason)
     if implementation is None:
-        return "xla" if device_reason else "cudnn"
-    if device_reason:
-        raise ValueError(f"implementation='cudnn' cannot run here: {device_reason}. "
-                         f"Use implementation=None or 'xla'.")
+        return choice.kernel
+    if choice.why_not:
+        raise ValueError(f"implementation={implementation!r} cannot run here: "
+                         f"{choice.why_not}. Use implementation=None or 'xla'.")
+    if implementation == "native":
+        return "native"
     hint = _hint_reason(info, dtype, head_dim)
     if hint:
         raise ValueError(f"implementation='cudnn' cannot serve this call: {hint}. "
@@ -221,7 +253,7 @@ def _cudnn_for(device) -> cudnn.CudnnKernel:
     return cudnn.CudnnKernel(device=device)
 
 
-def get_kernel(implementation: str | None, *, device=None, dtype=None,
+def get_kernel(implementation: Implementation | None, *, device=None, dtype=None,
                head_dim: int | None = None) -> Kernel:
     """The kernel to use: an instance of a :class:`~.base.Kernel` class.
 
@@ -250,18 +282,15 @@ def explain_call(info, spec: selection.CallSpec, *, software_reason="detect",
     its log-sum-exp (branch merges), which needs the augmented cuDNN backward.
     """
     info = selection.describe_device(info)
-    if info.platform == "cpu":
-        reason = native_reason(info)
-        if reason:
-            return "xla", f"blockwise XLA kernel (no native CPU kernel: {reason})"
+    choice = device_choice(None, info, software_reason)
+    if choice.kernel == "xla":
+        return "xla", f"blockwise XLA kernel ({choice.why_not})"
+    if choice.kernel == "native":
         reason = selection.native_call_reason(spec)
         if reason:
             return "xla", f"the native CPU kernel cannot serve {reason}"
         return "native", ("compiled forward (online softmax fused in registers); the XLA "
                           "kernel's backward from its lse")
-    device_reason = selection.cudnn_device_reason(info, software_reason)
-    if device_reason:
-        return "xla", "blockwise XLA kernel (no cuDNN on this device)"
     call_reason = selection.cudnn_call_reason(info, spec)
     if call_reason:
         return "xla", f"cuDNN cannot serve {call_reason}"
