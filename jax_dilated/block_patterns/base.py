@@ -226,7 +226,25 @@ def _combine(parts, nq, nk, num_heads, op):
 
 
 @dataclasses.dataclass(frozen=True)
-class Union(BlockPattern):
+class _Combination(BlockPattern):
+    """Parts combined block by block (:class:`Union`, :class:`Intersection`); a part
+    that is itself a combination of the same kind is flattened into its parts."""
+
+    parts: tuple[BlockPattern, ...]
+
+    def __post_init__(self):
+        flat = []
+        for p in self.parts:
+            flat.extend(p.parts if isinstance(p, type(self)) else (as_pattern(p),))
+        object.__setattr__(self, "parts", tuple(flat))
+
+    @property
+    def per_head(self):
+        return any(p.per_head for p in self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Union(_Combination):
     """Blocks active in any part (``a | b``).
 
     Example:
@@ -237,18 +255,6 @@ class Union(BlockPattern):
              [1, 0, 1]])
     """
 
-    parts: tuple[BlockPattern, ...]
-
-    def __post_init__(self):
-        flat = []
-        for p in self.parts:
-            flat.extend(p.parts if isinstance(p, Union) else (as_pattern(p),))
-        object.__setattr__(self, "parts", tuple(flat))
-
-    @property
-    def per_head(self):
-        return any(p.per_head for p in self.parts)
-
     def _build(self, nq, nk, num_heads):
         return _combine(self.parts, nq, nk, num_heads, np.logical_or)
 
@@ -257,7 +263,7 @@ class Union(BlockPattern):
 
 
 @dataclasses.dataclass(frozen=True)
-class Intersection(BlockPattern):
+class Intersection(_Combination):
     """Blocks active in every part (``a & b``).
 
     Example:
@@ -267,18 +273,6 @@ class Intersection(BlockPattern):
              [1, 1, 0],
              [0, 1, 1]])
     """
-
-    parts: tuple[BlockPattern, ...]
-
-    def __post_init__(self):
-        flat = []
-        for p in self.parts:
-            flat.extend(p.parts if isinstance(p, Intersection) else (as_pattern(p),))
-        object.__setattr__(self, "parts", tuple(flat))
-
-    @property
-    def per_head(self):
-        return any(p.per_head for p in self.parts)
 
     def _build(self, nq, nk, num_heads):
         return _combine(self.parts, nq, nk, num_heads, np.logical_and)

@@ -10,18 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
+from jax_dilated.core import validation
 
 __all__ = ["SlidingWindow", "is_window"]
-
-
-def _nonnegative_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"SlidingWindow {name} must be a non-negative int, got {value!r} "
-                        f"({type(value).__name__}).")
-    if value < 0:
-        raise ValueError(f"SlidingWindow {name} must be a non-negative int, got {value}.")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +40,10 @@ class SlidingWindow:
     right: int | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "left", _nonnegative_int("left", self.left))
+        check = validation.check_nonnegative_int
+        object.__setattr__(self, "left", check("SlidingWindow left", self.left))
         if self.right is not None:
-            object.__setattr__(self, "right", _nonnegative_int("right", self.right))
+            object.__setattr__(self, "right", check("SlidingWindow right", self.right))
 
     def resolve(self, is_causal: bool) -> tuple[int, int]:
         """``(left, right)`` for a call with this causality (``ValueError`` for an
