@@ -79,9 +79,8 @@ def scatter_dilated(y, branch: branch_plans.Branch, offsets: np.ndarray, batch: 
         else:
             fill = jnp.asarray(fill, y.dtype)
         y = jnp.where(selected, jnp.expand_dims(y, 3), fill)
-    y = y.reshape(batch, s, wp, *head_and_rest)
     if wp != w:  # the slots that complete each segment's last row hold no position
-        y = y[:, :, :w]
+        y = y.reshape(batch, s, wp, *head_and_rest)[:, :, :w]
     return y.reshape(batch, s * w, *head_and_rest)[:, :seq_len]
 
 

@@ -122,7 +122,8 @@ class BranchView:
         if self.index is not None:
             return x.reshape(self.batch, self.seq_len, *x.shape[1:])
         w = self.branch.effective_length
-        x = jax.lax.slice_in_dim(x, 0, w, axis=1)  # the segment's own tokens
+        if self.w != w:  # the segment's own tokens, without the slots completing it
+            x = jax.lax.slice_in_dim(x, 0, w, axis=1)
         x = x.reshape(self.batch, self.segments * w, *x.shape[2:])
         return jax.lax.slice_in_dim(x, 0, self.seq_len, axis=1)
 
