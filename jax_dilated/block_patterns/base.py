@@ -216,21 +216,14 @@ class TopUp(BlockPattern):
         return out
 
 
-def _combine(parts, nq, nk, num_heads, op):
-    masks = [p._build(nq, nk, num_heads) for p in parts]
-    heads = max(m.shape[0] for m in masks)
-    out = np.broadcast_to(masks[0], (heads, nq, nk)).copy()
-    for m in masks[1:]:
-        out = op(out, m)
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class _Combination(BlockPattern):
-    """Parts combined block by block (:class:`Union`, :class:`Intersection`); a part
-    that is itself a combination of the same kind is flattened into its parts."""
+    """Parts combined block by block with ``_op`` (:class:`Union`: any part,
+    :class:`Intersection`: every part); a part that is itself a combination of the same
+    kind is flattened into its parts."""
 
     parts: tuple[BlockPattern, ...]
+    _op = None  # the subclass's: np.logical_or or np.logical_and
 
     def __post_init__(self):
         flat = []
@@ -241,6 +234,14 @@ class _Combination(BlockPattern):
     @property
     def per_head(self):
         return any(p.per_head for p in self.parts)
+
+    def _build(self, nq, nk, num_heads):
+        masks = [p._build(nq, nk, num_heads) for p in self.parts]
+        heads = max(m.shape[0] for m in masks)
+        out = np.broadcast_to(masks[0], (heads, nq, nk)).copy()
+        for m in masks[1:]:
+            out = self._op(out, m)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,8 +256,7 @@ class Union(_Combination):
              [1, 0, 1]])
     """
 
-    def _build(self, nq, nk, num_heads):
-        return _combine(self.parts, nq, nk, num_heads, np.logical_or)
+    _op = np.logical_or
 
     def __repr__(self):
         return " | ".join(repr(p) for p in self.parts)
@@ -274,8 +274,7 @@ class Intersection(_Combination):
              [0, 1, 1]])
     """
 
-    def _build(self, nq, nk, num_heads):
-        return _combine(self.parts, nq, nk, num_heads, np.logical_and)
+    _op = np.logical_and
 
     def __repr__(self):
         return " & ".join(f"({p!r})" if isinstance(p, Union) else repr(p)

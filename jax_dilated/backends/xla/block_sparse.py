@@ -9,27 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends.base import BlockLists, KernelArgs, any_pair_allowed
-from jax_dilated.backends.xla.block_math import (
-    _backward_block,
-    _block_mask,
-    _block_mask_t,
-    _forward_block,
-    dq_from_transposed,
-    flat_keys,
-    flat_shape,
-    keys_transposed,
-    transposed_dq_shape,
-    unflat_rows,
-    _listed,
-)
+from jax_dilated.backends.xla.block_math import (_backward_block, _block_mask, _block_mask_t,
+                                                 _forward_block, _listed, dq_from_transposed,
+                                                 flat_keys, flat_shape, keys_transposed,
+                                                 transposed_dq_shape, unflat_rows)
 from jax_dilated.backends.xla.chunks import _check_pair, _chunked, batch_chunk
-from jax_dilated.backends.xla.layout import (
-    _Blocking,
-    _blocking,
-    _matmul_inputs,
-    _Prepared,
-    _take,
-)
+from jax_dilated.backends.xla.layout import _Blocking, _blocking, _matmul_inputs, _Prepared, _take
 from jax_dilated.core import softmax
 from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like

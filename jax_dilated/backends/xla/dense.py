@@ -15,26 +15,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_dilated.backends.base import KernelArgs, any_pair_allowed
-from jax_dilated.backends.xla.block_math import (
-    _backward_block,
-    _block_mask,
-    _block_mask_t,
-    _dropout_keep,
-    _forward_block,
-    dq_from_transposed,
-    flat_keys,
-    flat_shape,
-    keys_transposed,
-    transposed_dq_shape,
-    unflat_rows,
-)
 from jax_dilated.backends.xla import block_sparse
+from jax_dilated.backends.xla.block_math import (_backward_block, _block_mask, _block_mask_t,
+                                                 _dropout_keep, _forward_block,
+                                                 dq_from_transposed, flat_keys, flat_shape,
+                                                 keys_transposed, transposed_dq_shape,
+                                                 unflat_rows)
 from jax_dilated.backends.xla.chunks import (  # noqa: F401 (re-exported names)
-    _BLOCK_ELEMENTS,
-    _check_pair,
-    _chunked,
-    batch_chunk,
-)
+    _BLOCK_ELEMENTS, _check_pair, _chunked, batch_chunk)
 from jax_dilated.backends.xla.layout import _blocking, _matmul_inputs, _Prepared
 from jax_dilated.core import softmax
 from jax_dilated.core.skip import maybe_skip

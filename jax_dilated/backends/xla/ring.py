@@ -7,37 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends.base import (
-    KernelArgs,
-    KeySide,
-    QuerySide,
-    RowGrads,
-    any_pair_allowed,
-)
-from jax_dilated.backends.xla.block_math import (
-    _backward_block,
-    _block_mask,
-    _block_mask_t,
-    _dropout_keep,
-    _forward_block,
-    dq_from_transposed,
-    dq_to_transposed,
-    flat_keys,
-    flat_rows,
-    keys_transposed,
-    unflat_rows,
-    _listed,
-)
+from jax_dilated.backends.base import KernelArgs, KeySide, QuerySide, RowGrads, any_pair_allowed
+from jax_dilated.backends.xla.block_math import (_backward_block, _block_mask, _block_mask_t,
+                                                 _dropout_keep, _forward_block, _listed,
+                                                 dq_from_transposed, dq_to_transposed,
+                                                 flat_keys, flat_rows, keys_transposed,
+                                                 unflat_rows)
 from jax_dilated.backends.xla.chunks import _BLOCK_ELEMENTS, batch_chunk
-from jax_dilated.backends.xla.layout import (
-    _Blocking,
-    _blocking,
-    _from_blocks,
-    _indices,
-    _matmul_inputs,
-    _take,
-    _to_blocks,
-)
+from jax_dilated.backends.xla.layout import (_Blocking, _blocking, _from_blocks, _indices,
+                                             _matmul_inputs, _take, _to_blocks)
 from jax_dilated.core import softmax
 from jax_dilated.core.skip import maybe_skip
 
