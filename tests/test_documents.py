@@ -142,13 +142,15 @@ SHARDED = [
      "contiguous"),
     ("dilated", dict(DILATED, mode="head_groups", is_causal=True), "heads", 2, "contiguous"),
     ("dilated", dict(DILATED, is_causal=True), "auto", 4, "contiguous"),
+    ("dilated", dict(DILATED, is_causal=True), ("ring", "heads"), 2, "contiguous"),
 ]
 _FNS = {"exact": jd.ring_attention, "dilated": jd.dilated_attention,
         "block_sparse": jd.block_sparse_attention}
 
 
 @pytest.mark.parametrize("op,kw,strategy,p,layout", SHARDED,
-                         ids=[f"{c[0]}-{c[2]}-P{c[3]}-{c[4]}" for c in SHARDED])
+                         ids=[f"{c[0]}-{'+'.join(np.atleast_1d(c[2]))}-P{c[3]}-{c[4]}"
+                              for c in SHARDED])
 def test_sharded_packed_rows_equal_documents_alone(op, kw, strategy, p, layout):
     fn = functools.partial(_FNS[op], **kw)
     mesh = build_mesh((p,), ("seq",), "explicit" if p >= 4 else "auto")
