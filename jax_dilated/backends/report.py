@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
-from typing import NamedTuple
+from typing import NamedTuple, TextIO
 
 import jax
 
 from jax_dilated.backends import native, registry, selection
 from jax_dilated.core import validation
+from jax_dilated.core.types import DTypeLike
 
 __all__ = ["KernelChoice", "backend_report"]
 
@@ -72,9 +73,10 @@ def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice
     ]
 
 
-def backend_report(device=None, *, dtype="bfloat16", head_dim: int = 128,
-                   file=None, quiet: bool = False,
-                   software_reason="detect") -> list[KernelChoice]:
+def backend_report(device: jax.Device | selection.DeviceInfo | None = None, *,
+                   dtype: DTypeLike = "bfloat16", head_dim: int = 128,
+                   file: TextIO | None = None, quiet: bool = False,
+                   software_reason: str | None = "detect") -> list[KernelChoice]:
     """Which kernel each operation would use on ``device`` with ``implementation=None``.
 
     Args:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from jax_dilated.core import validation
 
@@ -101,20 +103,21 @@ class BlockPattern:
                      within=None if within is None else as_pattern(within),
                      per_head=per_head)
 
-    def __or__(self, other):
+    def __or__(self, other: BlockPattern | np.ndarray) -> Union:
         return Union((self, as_pattern(other)))
 
-    def __ror__(self, other):
+    def __ror__(self, other: BlockPattern | np.ndarray) -> Union:
         return Union((as_pattern(other), self))
 
-    def __and__(self, other):
+    def __and__(self, other: BlockPattern | np.ndarray) -> Intersection:
         return Intersection((self, as_pattern(other)))
 
-    def __rand__(self, other):
+    def __rand__(self, other: BlockPattern | np.ndarray) -> Intersection:
         return Intersection((as_pattern(other), self))
 
     def draw(self, num_q_blocks: int = 16, num_k_blocks: int | None = None, *,
-             num_heads: int | None = None, head: int = 0, ax=None, title: str | None = None):
+             num_heads: int | None = None, head: int = 0, ax: Any = None,
+             title: str | None = None) -> Any:
         """Plot the mask (query blocks down, key blocks across) with matplotlib.
 
         Per-head patterns draw head ``head`` of ``num_heads`` (default ``head + 1``).
@@ -141,7 +144,7 @@ class BlockPattern:
         return ax
 
 
-def as_pattern(pattern) -> BlockPattern:
+def as_pattern(pattern: BlockPattern | np.ndarray) -> BlockPattern:
     """A :class:`BlockPattern` from a pattern or a (NumPy) bool mask.
 
     Example:
@@ -293,7 +296,7 @@ class MaskPattern(BlockPattern):
              [0, 1]])
     """
 
-    def __init__(self, mask):
+    def __init__(self, mask: npt.ArrayLike):
         arr = np.asarray(mask)
         if arr.dtype != np.bool_:
             raise TypeError(f"a block mask must be a bool array, got dtype {arr.dtype}.")

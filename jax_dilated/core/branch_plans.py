@@ -14,11 +14,12 @@ plain lower-triangular).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Sequence, get_args
 
 import numpy as np
 
 from jax_dilated.core.branches import SlidingWindow, is_window
+from jax_dilated.core.types import HeadOffsets, Mode
 
 __all__ = [
     "Branch",
@@ -31,8 +32,8 @@ __all__ = [
     "nested_order",
 ]
 
-MODES = ("longnet", "head_groups")
-HEAD_OFFSETS = ("modulo", "blocked")
+MODES = get_args(Mode)  # ("longnet", "head_groups")
+HEAD_OFFSETS = get_args(HeadOffsets)  # ("modulo", "blocked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +144,7 @@ def resolve_branch(segment_length: int, rate: int, seq_len: int) -> Branch:
     return Branch(segment_length, rate, eff)
 
 
-def head_offsets(num_heads: int, rate: int, rule: str) -> np.ndarray:
+def head_offsets(num_heads: int, rate: int, rule: HeadOffsets) -> np.ndarray:
     """Offset of every head for a branch of dilation ``rate`` (longnet mode).
 
     ``"modulo"``:  ``o(j) = j mod r`` (LongNet Eq. 13).
@@ -229,7 +230,7 @@ class BranchPlan:
 
 
 def plan_branches(branches, *, seq_len: int, num_heads: int, num_kv_heads: int,
-                  mode: str, offsets_rule: str) -> list[BranchPlan]:
+                  mode: Mode, offsets_rule: HeadOffsets) -> list[BranchPlan]:
     """Static plan of every branch for ``mode`` (see docs/semantics.md, section 2)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")

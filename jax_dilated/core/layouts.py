@@ -17,17 +17,21 @@ for striped), which is how ``jd.sharded`` uses them.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dilated.core.types import Array, Layout
+
 __all__ = ["LAYOUTS", "check_layout", "check_divisible", "global_order", "to_layout",
            "from_layout", "local_positions", "shard_to_layout", "shard_from_layout"]
 
-LAYOUTS = ("contiguous", "zigzag", "striped")
+LAYOUTS = get_args(Layout)  # ("contiguous", "zigzag", "striped")
 
 
-def check_layout(layout: str) -> str:
+def check_layout(layout: Layout) -> Layout:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
     return layout
@@ -58,7 +62,7 @@ def global_order(seq_len: int, num_devices: int, layout: str) -> np.ndarray:
     return chunks[order].reshape(-1)
 
 
-def to_layout(x, num_devices: int, layout: str, axis: int = 1):
+def to_layout(x: Array, num_devices: int, layout: Layout, axis: int = 1) -> Array:
     """Permute the global sequence axis of ``x`` into ``layout`` order.
 
     Args:
@@ -97,7 +101,7 @@ def to_layout(x, num_devices: int, layout: str, axis: int = 1):
     return jnp.moveaxis(x.reshape(t, *rest), 0, axis)
 
 
-def from_layout(x, num_devices: int, layout: str, axis: int = 1):
+def from_layout(x: Array, num_devices: int, layout: Layout, axis: int = 1) -> Array:
     """Inverse of :func:`to_layout`: back to the user's token order.
 
     Arguments as in :func:`to_layout`; ``from_layout(to_layout(x, P, l), P, l) == x``.

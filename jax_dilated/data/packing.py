@@ -61,9 +61,13 @@ import dataclasses
 import hashlib
 import os
 import sysconfig
-from typing import Sequence
+from typing import Literal, Sequence, get_args
 
 import numpy as np
+import numpy.typing as npt
+
+# how pack() cuts documents into rows
+PackMode = Literal["fit", "concat"]
 
 __all__ = ["BYTE_VOCAB", "Corpus", "Packed", "heldout_mask", "load_corpus", "pack",
            "stdlib_root"]
@@ -115,12 +119,12 @@ class Corpus:
     def num_bytes(self) -> int:
         return int(sum(d.size for d in self.docs))
 
-    def subset(self, keep) -> "Corpus":
+    def subset(self, keep: npt.ArrayLike) -> Corpus:
         keep = np.asarray(keep, bool)
         return Corpus(self.root, tuple(n for n, k in zip(self.names, keep) if k),
                       tuple(d for d, k in zip(self.docs, keep) if k))
 
-    def split(self, heldout_fraction: float, salt: str = "heldout"):
+    def split(self, heldout_fraction: float, salt: str = "heldout") -> tuple[Corpus, Corpus]:
         """``(train, heldout)``: disjoint by document (:func:`heldout_mask`)."""
         held = heldout_mask(self.names, heldout_fraction, salt)
         return self.subset(~held), self.subset(held)
@@ -225,7 +229,7 @@ class Packed:
         """Fraction of the slots holding real tokens."""
         return float(self.mask.mean()) if self.tokens.size else 0.0
 
-    def rows(self, index) -> "Packed":
+    def rows(self, index: int | slice | npt.ArrayLike) -> Packed:
         """The rows ``index`` (an int array or slice) as a new :class:`Packed`."""
         return Packed(self.tokens[index], self.segment_ids[index], self.positions[index],
                       self.doc_positions[index], self.document[index], self.pad_id)
@@ -249,7 +253,7 @@ class Packed:
 _FIT_SEARCH = 512  # open rows searched by first fit (the most recent ones)
 
 
-def _pieces(lengths, seq_len: int, mode: str):
+def _pieces(lengths, seq_len: int, mode: PackMode):
     """Placement of every piece: arrays ``(doc, start, length, row, col)`` and the
     number of rows."""
     doc, start, length, row, col = [], [], [], [], []
@@ -285,8 +289,8 @@ def _pieces(lengths, seq_len: int, mode: str):
     return [np.asarray(a, np.int64) for a in (doc, start, length, row, col)], num_rows
 
 
-def pack(docs: Sequence, seq_len: int, *, mode: str = "fit", pad_id: int = 0,
-         order=None) -> Packed:
+def pack(docs: Sequence[npt.ArrayLike], seq_len: int, *, mode: PackMode = "fit",
+         pad_id: int = 0, order: npt.ArrayLike | None = None) -> Packed:
     """Pack documents into rows of ``seq_len`` tokens.
 
     Args:
@@ -308,7 +312,7 @@ def pack(docs: Sequence, seq_len: int, *, mode: str = "fit", pad_id: int = 0,
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 2:
         raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}.")
-    if mode not in ("fit", "concat"):
+    if mode not in get_args(PackMode):
         raise ValueError(f"mode must be 'fit' or 'concat', got {mode!r}.")
     seq_len = int(seq_len)
     order = np.arange(len(docs)) if order is None else np.asarray(order)

@@ -22,6 +22,7 @@ import jax
 from jax_dilated import block_patterns
 from jax_dilated.backends import select_implementation
 from jax_dilated.core import branch_plans, layouts, validation
+from jax_dilated.core.types import Layout, StrategyLike
 from jax_dilated.ops import decode as decoding
 from jax_dilated.ops.block_sparse import block_sparse_attention
 from jax_dilated.ops.dilated import dilated_attention
@@ -115,8 +116,8 @@ class AttentionCore:
     seq_axis: str | None = None
     batch_axis: str | None = None
     head_axis: str | None = None
-    layout: str = "contiguous"
-    strategy: str | tuple = "ring"
+    layout: Layout = "contiguous"
+    strategy: StrategyLike = "ring"
 
     @property
     def has_dropout(self) -> bool:

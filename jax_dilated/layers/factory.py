@@ -8,12 +8,16 @@ here.)
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Union, get_args
 
 import jax
+from flax import linen as nn
+from flax import nnx
 
 from jax_dilated.backends import select_implementation
+from jax_dilated.block_patterns import BlockPattern
 from jax_dilated.core import validation
+from jax_dilated.core.types import ArrayLike, FlaxApi, LayerKind, SegmentLengths
 from jax_dilated.layers import linen as linen_layers
 from jax_dilated.layers import nnx as nnx_layers
 from jax_dilated.layers.flax_adapter import attention_fn
@@ -25,9 +29,11 @@ __all__ = ["attention_fn", "create_multihead_dilated_attention", "create_multihe
 # ---------------------------------------------------------------------------- factory
 
 
-KINDS = ("auto", "dilated", "ring", "distributed", "block_sparse", "block_sparse_ring")
+KINDS = get_args(LayerKind)  # ("auto", "dilated", "ring", "distributed", ...)
 # deprecated kind names -> their new names
 _RENAMED_KINDS = {"ring_dilated": "distributed"}
+# what the factory returns: an NNX or a Linen layer
+Layer = Union[nnx.Module, nn.Module]
 
 # Below this many tokens per device, sharding the sequence costs more in
 # communication than it saves; "auto" keeps such sequences on one device.
@@ -48,14 +54,16 @@ class Choice(NamedTuple):
         return f"{self.kind}: {self.reason}"
 
 
-def _kernel_note(device=None) -> str:
+def _kernel_note(device: jax.Device | None = None) -> str:
     device = device or jax.devices()[0]
     impl = select_implementation(None, device=device)
     return f"kernel {impl!r} for device kind {device.device_kind!r}"
 
 
-def choose_kind(*, segment_lengths=None, mesh=None, seq_axis: str | None = None,
-                seq_len: int | None = None, device=None, pattern=None) -> Choice:
+def choose_kind(*, segment_lengths: SegmentLengths | None = None,
+                mesh: jax.sharding.Mesh | None = None, seq_axis: str | None = None,
+                seq_len: int | None = None, device: jax.Device | None = None,
+                pattern: BlockPattern | ArrayLike | None = None) -> Choice:
     """The kind ``"auto"`` picks, with the reason.
 
     * a block ``pattern``: block-sparse attention, ``"block_sparse_ring"`` or
@@ -119,9 +127,9 @@ def _layer_classes(api: str):
             "block_sparse_ring": layers.MultiheadBlockSparseAttention}
 
 
-def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
+def create_multihead_dilated_attention(kind: LayerKind = "auto", *, api: FlaxApi = "nnx",
                                        seq_len: int | None = None, explain: bool = False,
-                                       **config):
+                                       **config) -> Layer | tuple[Layer, Choice]:
     """Build a multi-head attention layer of the given ``kind``: the factory of every
     multi-head layer (dilated, distributed dilated, ring and block-sparse), also
     available as :func:`create_multihead_attention`.
@@ -194,8 +202,9 @@ def create_multihead_dilated_attention(kind: str = "auto", *, api: str = "nnx",
     return (layer, choice) if explain else layer
 
 
-def create_multihead_attention(kind: str = "auto", *, api: str = "nnx",
-                               seq_len: int | None = None, explain: bool = False, **config):
+def create_multihead_attention(kind: LayerKind = "auto", *, api: FlaxApi = "nnx",
+                               seq_len: int | None = None, explain: bool = False,
+                               **config) -> Layer | tuple[Layer, Choice]:
     """:func:`create_multihead_dilated_attention` under the name of what it builds:
     any multi-head layer (dilated, distributed dilated, ring, block-sparse).
 

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dilated.core.types import (Array, ArrayLike, HeadOffsets, Implementation, Mode,
+                                    SegmentLengths)
 from jax_dilated.core.validation import (check_dropout, check_dropout_rate, check_flag,
                                          check_sinks)
 from jax_dilated.layers import common
@@ -139,13 +142,15 @@ def _expected(parts: _MaskParts, causal, xp):
 # -------------------------------------------------------------------------- the adapter
 
 
-def attention_fn(*, segment_lengths, dilation_rates, mode: str = "longnet",
-                 head_offsets: str = "modulo", scale: float | None = None,
-                 is_causal: bool | None = None, implementation: str | None = None,
-                 mesh=None, seq_axis: str | None = None, batch_axis: str | None = None,
-                 head_axis: str | None = None, block_q: int | None = None,
-                 block_k: int | None = None, packed: bool = False,
-                 logit_soft_cap: float | None = None, sinks=None):
+def attention_fn(*, segment_lengths: SegmentLengths, dilation_rates: Sequence[int],
+                 mode: Mode = "longnet", head_offsets: HeadOffsets = "modulo",
+                 scale: float | None = None, is_causal: bool | None = None,
+                 implementation: Implementation | None = None,
+                 mesh: jax.sharding.Mesh | None = None, seq_axis: str | None = None,
+                 batch_axis: str | None = None, head_axis: str | None = None,
+                 block_q: int | None = None, block_k: int | None = None,
+                 packed: bool = False, logit_soft_cap: float | None = None,
+                 sinks: ArrayLike | None = None) -> Callable[..., Array]:
     """A drop-in ``attention_fn`` running dilated attention inside Flax attention layers.
 
     One line turns a Flax layer into dilated attention::

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jax_dilated.block_patterns import BlockPattern
 from jax_dilated.core import validation
+from jax_dilated.core.types import (Array, ArrayLike, DTypeLike, HeadOffsets, Implementation,
+                                    Layout, Mode, SegmentLengths, Strategy, StrategyLike)
 from jax_dilated.layers import common, projections
 from jax_dilated.ops import decode as decoding
 
@@ -58,19 +62,19 @@ class DilatedAttention(nn.Module):
       (1, 32, 2, 8)
     """
 
-    segment_lengths: Sequence[int]
+    segment_lengths: SegmentLengths
     dilation_rates: Sequence[int]
-    mode: str = "longnet"
-    head_offsets: str = "modulo"
+    mode: Mode = "longnet"
+    head_offsets: HeadOffsets = "modulo"
     scale: float | None = None
     dropout_rate: float = 0.0
-    implementation: str | None = None
+    implementation: Implementation | None = None
     attention_fn: Callable | None = None
-    mesh: Any = None
+    mesh: jax.sharding.Mesh | None = None
     seq_axis: str | None = None
     batch_axis: str | None = None
     head_axis: str | None = None
-    strategy: str = "ring"
+    strategy: StrategyLike = "ring"
     deterministic: bool | None = None
     block_q: int | None = None
     block_k: int | None = None
@@ -92,9 +96,11 @@ class DilatedAttention(nn.Module):
             block_k=self.block_k, logit_soft_cap=self.logit_soft_cap)
 
     @nn.compact
-    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
-                 segment_ids=None, sinks=None, deterministic: bool | None = None,
-                 dropout_rng=None):
+    def __call__(self, query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
+                 is_causal: bool = False, kv_mask: ArrayLike | None = None,
+                 segment_ids: ArrayLike | None = None, sinks: ArrayLike | None = None,
+                 deterministic: bool | None = None,
+                 dropout_rng: Array | None = None) -> Array:
         core = self._core()
         rate = validation.check_dropout_rate(self.dropout_rate)
         key_ = _dropout_key(self, rate, deterministic, dropout_rng)
@@ -117,18 +123,18 @@ class RingAttention(nn.Module):
       (1, 32, 2, 8)
     """
 
-    mesh: Any
+    mesh: jax.sharding.Mesh
     seq_axis: str
-    layout: str = "contiguous"
+    layout: Layout = "contiguous"
     batch_axis: str | None = None
     head_axis: str | None = None
-    strategy: str = "ring"
+    strategy: Strategy = "ring"
     scale: float | None = None
-    implementation: str | None = None
+    implementation: Implementation | None = None
     attention_fn: Callable | None = None
     block_q: int | None = None
     block_k: int | None = None
-    window: Any = None
+    window: tuple[int, int] | None = None
     logit_soft_cap: float | None = None
 
     def __post_init__(self):
@@ -145,8 +151,10 @@ class RingAttention(nn.Module):
                                 logit_soft_cap=self.logit_soft_cap)
 
     @nn.compact
-    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
-                 segment_ids=None, sinks=None):
+    def __call__(self, query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
+                 is_causal: bool = False, kv_mask: ArrayLike | None = None,
+                 segment_ids: ArrayLike | None = None,
+                 sinks: ArrayLike | None = None) -> Array:
         return self._core()(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
                             segment_ids=segment_ids, sinks=sinks)
 
@@ -176,16 +184,16 @@ class _Multihead(nn.Module):
     layer_norm: bool = True
     layer_norm_eps: float = 1e-5
     gamma_init: float = 1.0
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
+    dtype: DTypeLike | None = None
+    param_dtype: DTypeLike = jnp.float32
     precision: Any = None
-    implementation: str | None = None
+    implementation: Implementation | None = None
     attention_fn: Callable | None = None
-    mesh: Any = None
+    mesh: jax.sharding.Mesh | None = None
     seq_axis: str | None = None
     batch_axis: str | None = None
     head_axis: str | None = None
-    strategy: str = "ring"
+    strategy: StrategyLike = "ring"
     deterministic: bool | None = None
     decode: bool = False
     qk_transform: Callable | None = None
@@ -247,9 +255,11 @@ class _Multihead(nn.Module):
         return attn
 
     @nn.compact
-    def __call__(self, query, key=None, value=None, *, is_causal: bool = False,
-                 kv_mask=None, segment_ids=None, deterministic: bool | None = None,
-                 decode: bool | None = None, dropout_rng=None):
+    def __call__(self, query: ArrayLike, key: ArrayLike | None = None,
+                 value: ArrayLike | None = None, *, is_causal: bool = False,
+                 kv_mask: ArrayLike | None = None, segment_ids: ArrayLike | None = None,
+                 deterministic: bool | None = None, decode: bool | None = None,
+                 dropout_rng: Array | None = None) -> Array:
         """Multi-head attention: ``query`` [batch, seq, embed_dim] (``key`` / ``value``
         default to it) -> [batch, seq, embed_dim]. Arguments as in
         :meth:`jax_dilated.nnx.MultiheadDilatedAttention.__call__`; ``dropout_rng``
@@ -305,10 +315,10 @@ class MultiheadDilatedAttention(_Multihead):
       (1, 32, 16)
     """
 
-    segment_lengths: Sequence[int] | None = None
+    segment_lengths: SegmentLengths | None = None
     dilation_rates: Sequence[int] | None = None
-    mode: str = "longnet"
-    head_offsets: str = "modulo"
+    mode: Mode = "longnet"
+    head_offsets: HeadOffsets = "modulo"
 
     def _core(self):
         return common.dilated_core(
@@ -334,8 +344,8 @@ class MultiheadRingAttention(_Multihead):
       (1, 32, 16)
     """
 
-    layout: str = "contiguous"
-    window: Any = None
+    layout: Layout = "contiguous"
+    window: tuple[int, int] | None = None
 
     def _core(self):
         return common.ring_core(mesh=self.mesh, seq_axis=self.seq_axis, layout=self.layout,
@@ -363,9 +373,9 @@ class MultiheadBlockSparseAttention(_Multihead):
     """
 
     block_size: int | None = None
-    pattern: Any = None
-    layout: str = "contiguous"
-    window: Any = None
+    pattern: BlockPattern | ArrayLike | None = None
+    layout: Layout = "contiguous"
+    window: tuple[int, int] | None = None
 
     def _core(self):
         if self.block_q is not None or self.block_k is not None:

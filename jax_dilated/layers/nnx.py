@@ -27,10 +27,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_dilated.block_patterns import BlockPattern
 from jax_dilated.core import validation
+from jax_dilated.core.types import (Array, ArrayLike, DTypeLike, HeadOffsets, Implementation,
+                                    Layout, Mode, SegmentLengths, Strategy, StrategyLike)
 from jax_dilated.layers import common, nnx_rngs, projections
 from jax_dilated.ops import decode as decoding
 
@@ -68,14 +72,16 @@ class DilatedAttention(nnx_rngs.DropoutMixin, nnx.Module):
       (1, 32, 2, 8)
     """
 
-    def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], *,
-                 mode: str = "longnet", head_offsets: str = "modulo",
+    def __init__(self, segment_lengths: SegmentLengths, dilation_rates: Sequence[int], *,
+                 mode: Mode = "longnet", head_offsets: HeadOffsets = "modulo",
                  scale: float | None = None, dropout_rate: float = 0.0,
-                 implementation: str | None = None, attention_fn: Callable | None = None,
-                 mesh=None, seq_axis: str | None = None, batch_axis: str | None = None,
-                 head_axis: str | None = None, strategy: str = "ring", deterministic: bool | None = None,
-                 block_q: int | None = None, block_k: int | None = None,
-                 logit_soft_cap: float | None = None, rngs: nnx.Rngs | None = None):
+                 implementation: Implementation | None = None,
+                 attention_fn: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
+                 seq_axis: str | None = None, batch_axis: str | None = None,
+                 head_axis: str | None = None, strategy: StrategyLike = "ring",
+                 deterministic: bool | None = None, block_q: int | None = None,
+                 block_k: int | None = None, logit_soft_cap: float | None = None,
+                 rngs: nnx.Rngs | None = None):
         self.core = common.dilated_core(
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
             head_offsets=head_offsets, scale=scale, implementation=implementation,
@@ -87,9 +93,11 @@ class DilatedAttention(nnx_rngs.DropoutMixin, nnx.Module):
         self.deterministic = deterministic
         self.rngs = nnx_rngs.fork_dropout_rngs(rngs, self.dropout_rate)
 
-    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
-                 segment_ids=None, sinks=None, deterministic: bool | None = None,
-                 rngs=None):
+    def __call__(self, query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
+                 is_causal: bool = False, kv_mask: ArrayLike | None = None,
+                 segment_ids: ArrayLike | None = None, sinks: ArrayLike | None = None,
+                 deterministic: bool | None = None,
+                 rngs: nnx.Rngs | nnx.RngStream | Array | None = None) -> Array:
         dropout_rng = self._dropout_key(self.dropout_rate, deterministic, rngs,
                                         "DilatedAttention")
         return self.core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
@@ -125,11 +133,12 @@ class RingAttention(nnx.Module):
       (1, 32, 2, 8)
     """
 
-    def __init__(self, *, mesh, seq_axis: str, layout: str = "contiguous",
-                 batch_axis: str | None = None, head_axis: str | None = None, strategy: str = "ring",
-                 scale: float | None = None, implementation: str | None = None,
+    def __init__(self, *, mesh: jax.sharding.Mesh, seq_axis: str, layout: Layout = "contiguous",
+                 batch_axis: str | None = None, head_axis: str | None = None,
+                 strategy: Strategy = "ring", scale: float | None = None,
+                 implementation: Implementation | None = None,
                  attention_fn: Callable | None = None, block_q: int | None = None,
-                 block_k: int | None = None, window=None,
+                 block_k: int | None = None, window: tuple[int, int] | None = None,
                  logit_soft_cap: float | None = None):
         self.core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
                                      batch_axis=batch_axis, head_axis=head_axis, strategy=strategy,
@@ -139,8 +148,10 @@ class RingAttention(nnx.Module):
                                      logit_soft_cap=logit_soft_cap)
         common.check_mesh_scores(self.core)
 
-    def __call__(self, query, key, value, *, is_causal: bool = False, kv_mask=None,
-                 segment_ids=None, sinks=None):
+    def __call__(self, query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
+                 is_causal: bool = False, kv_mask: ArrayLike | None = None,
+                 segment_ids: ArrayLike | None = None,
+                 sinks: ArrayLike | None = None) -> Array:
         return self.core(query, key, value, is_causal=is_causal, kv_mask=kv_mask,
                          segment_ids=segment_ids, sinks=sinks)
 
@@ -184,7 +195,7 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
         return {g: {name: p[...] for name, p in getattr(self, g).items()}
                 for g in self.param_groups}
 
-    def init_cache(self, input_shape, dtype=jnp.float32):
+    def init_cache(self, input_shape: Sequence[int], dtype: DTypeLike = jnp.float32) -> None:
         """Allocate the KV cache for decoding: ``input_shape = (batch, max_len, embed_dim)``."""
         if len(input_shape) != 3 or input_shape[-1] != self.heads.embed_dim:
             raise ValueError(
@@ -196,15 +207,17 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
         self.cached_value = nnx.Cache(cache.value)
         self.cache_index = nnx.Cache(cache.index)
 
-    def set_view(self, deterministic: bool | None = None, decode: bool | None = None):
+    def set_view(self, deterministic: bool | None = None, decode: bool | None = None) -> None:
         """Used by ``nnx.view(model, deterministic=..., decode=...)``."""
         super().set_view(deterministic)
         if decode is not None:
             self.decode = decode
 
-    def __call__(self, query, key=None, value=None, *, is_causal: bool = False,
-                 kv_mask=None, segment_ids=None, deterministic: bool | None = None,
-                 decode: bool | None = None, rngs=None):
+    def __call__(self, query: ArrayLike, key: ArrayLike | None = None,
+                 value: ArrayLike | None = None, *, is_causal: bool = False,
+                 kv_mask: ArrayLike | None = None, segment_ids: ArrayLike | None = None,
+                 deterministic: bool | None = None, decode: bool | None = None,
+                 rngs: nnx.Rngs | nnx.RngStream | Array | None = None) -> Array:
         """Multi-head attention of ``query`` over ``key`` / ``value``.
 
         Args:
@@ -325,16 +338,18 @@ class MultiheadDilatedAttention(_Multihead):
       (1, 32, 16)
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, segment_lengths: Sequence[int],
+    def __init__(self, embed_dim: int, num_heads: int, *, segment_lengths: SegmentLengths,
                  dilation_rates: Sequence[int], num_kv_heads: int | None = None,
-                 mode: str = "longnet", head_offsets: str = "modulo",
+                 mode: Mode = "longnet", head_offsets: HeadOffsets = "modulo",
                  scale: float | None = None, dropout_rate: float = 0.0, use_bias: bool = True,
                  layer_norm: bool = True, layer_norm_eps: float = 1e-5,
-                 gamma_init: float = 1.0, dtype: Any = None, param_dtype: Any = jnp.float32,
-                 precision: Any = None, implementation: str | None = None,
-                 attention_fn: Callable | None = None, mesh=None,
+                 gamma_init: float = 1.0, dtype: DTypeLike | None = None,
+                 param_dtype: DTypeLike = jnp.float32, precision: Any = None,
+                 implementation: Implementation | None = None,
+                 attention_fn: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
                  seq_axis: str | None = None, batch_axis: str | None = None,
-                 head_axis: str | None = None, strategy: str = "ring", deterministic: bool | None = None,
+                 head_axis: str | None = None, strategy: StrategyLike = "ring",
+                 deterministic: bool | None = None,
                  decode: bool = False, qk_transform: Callable | None = None,
                  block_q: int | None = None, block_k: int | None = None,
                  logit_soft_cap: float | None = None, sinks: bool = False,
@@ -378,15 +393,16 @@ class MultiheadRingAttention(_Multihead):
       (1, 32, 16)
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, mesh, seq_axis: str,
-                 layout: str = "contiguous", num_kv_heads: int | None = None,
+    def __init__(self, embed_dim: int, num_heads: int, *, mesh: jax.sharding.Mesh,
+                 seq_axis: str, layout: Layout = "contiguous", num_kv_heads: int | None = None,
                  scale: float | None = None, use_bias: bool = True, layer_norm: bool = True,
-                 layer_norm_eps: float = 1e-5, gamma_init: float = 1.0, dtype: Any = None,
-                 param_dtype: Any = jnp.float32, precision: Any = None,
-                 implementation: str | None = None, attention_fn: Callable | None = None,
-                 batch_axis: str | None = None, head_axis: str | None = None, strategy: str = "ring",
+                 layer_norm_eps: float = 1e-5, gamma_init: float = 1.0,
+                 dtype: DTypeLike | None = None, param_dtype: DTypeLike = jnp.float32,
+                 precision: Any = None, implementation: Implementation | None = None,
+                 attention_fn: Callable | None = None, batch_axis: str | None = None,
+                 head_axis: str | None = None, strategy: Strategy = "ring",
                  qk_transform: Callable | None = None, block_q: int | None = None,
-                 block_k: int | None = None, window=None,
+                 block_k: int | None = None, window: tuple[int, int] | None = None,
                  logit_soft_cap: float | None = None, sinks: bool = False,
                  rngs: nnx.Rngs):
         core = common.ring_core(mesh=mesh, seq_axis=seq_axis, layout=layout,
@@ -426,16 +442,18 @@ class MultiheadBlockSparseAttention(_Multihead):
       (1, 32, 16)
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, block_size: int, pattern,
-                 num_kv_heads: int | None = None, scale: float | None = None,
-                 use_bias: bool = True, layer_norm: bool = True, layer_norm_eps: float = 1e-5,
-                 gamma_init: float = 1.0, dtype: Any = None, param_dtype: Any = jnp.float32,
-                 precision: Any = None, implementation: str | None = None,
-                 attention_fn: Callable | None = None, mesh=None, seq_axis: str | None = None,
-                 layout: str = "contiguous", batch_axis: str | None = None,
-                 head_axis: str | None = None, strategy: str = "ring", qk_transform: Callable | None = None,
-                 window=None, logit_soft_cap: float | None = None, sinks: bool = False,
-                 rngs: nnx.Rngs):
+    def __init__(self, embed_dim: int, num_heads: int, *, block_size: int,
+                 pattern: BlockPattern | ArrayLike, num_kv_heads: int | None = None,
+                 scale: float | None = None, use_bias: bool = True, layer_norm: bool = True,
+                 layer_norm_eps: float = 1e-5, gamma_init: float = 1.0,
+                 dtype: DTypeLike | None = None, param_dtype: DTypeLike = jnp.float32,
+                 precision: Any = None, implementation: Implementation | None = None,
+                 attention_fn: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
+                 seq_axis: str | None = None, layout: Layout = "contiguous",
+                 batch_axis: str | None = None, head_axis: str | None = None,
+                 strategy: Strategy = "ring", qk_transform: Callable | None = None,
+                 window: tuple[int, int] | None = None, logit_soft_cap: float | None = None,
+                 sinks: bool = False, rngs: nnx.Rngs):
         core = common.block_sparse_core(
             block_size=block_size, pattern=pattern, scale=scale,
             implementation=implementation, attention_fn=attention_fn, mesh=mesh,

@@ -47,7 +47,7 @@ class DropoutMixin:
         raise TypeError(
             f"rngs must be an nnx.Rngs, nnx.RngStream or a key, got {type(rngs).__name__}.")
 
-    def set_view(self, deterministic: bool | None = None):
+    def set_view(self, deterministic: bool | None = None) -> None:
         """Used by ``nnx.view(model, deterministic=...)``."""
         if deterministic is not None:
             self.deterministic = deterministic

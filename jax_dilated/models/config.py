@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Literal, get_args
 
 import jax.numpy as jnp
 
 from jax_dilated.backends.registry import IMPLEMENTATIONS
 from jax_dilated.core import branch_plans, validation
+from jax_dilated.core.branches import SlidingWindow
+from jax_dilated.core.types import DTypeLike, HeadOffsets, Implementation, Mode
 from jax_dilated.layers import projections
 from jax_dilated.models.positions import Rotary, XPos
 
 __all__ = ["LongNetConfig"]
 
-POSITIONS = ("rotary", "xpos", "none")
-NORMS = ("pre", "sub")
-FFNS = ("gelu", "swiglu")
+Positions = Literal["rotary", "xpos", "none"]
+Norm = Literal["pre", "sub"]
+Ffn = Literal["gelu", "swiglu"]
+POSITIONS, NORMS, FFNS = get_args(Positions), get_args(Norm), get_args(Ffn)
 
 
 def _choice(name, x, allowed):
@@ -85,25 +88,25 @@ class LongNetConfig:
     num_heads: int = 4
     num_kv_heads: int | None = None
     ffn_dim: int | None = None
-    segment_lengths: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768)
+    segment_lengths: tuple[int | SlidingWindow, ...] = (2048, 4096, 8192, 16384, 32768)
     dilation_rates: tuple[int, ...] = (1, 2, 4, 8, 16)
-    mode: str = "longnet"
-    head_offsets: str = "modulo"
-    positions: str = "xpos"
+    mode: Mode = "longnet"
+    head_offsets: HeadOffsets = "modulo"
+    positions: Positions = "xpos"
     rotary_base: float = 10000.0
     xpos_scale_base: float = 512.0
     max_len: int = 32768
-    norm: str = "sub"
-    ffn: str = "gelu"
+    norm: Norm = "sub"
+    ffn: Ffn = "gelu"
     tie_embeddings: bool = True
     use_bias: bool = True
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     layer_norm_eps: float = 1e-5
     remat: bool = False
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    implementation: str | None = None
+    dtype: DTypeLike | None = None
+    param_dtype: DTypeLike = jnp.float32
+    implementation: Implementation | None = None
     block_q: int | None = None
     block_k: int | None = None
     logit_soft_cap: float | None = None
@@ -182,7 +185,7 @@ class LongNetConfig:
         """Initialisation gain of the value / output / feed-forward weights."""
         return math.sqrt(math.log(2 * self.num_layers)) if self.norm == "sub" else 1.0
 
-    def qk_transform(self):
+    def qk_transform(self) -> Rotary | XPos | None:
         """The position encoding of queries and keys (None for ``"none"``)."""
         if self.positions == "rotary":
             return Rotary(self.rotary_base)

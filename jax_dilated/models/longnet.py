@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from jax_dilated.core import validation
+from jax_dilated.core.types import Array, ArrayLike, DTypeLike
 from jax_dilated.layers import nnx as jd_nnx
 from jax_dilated.layers import projections
 from jax_dilated.layers.common import check_decode_segment_ids
@@ -191,8 +192,9 @@ class LongNetLM(nnx.Module):
       (1, 7)
     """
 
-    def __init__(self, config: LongNetConfig, *, mesh=None, seq_axis: str | None = None,
-                 batch_axis: str | None = None, rngs: nnx.Rngs):
+    def __init__(self, config: LongNetConfig, *, mesh: jax.sharding.Mesh | None = None,
+                 seq_axis: str | None = None, batch_axis: str | None = None,
+                 rngs: nnx.Rngs):
         if not isinstance(config, LongNetConfig):
             raise TypeError(f"config must be a LongNetConfig, got {type(config).__name__}.")
         validation.check_mesh_axes(mesh, seq_axis, batch_axis)
@@ -216,8 +218,9 @@ class LongNetLM(nnx.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def __call__(self, tokens, *, kv_mask=None, segment_ids=None, decode: bool = False,
-                 deterministic: bool | None = None):
+    def __call__(self, tokens: ArrayLike, *, kv_mask: ArrayLike | None = None,
+                 segment_ids: ArrayLike | None = None, decode: bool = False,
+                 deterministic: bool | None = None) -> Array:
         """``tokens`` [B, T] int -> logits [B, T, V] (at least float32; see the class
         docstring)."""
         if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -247,7 +250,8 @@ class LongNetLM(nnx.Module):
 
     # ----------------------------------------------------------------- decoding
 
-    def init_cache(self, batch_size: int, max_len: int | None = None, dtype=None):
+    def init_cache(self, batch_size: int, max_len: int | None = None,
+                   dtype: DTypeLike | None = None) -> None:
         """Allocate every attention layer's KV cache for ``max_len`` tokens (default
         ``config.max_len``); ``dtype`` defaults to the computation dtype."""
         cfg = self.config
@@ -256,9 +260,10 @@ class LongNetLM(nnx.Module):
         for block in self.blocks:
             block.attn.init_cache((batch_size, max_len, cfg.embed_dim), dtype)
 
-    def generate(self, prompt, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, rng=None, max_len: int | None = None,
-                 cache_dtype=None, return_logits: bool = False):
+    def generate(self, prompt: ArrayLike, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, rng: Array | None = None,
+                 max_len: int | None = None, cache_dtype: DTypeLike | None = None,
+                 return_logits: bool = False) -> Array | tuple[Array, Array]:
         """Continue ``prompt`` by ``max_new_tokens`` tokens using the KV cache.
 
         The prompt fills a fresh cache in one causal pass; the new tokens are then
@@ -353,7 +358,8 @@ def _generate(graphdef, state, prompt, rng, temperature, *, max_new_tokens, max_
     return tokens, all_logits
 
 
-def cross_entropy(logits, targets, weights=None):
+def cross_entropy(logits: ArrayLike, targets: ArrayLike,
+                  weights: ArrayLike | None = None) -> Array:
     """Mean next-token cross-entropy.
 
     Args:

@@ -29,6 +29,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_dilated.core import validation
+from jax_dilated.core.types import Array, ArrayLike, DTypeLike
 
 __all__ = ["Rotary", "XPos", "rotate"]
 
@@ -50,7 +51,7 @@ def _per_row(positions, ct):
     return positions[None] if positions.ndim == 1 else positions
 
 
-def rotate(x, positions, base: float = 10000.0):
+def rotate(x: ArrayLike, positions: ArrayLike, base: float = 10000.0) -> Array:
     """Rotary embedding of ``x`` [batch, seq, heads, head_dim] at ``positions`` [seq]
     (the same for every row) or [batch, seq].
 
@@ -107,7 +108,8 @@ class Rotary:
         if not self.base > 1:
             raise ValueError(f"Rotary base must be a float > 1, got {self.base!r}.")
 
-    def __call__(self, q, k, positions):
+    def __call__(self, q: ArrayLike, k: ArrayLike,
+                 positions: ArrayLike) -> tuple[Array, Array]:
         return rotate(q, positions, self.base), rotate(k, positions, self.base)
 
 
@@ -144,7 +146,8 @@ class XPos:
         for name in ("scale_base", "gamma"):
             validation.check_positive_float(f"XPos {name}", getattr(self, name))
 
-    def scales(self, positions, head_dim: int, dtype=jnp.float32):
+    def scales(self, positions: ArrayLike, head_dim: int,
+               dtype: DTypeLike = jnp.float32) -> Array:
         """The query scale ``zeta^((n - c)/B)`` [T, head_dim] for positions [T], or
         [B, T, head_dim] for positions [B, T] (keys use its inverse)."""
         _check_head_dim(head_dim, "xPos")
@@ -155,7 +158,8 @@ class XPos:
         s = zeta ** power[..., None]
         return jnp.concatenate([s, s], axis=-1)
 
-    def __call__(self, q, k, positions):
+    def __call__(self, q: ArrayLike, k: ArrayLike,
+                 positions: ArrayLike) -> tuple[Array, Array]:
         ct = _compute_dtype(jnp.promote_types(q.dtype, k.dtype))
         s = self.scales(_per_row(positions, ct), q.shape[-1], ct)[:, :, None, :]
         q = (rotate(q, positions, self.base).astype(ct) * s).astype(q.dtype)

@@ -56,9 +56,11 @@ import numpy as np
 
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads, window_arg
+from jax_dilated.block_patterns import BlockPattern
 from jax_dilated.core import layouts, softmax, validation
 from jax_dilated.core.arrays import take_static
 from jax_dilated.core.documents import document_ids
+from jax_dilated.core.types import Array, ArrayLike, Implementation, Layout
 from jax_dilated.core.vma import varying_like
 from jax_dilated.ops.block_sparse_plan import (
     HeadClass,
@@ -230,13 +232,18 @@ _local.defvjp(_local_fwd, _local_bwd)
 # --------------------------------------------------------------------------- API
 
 
-def block_sparse_attention(query, key, value, *, block_size: int, pattern,
+def block_sparse_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
+                           block_size: int, pattern: BlockPattern | ArrayLike,
                            is_causal: bool = False, scale: float | None = None,
-                           kv_mask=None, seq_axis: str | None = None,
-                           layout: str = "contiguous", implementation: str | None = None,
+                           kv_mask: ArrayLike | None = None, seq_axis: str | None = None,
+                           layout: Layout = "contiguous",
+                           implementation: Implementation | None = None,
                            return_lse: bool = False, axis_name: str | None = None,
-                           segment_ids=None, window=None,
-                           logit_soft_cap: float | None = None, sinks=None):
+                           segment_ids: ArrayLike | None = None,
+                           window: tuple[int, int] | None = None,
+                           logit_soft_cap: float | None = None,
+                           sinks: ArrayLike | None = None,
+                           ) -> Array | tuple[Array, Array]:
     """Attention over the active blocks of a block mask, exact over their union.
 
     Args:

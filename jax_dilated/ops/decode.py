@@ -22,6 +22,7 @@ than the cache). The cache holds ``O(max_len)`` keys and values.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -32,6 +33,8 @@ from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.core.arrays import round_to
 from jax_dilated.core.branches import is_window
+from jax_dilated.core.types import (Array, ArrayLike, DTypeLike, HeadOffsets, Implementation,
+                                    Mode, SegmentLengths)
 from jax_dilated.ops.branch_combine import combine_branches
 from jax_dilated.ops.dilated import dilated_attention
 
@@ -52,7 +55,7 @@ class KVCache(NamedTuple):
 
 
 def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                  dtype=jnp.float32) -> KVCache:
+                  dtype: DTypeLike = jnp.float32) -> KVCache:
     """An empty cache for ``max_len`` tokens."""
     for name, n in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim)):
@@ -108,12 +111,15 @@ def _window_decode(kernel, plan: branch_plans.BranchPlan, query, key_cache, valu
     return kernel.forward(q, k, v, args, kv_valid=kv_valid)
 
 
-def dilated_attention_decode(query, key_cache, value_cache, position, *, segment_lengths,
-                             dilation_rates, mode: str = "longnet",
-                             head_offsets: str = "modulo", scale: float | None = None,
-                             implementation: str | None = None, block_q: int | None = None,
-                             block_k: int | None = None,
-                             logit_soft_cap: float | None = None, sinks=None):
+def dilated_attention_decode(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayLike,
+                             position: ArrayLike, *, segment_lengths: SegmentLengths,
+                             dilation_rates: Sequence[int], mode: Mode = "longnet",
+                             head_offsets: HeadOffsets = "modulo",
+                             scale: float | None = None,
+                             implementation: Implementation | None = None,
+                             block_q: int | None = None, block_k: int | None = None,
+                             logit_soft_cap: float | None = None,
+                             sinks: ArrayLike | None = None) -> Array:
     """Causal dilated attention of the token at ``position`` over a key/value cache.
 
     Args:
@@ -211,7 +217,8 @@ def _check_index(index):
     return index
 
 
-def decode_step(cache: KVCache, query, key, value, **config):
+def decode_step(cache: KVCache, query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                **config) -> tuple[Array, KVCache]:
     """Append one token's key/value to ``cache`` and attend with its query.
 
     Args:
@@ -252,7 +259,8 @@ def decode_step(cache: KVCache, query, key, value, **config):
     return jnp.where(overflow, jnp.asarray(jnp.nan, out.dtype), out), new
 
 
-def decode_tokens(cache: KVCache, query, key, value, **config):
+def decode_tokens(cache: KVCache, query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                  **config) -> tuple[Array, KVCache]:
     """Append ``n`` tokens' keys/values to ``cache`` and attend with their queries.
 
     Equal to ``n`` calls of :func:`decode_step`, one token after another (every token

@@ -17,10 +17,14 @@ whole output by the number of branches.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.core.branches import is_window
 from jax_dilated.core.documents import document_ids
+from jax_dilated.core.types import (Array, ArrayLike, BranchStrategy, HeadOffsets,
+                                    Implementation, Mode, SegmentLengths)
 from jax_dilated.backends.base import window_arg
 from jax_dilated.ops import dilated_packed, distributed, head_parallel
 from jax_dilated.ops.branch_combine import one_device
@@ -28,15 +32,19 @@ from jax_dilated.ops.branch_combine import one_device
 __all__ = ["dilated_attention"]
 
 
-def dilated_attention(query, key, value, *, segment_lengths, dilation_rates,
-                      mode: str = "longnet", head_offsets: str = "modulo",
-                      is_causal: bool = False, scale: float | None = None, kv_mask=None,
-                      dropout_rate: float = 0.0, dropout_rng=None, seq_axis=None,
-                      implementation: str | None = None, block_q: int | None = None,
-                      block_k: int | None = None, return_lse: bool = False,
-                      segment_ids=None, max_documents: int | None = None, axis_name=None,
-                      logit_soft_cap: float | None = None, sinks=None,
-                      strategy="ring"):
+def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
+                      segment_lengths: SegmentLengths, dilation_rates: Sequence[int],
+                      mode: Mode = "longnet", head_offsets: HeadOffsets = "modulo",
+                      is_causal: bool = False, scale: float | None = None,
+                      kv_mask: ArrayLike | None = None, dropout_rate: float = 0.0,
+                      dropout_rng: Array | None = None, seq_axis: str | None = None,
+                      implementation: Implementation | None = None,
+                      block_q: int | None = None, block_k: int | None = None,
+                      return_lse: bool = False, segment_ids: ArrayLike | None = None,
+                      max_documents: int | None = None, axis_name: str | None = None,
+                      logit_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                      strategy: BranchStrategy | Sequence[BranchStrategy] = "ring",
+                      ) -> Array | tuple[Array, Array]:
     """LongNet dilated attention, on one device or with the sequence sharded over a mesh axis.
 
     Args:

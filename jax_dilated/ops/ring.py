@@ -42,6 +42,7 @@ from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads, w
 from jax_dilated.core import layouts, softmax, validation
 from jax_dilated.core.documents import document_ids
 from jax_dilated.core.skip import maybe_skip
+from jax_dilated.core.types import Array, ArrayLike, Implementation, Layout
 from jax_dilated.core.vma import varying_like
 from jax_dilated.ops.ring_steps import kernel_steps
 
@@ -261,12 +262,16 @@ def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, segment_ids
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(query, key, value, *, seq_axis=None, is_causal: bool = False,
-                   scale: float | None = None, layout: str = "contiguous", kv_mask=None,
-                   implementation: str | None = None, return_lse: bool = False,
+def ring_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
+                   seq_axis: str | None = None, is_causal: bool = False,
+                   scale: float | None = None, layout: Layout = "contiguous",
+                   kv_mask: ArrayLike | None = None,
+                   implementation: Implementation | None = None, return_lse: bool = False,
                    block_q: int | None = None, block_k: int | None = None,
-                   axis_name=None, segment_ids=None, window=None,
-                   logit_soft_cap: float | None = None, sinks=None):
+                   axis_name: str | None = None, segment_ids: ArrayLike | None = None,
+                   window: tuple[int, int] | None = None,
+                   logit_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                   ) -> Array | tuple[Array, Array]:
     """Exact attention over a sequence sharded on ``seq_axis`` (inside ``shard_map``).
 
     Args:

@@ -13,6 +13,7 @@ Explicit axes (``jax.make_mesh`` makes Explicit ones).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 from jax.sharding import NamedSharding
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_dilated.core import layouts, validation
 from jax_dilated.core.documents import document_ids
+from jax_dilated.core.types import Array, Layout, StrategyLike
 from jax_dilated.ops import strategies
 
 __all__ = ["sharded"]
@@ -50,9 +52,10 @@ def _place(x, mesh, spec):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def sharded(fn, mesh, *, seq_axis: str, batch_axis: str | None = None,
-            head_axis: str | None = None, layout: str = "contiguous",
-            strategy="ring"):
+def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.Mesh, *,
+            seq_axis: str, batch_axis: str | None = None, head_axis: str | None = None,
+            layout: Layout = "contiguous", strategy: StrategyLike = "ring",
+            ) -> Callable[..., Array | tuple[Array, Array]]:
     """Wrap ``fn`` (``jd.ring_attention``, ``jd.dilated_attention``) to run on global arrays over ``mesh``.
 
     Args:
