@@ -10,11 +10,12 @@ import numpy as np
 
 from jax_dilated.backends.base import BlockLists, KernelArgs, any_pair_allowed
 from jax_dilated.backends.xla.block_math import (_backward_block, _block_mask, _block_mask_t,
-                                                 _forward_block, _listed, dq_from_transposed,
-                                                 flat_keys, flat_shape, keys_transposed,
-                                                 transposed_dq_shape, unflat_rows)
+                                                 _forward_block, _listed, flat_keys, flat_shape,
+                                                 keys_transposed, transposed_dq_shape,
+                                                 unflat_rows)
 from jax_dilated.backends.xla.chunks import _check_pair, _chunked, batch_chunk
-from jax_dilated.backends.xla.layout import _Blocking, _blocking, _matmul_inputs, _Prepared, _take
+from jax_dilated.backends.xla.layout import (_backward_inputs, _Blocking, _blocking,
+                                             _matmul_inputs, _Prepared, _take)
 from jax_dilated.core import softmax
 from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
@@ -89,14 +90,10 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg,
                           dropout_rng=None):
     del dropout_rng
     dtypes = (q.dtype, k.dtype, v.dtype)
-    q, k, v, do = _matmul_inputs(q, k, v, do)
     geo = _sparse_blocking(q.shape[1], k.shape[1], args, blocks)
-    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale, q_seg,
-                     k_seg)
-    stats = softmax.stats_dtype(q.dtype)
-    do_b = prep.q_rows(do)
-    lse_b = prep.q_rows(jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats))
-    delta_b = prep.q_rows(delta.astype(stats))
+    prep, do_b, lse_b, delta_b, stats = _backward_inputs(
+        q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, geo, args.scale, q_positions,
+        k_positions)
     cols = jnp.asarray(blocks.cols, jnp.int32)
     cols_ok = None if blocks.cols_ok is None else jnp.asarray(blocks.cols_ok, bool)
     nq = prep.q.shape[0]
@@ -134,9 +131,7 @@ def _sparse_backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg,
     dq0 = varying_like(jnp.zeros((nq,) + dq_t_shape, stats), like)
     xs = (prep.k, prep.v, prep.k_pos, prep.k_valid, prep.k_seg, cols, cols_ok)
     dq_t, (dk, dv) = jax.lax.scan(k_block, dq0, xs)
-    dq = dq_from_transposed(dq_t, prep.q.shape)
-    return (prep.from_q_rows(dq).astype(dtypes[0]), prep.from_k_rows(dk).astype(dtypes[1]),
-            prep.from_k_rows(dv).astype(dtypes[2]))
+    return prep.grads(dq_t, dk, dv, dtypes)
 
 
 def block_sparse_forward(q, k, v, args: KernelArgs, *, blocks: BlockLists, q_positions=None,

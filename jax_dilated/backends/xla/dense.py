@@ -17,13 +17,13 @@ import jax.numpy as jnp
 from jax_dilated.backends.base import KernelArgs, any_pair_allowed
 from jax_dilated.backends.xla import block_sparse
 from jax_dilated.backends.xla.block_math import (_backward_block, _block_mask, _block_mask_t,
-                                                 _dropout_keep, _forward_block,
-                                                 dq_from_transposed, flat_keys, flat_shape,
-                                                 keys_transposed, transposed_dq_shape,
-                                                 unflat_rows)
+                                                 _dropout_keep, _forward_block, flat_keys,
+                                                 flat_shape, keys_transposed,
+                                                 transposed_dq_shape, unflat_rows)
 from jax_dilated.backends.xla.chunks import (  # noqa: F401 (re-exported names)
     _BLOCK_ELEMENTS, _check_pair, _chunked, batch_chunk)
-from jax_dilated.backends.xla.layout import _blocking, _matmul_inputs, _Prepared
+from jax_dilated.backends.xla.layout import (_backward_inputs, _blocking, _matmul_inputs,
+                                             _Prepared)
 from jax_dilated.core import softmax
 from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.vma import varying_like
@@ -73,16 +73,10 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, args: Kernel
                    q_positions=None, k_positions=None, dropout_rng=None):
     """Blockwise backward of one batch chunk; arguments and results as in :func:`backward`."""
     dtypes = (q.dtype, k.dtype, v.dtype)
-    q, k, v, do = _matmul_inputs(q, k, v, do)
     geo = _blocking(q.shape[1], k.shape[1], args)
-    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, args.scale, q_seg,
-                     k_seg)
-    stats = softmax.stats_dtype(q.dtype)
-    do_b = prep.q_rows(do)
-    # rows without keys have lse = -inf and all logits -inf: exp(-inf - 0) = 0.
-    lse_b = prep.q_rows(jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats))
-    delta_b = prep.q_rows(delta.astype(stats))
-
+    prep, do_b, lse_b, delta_b, stats = _backward_inputs(
+        q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, geo, args.scale, q_positions,
+        k_positions)
     nq = prep.q.shape[0]
     dq_t_shape = transposed_dq_shape(prep.q.shape)
 
@@ -120,9 +114,7 @@ def _backward_core(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, args: Kernel
     dq0 = varying_like(jnp.zeros((nq,) + dq_t_shape, stats), (q, k, v, do))
     xs = (jnp.arange(geo.num_k), prep.k, prep.v, prep.k_pos, prep.k_valid, prep.k_seg)
     dq_t, (dk, dv) = jax.lax.scan(k_block_acc, dq0, xs)
-    dq = dq_from_transposed(dq_t, prep.q.shape)
-    return (prep.from_q_rows(dq).astype(dtypes[0]), prep.from_k_rows(dk).astype(dtypes[1]),
-            prep.from_k_rows(dv).astype(dtypes[2]))
+    return prep.grads(dq_t, dk, dv, dtypes)
 
 
 def forward(q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,

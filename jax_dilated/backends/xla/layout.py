@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends.base import KernelArgs
+from jax_dilated.backends.xla.block_math import dq_from_transposed
 from jax_dilated.core import softmax
 from jax_dilated.core.arrays import pad_axis
 
@@ -126,6 +127,26 @@ class _Prepared:
     def from_k_rows(self, x):
         """k/v blocks [nk, N, Hkv, bk, D] -> [N, Lk, Hkv, D]."""
         return _from_blocks(x, 2, self.geo.len_k).transpose(0, 2, 1, 3)
+
+    def grads(self, dq_t, dk, dv, dtypes):
+        """A backward's results out of blocks: dq^T (as :func:`~.block_math._backward_block`
+        accumulates it) and dk, dv blocks -> dq, dk, dv, in ``dtypes``."""
+        dq = self.from_q_rows(dq_from_transposed(dq_t, self.q.shape))
+        return (dq.astype(dtypes[0]), self.from_k_rows(dk).astype(dtypes[1]),
+                self.from_k_rows(dv).astype(dtypes[2]))
+
+
+def _backward_inputs(q, k, v, do, lse, delta, kv_valid, q_seg, k_seg, geo: _Blocking,
+                     scale: float, q_positions=None, k_positions=None):
+    """A backward's operands in blocks: ``(prep, do_b, lse_b, delta_b, stats)``, the
+    per-row ones (:meth:`_Prepared.q_rows`) in the statistics dtype ``stats``. Rows
+    without keys have lse = -inf and all logits -inf: their lse becomes 0, so that
+    exp(-inf - 0) = 0."""
+    q, k, v, do = _matmul_inputs(q, k, v, do)
+    prep = _Prepared(q, k, v, q_positions, k_positions, kv_valid, geo, scale, q_seg, k_seg)
+    stats = softmax.stats_dtype(q.dtype)
+    lse = jnp.where(jnp.isneginf(lse), 0.0, lse).astype(stats)
+    return prep, prep.q_rows(do), prep.q_rows(lse), prep.q_rows(delta.astype(stats)), stats
 
 
 def _matmul_inputs(*arrays):

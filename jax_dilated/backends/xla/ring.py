@@ -131,6 +131,14 @@ class _RingSteps:
               else q_positions.astype(jnp.int32))
         return qp.reshape(geo.num_q, geo.block_q)
 
+    def _blocked(self, query: QuerySide, keys: KeySide):
+        """A step's positions, validity and document ids in blocks: ``(q_pos, q_seg,
+        k_pos, k_valid, k_seg, post_scale)`` (:meth:`_q_pos`, :meth:`_segments`,
+        :meth:`_keys`)."""
+        k_pos, k_valid, post_scale = self._keys(query.q, keys.positions, keys.valid)
+        return (self._q_pos(query.positions), self._segments(query.segments, self.geo.block_q),
+                k_pos, k_valid, self._segments(keys.segments, self.geo.block_k), post_scale)
+
     def pack_kv(self, k, v):
         # in the input dtype: blocks travel at their own size (widened, on CPU, one
         # block at a time as they are used)
@@ -165,16 +173,11 @@ class _RingSteps:
                                 window=self.args.window)
 
     def forward(self, query: QuerySide, keys: KeySide, acc):
-        args = self.args
-        q, q_positions = query.q, query.positions
-        k_positions, kv_valid, dropout_rng = keys.positions, keys.valid, keys.dropout_rng
+        args, q, dropout_rng = self.args, query.q, keys.dropout_rng
         k_b, v_b = keys.kv
         o, lse, lse_lo = acc
         stats = o.dtype
-        q_pos_b = self._q_pos(q_positions)
-        k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
-        q_seg_b = self._segments(query.segments, self.geo.block_q)
-        k_seg_b = self._segments(keys.segments, self.geo.block_k)
+        q_pos_b, q_seg_b, k_pos_b, k_valid_b, k_seg_b, post_scale = self._blocked(query, keys)
 
         def q_block(carry, xs):
             o, lse, lse_lo = carry
@@ -218,17 +221,12 @@ class _RingSteps:
         return acc
 
     def backward(self, query: QuerySide, keys: KeySide, rows: RowGrads, acc):
-        args = self.args
-        q, q_positions = query.q, query.positions
-        k_positions, kv_valid, dropout_rng = keys.positions, keys.valid, keys.dropout_rng
+        args, q, dropout_rng = self.args, query.q, keys.dropout_rng
         do, lse, delta = rows.do, rows.lse, rows.delta  # (out: not needed here)
         k_b, v_b = keys.kv
         dq, dkv = acc
         stats = dq.dtype
-        q_pos_b = self._q_pos(q_positions)
-        k_pos_b, k_valid_b, post_scale = self._keys(q, k_positions, kv_valid)
-        q_seg_b = self._segments(query.segments, self.geo.block_q)
-        k_seg_b = self._segments(keys.segments, self.geo.block_k)
+        q_pos_b, q_seg_b, k_pos_b, k_valid_b, k_seg_b, post_scale = self._blocked(query, keys)
 
         def q_block(carry, xs):
             dq, (dk_b, dv_b) = carry
