@@ -20,10 +20,8 @@ from jax_dilated.core import types
 # data helpers and the KV-cache functions
 NAMESPACES = ["jax_dilated", "jax_dilated.nnx", "jax_dilated.linen", "jax_dilated.models",
               "jax_dilated.block_patterns", "jax_dilated.data", "jax_dilated.ops.decode"]
-# Public functions that live in the modules being split for issue 41 (ops/strategies,
-# ops/dilated_local.py, ops/distributed.py, backends/cudnn.py): the change that splits
-# them types them. Remove a name here once it is typed.
-NOT_YET_TYPED = {"jd.explain_strategy"}
+# Public functions not typed yet (none left). Remove a name here once it is typed.
+NOT_YET_TYPED: set[str] = set()
 
 # a string option (by parameter name) -> the aliases its annotation may name
 OPTIONS = {

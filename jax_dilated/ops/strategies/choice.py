@@ -5,10 +5,13 @@ serve (:func:`choose`, from :mod:`jax_dilated.ops.strategies.cost`), and
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 import jax.numpy as jnp
 
-from jax_dilated.ops.strategies.cost import estimate, pricing_for
+from jax_dilated.core.types import DTypeLike, Layout
+from jax_dilated.ops.strategies.cost import StrategyCost, estimate, pricing_for
 from jax_dilated.ops.strategies.operation import Operation, describe
 
 __all__ = ["choose", "explain_strategy"]
@@ -56,9 +59,12 @@ def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     return c.strategy, costs, why
 
 
-def explain_strategy(fn, query_shape, key_shape=None, *, num_devices: int,
-                     dtype="float32", layout: str = "contiguous", platform=None,
-                     file=None, quiet: bool = False, segment_ids: bool = False):
+def explain_strategy(fn: Callable[..., Any], query_shape: Sequence[int],
+                     key_shape: Sequence[int] | None = None, *, num_devices: int,
+                     dtype: DTypeLike = "float32", layout: Layout = "contiguous",
+                     platform: str | None = None, file: TextIO | None = None,
+                     quiet: bool = False, segment_ids: bool = False,
+                     ) -> tuple[str | tuple[str, ...], dict[str, StrategyCost], str]:
     """Which strategy ``strategy="auto"`` picks for ``fn`` on these shapes, and why.
 
     Args:
