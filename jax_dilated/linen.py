@@ -3,12 +3,6 @@
 Defined in :mod:`jax_dilated.layers.linen`.
 """
 
-from jax_dilated.layers.linen import (  # noqa: F401
-    DilatedAttention,
-    MultiheadBlockSparseAttention,
-    MultiheadDilatedAttention,
-    MultiheadRingAttention,
-    RingAttention,
-)
-
-__all__ = ["DilatedAttention", "RingAttention", "MultiheadDilatedAttention", "MultiheadRingAttention", "MultiheadBlockSparseAttention"]
+# the names and their list live in jax_dilated.layers.linen
+from jax_dilated.layers.linen import *  # noqa: F401,F403
+from jax_dilated.layers.linen import __all__  # noqa: F401

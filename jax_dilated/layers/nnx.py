@@ -160,9 +160,10 @@ class _Multihead(nnx_rngs.DropoutMixin, nnx.Module):
     """Projections + attention core + sub-LayerNorm + output projection (shared body)."""
 
     def __init__(self, embed_dim, num_heads, core: common.AttentionCore, *, num_kv_heads,
-                 dropout_rate, use_bias, layer_norm, layer_norm_eps, gamma_init, dtype,
-                 param_dtype, precision, deterministic, decode, rngs: nnx.Rngs,
-                 qk_transform=None, sinks=False):
+                 use_bias, layer_norm, layer_norm_eps, gamma_init, dtype, param_dtype,
+                 precision, rngs: nnx.Rngs, qk_transform=None, sinks=False,
+                 dropout_rate=0.0, deterministic=None, decode=False):
+        # (the defaults: a core without dropout or decoding, the ring and block-sparse ones)
         self.heads = projections.HeadsConfig.create(
             embed_dim, num_heads, num_kv_heads, use_bias=use_bias, layer_norm=layer_norm,
             layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, sinks=sinks)
@@ -411,11 +412,9 @@ class MultiheadRingAttention(_Multihead):
                                 block_q=block_q, block_k=block_k, window=window,
                                 logit_soft_cap=logit_soft_cap)
         super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
-                         dropout_rate=0.0,
-                         use_bias=use_bias, layer_norm=layer_norm,
-                         layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
-                         param_dtype=param_dtype, precision=precision, deterministic=None,
-                         decode=False, rngs=rngs, qk_transform=qk_transform, sinks=sinks)
+                         use_bias=use_bias, layer_norm=layer_norm, layer_norm_eps=layer_norm_eps,
+                         gamma_init=gamma_init, dtype=dtype, param_dtype=param_dtype,
+                         precision=precision, rngs=rngs, qk_transform=qk_transform, sinks=sinks)
 
 
 class MultiheadBlockSparseAttention(_Multihead):
@@ -460,8 +459,6 @@ class MultiheadBlockSparseAttention(_Multihead):
             seq_axis=seq_axis, layout=layout, batch_axis=batch_axis, head_axis=head_axis,
             strategy=strategy, window=window, logit_soft_cap=logit_soft_cap)
         super().__init__(embed_dim, num_heads, core, num_kv_heads=num_kv_heads,
-                         dropout_rate=0.0,
-                         use_bias=use_bias, layer_norm=layer_norm,
-                         layer_norm_eps=layer_norm_eps, gamma_init=gamma_init, dtype=dtype,
-                         param_dtype=param_dtype, precision=precision, deterministic=None,
-                         decode=False, rngs=rngs, qk_transform=qk_transform, sinks=sinks)
+                         use_bias=use_bias, layer_norm=layer_norm, layer_norm_eps=layer_norm_eps,
+                         gamma_init=gamma_init, dtype=dtype, param_dtype=param_dtype,
+                         precision=precision, rngs=rngs, qk_transform=qk_transform, sinks=sinks)

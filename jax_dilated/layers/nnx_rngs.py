@@ -20,24 +20,29 @@ def fork_dropout_rngs(rngs, rate: float):
     raise TypeError(f"rngs must be an nnx.Rngs, nnx.RngStream or None, got {type(rngs).__name__}.")
 
 
+def _call_or_own(given, own, missing: str):
+    """The value given to the call, else the layer's own; ``ValueError(missing)`` when
+    neither is set."""
+    value = own if given is None else given
+    if value is None:
+        raise ValueError(missing)
+    return value
+
+
 class DropoutMixin:
     """``deterministic`` / ``rngs`` resolution as in ``nnx.Dropout``."""
 
     def _dropout_key(self, rate: float, deterministic, rngs, who: str):
         if rate == 0.0:
             return None
-        deterministic = self.deterministic if deterministic is None else deterministic
-        if deterministic is None:
-            raise ValueError(
-                f"{who} has dropout rate {rate}: pass deterministic=True/False to the "
-                f"constructor or the call (or use nnx.view(model, deterministic=...)).")
-        if deterministic:
+        if _call_or_own(deterministic, self.deterministic,
+                        f"{who} has dropout rate {rate}: pass deterministic=True/False to "
+                        f"the constructor or the call (or use nnx.view(model, "
+                        f"deterministic=...))."):
             return None
-        rngs = self.rngs if rngs is None else rngs
-        if rngs is None:
-            raise ValueError(
-                f"{who}: deterministic=False needs random keys: pass rngs= (an nnx.Rngs "
-                f"with a 'dropout' stream) to the constructor or the call.")
+        rngs = _call_or_own(rngs, self.rngs,
+                            f"{who}: deterministic=False needs random keys: pass rngs= (an "
+                            f"nnx.Rngs with a 'dropout' stream) to the constructor or the call.")
         if isinstance(rngs, nnx.Rngs):
             return rngs.dropout()
         if isinstance(rngs, nnx.RngStream):

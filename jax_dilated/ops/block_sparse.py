@@ -70,7 +70,7 @@ from jax_dilated.ops.block_sparse_plan import (
     ring_blocks,
     window_mask,
 )
-from jax_dilated.ops.ring import RingConfig, ring_partials
+from jax_dilated.ops.ring import ring_over_axis
 from jax_dilated.ops.ring_steps import (
     KernelSteps,
     PartialSteps,
@@ -363,9 +363,9 @@ def block_sparse_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *
                            tk * num_devices, block_size, window)
         classes, aux = head_classes(mask, h, hkv, gq, gq, is_causal)
         plan = _Plan(kernel, args, classes, h, gq, gq)
-        cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
-                         steps=plan)
-        o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, aux, segment_ids,
-                                  sinks)
+        o, lse = ring_over_axis(query, key, value, kv_mask, args, seq_axis=seq_axis,
+                                num_devices=num_devices, layout=layout,
+                                implementation=implementation, segment_ids=segment_ids,
+                                sinks=sinks, steps=plan, aux=aux)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

@@ -262,6 +262,18 @@ def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, segment_ids
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+def ring_over_axis(query, key, value, kv_mask, args: KernelArgs, *, seq_axis: str,
+                   num_devices: int, layout: str, implementation, segment_ids=None,
+                   sinks=None, steps=None, aux=None, lse_grad: bool = True):
+    """``(o, lse)`` of one ring over all ``num_devices`` devices of ``seq_axis`` in
+    ``layout``, as ring and block-sparse attention run over a mesh (``steps``,
+    ``lse_grad``: :class:`RingConfig`; the rest: :func:`ring_partials`)."""
+    cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
+                     steps=steps, lse_grad=lse_grad)
+    o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, aux, segment_ids, sinks)
+    return o, lse
+
+
 def ring_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
                    seq_axis: str | None = None, is_causal: bool = False,
                    scale: float | None = None, layout: Layout = "contiguous",
@@ -382,9 +394,9 @@ def ring_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
             query, key, value, args, kv_valid=kv_mask, q_segment_ids=segment_ids,
             k_segment_ids=segment_ids, sinks=sinks, lse_grad=return_lse)
     else:
-        cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
-                         lse_grad=return_lse)
-        o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, None, segment_ids,
-                                  sinks)
+        o, lse = ring_over_axis(query, key, value, kv_mask, args, seq_axis=seq_axis,
+                                num_devices=num_devices, layout=layout,
+                                implementation=implementation, segment_ids=segment_ids,
+                                sinks=sinks, lse_grad=return_lse)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o
