@@ -169,3 +169,23 @@ def test_backward_signatures_the_backend_knows(monkeypatch, names, unknown):
         assert reason is None, reason
     else:
         assert reason is not None and unknown in reason, reason
+
+
+@pytest.mark.parametrize("mode", ["longnet", "head_groups"])
+def test_rate_not_dividing_its_segment_lowers_for_cuda(monkeypatch, mode):
+    """A branch whose rate does not divide its segment (120 at rate 7: its dilated
+    segments end in slots that hold no position, masked keys) lowers for CUDA beside a
+    dividing one; the dividing branch still runs on cuDNN, forward and backward."""
+    auto = registry.AutoKernel(cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device=H100))
+    monkeypatch.setattr(registry, "select_implementation", lambda impl, **kw: "cudnn")
+    monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
+    x = jax.ShapeDtypeStruct((1, 240, 4, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        o = jd.dilated_attention(q, k, v, segment_lengths=(48, 120), dilation_rates=(1, 7),
+                                 mode=mode, is_causal=True)
+        return jnp.sum(o.astype(jnp.float32))
+
+    names = [c[0] for c in _cuda_custom_calls(jax.grad(loss, (0, 1, 2)), x, x, x)]
+    assert names.count("__cudnn$fmhaSoftmax") >= 1, names
+    assert names.count("__cudnn$fmhaSoftmaxBackward") >= 1, names
