@@ -79,3 +79,14 @@ def rel_err(actual, expected) -> float:
 def assert_close(actual, expected, tol: float, what: str = ""):
     err = rel_err(actual, expected)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+def output_and_grads(f, q, k, v, g):
+    """``[out, dq, dk, dv]`` of ``sum(g * f(q, k, v))`` as float64 NumPy arrays, jitted:
+    the output and the gradients of q, k, v through the random cotangent ``g``."""
+    def loss(q, k, v):
+        out = f(q, k, v)
+        return jnp.sum(out.astype(jnp.float64) * g), out
+
+    (dq, dk, dv), out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return [np.asarray(x, np.float64) for x in (out, dq, dk, dv)]

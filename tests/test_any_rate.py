@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import jax_dilated as jd
 from jax_dilated.ops import decode
 
-from _helpers import TOL, assert_close
+from _helpers import TOL, assert_close, output_and_grads
 
 GIGAPATH = dict(segment_lengths=(1024, 5792, 32768, 185363, 1048576),
                 dilation_rates=(1, 2, 4, 8, 16))
@@ -50,15 +50,6 @@ def _inputs(t, h, hkv, seed, dtype=np.float64):
     g = rng.standard_normal((2, t, h, 8))
     mask = rng.random((2, t)) < 0.85
     return [x.astype(dtype) for x in (q, k, v, g)] + [mask]
-
-
-def _grads(f, q, k, v, g):
-    def loss(q, k, v):
-        out = f(q, k, v)
-        return jnp.sum(out.astype(jnp.float64) * g), out
-
-    (dq, dk, dv), out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    return [np.asarray(x, np.float64) for x in (out, dq, dk, dv)]
 
 
 def _torch(q, k, v, g, mask, *, segment_lengths, dilation_rates, mode, head_offsets,
@@ -90,8 +81,8 @@ def test_parity_with_torch(name, mode, offsets, causal, dtype):
     q, k, v, g, mask = _inputs(t, 6, 3, seed=len(name), dtype=np.dtype(dtype))
     kw = dict(segment_lengths=ws, dilation_rates=rs, mode=mode, head_offsets=offsets,
               is_causal=causal)
-    got = _grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw),
-                 q, k, v, g)
+    got = output_and_grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw),
+                           q, k, v, g)
     want = _torch(q, k, v, g, mask, **kw)
     for what, a, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(a, w, TOL[dtype], what)
@@ -103,8 +94,8 @@ def test_gigapath_configuration(t):
     accepted, and equal to the reference (float32, the CPU's kernel)."""
     q, k, v, g, mask = (x[:1] for x in _inputs(t, 4, 4, seed=t, dtype=np.float32))
     kw = dict(GIGAPATH, mode="longnet", head_offsets="modulo", is_causal=True)
-    got = _grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw),
-                 q, k, v, g)
+    got = output_and_grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw),
+                           q, k, v, g)
     want = _torch(q, k, v, g, mask, **kw)
     for what, a, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(a, w, TOL["float32"], what)
@@ -141,9 +132,9 @@ def test_packed_rows_with_a_window_beside(max_documents):
     q, k, v, g, mask = _inputs(40, 4, 2, seed=11)
     ids = np.array([[1] * 7 + [2] * 21 + [3] * 12, [4] * 25 + [1] * 15], np.int32)
     fn = functools.partial(jd.dilated_attention, **kw)
-    got = _grads(lambda q, k, v: fn(q, k, v, kv_mask=mask, segment_ids=ids,
-                                    max_documents=max_documents), q, k, v, g)
-    want = _grads(lambda q, k, v: _alone(fn, q, k, v, mask, ids), q, k, v, g)
+    got = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask, segment_ids=ids,
+                                              max_documents=max_documents), q, k, v, g)
+    want = output_and_grads(lambda q, k, v: _alone(fn, q, k, v, mask, ids), q, k, v, g)
     for what, a, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(a, w, TOL["float64"], what)
 
@@ -172,9 +163,9 @@ def test_sharded_sequence_equals_one_device():
     dist = jax.shard_map(lambda q, k, v, m: jd.dilated_attention(q, k, v, kv_mask=m,
                                                                   seq_axis="seq", **kw),
                          mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
-    got = _grads(lambda q, k, v: dist(q, k, v, mask), q, k, v, g)
-    want = _grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw),
-                  q, k, v, g)
+    got = output_and_grads(lambda q, k, v: dist(q, k, v, mask), q, k, v, g)
+    want = output_and_grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw),
+                            q, k, v, g)
     for what, a, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(a, w, TOL["float64"], what)
 
@@ -185,8 +176,10 @@ def test_xla_kernel_agrees_with_the_default():
     ws, rs, t = CONFIGS["6r4-10r3-25r7"]
     q, k, v, g, mask = _inputs(t, 6, 3, seed=14, dtype=np.float32)
     kw = dict(segment_lengths=ws, dilation_rates=rs, is_causal=True)
-    a = _grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw), q, k, v, g)
-    b = _grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask,
-                                                    implementation="xla", **kw), q, k, v, g)
+    a = output_and_grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask, **kw),
+                         q, k, v, g)
+    b = output_and_grads(lambda q, k, v: jd.dilated_attention(q, k, v, kv_mask=mask,
+                                                              implementation="xla", **kw),
+                         q, k, v, g)
     for what, x, y in zip(("out", "dq", "dk", "dv"), a, b):
         assert_close(x, y, TOL["float32"], what)

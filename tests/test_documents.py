@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import jax_dilated as jd
 from jax_dilated.core import documents, layouts
 
-from _helpers import TOL, assert_close
+from _helpers import TOL, assert_close, output_and_grads
 
 B, T, D = 2, 48, 4
 # row 0: the issue's row, id 0 reused after id 1; row 1: ids 3 and 5 both reused
@@ -53,15 +53,6 @@ def _inputs(h, hkv, seed):
     return q, k, v, g, mask
 
 
-def _grads(f, q, k, v, g):
-    def loss(q, k, v):
-        out = f(q, k, v)
-        return jnp.sum(out * g), out
-
-    (dq, dk, dv), out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    return [np.asarray(x) for x in (out, dq, dk, dv)]
-
-
 def _alone(fn, q, k, v, mask):
     """Every document of every row through ``fn`` on its own, concatenated back."""
     rows = []
@@ -74,8 +65,9 @@ def _alone(fn, q, k, v, mask):
 
 def _check(fn, packed, h=4, hkv=2, seed=0):
     q, k, v, g, mask = _inputs(h, hkv, seed)
-    want = _grads(lambda q, k, v: _alone(fn, q, k, v, mask), q, k, v, g)
-    got = _grads(lambda q, k, v: packed(q, k, v, kv_mask=mask, segment_ids=IDS), q, k, v, g)
+    want = output_and_grads(lambda q, k, v: _alone(fn, q, k, v, mask), q, k, v, g)
+    got = output_and_grads(lambda q, k, v: packed(q, k, v, kv_mask=mask, segment_ids=IDS),
+                           q, k, v, g)
     for what, a, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(a, w, TOL["float64"], what)
 

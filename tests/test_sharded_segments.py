@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 import jax_dilated as jd
 from jax_dilated import block_patterns as bp
 
-from _helpers import TOL, as_np, assert_close, to_torch
+from _helpers import TOL, as_np, assert_close, output_and_grads, to_torch
 
 B, T, D = 2, 32, 4
 
@@ -48,16 +48,6 @@ def _inputs(h, hkv, seed=0):
     g = rng.standard_normal((B, T, h, D))
     mask = rng.random((B, T)) < 0.85
     return q, k, v, g, mask
-
-
-def _grads(f, q, k, v, g):
-    """(out, dq, dk, dv) of sum(g * f(q, k, v)), jitted."""
-    def loss(q, k, v):
-        out = f(q, k, v)
-        return jnp.sum(out * g), out
-
-    (dq, dk, dv), out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    return [np.asarray(x) for x in (out, dq, dk, dv)]
 
 
 def _torch_exact(q, k, v, g, mask, ids, causal):
@@ -116,12 +106,13 @@ def test_sharded_packed_equals_single_device(op, options, strategy, p, layout, h
         want = _torch_exact(q, k, v, g, mask, ids, options["is_causal"])
     else:
         single = functools.partial(_FNS[op], **options)
-        want = _grads(lambda q, k, v: single(q, k, v, kv_mask=mask, segment_ids=ids),
-                      q, k, v, g)
+        want = output_and_grads(
+            lambda q, k, v: single(q, k, v, kv_mask=mask, segment_ids=ids), q, k, v, g)
     mesh = build_mesh((p,), ("seq",), "explicit" if p >= 4 else "auto")
     attn = jd.sharded(functools.partial(_FNS[op], **options), mesh, seq_axis="seq",
                       layout=layout, strategy=strategy)
-    got = _grads(lambda q, k, v: attn(q, k, v, kv_mask=mask, segment_ids=ids), q, k, v, g)
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask, segment_ids=ids),
+                           q, k, v, g)
     _check(got, want)
 
 
