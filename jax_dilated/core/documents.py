@@ -10,10 +10,11 @@ grid agree on what a document is, also where a user reuses an id for a later
 document (``[0, 0, 1, 1, 0, 0]`` is three documents).
 
 Inside ``jax.shard_map`` the runs are those of the *global* sequence: a run that
-crosses a shard boundary is one document. Each device sends the others three small
-numbers per row (its shard's first and last id and its number of run starts), never
-its ids; only a layout other than ``"contiguous"`` moves the int ids themselves, to
-put them in token order and back (:func:`jax_dilated.core.layouts.shard_from_layout`).
+crosses a shard boundary is one document. On contiguous shards each device sends the
+others three small numbers per row (its shard's first and last id and its number of
+run starts), never its ids. In another layout a shard's tokens are not consecutive
+(a striped shard may even be shorter than the device count), so the int ids are
+all-gathered, put in token order, numbered, and this device's are taken back.
 """
 
 from __future__ import annotations
@@ -61,8 +62,13 @@ def document_ids(segment_ids, *, axis_name=None, num_devices: int | None = None,
         return None
     if axis_name is None or num_devices == 1:
         return _local_runs(jnp.asarray(segment_ids))
-    ids = layouts.shard_from_layout(segment_ids, axis_name, num_devices, layout)
-    local = _local_runs(ids)
+    if layout != "contiguous":
+        n = segment_ids.shape[1]
+        whole = jax.lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)  # [B, T]
+        runs = layouts.to_layout(
+            _local_runs(layouts.from_layout(whole, num_devices, layout)), num_devices, layout)
+        return jax.lax.dynamic_slice_in_dim(runs, jax.lax.axis_index(axis_name) * n, n, 1)
+    ids, local = segment_ids, _local_runs(segment_ids)
     # the shard boundaries: shard d's first run continues shard d - 1's last one when
     # their ids agree; shard d's index 0 is then the run index its predecessors reach
     firsts, lasts, counts = (jax.lax.all_gather(x, axis_name, axis=0)  # [P, B]
@@ -72,9 +78,7 @@ def document_ids(segment_ids, *, axis_name=None, num_devices: int | None = None,
     # G[d] = G[d-1] + (counts[d-1] - 1) + new[d], G[0] = 0, summed up
     shard = jnp.arange(firsts.shape[0], dtype=jnp.int32)[:, None]
     base = jnp.cumsum(counts, axis=0) - counts - shard + jnp.cumsum(new, axis=0)
-    me = jax.lax.axis_index(axis_name)
-    ids = local + base[me][:, None]
-    return layouts.shard_to_layout(ids, axis_name, num_devices, layout)
+    return local + base[jax.lax.axis_index(axis_name)][:, None]
 
 
 def document_starts(segment_ids):

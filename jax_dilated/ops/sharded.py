@@ -20,7 +20,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dilated.core import layouts, validation
-from jax_dilated.core.documents import document_ids
 from jax_dilated.core.types import Array, Layout, StrategyLike
 from jax_dilated.ops import strategies
 
@@ -148,9 +147,7 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
                 f"batch size must be divisible by it, got query {tuple(query.shape)}.")
         layouts.check_divisible(t, num, layout)
         validation.check_kv_mask(kv_mask, query.shape[0], key.shape[1])
-        # documents are runs of the global sequence, before the shards cut them
-        segment_ids = document_ids(
-            validation.check_segment_ids(segment_ids, query.shape, key.shape))
+        segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
         packed = segment_ids is not None
         sinks = validation.check_sinks(sinks, h)
         if sinks is not None and not strategies.accepts(fn, "sinks"):

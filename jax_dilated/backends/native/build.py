@@ -209,7 +209,7 @@ def _choose_isa(requested: str | None) -> str:
 def _cpu_flags() -> set[str]:
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):  # x86-64; aarch64
                 return set(line.split(":", 1)[1].split())
     except OSError:
         pass

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax_dilated.backends import get_kernel
 from jax_dilated.backends.base import KeySide, QuerySide, RowGrads
 from jax_dilated.core import layouts, softmax, validation
+from jax_dilated.core.documents import document_ids
 from jax_dilated.ops import block_sparse as block_sparse_ops
 from jax_dilated.ops import head_parallel
 from jax_dilated.ops.block_sparse_plan import head_classes, resolve_mask, ring_blocks
@@ -44,6 +45,8 @@ def allgather_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name
     """
     o = op.options
     p, n = num_devices, q.shape[1]
+    # the kernels compare ids: number the documents of the whole row first
+    segment_ids = document_ids(segment_ids, axis_name=axis_name, num_devices=p, layout=layout)
     kall, vall, mall, idsall = (gather_tokens(x, axis_name)
                                 for x in (k, v, mask, segment_ids))
     if op.kind == "block_sparse":

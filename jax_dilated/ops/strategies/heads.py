@@ -9,6 +9,7 @@ import numpy as np
 
 from jax_dilated.backends import get_kernel
 from jax_dilated.core import validation
+from jax_dilated.core.documents import document_ids
 from jax_dilated.ops import dilated as dilated_ops
 from jax_dilated.ops import head_parallel
 from jax_dilated.ops.block_sparse_plan import resolve_mask
@@ -35,8 +36,9 @@ def heads_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name: st
           if key not in ("seq_axis", "axis_name", "layout", "kv_mask", "segment_ids")}
     extra = {} if ids is None else {"segment_ids": ids}
     if op.kind == "exact" and ids is not None:
-        # packed rows: the kernel's document mask (equal ids attend wherever they are;
-        # dilated attention's packed program would cut repeated runs apart)
+        # packed rows: the kernel's document mask over the whole row's documents (the
+        # ids are gathered in token order, so their runs are numbered here)
+        ids = document_ids(ids)
         kernel = get_kernel(kw.get("implementation"))
         out = kernel.attention(q, k, v, head_parallel.kernel_args(kw, q.shape[-1]),
                                kv_valid=mask, q_segment_ids=ids, k_segment_ids=ids,
