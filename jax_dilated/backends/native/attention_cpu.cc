@@ -399,6 +399,31 @@ void pv_columns(const float* p, const float* v, int64_t vstride, float* o, int64
   pv_rest<PV_VECS - 1, PR, PT>(p, v + c, vstride, o + c, ostride, nk, (d_head - c) / N);
 }
 
+// Values packed in column panels (pack_value_panels): the panel of columns [c, c + wc),
+// wc = min(PV_COLS, d - c), holds row t's columns at c rows + t wc, so each register
+// tile of P V reads its values as one contiguous run. Read where they lie, a dilated
+// item's value rows are r Hkv D floats apart (4 or 8 KiB at rates 2 and 4, 8 heads of
+// 64), all in one L1 set.
+inline void pack_value_row(const float* src, float* panels, int64_t rows, int64_t t,
+                           int64_t d_head) {
+  for (int64_t c = 0; c < d_head; c += PV_COLS) {
+    const int64_t wc = std::min<int64_t>(PV_COLS, d_head - c);
+    float* dst = panels + c * rows + t * wc;
+    for (int64_t j = 0; j < wc; j += N) V::store(dst + j, V::load(src + c + j));
+  }
+}
+
+// o[MR][D] += p[MR][:nk] . v[k0 : k0 + nk][D], v in column panels of `rows` rows.
+inline void pv_panels(const float* p, const float* panels, int64_t rows, int64_t k0, float* o,
+                      int d_head, int nk) {
+  int c = 0;
+  for (; c + PV_COLS <= d_head; c += PV_COLS)
+    pv_tile<PV_VECS, BK, 1>(p, panels + c * rows + k0 * PV_COLS, PV_COLS, o + c, d_head, nk);
+  const int wc = d_head - c;
+  if (wc > 0)
+    pv_rest<PV_VECS - 1, BK, 1>(p, panels + c * rows + k0 * wc, wc, o + c, d_head, nk, wc / N);
+}
+
 // Longnet's nested branches (shared_pairs; docs/semantics.md, section 7): the
 // branches, finest first, form a chain in which each one's segments lie inside the
 // next one's, its rate divides the next one's and every head's offsets agree, so a
@@ -458,8 +483,8 @@ struct Config {
 struct Scratch {
   // per key block: kmask, each key's additive mask (-inf for a padding column or an
   // invalid key, else 0); kmul, for rows of depth v = 1..nc (shared pairs), each
-  // key's multiplicity m = 1 + min(v, depth) (Nesting); vp, half-precision inputs'
-  // values as float32 (float32 ones are read where they lie); row, one converted row
+  // key's multiplicity m = 1 + min(v, depth) (Nesting); vp, the values as float32 in
+  // column panels (pack_value_row); row, one converted row
   std::vector<float> kt, s, qs, ot, kmask, kmul, vp, row;
   std::vector<uint8_t> block_masked, block_shared;  // some key masked; some key of depth > 0
   Scratch(int64_t max_lk, int64_t d)
@@ -470,7 +495,6 @@ struct Scratch {
 // Rows [r0, r1) of one item.
 template <class In, class Out>
 void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0, int64_t r1) {
-  constexpr bool f32_in = std::is_same_v<In, float>;
   const int64_t d = cf.d;
   const Nesting* ns = it.nest;
   const int nc = ns ? ns->nc : 0;
@@ -478,23 +502,19 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
   const int64_t nblocks = (kend_all + BK - 1) / BK;
   w.kmask.resize(nblocks * BK);
   if ((int64_t)w.kmul.size() < nblocks * nc * BK) w.kmul.resize(nblocks * nc * BK);
-  if (!f32_in && (int64_t)w.vp.size() < kend_all * d) w.vp.resize(kend_all * d);
+  if ((int64_t)w.vp.size() < kend_all * d) w.vp.resize(kend_all * d);
   w.block_masked.resize(nblocks);
   w.block_shared.resize(nblocks);
   // k^T of the keys this run can see, in blocks [block][d][KTS] (the first BK of each
-  // row used), zero-padded, their mask and multiplicities (and half-precision values
-  // as float32 rows)
+  // row used), zero-padded, their mask and multiplicities, and the values in panels
   for (int64_t b0 = 0; b0 < kend_all; b0 += BK) {
     float* kt = w.kt.data() + (b0 / BK) * d * KTS;
     const int64_t nk = std::min<int64_t>(BK, kend_all - b0);
     for (int64_t t = 0; t < nk; t++) {
       const float* src = as_float(it.k + (b0 + t) * it.kv_stride, d, w.row.data());
       for (int64_t c = 0; c < d; c++) kt[c * KTS + t] = src[c];
-      if constexpr (!f32_in) {
-        const In* vrow = it.v + (b0 + t) * it.kv_stride;
-        float* dst = w.vp.data() + (b0 + t) * d;
-        for (int64_t c = 0; c < d; c += N) V::store(dst + c, V::load(vrow + c));
-      }
+      pack_value_row(as_float(it.v + (b0 + t) * it.kv_stride, d, w.row.data()), w.vp.data(),
+                     kend_all, b0 + t, d);
     }
     for (int64_t c = 0; c < d; c++)
       std::fill(kt + c * KTS + nk, kt + c * KTS + BK, 0.0f);
@@ -510,16 +530,6 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
     }
     w.block_masked[b0 / BK] = masked;
     w.block_shared[b0 / BK] = shared;
-  }
-  // where P v reads the values: in place (float32) or packed
-  const float* vbase;
-  int64_t vstride;
-  if constexpr (f32_in) {
-    vbase = it.v;
-    vstride = it.kv_stride;
-  } else {
-    vbase = w.vp.data();
-    vstride = d;
   }
   float m[BQ], l[BQ];
   int depth[BQ];
@@ -635,8 +645,7 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
             for (int64_t c = 0; c < d; c += N) V::store(orow + c, V::mul(a, V::load(orow + c)));
           }
         }
-        pv_columns<BK, 1>(w.s.data(), vbase + k0 * vstride, vstride, w.ot.data() + t0 * d, d,
-                          (int)d, gk);
+        pv_panels(w.s.data(), w.vp.data(), kend_all, k0, w.ot.data() + t0 * d, (int)d, gk);
       }
     }
     for (int i = 0; i < nq; i++) {
