@@ -282,10 +282,6 @@ constexpr int PV_COLS = PV_VECS * N;  // columns of one O register tile
 // every CPU served), not the vector width, so they are the same for every build.
 constexpr int BQ = 48;   // query rows per tile (a multiple of MR)
 constexpr int BK = 512;  // keys per block (a multiple of QK_COLS; 256: 1-2.5% slower)
-// floats between the rows of a packed k^T block: BK plus one cache line, so that the
-// transposing stores of one key (one per row) fall in different L1 sets (2 KiB apart
-// they shared two, and packing was a large share of the forward)
-constexpr int KTS = BK + 16;
 constexpr int MAX_D = 256;
 constexpr int BR = 96;   // backward: query rows per tile (a multiple of QK_COLS and MR)
 constexpr int BC = 48;   // backward: keys per block (a multiple of MR)
@@ -322,12 +318,14 @@ const float* as_float(const In* src, int64_t d, float* tmp) {
 }
 
 // s[MR][ncols] = a[MR][D] . b[D][ncols], for the first ncols (a multiple of QK_COLS)
-// columns; b's rows are BS floats apart, s's SS. Not inlined: its accumulators get
-// the registers to themselves.
+// columns; b's rows are BS floats apart, s's SS, and each QK_COLS columns of b start
+// QK_COLS panel_stride floats after the previous ones (1: b is one row-major matrix;
+// D with BS = QK_COLS: b is in panels of QK_COLS columns, each read as one contiguous
+// run). Not inlined: its accumulators get the registers to themselves.
 template <int BS, int SS = BS>
 __attribute__((noinline)) void qk_tile(const float* a, const float* b, float* s, int d_head,
-                                       int ncols) {
-  for (int c = 0; c < ncols; c += QK_COLS) {
+                                       int ncols, int64_t panel_stride = 1) {
+  for (int c = 0; c < ncols; c += QK_COLS, b += QK_COLS * panel_stride) {
     VT acc[MR][QK_VECS];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++)
@@ -336,7 +334,7 @@ __attribute__((noinline)) void qk_tile(const float* a, const float* b, float* s,
     for (int d = 0; d < d_head; d++) {
       VT bv[QK_VECS];
 #pragma GCC unroll 4
-      for (int j = 0; j < QK_VECS; j++) bv[j] = V::load(b + d * BS + c + j * N);
+      for (int j = 0; j < QK_VECS; j++) bv[j] = V::load(b + d * BS + j * N);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; r++) {
         const VT x = V::set1(a[r * d_head + d]);
@@ -488,7 +486,7 @@ struct Scratch {
   std::vector<float> kt, s, qs, ot, kmask, kmul, vp, row;
   std::vector<uint8_t> block_masked, block_shared;  // some key masked; some key of depth > 0
   Scratch(int64_t max_lk, int64_t d)
-      : kt(((max_lk + BK - 1) / BK) * d * KTS), s(MR * BK), qs(BQ * d), ot(BQ * d),
+      : kt(((max_lk + BK - 1) / BK) * d * BK), s(MR * BK), qs(BQ * d), ot(BQ * d),
         row(MAX_D) {}
 };
 
@@ -505,19 +503,21 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
   if ((int64_t)w.vp.size() < kend_all * d) w.vp.resize(kend_all * d);
   w.block_masked.resize(nblocks);
   w.block_shared.resize(nblocks);
-  // k^T of the keys this run can see, in blocks [block][d][KTS] (the first BK of each
-  // row used), zero-padded, their mask and multiplicities, and the values in panels
+  // k^T of the keys this run can see, in blocks of BK keys, each in panels
+  // [BK / QK_COLS][d][QK_COLS] (zero-padded to whole panels), their mask and
+  // multiplicities, and the values in panels
   for (int64_t b0 = 0; b0 < kend_all; b0 += BK) {
-    float* kt = w.kt.data() + (b0 / BK) * d * KTS;
+    float* kt = w.kt.data() + (b0 / BK) * d * BK;
     const int64_t nk = std::min<int64_t>(BK, kend_all - b0);
     for (int64_t t = 0; t < nk; t++) {
       const float* src = as_float(it.k + (b0 + t) * it.kv_stride, d, w.row.data());
-      for (int64_t c = 0; c < d; c++) kt[c * KTS + t] = src[c];
+      float* panel = kt + (t / QK_COLS) * QK_COLS * d + t % QK_COLS;
+      for (int64_t c = 0; c < d; c++) panel[c * QK_COLS] = src[c];
       pack_value_row(as_float(it.v + (b0 + t) * it.kv_stride, d, w.row.data()), w.vp.data(),
                      kend_all, b0 + t, d);
     }
-    for (int64_t c = 0; c < d; c++)
-      std::fill(kt + c * KTS + nk, kt + c * KTS + BK, 0.0f);
+    for (int64_t t = nk; t < (nk + QK_COLS - 1) / QK_COLS * QK_COLS; t++)
+      for (int64_t c = 0; c < d; c++) kt[(t / QK_COLS) * QK_COLS * d + c * QK_COLS + t % QK_COLS] = 0.0f;
     float* km = w.kmul.data() + (b0 / BK) * nc * BK;
     bool masked = false, shared = false;
     for (int64_t j = 0; j < BK; j++) {
@@ -578,7 +578,7 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
       const float* kmask = w.kmask.data() + k0;
       const float* kmul = w.kmul.data() + (k0 / BK) * nc * BK;
       const bool masked = w.block_masked[k0 / BK], shared = w.block_shared[k0 / BK];
-      const float* kt = w.kt.data() + (k0 / BK) * d * KTS;
+      const float* kt = w.kt.data() + (k0 / BK) * d * BK;
       for (int t0 = 0; t0 < nqp; t0 += MR) {
         // causal: the group's columns end at its last row's own index (the diagonal
         // block's keys after every row of the group are not computed)
@@ -586,7 +586,7 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
                                  : nk;
         if (gk <= 0 || (x0 <= 0 && x1 >= gk)) continue;  // nothing of the block for it
         const int gcols = (gk + QK_COLS - 1) / QK_COLS * QK_COLS;
-        qk_tile<KTS, BK>(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, gcols);
+        qk_tile<QK_COLS, BK>(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, gcols, d);
         for (int r = 0; r < MR; r++) {
           const int i = t0 + r;
           float* sr = w.s.data() + r * BK;
