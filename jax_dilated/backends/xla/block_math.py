@@ -135,9 +135,10 @@ def _forward_block(state, q_blk, k_blk, v_blk, mask, keep, post_scale: float, st
     bk = k_blk.shape[-2]
     flat = (n * h, g * bq, bk)
     # The block's work runs on three-axis operands [N Hkv, rows, D]: with the size-1
-    # axes of the five-axis layout (one item per chunk, no GQA) XLA:CPU transposed
-    # k and copied the logits into another layout in every step (longnet's dilated
-    # forward took 1.17x the time; docs/benchmarks.md).
+    # axes of the five-axis layout (one item per chunk, no GQA) XLA:CPU transposes
+    # k and copies the logits into another layout in every step, two copies per
+    # block that flat operands do not need (docs/benchmarks_history.md, "Degenerate
+    # axes and a slow matmul path").
     kf, vf = flat_keys(k_blk), flat_keys(v_blk)
     s = _logits(q_blk.reshape(n * h, g * bq, d), kf, post_scale, stats, cap)
     if mask is not None:
@@ -157,8 +158,9 @@ def keys_transposed(k_blk):
 
     Callers whose loop over query blocks runs inside one key block make it once,
     before that loop: given ``k`` itself, XLA:CPU folds the transpose into that
-    matmul and runs it on a slower path that also stalled the steps around it
-    (docs/benchmarks.md, "Degenerate axes and a slow matmul path").
+    matmul and runs it on a slower path (Eigen rather than YNNPACK) that also stalls
+    the steps around it (docs/benchmarks_history.md, "Degenerate axes and a slow
+    matmul path").
     """
     return jnp.swapaxes(flat_keys(k_blk), 1, 2)
 

@@ -308,13 +308,13 @@ def _ring_head_group(batch: int, kv_heads: int, group: int, geo: _Blocking,
 
     A ring at P devices holds a few shard-sized buffers, which shrink as 1/P, and
     per-step temporaries (logits, query/key blocks), which do not: with every head at
-    once the latter were a third of the per-device memory at P = 8 (n = 32768, 8
-    heads). Looping over heads keeps the matmul shapes (heads are a batch axis of
-    them), so on CPU it costs only loop overhead (measured: no slower). Elsewhere the
-    budget is the kernel's usual block size (``_BLOCK_ELEMENTS``): on a GPU one head
-    of a 512 x 512 block is too little work per loop step to keep the device busy
-    (not measured yet). With dropout every head stays in one group: the keep masks
-    are drawn per (query block, key block) over all heads.
+    once the latter become a large share of the per-device memory as P grows.
+    Looping over heads keeps the matmul shapes (heads are a batch axis of them), so
+    on CPU it adds only loop overhead. Elsewhere the budget is the kernel's usual
+    block size (``_BLOCK_ELEMENTS``): on a GPU one head of a 512 x 512 block is
+    expected to be too little work per loop step to keep the device busy (an
+    assumption, not yet checked on a GPU). With dropout every head stays in one
+    group: the keep masks are drawn per (query block, key block) over all heads.
     """
     if args.dropout_rate:
         return kv_heads

@@ -265,9 +265,11 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
                 moved, kept = 5 * qb + 6 * kprime, 0.0
             else:
                 moved = 2 * (2 * qb + 2 * kprime)
-            # priced on CPU as the ring's calls (measured, 12 heads on 8 devices: the
-            # mix with "heads" for the branch of 2 devices ran 1.28-1.31x the time of
-            # all rings at 4096 tokens, 0.95-0.96x at 8192; docs/benchmarks.md)
+            # priced on CPU as the ring's calls (small work ``share``): the exchanged
+            # branch still runs a kernel call over only its group's dilated rows, not
+            # one call over the whole sequence as the whole-call "heads" does, so it
+            # earns none of that strategy's discount (docs/benchmarks.md, "One
+            # strategy per dilated branch": the mix runs about as fast as the rings)
             mine["heads"] = ((g - 1) / g * moved, 2 * (2 * qb + 2 * kprime)
                              + blocks(hb // g, g * lb, g * lb), 0.0, share, kept)
         options.append(mine)
@@ -323,13 +325,12 @@ def _logits_blocks_held(batch: int, itemsize: int, heads: int, len_q: int,
     The only kernel temporaries the cost model counts, because a spanning dilated
     branch's differ by strategy: its ring and all-gather run its ``H_b`` heads over a
     shard's ``n / r`` queries (blocks as small as ``n / r``), its head exchange ``H_b /
-    g`` heads over ``g n / r`` (full blocks). Compiled (docs/benchmarks.md), P = 8,
-    8 heads: the ring held 8.8 MiB less than ``"heads"`` at 4096 tokens and 7.8 MiB
-    more at 8192; this term gives it 8 MiB less and 16 MiB more, the other terms 0.25
-    and 0.5 MiB more (docs/semantics.md, section 8). With the native CPU kernel's
-    forward only the backward's blocks remain, and the compiled differences shrink
-    with the same signs (2.5 MiB less, 11.0 MiB more at b372848); the term is kept
-    as an order, not a size."""
+    g`` heads over ``g n / r`` (full blocks). So the ring holds less while a shard's
+    ``n / r`` is below the block size and the exchange holds less once it fills a
+    block, the order the compiled programs show (docs/semantics.md, section 8;
+    ``tests/test_strategies.py`` checks it). With the native CPU kernel's forward only
+    the backward's blocks remain: the compiled differences shrink but keep their signs,
+    so the term is kept as an order, not a size."""
     bq, bk = min(len_q, DEFAULT_BLOCK_Q), min(len_k, DEFAULT_BLOCK_K)
     return 4.0 * batch * heads * bq * bk * max(itemsize, 4)
 
@@ -381,10 +382,10 @@ _BALANCE = {"cpu": 2.0, "gpu": 100.0, "tpu": 200.0}  # flop per byte moved
 # by the cores that compute, so nothing overlaps; and the sequence-sharded strategies
 # compute a shard's T / P queries in many small kernel calls (a ring's P steps, the
 # all-gather's blocks of a causal layout), slower than the heads strategy's one call
-# over the whole sequence. Measured on the project's 2-core CPU (docs/benchmarks.md,
-# "Context-parallel strategies: time", P=8, n 4096 and 8192, 8 and 1 kv heads, exact
-# and block-sparse attention): ring 1.10-1.77x and allgather 1.14-2.58x the time of
-# heads (medians 1.45x and 1.5x). The model prices their work by this factor there.
+# over the whole sequence. The model prices their work by this factor there, about
+# the median ratio of the ring's and the all-gather's times to the heads strategy's
+# for exact and block-sparse attention on the project's CPU (docs/benchmarks.md,
+# "Time (fwd+bwd), and what "auto" picks").
 _CPU_SEQ_SHARDED_WORK = 1.45
 
 
