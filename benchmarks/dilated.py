@@ -55,7 +55,7 @@ DEFAULTS = {"seq_len": 16384, "segments": (2048, 4096, 8192), "rates": (1, 2, 4)
 QUICK = {"seq_len": 4096, "segments": (512, 1024, 2048), "rates": (1, 2, 4),
          "memory_seq_lens": (4096, 8192, 16384)}
 # agreement threshold of the cross-checks: max |diff| / max |jax-dilated|
-CHECK_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}
+CHECK_RTOL = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 3e-3}
 MODES = ("head_groups", "longnet")
 PASSES = ("forward", "forward_backward")
 INSTALL = "bash benchmarks/setup.sh"

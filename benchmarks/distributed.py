@@ -223,7 +223,7 @@ def _allgather_comparison(args, devices, progress) -> list[dict]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_dilated.backends import KernelArgs, get_kernel
+    from jax_dilated.backends import KernelArgs, Masks, get_kernel
     from jax_dilated.core import branch_plans, dilation
     from jax_dilated.ops import distributed
     from jax_dilated.ops.ring import RingConfig, ring_partials
@@ -252,8 +252,8 @@ def _allgather_comparison(args, devices, progress) -> list[dict]:
             k_all = jax.lax.all_gather(k, "seq", axis=1, tiled=True)
             v_all = jax.lax.all_gather(v, "seq", axis=1, tiled=True)
             q_pos = jax.lax.axis_index("seq") * m + jnp.arange(m, dtype=jnp.int32)
-            return kernel.attention(q, k_all, v_all, kargs, q_positions=q_pos,
-                                    kv_valid=valid)
+            return kernel.attention(q, k_all, v_all, kargs,
+                                    Masks(q_positions=q_pos, kv_valid=valid))
 
         for method, attend in (("ring", ring_attend), ("all-gather", gather_attend)):
             def local(q, k, v, attend=attend, sb=sb, plan=plan):

@@ -309,7 +309,7 @@ def _projection(args, progress) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jax_dilated.backends import KernelArgs, get_kernel
+    from jax_dilated.backends import KernelArgs, Masks, get_kernel
     from jax_dilated.core.layouts import global_order
     p, n = args.devices, args.seq_len // args.devices
     kernel = get_kernel(args.implementation)
@@ -333,8 +333,8 @@ def _projection(args, progress) -> dict:
                 qp, kp = jnp.asarray(pos[d]), jnp.asarray(pos[(d - s) % p])
 
                 def step(q_, k_, v_, qp=qp, kp=kp, kargs=kargs):
-                    return kernel.attention(q_, k_, v_, kargs, q_positions=qp,
-                                            k_positions=kp)[0]
+                    return kernel.attention(q_, k_, v_, kargs,
+                                            Masks(q_positions=qp, k_positions=kp))[0]
 
                 exe = jax.jit(dev.grad_of(step)).lower(q, k, v, ct).compile()
                 calls[(block, key)] = functools.partial(exe, q, k, v, ct)

@@ -32,7 +32,7 @@ from _mesh import devices as mesh_devices
 
 import jax_dilated as jd
 from jax_dilated.backends import KernelArgs, call_specs, cudnn, native, registry, selection, xla
-from jax_dilated.backends.base import BlockLists, Kernel
+from jax_dilated.backends.base import BlockLists, Kernel, KernelBase, Masks
 from jax_dilated.core import softmax
 
 
@@ -277,16 +277,27 @@ def _kernels():
 
 
 def test_every_backend_is_one_kernel_class():
-    """Each backend is one class with every entry point of the protocol, defined on the
-    class itself (no attribute fall-through); get_kernel hands out instances."""
+    """Each backend is one class with every entry point and capability of the protocol,
+    defined on the class or the explicit defaults of KernelBase (no attribute
+    fall-through); get_kernel hands out instances."""
     assert KERNEL_METHODS == ["attention", "backward", "batch_chunk", "block_sparse_backward",
-                              "block_sparse_forward", "block_sparse_ring_steps", "forward",
+                              "block_sparse_forward", "block_sparse_ring_steps",
+                              "call_reason", "dilated_backward", "dilated_forward", "forward",
                               "ring_steps"]
     for kern in _kernels():
         assert isinstance(kern, Kernel), kern
+        assert isinstance(kern, KernelBase), kern
         assert not hasattr(type(kern), "__getattr__"), type(kern)
-        assert all(name in vars(type(kern)) for name in KERNEL_METHODS), type(kern)
+        classes = [c for c in type(kern).__mro__ if c is not object]
+        assert all(any(name in vars(c) for c in classes) for name in KERNEL_METHODS), kern
+        assert isinstance(kern.blockwise, bool) and isinstance(kern.fused_dilated, bool)
     assert isinstance(registry.get_kernel("xla"), xla.XlaKernel)
+    # what each kernel declares: the XLA kernel is blockwise, only the native one fused
+    assert (xla.KERNEL.blockwise, xla.KERNEL.fused_dilated) == (True, False)
+    assert (native.KERNEL.blockwise, native.KERNEL.fused_dilated) == (True, True)
+    assert (cudnn.KERNEL.blockwise, cudnn.KERNEL.fused_dilated) == (False, False)
+    with pytest.raises(ValueError, match="no fused dilated program"):
+        xla.KERNEL.dilated_forward(None, None, None, KernelArgs(scale=1.0), [])
 
 
 def test_cudnn_kernel_says_what_it_lacks():
@@ -701,8 +712,9 @@ def test_explicit_cudnn_kernel_refuses_calls(what, call, match):
 
     def f(pos):
         p = pos if call.get("positions") else None
-        return kern.forward(q, q, q, args, q_positions=p, k_positions=p, kv_valid=valid,
-                            dropout_rng=jax.random.key(0))[0]
+        return kern.forward(q, q, q, args, Masks(q_positions=p, k_positions=p,
+                                                 kv_valid=valid,
+                                                 dropout_rng=jax.random.key(0)))[0]
 
     with pytest.raises(ValueError, match=r"implementation='cudnn' cannot serve this call: .*"
                                          + match):

@@ -27,7 +27,7 @@ import pytest
 from _mesh import devices as mesh_devices
 
 import jax_dilated as jd
-from jax_dilated.backends import KernelArgs, native, registry, selection, xla
+from jax_dilated.backends import KernelArgs, Masks, native, registry, selection, xla
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or native.unavailable_reason() is not None,
@@ -110,7 +110,7 @@ def test_forward_matches_float64_reference(isa, n, lq, lk, h, hkv, d, causal, ma
     q, k, v, valid = _inputs(n, lq, lk, h, hkv, d, seed=lq + lk, mask=mask)
     args = KernelArgs(scale=float(d) ** -0.5, is_causal=causal)
     o, lse, lse_lo = jax.jit(lambda q, k, v, m: native.KERNEL.forward(
-        q, k, v, args, kv_valid=m))(q, k, v, valid)
+        q, k, v, args, Masks(kv_valid=m)))(q, k, v, valid)
     want_o, want_lse = _dense_reference(q, k, v, args.scale, causal, valid)
     _close(o, want_o)
     _close(lse, want_lse)
@@ -124,7 +124,7 @@ def test_rows_without_keys_give_zeros(isa):
     q, k, v, _ = _inputs(2, 40, 40, 2, 1, 64, seed=3)
     valid = np.ones((2, 40), bool)
     valid[1] = False
-    o, lse, _ = native.KERNEL.forward(q, k, v, KernelArgs(scale=0.125), kv_valid=valid)
+    o, lse, _ = native.KERNEL.forward(q, k, v, KernelArgs(scale=0.125), Masks(kv_valid=valid))
     assert np.all(np.asarray(o)[1] == 0.0) and np.all(np.isneginf(np.asarray(lse)[1]))
     want_o, _ = _dense_reference(q, k, v, 0.125, False, valid)
     _close(np.asarray(o)[0], want_o[0])
@@ -147,7 +147,7 @@ def test_gradients_through_the_native_forward(isa):
         return f
 
     got = jax.jit(jax.grad(loss(lambda q, k, v: native.KERNEL.attention(
-        q, k, v, args, kv_valid=valid), jnp.float32), argnums=(0, 1, 2)))(q, k, v)
+        q, k, v, args, Masks(kv_valid=valid)), jnp.float32), argnums=(0, 1, 2)))(q, k, v)
     want = jax.grad(loss(lambda q, k, v: (*_dense_reference(
         q, k, v, args.scale, True, valid), 0.0), jnp.float64), argnums=(0, 1, 2))(
         *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
@@ -166,11 +166,11 @@ def test_calls_it_does_not_serve_go_to_the_xla_kernel():
     assert why(KernelArgs(scale=0.1, window=(4, 0))) == "a sliding window"
     assert why(KernelArgs(scale=0.1, logit_soft_cap=5.0)) == "logit soft-capping"
     causal = KernelArgs(scale=0.1, is_causal=True)
-    assert why(causal, q_positions=np.arange(16), k_positions=np.arange(16)) is None
-    assert "positions other than" in why(causal, q_positions=np.arange(16) + 3)
-    assert why(args, q_positions=np.arange(16) + 3) is None  # no mask follows them
+    assert why(causal, Masks(q_positions=np.arange(16), k_positions=np.arange(16))) is None
+    assert "positions other than" in why(causal, Masks(q_positions=np.arange(16) + 3))
+    assert why(args, Masks(q_positions=np.arange(16) + 3)) is None  # no mask follows them
     ids = jnp.zeros((1, 16), jnp.int32)
-    assert why(args, q_segment_ids=ids, k_segment_ids=ids) == "segment ids"
+    assert why(args, Masks(q_segment_ids=ids, k_segment_ids=ids)) == "segment ids"
     # and such a call gives the XLA kernel's result, bit for bit
     q64, k64 = (x.astype(np.float64) for x in (q, k))
     for x, y in zip(native.KERNEL.forward(q64, k64, k64, args),
@@ -443,7 +443,8 @@ def test_half_precision_forward(isa, dtype):
     (q, q32), (k, k32), (v, v32) = (_rounded(x, dtype) for x in (q, k, v))
     args = KernelArgs(scale=0.125, is_causal=True)
     assert native.KERNEL.call_reason(q, k, args) is None
-    o, lse, _ = jax.jit(lambda q, k, v: native.KERNEL.forward(q, k, v, args, kv_valid=valid))(
+    o, lse, _ = jax.jit(lambda q, k, v: native.KERNEL.forward(q, k, v, args,
+                                                                   Masks(kv_valid=valid)))(
         q, k, v)
     assert o.dtype == jnp.dtype(dtype) and lse.dtype == jnp.float32
     want_o, want_lse = _dense_reference(q32, k32, v32, args.scale, True, valid)

@@ -709,7 +709,8 @@ def test_ring_steps_dropout_match_fallback(monkeypatch):
 
     def grads(rate):
         cfg = RingConfig("seq", p, p, "contiguous",
-                         KernelArgs(scale=8 ** -0.5, is_causal=True, dropout_rate=rate), None)
+                         KernelArgs(scale=8 ** -0.5, is_causal=True, dropout_rate=rate),
+                         jd.backends.get_kernel(None))
         f = jax.shard_map(lambda q, k, v, r: ring_partials(q, k, v, None, r, cfg)[0],
                           mesh=mesh, in_specs=(PS(None, "seq"),) * 3 + (PS(),),
                           out_specs=PS(None, "seq"))

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_dilated as jd
 from jax_dilated import block_patterns as bp
-from jax_dilated.backends import KernelArgs, cudnn, registry, xla
+from jax_dilated.backends import KernelArgs, Masks, cudnn, registry, xla
 from jax_dilated.backends.base import segments_meet
 from jax_dilated.core.documents import document_ids
 
@@ -190,8 +190,9 @@ def test_kernel_small_blocks():
     args = KernelArgs(scale=1.0 / np.sqrt(D), is_causal=True, block_q=16, block_k=16)
 
     def fn(q, k, v, mask, ids):
-        return xla.KERNEL.attention(q, k, v, args, kv_valid=mask, q_segment_ids=ids,
-                                    k_segment_ids=ids)[0]
+        return xla.KERNEL.attention(q, k, v, args,
+                                    Masks(kv_valid=mask, q_segment_ids=ids,
+                                          k_segment_ids=ids))[0]
 
     out, grads = grad_step(fn)(*(jnp.asarray(x) for x in (q, k, v, g)), mask, ids)
     check("kernel", "float64", out, grads, *reference(q, k, v, g, ids, mask, causal=True))
@@ -297,12 +298,13 @@ def test_cudnn_refuses_segment_ids_and_auto_picks_xla():
     ids = jnp.zeros((1, 16), jnp.int32)
     args = KernelArgs(scale=0.125)
     kernel = cudnn.CudnnKernel()
-    reason = kernel.call_reason(x, x, args, q_segment_ids=ids, k_segment_ids=ids)
+    masks = Masks(q_segment_ids=ids, k_segment_ids=ids)
+    reason = kernel.call_reason(x, x, args, masks)
     assert reason and "segment ids" in reason
     with pytest.raises(ValueError, match="segment ids"):
-        kernel.forward(x, x, x, args, q_segment_ids=ids, k_segment_ids=ids)
+        kernel.forward(x, x, x, args, masks)
     auto = registry.AutoKernel(kernel)
-    chosen, why = auto.choose(x, x, args, q_segment_ids=ids, k_segment_ids=ids)
+    chosen, why = auto.choose(x, x, args, masks)
     assert chosen is xla.KERNEL and "segment ids" in why
 
 

@@ -7,7 +7,7 @@ picks one per call at trace time (:class:`~.registry.AutoKernel`),
 offers cuDNN.
 """
 
-from jax_dilated.backends.base import Kernel, KernelArgs
+from jax_dilated.backends.base import NO_MASKS, Kernel, KernelArgs, KernelBase, Masks
 from jax_dilated.backends.registry import (
            IMPLEMENTATIONS,
            get_kernel,
@@ -15,5 +15,5 @@ from jax_dilated.backends.registry import (
 )
 from jax_dilated.backends.report import KernelChoice, backend_report
 
-__all__ = ["Kernel", "KernelArgs", "IMPLEMENTATIONS", "get_kernel", "select_implementation",
-           "backend_report", "KernelChoice"]
+__all__ = ["Kernel", "KernelArgs", "KernelBase", "Masks", "NO_MASKS", "IMPLEMENTATIONS",
+           "get_kernel", "select_implementation", "backend_report", "KernelChoice"]

@@ -12,12 +12,8 @@ kernel for says so explicitly (``None`` from the ring-step factories, a
 ``ValueError`` from a call it cannot serve).
 
 Shapes, for every method: ``q`` [N, Lq, H, D], ``k``/``v`` [N, Lk, H_kv, D],
-``H % H_kv == 0``; ``q_positions`` [Lq] / ``k_positions`` [Lk] int positions used
-by the causal rule ``k_pos <= q_pos`` (default ``arange``); ``kv_valid`` [N, Lk] or
-[N, Lk, H_kv] bool (per kv head when heads see different keys); ``q_segment_ids``
-[N, Lq] / ``k_segment_ids`` [N, Lk] int document ids (packed sequences: a query
-attends only to keys with its own id; both given or neither; docs/semantics.md,
-"Packed sequences"). The statistics
+``H % H_kv == 0``. The per-call masks travel as one value, :class:`Masks`. The
+statistics
 (``lse``, ``lse_lo``, ``delta``) are float32, float64 for float64 inputs (the
 *stats dtype*).
 """
@@ -31,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["KernelArgs", "BlockLists", "any_pair_allowed", "segments_meet", "window_meets",
-           "window_arg", "WINDOW_CAP", "Kernel", "RingSteps", "QuerySide", "KeySide", "RowGrads"]
+__all__ = ["KernelArgs", "Masks", "NO_MASKS", "BlockLists", "any_pair_allowed", "segments_meet",
+           "window_meets", "window_arg", "WINDOW_CAP", "Kernel", "KernelBase", "RingSteps",
+           "QuerySide", "KeySide", "RowGrads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +56,30 @@ class KernelArgs:
     block_k: int | None = None
     window: tuple[int, int] | None = None
     logit_soft_cap: float | None = None
+
+
+class Masks(NamedTuple):
+    """The per-call masks of one kernel call, as one value (a pytree; every field
+    None unless given).
+
+    q_positions: int [Lq], k_positions: int [Lk], the positions of the causal rule
+      ``k_pos <= q_pos`` and of the window (default ``arange``).
+    kv_valid: bool [N, Lk], or [N, Lk, H_kv] when heads see different keys.
+    q_segment_ids: int [N, Lq], k_segment_ids: int [N, Lk], document ids (packed
+      sequences: a query attends only to keys with its own id; both given or
+      neither; docs/semantics.md, "Packed sequences").
+    dropout_rng: the dropout key, needed when ``args.dropout_rate > 0``.
+    """
+
+    q_positions: Any = None
+    k_positions: Any = None
+    kv_valid: Any = None
+    q_segment_ids: Any = None
+    k_segment_ids: Any = None
+    dropout_rng: Any = None
+
+
+NO_MASKS = Masks()
 
 
 # Window entries are capped here so that position +- window stays inside int32 (real
@@ -174,44 +195,60 @@ def any_pair_allowed(is_causal: bool, q_pos, k_pos, kv_valid, q_seg=None, k_seg=
     return need
 
 
-def is_blockwise(kernel) -> bool:
-    """Whether ``kernel``'s backward is the blockwise XLA kernel's (the XLA kernel and
-    the native CPU kernel; :class:`Kernel`): one-device dilated attention then streams
-    chunks of segments through it and its backward gets ``delta``, not the output."""
-    return bool(getattr(kernel, "blockwise", False))
-
-
 @runtime_checkable
 class Kernel(Protocol):
     """An attention backend (shapes and dtypes: module docstring).
 
     ``name`` says which backend it is (``"xla"``, ``"cudnn"``, ``"native"``,
-    ``"auto"``). A kernel whose backward is the blockwise XLA kernel's (it reads
-    ``delta`` and needs no output; cheap per call, so the one-device programs stream
-    chunks of segments through it) says so with ``blockwise = True``
-    (:func:`is_blockwise`). A kernel may also have ``dilated_forward(q, k, v, args,
-    plans, *, kv_mask, accumulate, out_scale) -> (o, lse, lse_lo)``, every branch of
-    one-device dilated attention in one call
-    (:func:`jax_dilated.backends.native.native_dilated_forward`), which
-    :mod:`jax_dilated.ops.dilated_local` then uses for the calls it serves.
+    ``"auto"``). Two capabilities say what the operations may ask of it:
+
+    * ``blockwise``: its backward is the blockwise XLA kernel's (it reads ``delta``
+      and needs no output; cheap per call, so the one-device programs stream chunks
+      of segments through it);
+    * ``fused_dilated``: it has :meth:`dilated_forward` and :meth:`dilated_backward`,
+      every branch of one-device dilated attention in one call per pass
+      (:mod:`jax_dilated.ops.dilated_fused`).
+
+    :class:`KernelBase` gives a kernel without the optional parts their explicit
+    defaults (no capability, every call served, the fused methods refused).
     """
 
     name: str
+    blockwise: bool
+    fused_dilated: bool
 
-    def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
+    def call_reason(self, q, k, args: KernelArgs, masks: Masks = NO_MASKS) -> str | None:
+        """Why this kernel would not serve a :meth:`forward` of these shapes (``q``,
+        ``k`` arrays or ``jax.ShapeDtypeStruct``) itself, or None when it would.
+        A kernel that routes what it cannot serve to another (the native kernel to
+        the XLA kernel) still answers the call; the reason is for the programs that
+        need this kernel's own path (:mod:`jax_dilated.ops.dilated_fused`)."""
+
+    def dilated_forward(self, q, k, v, args: KernelArgs, plans, *, kv_mask=None,
+                        accumulate: bool = False, out_scale: float = 1.0,
+                        shared_pairs: bool = False):
+        """Every branch of ``plans`` in one call (``fused_dilated`` kernels):
+        ``(o, lse, lse_lo)`` [B, T, H, D], [B, T, H] written in place; ``accumulate``
+        continues each row's softmax over the branches (longnet), else each row is
+        written by its one branch times ``out_scale`` (head_groups)."""
+
+    def dilated_backward(self, q, k, v, do, c, lse, delta, args: KernelArgs, plans, *,
+                         kv_mask=None, shared_pairs: bool = False):
+        """The gradients ``(dq, dk, dv)`` of :meth:`dilated_forward` from the global
+        statistics (``fused_dilated`` kernels)."""
+
+    def forward(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS):
         """Attention of ``q`` against every allowed key of ``k``/``v``.
 
         Returns ``(o, lse, lse_lo)``: ``o`` [N, Lq, H, D] in the input dtype, the
         log-sum-exp ``lse + lse_lo`` [N, Lq, H] in the stats dtype as the two parts
         of :mod:`jax_dilated.core.softmax` (a backend that only has the rounded value
         returns ``lse_lo = 0``); ``o = 0``, ``lse = -inf``, ``lse_lo = 0`` for a row
-        with no allowed key. ``dropout_rng`` is needed when ``args.dropout_rate > 0``.
+        with no allowed key.
         """
 
-    def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
-                 k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
-                 k_segment_ids=None, out=None):
+    def backward(self, q, k, v, do, lse, delta, args: KernelArgs, masks: Masks = NO_MASKS,
+                 *, out=None):
         """Gradients of the forward from saved statistics: ``(dq, dk, dv)``.
 
         With ``p = exp(scale q.k - lse)``: ``dv = p^T do``, ``ds = p (do.v - delta)``,
@@ -221,8 +258,9 @@ class Kernel(Protocol):
         ``delta = rowsum(do * o) - dlse`` with the global ``o``
         (:func:`~jax_dilated.core.softmax.backward_delta`). Only the rounded ``lse``
         is read: callers fold ``lse_lo`` into ``do`` and ``delta``
-        (:func:`~jax_dilated.core.softmax.backward_rows`). The same ``dropout_rng``
-        as the forward draws the same masks. Gradients in the input dtypes.
+        (:func:`~jax_dilated.core.softmax.backward_rows`). The same
+        ``masks.dropout_rng`` as the forward draws the same masks. Gradients in the
+        input dtypes.
 
         ``out``: None, or an output [N, Lq, H, D] (q's dtype) with ``delta =
         rowsum(do * out)`` to its rounding - the global output where the global
@@ -231,8 +269,7 @@ class Kernel(Protocol):
         ``delta`` (XLA) ignores it.
         """
 
-    def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
+    def attention(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS, *,
                   sinks=None, lse_grad=True):
         """:meth:`forward`, differentiable in ``q``, ``k``, ``v`` through every output
         ``(o, lse, lse_lo)``.
@@ -252,9 +289,8 @@ class Kernel(Protocol):
         arrays or ``jax.ShapeDtypeStruct``) one call should take, for a caller that
         loops over a long batch itself (e.g. dilated segments, chunk by chunk)."""
 
-    def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
-                             q_positions=None, k_positions=None, kv_valid=None,
-                             q_segment_ids=None, k_segment_ids=None):
+    def block_sparse_forward(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS, *,
+                             blocks: BlockLists):
         """As :meth:`forward`, over the blocks listed in ``blocks`` only.
 
         Blocks are exactly ``args.block_q`` x ``args.block_k``; ``Lq``/``Lk`` are
@@ -263,9 +299,8 @@ class Kernel(Protocol):
         query block share one softmax.
         """
 
-    def block_sparse_backward(self, q, k, v, do, lse, delta, args: KernelArgs, *,
-                              blocks: BlockLists, q_positions=None, k_positions=None,
-                              kv_valid=None, q_segment_ids=None, k_segment_ids=None):
+    def block_sparse_backward(self, q, k, v, do, lse, delta, args: KernelArgs,
+                              masks: Masks = NO_MASKS, *, blocks: BlockLists):
         """As :meth:`backward`, over the blocks listed in ``blocks`` only:
         ``(dq, dk, dv)``."""
 
@@ -291,6 +326,33 @@ class Kernel(Protocol):
         then calls :meth:`block_sparse_forward`/:meth:`block_sparse_backward` per
         step).
         """
+
+
+class KernelBase:
+    """The explicit defaults of the optional parts of :class:`Kernel`: no capability,
+    every call served, no fused dilated program (its methods raise), no ring steps of
+    its own (None: a ring calls ``forward``/``backward`` per step)."""
+
+    name = "kernel"
+    blockwise = False
+    fused_dilated = False
+
+    def call_reason(self, q, k, args: KernelArgs, masks: Masks = NO_MASKS) -> str | None:
+        return None
+
+    def dilated_forward(self, q, k, v, args: KernelArgs, plans, **kw):
+        raise ValueError(f"the {self.name} kernel has no fused dilated program "
+                         "(fused_dilated is False)")
+
+    def dilated_backward(self, q, k, v, do, c, lse, delta, args: KernelArgs, plans, **kw):
+        raise ValueError(f"the {self.name} kernel has no fused dilated program "
+                         "(fused_dilated is False)")
+
+    def ring_steps(self, q, k, args: KernelArgs):
+        return None
+
+    def block_sparse_ring_steps(self, q, k, args: KernelArgs):
+        return None
 
 
 # ------------------------------------------------------------------ ring steps

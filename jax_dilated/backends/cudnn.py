@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends import cudnn_probe, selection, xla
-from jax_dilated.backends.base import BlockLists, KernelArgs
+from jax_dilated.backends.base import NO_MASKS, BlockLists, KernelArgs, KernelBase, Masks
 from jax_dilated.backends.call_specs import call_spec
 from jax_dilated.backends.cudnn_probe import primitive_signature_reason
 from jax_dilated.backends.cudnn_reference import ReferenceOps
@@ -186,7 +186,7 @@ def _split3(delta, dtype):
     return parts
 
 
-class CudnnKernel:
+class CudnnKernel(KernelBase):
     """The cuDNN backend as a :class:`~.base.Kernel`.
 
     ``forward``, ``backward``, ``attention`` run cuDNN's fused attention. cuDNN has
@@ -234,18 +234,16 @@ class CudnnKernel:
 
     # -------------------------------------------------------------- checks
 
-    def call_reason(self, q, k, args: KernelArgs, q_positions=None, k_positions=None,
-                    kv_valid=None, *, q_segment_ids=None, k_segment_ids=None) -> str | None:
+    def call_reason(self, q, k, args: KernelArgs, masks: Masks = NO_MASKS) -> str | None:
         """Why this call cannot run on cuDNN, or None."""
-        if q_segment_ids is not None or k_segment_ids is not None:
+        if masks.q_segment_ids is not None or masks.k_segment_ids is not None:
             return "segment ids (packed documents; this backend has no document mask)"
         return selection.cudnn_call_reason(
-            self.info, call_spec(q, k, args, q_positions, k_positions, kv_valid))
+            self.info, call_spec(q, k, args, masks.q_positions, masks.k_positions,
+                                 masks.kv_valid))
 
-    def _check(self, q, k, args, q_positions, k_positions, kv_valid, q_segment_ids=None,
-               k_segment_ids=None):
-        reason = self.call_reason(q, k, args, q_positions, k_positions, kv_valid,
-                                  q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids)
+    def _check(self, q, k, args, masks: Masks):
+        reason = self.call_reason(q, k, args, masks)
         if reason:
             raise ValueError(
                 f"implementation='cudnn' cannot serve this call: {reason}. Use "
@@ -257,17 +255,14 @@ class CudnnKernel:
 
     # ------------------------------------------------------------ interface
 
-    def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
+    def forward(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS):
         """As :func:`jax_dilated.backends.xla.forward` (o in q's dtype, lse float32).
 
         cuDNN returns the log-sum-exp rounded to float32 and not the row maximum, so
         ``lse_lo`` is 0: at extreme logits (|lse| ~ 1e4) this call's probabilities
         carry that rounding (docs/semantics.md, "Numerics").
         """
-        del dropout_rng  # no dropout here (checked)
-        self._check(q, k, args, q_positions, k_positions, kv_valid, q_segment_ids,
-                    k_segment_ids)
+        self._check(q, k, args, masks)  # (no dropout here: checked)
         o, stats = self.ops.forward(q, k, v, scale=float(args.scale),
                                     **_mask(args, k.shape[1]))
         lse = jnp.swapaxes(stats, 1, 2).astype(jnp.float32)
@@ -279,9 +274,8 @@ class CudnnKernel:
                                  do.astype(q.dtype), scale=float(args.scale),
                                  **_mask(args, k.shape[1]))
 
-    def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
-                 k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
-                 k_segment_ids=None, out=None):
+    def backward(self, q, k, v, do, lse, delta, args: KernelArgs, masks: Masks = NO_MASKS,
+                 *, out=None):
         """As :func:`jax_dilated.backends.xla.backward`: ``lse``/``delta`` may be global.
 
         With ``out`` (``delta = rowsum(do * out)``) cuDNN's own backward runs on it.
@@ -289,15 +283,12 @@ class CudnnKernel:
         docstring); where ``head_dim + 8`` is above the device's limit, the XLA
         kernel's backward.
         """
-        self._check(q, k, args, q_positions, k_positions, kv_valid, q_segment_ids,
-                    k_segment_ids)
+        self._check(q, k, args, masks)
         if out is not None:
             return self._native_backward(q, k, v, do, lse, out, args)
         d = q.shape[-1]
         if not self.augmented_backward_ok(d):
-            return xla.KERNEL.backward(q, k, v, do, lse, delta, args,
-                                       q_positions=q_positions, k_positions=k_positions,
-                                       kv_valid=kv_valid)
+            return xla.KERNEL.backward(q, k, v, do, lse, delta, args, masks)
         n = q.shape[0]
         width = d + selection.AUGMENT_COLUMNS
         rows_q, rows_k = int(np.prod(q.shape[1:-1])), int(np.prod(k.shape[1:-1]))
@@ -340,15 +331,12 @@ class CudnnKernel:
         return (dq[..., :d].astype(q.dtype), dk[..., :d].astype(k.dtype),
                 dv[..., :d].astype(v.dtype))
 
-    def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
-                  sinks=None, lse_grad=True):
+    def attention(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS, *, sinks=None,
+                  lse_grad=True):
         """Differentiable :meth:`forward`; gradients flow through ``o`` and (unless
         ``lse_grad`` is False) the log-sum-exp, and to ``sinks`` [H] (or None), folded
         into the result."""
-        del dropout_rng
-        self._check(q, k, args, q_positions, k_positions, kv_valid, q_segment_ids,
-                    k_segment_ids)
+        self._check(q, k, args, masks)
         o, *lse = _attention(self, args, lse_grad, q, k, v, sinks)
         return o, *(lse if lse_grad else jax.lax.stop_gradient(lse))
 
@@ -363,15 +351,13 @@ class CudnnKernel:
                        for x in (q, k))
         return max(1, min(n, self.STREAM_CHUNK_BYTES // max(per_item, 1)))
 
-    def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
-                             q_positions=None, k_positions=None, kv_valid=None,
-                             q_segment_ids=None, k_segment_ids=None):
+    def block_sparse_forward(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS, *,
+                             blocks: BlockLists):
         """Always ``ValueError``: cuDNN has no block-sparse attention kernel."""
         raise ValueError(_NO_BLOCK_SPARSE)
 
-    def block_sparse_backward(self, q, k, v, do, lse, delta, args: KernelArgs, *,
-                              blocks: BlockLists, q_positions=None, k_positions=None,
-                              kv_valid=None, q_segment_ids=None, k_segment_ids=None):
+    def block_sparse_backward(self, q, k, v, do, lse, delta, args: KernelArgs,
+                              masks: Masks = NO_MASKS, *, blocks: BlockLists):
         """Always ``ValueError``: cuDNN has no block-sparse attention kernel."""
         raise ValueError(_NO_BLOCK_SPARSE)
 
@@ -428,16 +414,16 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 KERNEL = CudnnKernel()
 
 
-def forward(q, k, v, args: KernelArgs, **kwargs):
+def forward(q, k, v, args: KernelArgs, masks: Masks = NO_MASKS):
     """:meth:`CudnnKernel.forward` of :data:`KERNEL`: ``(o, lse, lse_lo)``."""
-    return KERNEL.forward(q, k, v, args, **kwargs)
+    return KERNEL.forward(q, k, v, args, masks)
 
 
-def backward(q, k, v, do, lse, delta, args: KernelArgs, **kwargs):
+def backward(q, k, v, do, lse, delta, args: KernelArgs, masks: Masks = NO_MASKS, *, out=None):
     """:meth:`CudnnKernel.backward` of :data:`KERNEL`."""
-    return KERNEL.backward(q, k, v, do, lse, delta, args, **kwargs)
+    return KERNEL.backward(q, k, v, do, lse, delta, args, masks, out=out)
 
 
-def attention(q, k, v, args: KernelArgs, **kwargs):
+def attention(q, k, v, args: KernelArgs, masks: Masks = NO_MASKS, **kwargs):
     """:meth:`CudnnKernel.attention` of :data:`KERNEL`."""
-    return KERNEL.attention(q, k, v, args, **kwargs)
+    return KERNEL.attention(q, k, v, args, masks, **kwargs)

@@ -31,7 +31,7 @@ from typing import get_args
 import jax
 
 from jax_dilated.backends import call_specs, cudnn, native, selection, xla
-from jax_dilated.backends.base import Kernel
+from jax_dilated.backends.base import NO_MASKS, Kernel, KernelBase, Masks
 from jax_dilated.core.types import Implementation
 
 __all__ = ["IMPLEMENTATIONS", "get_kernel", "select_implementation", "AutoKernel",
@@ -143,7 +143,7 @@ def native_reason(info: selection.DeviceInfo) -> str | None:
     return native.unavailable_reason()
 
 
-class AutoKernel:
+class AutoKernel(KernelBase):
     """cuDNN where a call can use it, the XLA kernel elsewhere (decided per call at trace time).
 
     A :class:`~.base.Kernel`: ``forward``/``backward``/``attention`` go to cuDNN or
@@ -160,64 +160,39 @@ class AutoKernel:
         self.cudnn = cudnn_kernel
         self.xla = xla.KERNEL if xla_kernel is None else xla_kernel
 
-    def choose(self, q, k, args, q_positions=None, k_positions=None, kv_valid=None,
-               q_segment_ids=None, k_segment_ids=None):
+    def choose(self, q, k, args, masks: Masks = NO_MASKS):
         """``(kernel, why not cuDNN)``: the cuDNN kernel and None, or the XLA kernel and
         the reason cuDNN cannot serve this call (segment ids, for one)."""
-        reason = self.cudnn.call_reason(q, k, args, q_positions, k_positions, kv_valid,
-                                        q_segment_ids=q_segment_ids,
-                                        k_segment_ids=k_segment_ids)
+        reason = self.cudnn.call_reason(q, k, args, masks)
         return (self.xla, reason) if reason else (self.cudnn, None)
 
-    def forward(self, q, k, v, args, *, q_positions=None, k_positions=None, kv_valid=None,
-                dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
-        seg = _segments(q_segment_ids, k_segment_ids)
-        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid, **seg)
-        return kernel.forward(q, k, v, args, q_positions=q_positions,
-                              k_positions=k_positions, kv_valid=kv_valid,
-                              dropout_rng=dropout_rng, **seg)
+    def forward(self, q, k, v, args, masks: Masks = NO_MASKS):
+        kernel, _ = self.choose(q, k, args, masks)
+        return kernel.forward(q, k, v, args, masks)
 
-    def backward(self, q, k, v, do, lse, delta, args, *, q_positions=None,
-                 k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
-                 k_segment_ids=None, out=None):
-        seg = _segments(q_segment_ids, k_segment_ids)
-        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid, **seg)
-        return kernel.backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
-                               k_positions=k_positions, kv_valid=kv_valid,
-                               dropout_rng=dropout_rng, out=out, **seg)
+    def backward(self, q, k, v, do, lse, delta, args, masks: Masks = NO_MASKS, *, out=None):
+        kernel, _ = self.choose(q, k, args, masks)
+        return kernel.backward(q, k, v, do, lse, delta, args, masks, out=out)
 
-    def attention(self, q, k, v, args, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
-                  sinks=None, lse_grad=True):
-        seg = _segments(q_segment_ids, k_segment_ids)
-        kernel, _ = self.choose(q, k, args, q_positions, k_positions, kv_valid, **seg)
-        return kernel.attention(q, k, v, args, q_positions=q_positions,
-                                k_positions=k_positions, kv_valid=kv_valid,
-                                dropout_rng=dropout_rng, sinks=sinks, lse_grad=lse_grad,
-                                **seg)
+    def attention(self, q, k, v, args, masks: Masks = NO_MASKS, *, sinks=None,
+                  lse_grad=True):
+        kernel, _ = self.choose(q, k, args, masks)
+        return kernel.attention(q, k, v, args, masks, sinks=sinks, lse_grad=lse_grad)
 
     def batch_chunk(self, n, q, k, args):
         """That of the kernel a call shaped like ``q``/``k`` goes to."""
         kernel, _ = self.choose(q, k, args)
         return kernel.batch_chunk(n, q, k, args)
 
-    def block_sparse_forward(self, q, k, v, args, *, blocks, q_positions=None,
-                             k_positions=None, kv_valid=None, q_segment_ids=None,
-                             k_segment_ids=None):
+    def block_sparse_forward(self, q, k, v, args, masks: Masks = NO_MASKS, *, blocks):
         """The XLA kernel's (cuDNN has no block-sparse kernel)."""
-        return self.xla.block_sparse_forward(q, k, v, args, blocks=blocks,
-                                             q_positions=q_positions,
-                                             k_positions=k_positions, kv_valid=kv_valid,
-                                             **_segments(q_segment_ids, k_segment_ids))
+        return self.xla.block_sparse_forward(q, k, v, args, masks, blocks=blocks)
 
-    def block_sparse_backward(self, q, k, v, do, lse, delta, args, *, blocks,
-                              q_positions=None, k_positions=None, kv_valid=None,
-                              q_segment_ids=None, k_segment_ids=None):
+    def block_sparse_backward(self, q, k, v, do, lse, delta, args, masks: Masks = NO_MASKS,
+                              *, blocks):
         """The XLA kernel's (cuDNN has no block-sparse kernel)."""
-        return self.xla.block_sparse_backward(q, k, v, do, lse, delta, args, blocks=blocks,
-                                              q_positions=q_positions,
-                                              k_positions=k_positions, kv_valid=kv_valid,
-                                              **_segments(q_segment_ids, k_segment_ids))
+        return self.xla.block_sparse_backward(q, k, v, do, lse, delta, args, masks,
+                                              blocks=blocks)
 
     def ring_steps(self, q, k, args):
         """The XLA kernel's fused ring steps, or None where cuDNN can serve a ring step
@@ -233,14 +208,6 @@ class AutoKernel:
     def block_sparse_ring_steps(self, q, k, args):
         """The XLA kernel's (block-sparse calls always run there)."""
         return self.xla.block_sparse_ring_steps(q, k, args)
-
-
-def _segments(q_segment_ids, k_segment_ids) -> dict:
-    """The segment-id keywords of a call, only when given (kernels that predate them,
-    such as test stand-ins, still take calls without them)."""
-    if q_segment_ids is None and k_segment_ids is None:
-        return {}
-    return dict(q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids)
 
 
 @functools.lru_cache(maxsize=None)

@@ -113,9 +113,8 @@ class _Plan:
         set of lists) and the kernel has them for these shapes: keys and values then
         travel in the kernel's layout and every step folds its listed blocks into
         accumulators carried in place. Else the steps of :class:`_ClassSteps`."""
-        make = getattr(kernel, "block_sparse_ring_steps", None)
-        if make is not None and len(self.classes) == 1 and self.classes[0].q_heads is None:
-            steps = make(q, k, self.args)
+        if len(self.classes) == 1 and self.classes[0].q_heads is None:
+            steps = kernel.block_sparse_ring_steps(q, k, self.args)
             if steps is not None:
                 return _ListedSteps(steps, self, aux)
         return _ClassSteps(kernel, self, aux)
@@ -333,10 +332,7 @@ def block_sparse_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *
     sinks = validation.check_sinks(sinks, h)
     if sinks is not None:  # as in ring_attention (see ring_partials)
         sinks = varying_like(sinks, (query, key))
-    kernel = get_kernel(implementation)
-    if not hasattr(kernel, "block_sparse_forward"):
-        raise ValueError(
-            f"implementation={implementation!r} has no block-sparse kernel; use 'xla'.")
+    kernel = get_kernel(implementation)  # (cuDNN's block-sparse calls say it has none)
     args = KernelArgs(scale=scale, is_causal=is_causal, block_q=block_size,
                       block_k=block_size, window=window_arg(window),
                       logit_soft_cap=logit_soft_cap)
@@ -365,7 +361,7 @@ def block_sparse_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *
         plan = _Plan(kernel, args, classes, h, gq, gq)
         o, lse = ring_over_axis(query, key, value, kv_mask, args, seq_axis=seq_axis,
                                 num_devices=num_devices, layout=layout,
-                                implementation=implementation, segment_ids=segment_ids,
+                                kernel=kernel, segment_ids=segment_ids,
                                 sinks=sinks, steps=plan, aux=aux)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

@@ -1,7 +1,7 @@
 """Combining the branches of dilated attention: ``(out, lse)`` from every branch's
 partial (docs/semantics.md, section 2), shared by every path of
-:func:`jax_dilated.dilated_attention` and by decoding; and the one-device program
-that produces them (:func:`one_device`)."""
+:func:`jax_dilated.dilated_attention` and by decoding; and the batched one-device
+program, one kernel call per branch combined afterwards (:func:`batched`)."""
 
 from __future__ import annotations
 
@@ -10,49 +10,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_dilated.backends.base import is_blockwise
+from jax_dilated.backends.base import Masks
 from jax_dilated.core import dilation, softmax
-from jax_dilated.ops import dilated_local, dilated_window
+from jax_dilated.ops import dilated_window
 
-__all__ = ["batched", "branch_lse_grad", "combine_branches", "one_device"]
-
-
-def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
-               sinks=None, lse_grad=True):
-    """``(out, lse)`` of unpacked dilated attention of ``plans`` on one device.
-
-    The blockwise XLA kernel streams chunks of segments into the output in place
-    (:mod:`jax_dilated.ops.dilated_local`). So does any other kernel (cuDNN) in
-    longnet mode when every segment length divides the sequence (its chunk is then a
-    whole branch): that backward runs each branch from the merged output's
-    statistics, which is cuDNN's own backward (``Kernel.backward(out=)``), where a
-    merge after the branches would send a log-sum-exp cotangent to every branch and
-    so cuDNN's widened backward (docs/benchmarks.md, "The GPU table"). Otherwise a
-    non-XLA kernel gets one batched call per branch with its own fused backward (the
-    short last segment of a ragged branch a call of its own, on the XLA kernel), and
-    the branches are combined afterwards (:func:`batched`); so does a longnet call
-    that is not differentiated (without dropout or a window branch), which on an H100
-    ran faster that way at 256K-1M tokens than streamed in chunks. ``rng``: the
-    dropout key or None; ``sinks``: None or the [H] attention sinks, included in the
-    result; ``lse_grad``: False when the caller does not differentiate through
-    ``lse`` (returned with its gradient stopped; the streamed backward then needs no
-    lse cotangent, so cuDNN runs its own).
-    """
-    if is_blockwise(kernel):
-        return dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
-                                           kv_mask, rng, sinks=sinks, lse_grad=lse_grad)
-    plain = functools.partial(batched, kernel, args, plans, mode, rng=rng)
-    windows = any(p.branch.window is not None for p in plans)
-    whole = all(query.shape[1] % p.branch.effective_length == 0
-                and p.branch.padded_length == p.branch.effective_length for p in plans
-                if p.branch.window is None)
-    if mode == "longnet" and whole:
-        return dilated_local.dilated_local(
-            kernel, args, plans, mode, query, key, value, kv_mask, rng, sinks=sinks,
-            primal=plain if rng is None and not windows else None, lse_grad=lse_grad)
-    # the sinks are merged by the lse, so it has a gradient wherever there are sinks
-    return softmax.sinks_on_output(*plain(query, key, value, kv_mask,
-                                          lse_grad=lse_grad or sinks is not None), sinks)
+__all__ = ["batched", "branch_lse_grad", "combine_branches", "kernel_call"]
 
 
 def batched(kernel, args, plans, mode: str, query, key, value, kv_mask, rng=None,
@@ -71,15 +33,18 @@ def batched(kernel, args, plans, mode: str, query, key, value, kv_mask, rng=None
                                                         value, kv_mask, rng_i,
                                                         lse_grad=lse_grad_i))
             continue
-        attend = functools.partial(_kernel_call, kernel, args, rng_i, lse_grad_i)
+        attend = functools.partial(kernel_call, kernel, args, rng_i, lse_grad_i)
         results.append(dilation.attend_dilated(attend, plan.branch, plan, query, key,
                                                value, kv_mask))
     o, lse = combine_branches(results, mode, query.dtype)
     return o, (lse if lse_grad else jax.lax.stop_gradient(lse))
 
 
-def _kernel_call(kernel, args, rng, lse_grad, q, k, v, valid):
-    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng,
+def kernel_call(kernel, args, rng, lse_grad, q, k, v, valid):
+    """``kernel.attention`` on a branch's dilated segments (the ``attend`` of
+    :func:`jax_dilated.core.dilation.attend_dilated`): their ``valid`` keys and the
+    dropout key ``rng``."""
+    return kernel.attention(q, k, v, args, Masks(kv_valid=valid, dropout_rng=rng),
                             lse_grad=lse_grad)
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs
+from jax_dilated.backends.base import NO_MASKS, KernelBase, Masks
 from jax_dilated.ops.head_parallel import kv_repeat
 
 __all__ = ["group_gather", "Group", "gathered", "HeadExchange", "head_exchanged"]
@@ -63,13 +64,14 @@ def gathered(grp: Group, rng, q, k, v, valid):
                       for x in (k, v, valid))
     start = (jax.lax.axis_index(grp.axis_name) % grp.size) * length
     return grp.kernel.attention(
-        q, kg, vg, grp.args, q_positions=start + jnp.arange(length, dtype=jnp.int32),
-        k_positions=jnp.arange(grp.size * length, dtype=jnp.int32), kv_valid=validg,
-        dropout_rng=rng, lse_grad=grp.lse_grad)
+        q, kg, vg, grp.args, Masks(q_positions=start + jnp.arange(length, dtype=jnp.int32),
+                                   k_positions=jnp.arange(grp.size * length, dtype=jnp.int32),
+                                   kv_valid=validg, dropout_rng=rng),
+        lse_grad=grp.lse_grad)
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadExchange:
+class HeadExchange(KernelBase):
     """Strategy ``"heads"`` as a kernel: every call's ``[N, L, H, D]`` (this device's
     ``L`` dilated tokens of a segment spanning the ``g`` devices of ``grp``, ``H``
     heads) is exchanged by an all-to-all inside the group for ``[N, g L, H / g, D]``
@@ -142,35 +144,49 @@ class HeadExchange:
             jax.ShapeDtypeStruct((k.shape[0], g * k.shape[1], kv_heads // g, *k.shape[3:]),
                                  k.dtype), args)
 
-    def forward(self, q, k, v, args: KernelArgs, *, kv_valid=None, dropout_rng=None):
-        q, k, v, valid = self._exchange((q, *self._repeat_kv(k, v, kv_valid)),
+    @staticmethod
+    def _inner_masks(masks: Masks, valid) -> Masks:
+        """The inner call's masks: the exchanged ``kv_valid`` and the dropout key (a
+        dilated segment's calls carry no positions or ids: rows are in segment order
+        after the exchange)."""
+        if any(x is not None for x in (masks.q_positions, masks.k_positions,
+                                       masks.q_segment_ids, masks.k_segment_ids)):
+            raise ValueError("a head exchange serves calls with kv_valid and dropout only "
+                             "(no positions or segment ids)")
+        return Masks(kv_valid=valid, dropout_rng=masks.dropout_rng)
+
+    def forward(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS):
+        q, k, v, valid = self._exchange((q, *self._repeat_kv(k, v, masks.kv_valid)),
                                         to_heads=True)
-        out = self.grp.kernel.forward(q, k, v, args, kv_valid=valid, dropout_rng=dropout_rng)
+        out = self.grp.kernel.forward(q, k, v, args, self._inner_masks(masks, valid))
         return tuple(self._exchange(out, to_heads=False))
 
-    def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, kv_valid=None,
-                 dropout_rng=None, out=None):
+    def backward(self, q, k, v, do, lse, delta, args: KernelArgs, masks: Masks = NO_MASKS,
+                 *, out=None):
         kv_heads = k.shape[2]
-        k, v, valid = self._repeat_kv(k, v, kv_valid)
+        k, v, valid = self._repeat_kv(k, v, masks.kv_valid)
         q, k, v, do, lse, delta, out, valid = self._exchange(
             (q, k, v, do, lse, delta, out, valid), to_heads=True)
-        grads = self.grp.kernel.backward(q, k, v, do, lse, delta, args, kv_valid=valid,
-                                         dropout_rng=dropout_rng, out=out)
+        grads = self.grp.kernel.backward(q, k, v, do, lse, delta, args,
+                                         self._inner_masks(masks, valid), out=out)
         dq, dk, dv = self._exchange(grads, to_heads=False)
         return dq, self._unrepeat(dk, kv_heads), self._unrepeat(dv, kv_heads)
 
-    def attention(self, q, k, v, args: KernelArgs, *, kv_valid=None, dropout_rng=None,
+    def attention(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS, *, sinks=None,
                   lse_grad=True):
         """``(o, lse, lse_lo)`` through the inner kernel's own ``attention`` (its
         ``custom_vjp``; the exchanges are linear and differentiate by themselves)."""
-        q, k, v, valid = self._exchange((q, *self._repeat_kv(k, v, kv_valid)),
+        if sinks is not None:
+            raise ValueError("a head exchange folds no sinks (the caller merges them)")
+        q, k, v, valid = self._exchange((q, *self._repeat_kv(k, v, masks.kv_valid)),
                                         to_heads=True)
-        out = self.grp.kernel.attention(q, k, v, args, kv_valid=valid,
-                                        dropout_rng=dropout_rng, lse_grad=lse_grad)
+        out = self.grp.kernel.attention(q, k, v, args, self._inner_masks(masks, valid),
+                                        lse_grad=lse_grad)
         return tuple(self._exchange(out, to_heads=False))
 
 
 def head_exchanged(grp: Group, rng, q, k, v, valid):
     """Strategy ``"heads"`` for one branch outside the streamed program."""
-    return HeadExchange(grp).attention(q, k, v, grp.args, kv_valid=valid, dropout_rng=rng,
-                                        lse_grad=grp.lse_grad)
+    return HeadExchange(grp).attention(q, k, v, grp.args,
+                                       Masks(kv_valid=valid, dropout_rng=rng),
+                                       lse_grad=grp.lse_grad)

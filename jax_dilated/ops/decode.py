@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends import KernelArgs, get_kernel
+from jax_dilated.backends.base import Masks
 from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.core.arrays import round_to
 from jax_dilated.core.branches import is_window
@@ -90,7 +91,7 @@ def _branch_decode(kernel, plan: branch_plans.BranchPlan, query, key_cache, valu
     v = value_cache[:, index[0], index[1]].astype(query.dtype)
     q = query if len(plan.query_heads) == num_heads else query[:, :, plan.query_heads]
     kv_valid = jnp.broadcast_to(valid[None], (b, n, len(plan.query_heads)))
-    return kernel.forward(q, k, v, args, kv_valid=kv_valid)
+    return kernel.forward(q, k, v, args, Masks(kv_valid=kv_valid))
 
 
 def _window_decode(kernel, plan: branch_plans.BranchPlan, query, key_cache, value_cache, p,
@@ -108,7 +109,7 @@ def _window_decode(kernel, plan: branch_plans.BranchPlan, query, key_cache, valu
     v = value_cache[:, index][:, :, kv_heads].astype(query.dtype)
     q = query if len(heads) == num_heads else query[:, :, heads]
     kv_valid = jnp.broadcast_to((positions >= 0)[None], (b, n))
-    return kernel.forward(q, k, v, args, kv_valid=kv_valid)
+    return kernel.forward(q, k, v, args, Masks(kv_valid=kv_valid))
 
 
 def dilated_attention_decode(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayLike,

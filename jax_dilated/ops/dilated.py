@@ -27,7 +27,7 @@ from jax_dilated.core.types import (Array, ArrayLike, BranchStrategy, HeadOffset
                                     Implementation, Mode, SegmentLengths)
 from jax_dilated.backends.base import window_arg
 from jax_dilated.ops import dilated_packed, distributed, head_parallel
-from jax_dilated.ops.branch_combine import one_device
+from jax_dilated.ops.dilated_programs import DilatedCall, one_device
 
 __all__ = ["dilated_attention"]
 
@@ -161,7 +161,6 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     dropout_rate = validation.check_dropout(dropout_rate, dropout_rng)
     return_lse = validation.check_flag("return_lse", return_lse)
     block_q, block_k = validation.check_block_sizes(block_q, block_k)
-    logit_soft_cap = validation.check_logit_soft_cap(logit_soft_cap)
     sinks = validation.check_sinks(sinks, h)
     strategy = distributed.check_branch_strategy(strategy, len(branches))
     if seq_axis is None and strategy != "ring":
@@ -171,47 +170,49 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     for w, _ in branches:  # an explicit right > 0 with causal attention is an error now
         if is_window(w):
             window_arg(w.resolve(is_causal))
-    args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
-                      is_causal=is_causal, dropout_rate=dropout_rate,
-                      block_q=block_q, block_k=block_k, logit_soft_cap=logit_soft_cap)
+    dilated_packed.check_max_documents(max_documents)
+    call = DilatedCall(
+        branches=branches, mode=mode, head_offsets=head_offsets,
+        args=KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
+                        is_causal=is_causal, dropout_rate=dropout_rate, block_q=block_q,
+                        block_k=block_k,
+                        logit_soft_cap=validation.check_logit_soft_cap(logit_soft_cap)),
+        kernel=get_kernel(implementation), max_documents=max_documents)
+    num_devices = 1 if seq_axis is None else validation.axis_size(
+        seq_axis, "dilated_attention(seq_axis=...)")
+    plans = call.plans(seq_len=t * num_devices, num_heads=h, num_kv_heads=hkv)
+    segment_ids = document_ids(validation.check_segment_ids(segment_ids, query.shape, key.shape),
+                               axis_name=seq_axis, num_devices=num_devices)
+    rng = dropout_rng if dropout_rate > 0.0 else None
     # sinks join once, on the combined denominator (docs/semantics.md, s. 2): inside
     # the one-device program (which folds them into its backward), after the others
-    one_device_path = seq_axis is None and segment_ids is None
+    if seq_axis is None and segment_ids is None:
+        o, lse = one_device(call.kernel, call.args, plans, mode, query, key, value, kv_mask,
+                            rng, sinks, lse_grad=return_lse)
+        return (o, lse) if return_lse else o
     # the lse is differentiated where it is returned, or merged with the sinks below
-    lse_grad = return_lse or (sinks is not None and not one_device_path)
-    o, lse = _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets,
-                      kv_mask, dropout_rng, seq_axis, implementation, segment_ids,
-                      max_documents, segment_lengths, dilation_rates, scale, strategy,
-                      sinks if one_device_path else None, lse_grad)
-    if not one_device_path:
-        o, lse = softmax.sinks_on_output(o, lse, sinks)
+    lse_grad = return_lse or sinks is not None
+    if seq_axis is None:
+        o, lse = dilated_packed.packed_attention(call.kernel, call.args, plans, mode, query,
+                                                 key, value, kv_mask, segment_ids,
+                                                 max_documents, rng)
+    else:
+        o, lse = _over_mesh(call, plans, query, key, value, kv_mask, rng, segment_ids,
+                            seq_axis, num_devices, strategy, lse_grad)
+    o, lse = softmax.sinks_on_output(o, lse, sinks)
     return (o, lse) if return_lse else o
 
 
-def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, kv_mask,
-             dropout_rng, seq_axis, implementation, segment_ids, max_documents,
-             segment_lengths, dilation_rates, scale, strategy, sinks, lse_grad=True):
-    """``(out, lse)`` of every path of :func:`dilated_attention`; ``sinks`` (None
-    unless on one device without packed rows) are included. ``lse_grad`` False: the
-    caller does not differentiate through ``lse``, which may then come with its
-    gradient stopped (so that cuDNN runs its own backward where it can)."""
-    num_devices = 1 if seq_axis is None else validation.axis_size(
-        seq_axis, "dilated_attention(seq_axis=...)")
-    plans = branch_plans.plan_branches(branches, seq_len=t * num_devices, num_heads=h,
-                                   num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
-    rng = dropout_rng if args.dropout_rate > 0.0 else None
-    segment_ids = document_ids(validation.check_segment_ids(segment_ids, query.shape, key.shape),
-                               axis_name=seq_axis, num_devices=num_devices)
-    kernel = get_kernel(implementation)  # validates the name now, at trace time
-    if seq_axis is None and segment_ids is not None:
-        return dilated_packed.packed_attention(kernel, args, plans, mode, query, key, value,
-                                               kv_mask, segment_ids, max_documents, rng)
-    if seq_axis is None:
-        return one_device(kernel, args, plans, mode, query, key, value, kv_mask, rng, sinks,
-                          lse_grad)
+def _over_mesh(call: DilatedCall, plans, query, key, value, kv_mask, rng, segment_ids,
+               seq_axis: str, num_devices: int, strategy, lse_grad: bool):
+    """``(out, lse)`` with the sequence sharded over ``seq_axis`` (inside shard_map):
+    the whole sequence of some heads per device (``"heads"`` as one all-to-all, and
+    packed rows under every strategy), else the branches on the shards
+    (:func:`jax_dilated.ops.distributed.sharded_dilated`)."""
+    t, h = query.shape[1], query.shape[2]
     # "heads" runs branch by branch where it can (distributed.heads_by_branch), else
     # as the all-to-all of the whole call
-    by_branch = (distributed.heads_by_branch(branches, plans, local_len=t,
+    by_branch = (distributed.heads_by_branch(call.branches, plans, local_len=t,
                                              num_devices=num_devices)
                  if strategy == "heads" and segment_ids is None else None)
     whole_heads = strategy == "heads" and by_branch is None
@@ -225,22 +226,13 @@ def _dilated(query, key, value, branches, args, t, h, hkv, mode, head_offsets, k
     if segment_ids is not None or whole_heads:
         # every device runs the one-device program on the whole sequence of some heads
         # (packed rows: documents start anywhere, so segments do not sit on the shards)
-        dilated_packed.check_max_documents(max_documents)
-        options = dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-                       mode=mode, head_offsets=head_offsets, is_causal=args.is_causal,
-                       scale=scale, dropout_rate=args.dropout_rate, dropout_rng=dropout_rng,
-                       implementation=implementation, block_q=args.block_q,
-                       block_k=args.block_k, max_documents=max_documents,
-                       logit_soft_cap=args.logit_soft_cap)
         return head_parallel.dilated_over_heads(
-            options, query, key, value, kv_mask, segment_ids, axis_name=seq_axis,
-            num_devices=num_devices,
-            gather=strategy == "allgather", lse_grad=lse_grad)
+            call, query, key, value, kv_mask, segment_ids, rng, axis_name=seq_axis,
+            num_devices=num_devices, gather=strategy == "allgather", lse_grad=lse_grad)
     sharded_branches = by_branch or distributed.shard_branches(
-        branches, local_len=t, num_devices=num_devices)
+        call.branches, local_len=t, num_devices=num_devices)
     return distributed.sharded_dilated(
-        plans, sharded_branches, query, key, value, kv_mask, args, mode=mode,
-        axis_name=seq_axis, num_devices=num_devices, implementation=implementation,
-        dropout_rng=rng, strategies=distributed.branch_strategies(strategy, plans,
-                                                                  sharded_branches),
+        plans, sharded_branches, query, key, value, kv_mask, call.args, mode=call.mode,
+        axis_name=seq_axis, num_devices=num_devices, kernel=call.kernel, dropout_rng=rng,
+        strategies=distributed.branch_strategies(strategy, plans, sharded_branches),
         lse_grad=lse_grad)

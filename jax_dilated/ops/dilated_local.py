@@ -21,13 +21,8 @@ The accumulated pair ``(O, LSE)`` is, per mode:
 * head_groups: head ``j``'s branch output divided by the number of branches, and
   that branch's ``LSE`` (the groups' heads are disjoint).
 
-A kernel with a fused dilated forward and backward (``dilated_forward`` and
-``dilated_backward``: the native CPU kernel) runs a call's branches as one kernel
-call per pass instead: it reads every branch's dilated segments where they lie in
-the arrays and writes each branch's rows of the result (or adds its gradients) in
-place, so no chunk is gathered or scattered and, in longnet mode, no merge pass is
-run (each row's softmax continues over the next branch's keys). Distributed dilated
-attention's local program (:func:`streamed_partial`) stays chunked.
+A kernel that reads segments where they lie runs the fused program instead
+(:mod:`jax_dilated.ops.dilated_fused`; :mod:`jax_dilated.ops.dilated_programs` chooses).
 
 Packed rows (ops/dilated_packed.py) run the same program through *slots*: a row of
 ``T'`` slots in which every document starts at a multiple of every segment length,
@@ -54,9 +49,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_dilated.backends.base import Kernel, KernelArgs, is_blockwise
+from jax_dilated.backends.base import Kernel, KernelArgs, Masks
 from jax_dilated.core import branch_plans, dilation, softmax
 from jax_dilated.core.vma import varying_like
+from jax_dilated.ops import dilated_window
 from jax_dilated.ops.dilated_chunks import (BranchView, branch_rng, chunk_rng, loop_chunks,
                                             slice_items)
 
@@ -81,8 +77,6 @@ class _Call:
     # None, or one kernel per plan (a plan's chunks run on it instead of ``kernel``):
     # a spanning branch of distributed dilated attention exchanges heads around it
     branch_kernels: tuple[Kernel, ...] | None = None
-    # False: the chunked program even where the kernel has a fused one (_fused_serves)
-    fuse: bool = True
 
     def kernel_of(self, i: int) -> Kernel:
         """The kernel that runs plan ``i``'s chunks."""
@@ -125,27 +119,22 @@ def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key
       as :func:`jax_dilated.ops.branch_combine.combine_branches` defines them (with the
       sinks); differentiable in query, key, value and sinks through both.
     """
-    windows = [i for i, p in enumerate(plans) if p.branch.window is not None]
+    windows = any(p.branch.window is not None for p in plans)
     if primal is not None and (windows or dropout_rng is not None or source is not None):
         raise AssertionError("primal: no windows, dropout or slots")  # pragma: no cover
     if not windows:  # the default program, unchanged
         call = _Call(kernel, args, tuple(plans), mode, len(plans), primal, lse_grad)
         o, lse, _ = _attend(call, query, key, value, kv_mask, dropout_rng, source, sinks)
         return o, (lse if lse_grad else jax.lax.stop_gradient(lse))
-    # Sliding-window branches run as their own windowed kernel call
-    # (ops/dilated_window.py) and are mixed with the streamed branches' (out, lse).
-    from jax_dilated.ops import dilated_window  # (it imports nothing of this module)
-
+    # Sliding-window branches run as their own windowed kernel call, mixed with the
+    # streamed branches' (out, lse)
     dense = tuple(p for p in plans if p.branch.window is None)
     partial = None
     if dense:
         partial = _attend(_Call(kernel, args, dense, mode, len(plans)), query, key, value,
                           kv_mask, dropout_rng, source)
-    windowed = [(plans[i], dilated_window.local_partial(
-        kernel, args, plans[i], query, key, value, kv_mask,
-        branch_rng(dropout_rng, len(plans) + i), segment_ids)) for i in windows]
-    o, lse = dilated_window.mix(partial, windowed, mode, len(plans), query.dtype)
-    return softmax.sinks_on_output(o, lse, sinks)
+    return dilated_window.add_windows(partial, kernel, args, plans, mode, query, key, value,
+                                      kv_mask, dropout_rng, segment_ids, sinks)
 
 
 def streamed_partial(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_mask,
@@ -164,7 +153,7 @@ def streamed_partial(kernel, args: KernelArgs, plans, mode: str, query, key, val
     # (ops/strategies/cost.py) prices every strategy's local branches as this program, and
     # a head exchange (a spanning branch's) cannot run inside a fused call
     return _attend(_Call(kernel, args, tuple(plans), mode, num_branches,
-                         branch_kernels=kernels, fuse=False), query, key, value, kv_mask,
+                         branch_kernels=kernels), query, key, value, kv_mask,
                    dropout_rng, None)
 
 
@@ -172,9 +161,6 @@ def streamed_partial(kernel, args: KernelArgs, plans, mode: str, query, key, val
 
 
 def _forward(call: _Call, query, key, value, kv_mask, rng, source):
-    if _fused_serves(call, query, key, kv_mask, rng, source):
-        # a kernel that reads segments where they lie needs none of the chunks below
-        return _forward_fused(call, query, key, value, kv_mask)
     b, t, h, d = query.shape
     stats = softmax.stats_dtype(query.dtype)
     longnet = call.mode == "longnet"
@@ -200,8 +186,8 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
             o_c, lse_c, lo_c = br.kernel.forward(
                 br.dilated(q_v, start, size, "q"), br.dilated(k_v, start, size, "kv"),
                 br.dilated(v_v, start, size, "kv"), call.args,
-                kv_valid=None if valid is None else br.gather_kv(valid),
-                dropout_rng=chunk_rng(rng_i, c))
+                Masks(kv_valid=None if valid is None else br.gather_kv(valid),
+                      dropout_rng=chunk_rng(rng_i, c)))
             if not longnet:
                 o_c = o_c / jnp.asarray(call.groups, o_c.dtype)
                 return (br.put_selected(o_acc, o_c, start),
@@ -222,58 +208,6 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
         acc = loop_chunks(br.chunks, body,
                           (br.view(o), br.view(lse, -jnp.inf), br.view(lse_lo)), br)
         o, lse, lse_lo = (br.unview(x) for x in acc)
-    return o.astype(query.dtype), lse, lse_lo
-
-
-def _fused_serves(call: _Call, query, key, kv_mask, rng, source) -> bool:
-    """Whether the call runs as one fused call of the kernel per pass
-    (``dilated_forward`` and ``dilated_backward``, the native CPU kernel's): one
-    kernel runs every branch, has both, and serves each branch's calls; no dropout
-    (``rng``) and no slots (``source``)."""
-    kernel = call.kernel_of(0)
-    if (not call.fuse or rng is not None or source is not None
-            or any(call.kernel_of(i) is not kernel for i in range(len(call.plans)))
-            or getattr(kernel, "dilated_forward", None) is None
-            or getattr(kernel, "dilated_backward", None) is None):
-        return False
-    b, t, _, d = query.shape
-    spec = jax.ShapeDtypeStruct
-    for plan in call.plans:
-        rows = plan.branch.dilated_length
-        items = b * plan.branch.num_segments(t)
-        reason = kernel.call_reason(
-            spec((items, rows, len(plan.query_heads), d), query.dtype),
-            spec((items, rows, len(plan.kv_heads), d), key.dtype), call.args,
-            kv_valid=None if kv_mask is None else spec((items, rows), bool))
-        if reason is not None:
-            return False
-    return True
-
-
-def _fused_plans(call: _Call, seq_len: int) -> tuple[list, bool]:
-    """The branches in the order the fused calls run them, and whether they compute
-    each shared pair once: longnet's nested branches finest first
-    (:func:`~jax_dilated.core.branch_plans.nested_order`), else the streamed
-    program's order (last branch first)."""
-    order = (branch_plans.nested_order(call.plans, seq_len) if call.mode == "longnet"
-             else None)
-    if order is None:
-        return list(call.plans[::-1]), False
-    return [call.plans[i] for i in order], True
-
-
-def _forward_fused(call: _Call, query, key, value, kv_mask):
-    """The forward as one fused call of the kernel (:func:`_fused_serves`), which reads
-    every branch's dilated segments where they lie and writes its rows of ``(o, lse,
-    lse_lo)`` in place: longnet continues each row's softmax over the branches' keys
-    (one softmax over the union of the keys, Eq. 10, with no merge pass; nested
-    branches compute each shared pair once, :func:`_fused_plans`), head_groups writes
-    each head's ``o / nb``."""
-    plans, shared = _fused_plans(call, query.shape[1])
-    longnet = call.mode == "longnet"
-    o, lse, lse_lo = call.kernel_of(0).dilated_forward(
-        query, key, value, call.args, plans, kv_mask=kv_mask, accumulate=longnet,
-        out_scale=1.0 if longnet else 1.0 / call.groups, shared_pairs=shared)
     return o.astype(query.dtype), lse, lse_lo
 
 
@@ -302,13 +236,6 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
         if out is not None:
             out = (out.astype(stats) * call.groups).astype(query.dtype)
     lse_k = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows without keys: see dense.backward
-    if out is None and _fused_serves(call, query, key, kv_mask, rng, source):
-        # every branch's segments read where they lie, the gradients summed in place
-        plans, shared = _fused_plans(call, query.shape[1])
-        dq, dk, dv = call.kernel_of(0).dilated_backward(
-            query, key, value, do, c_do, lse_k, delta, call.args, plans, kv_mask=kv_mask,
-            shared_pairs=shared)
-        return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
     dq = jnp.zeros(query.shape, stats)
     dk = jnp.zeros(key.shape, stats)
     dv = jnp.zeros(value.shape, stats)
@@ -336,8 +263,8 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
                 br.dilated(v_v, start, size, "kv"), do_c,
                 br.dilated(lse_v, start, size, "q", jnp.inf),
                 br.dilated(delta_v, start, size, "q", 0), call.args,
-                kv_valid=None if valid is None else br.gather_kv(valid),
-                dropout_rng=chunk_rng(rng_i, c),
+                Masks(kv_valid=None if valid is None else br.gather_kv(valid),
+                      dropout_rng=chunk_rng(rng_i, c)),
                 out=None if out_v is None else br.dilated(out_v, start, size, "q", 0))
             dk_c, dv_c = br.scatter_kv(dk_c.astype(stats)), br.scatter_kv(dv_c.astype(stats))
             if not first:  # the accumulators start at zero
@@ -388,7 +315,7 @@ def _attend_bwd(call, res, cotangents):
     # so dlse is 0), delta = c rowsum(do * o): the kernel calls get o too (a kernel
     # that forms delta from an output, cuDNN, then needs no widened head). The XLA
     # kernel reads delta: it gets none, so no chunk of o is gathered for it.
-    out = None if call.lse_grad or is_blockwise(call.kernel) else o
+    out = None if call.lse_grad or call.kernel.blockwise else o
     c_do, delta = softmax.backward_scale(do, o, lse_lo, dlse)
     dq, dk, dv = _backward(call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta,
                            out)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends.base import KernelArgs
+from jax_dilated.backends.base import KernelArgs, Masks
 from jax_dilated.core import branch_plans
 from jax_dilated.core.documents import document_starts
 from jax_dilated.ops import dilated_local, dilated_window
@@ -126,7 +126,7 @@ def packed_branch(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
             return x.reshape(b * groups, per_group, *x.shape[2:])
 
         o, lse, lse_lo = kernel.attention(split(q), split(k), split(v), args,
-                                          kv_valid=split(valid), dropout_rng=dropout_rng)
+                                          Masks(kv_valid=split(valid), dropout_rng=dropout_rng))
         o, lse, lse_lo = (x.reshape(b, length, *x.shape[2:]) for x in (o, lse, lse_lo))
     else:
         # a group is one segment of one document: the absolute position where it starts
@@ -145,9 +145,9 @@ def packed_branch(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
 
         ids = lambda x: flat(x)[:, :, 0]  # noqa: E731
         o, lse, lse_lo = kernel.attention(flat(q), flat(k), flat(v), args,
-                                          kv_valid=ids(valid), q_segment_ids=ids(q_group),
-                                          k_segment_ids=ids(k_group),
-                                          dropout_rng=dropout_rng)
+                                          Masks(kv_valid=ids(valid), q_segment_ids=ids(q_group),
+                                                k_segment_ids=ids(k_group),
+                                                dropout_rng=dropout_rng))
         o, lse, lse_lo = (unflat(x) for x in (o, lse, lse_lo))
 
     def back(y, fill):  # [B, length, Hs, ...] -> [B, T, Hs, ...]: each token's slot

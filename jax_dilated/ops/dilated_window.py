@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends.base import KernelArgs, window_arg
+from jax_dilated.backends.base import KernelArgs, Masks, window_arg
 from jax_dilated.core import branch_plans, softmax
 from jax_dilated.core.arrays import take_static
 from jax_dilated.ops.ring import RingConfig, ring_partials
@@ -51,21 +51,20 @@ def local_partial(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
     is False, ``Kernel.attention``); ``segment_ids`` [B, T] keeps every window
     inside its document (packed rows: the same keys as the document alone)."""
     q, k, v = _heads(plan, query, key, value)
-    ids = {} if segment_ids is None else dict(q_segment_ids=segment_ids,
-                                              k_segment_ids=segment_ids)
-    return kernel.attention(q, k, v, window_args(args, plan), kv_valid=kv_mask,
-                            dropout_rng=dropout_rng, lse_grad=lse_grad, **ids)
+    masks = Masks(kv_valid=kv_mask, q_segment_ids=segment_ids, k_segment_ids=segment_ids,
+                  dropout_rng=dropout_rng)
+    return kernel.attention(q, k, v, window_args(args, plan), masks, lse_grad=lse_grad)
 
 
 def ring_partial(args: KernelArgs, plan: branch_plans.BranchPlan, query, key, value,
-                 kv_mask, dropout_rng, *, axis_name, num_devices: int, implementation,
+                 kv_mask, dropout_rng, *, axis_name, num_devices: int, kernel,
                  lse_grad=True):
     """Inside ``shard_map`` (contiguous shards of ``axis_name``): the windowed ring's
     ``(o, lse, lse_lo)`` of the local queries for the branch's heads (global
     positions; ring steps outside every local query's window are skipped)."""
     q, k, v = _heads(plan, query, key, value)
     cfg = RingConfig(axis_name, num_devices, num_devices, "contiguous",
-                     window_args(args, plan), implementation, lse_grad=lse_grad)
+                     window_args(args, plan), kernel, lse_grad=lse_grad)
     return ring_partials(q, k, v, kv_mask, dropout_rng, cfg)
 
 
@@ -101,3 +100,18 @@ def mix(partial, windowed, mode: str, num_branches: int, dtype):
         o = jnp.concatenate([o[:, :, :a], o_i, o[:, :, b:]], axis=2)
         lse = jnp.concatenate([lse[:, :, :a], lse_i.astype(lse.dtype), lse[:, :, b:]], axis=2)
     return o.astype(dtype), lse
+
+
+def add_windows(partial, kernel, args: KernelArgs, plans, mode: str, query, key, value,
+                kv_mask, dropout_rng, segment_ids=None, sinks=None):
+    """One-device dilated attention's ``(out, lse)``: ``partial = (o, lse, lse_lo)`` of
+    the call's other branches (None when every branch is a window) mixed
+    (:func:`mix`) with each sliding-window branch of ``plans``, run as one windowed
+    kernel call (:func:`local_partial`; branch ``i`` draws dropout from
+    ``fold_in(dropout_rng, len(plans) + i)``), and the [H] ``sinks`` (or None)."""
+    windowed = [(p, local_partial(
+        kernel, args, p, query, key, value, kv_mask,
+        None if dropout_rng is None else jax.random.fold_in(dropout_rng, len(plans) + i),
+        segment_ids)) for i, p in enumerate(plans) if p.branch.window is not None]
+    o, lse = mix(partial, windowed, mode, len(plans), query.dtype)
+    return softmax.sinks_on_output(o, lse, sinks)

@@ -71,8 +71,7 @@ import functools
 
 import jax
 
-from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.backends.base import is_blockwise
+from jax_dilated.backends import KernelArgs
 from jax_dilated.core import branch_plans, dilation, softmax
 from jax_dilated.core.branches import is_window
 from jax_dilated.ops import branch_combine, dilated_local, dilated_window
@@ -229,7 +228,7 @@ def branch_strategies(strategy, plans, sharded_branches) -> tuple[str, ...]:
 
 
 def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
-                    *, mode: str, axis_name, num_devices: int, implementation, dropout_rng,
+                    *, mode: str, axis_name, num_devices: int, kernel, dropout_rng,
                     strategies=None, lse_grad=True):
     """``(out, lse)`` of dilated attention for this device's queries (inside shard_map;
     arguments as in :func:`branch_partials`, ``mode`` the call's). ``lse_grad``
@@ -251,10 +250,9 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
     rows each), and :func:`jax_dilated.ops.dilated_window.mix` adds what is left
     (sliding windows; in head_groups mode every other branch, on its own heads).
     """
-    kernel = get_kernel(implementation)
     how = ("ring",) * len(plans) if strategies is None else strategies
     streamed = [i for i, (plan, sb) in enumerate(zip(plans, sharded_branches))
-                if is_blockwise(kernel) and plan.branch.window is None
+                if kernel.blockwise and plan.branch.window is None
                 and (sb.is_local or how[i] == "heads")]
     rest = [i for i in range(len(plans)) if i not in streamed]
     partial = None
@@ -274,7 +272,7 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
             num_branches=len(plans), branch_kernels=kernels)
     run = functools.partial(branch_partials, plans, sharded_branches, query, key, value,
                             kv_mask, args, axis_name=axis_name, num_devices=num_devices,
-                            implementation=implementation, dropout_rng=dropout_rng,
+                            kernel=kernel, dropout_rng=dropout_rng,
                             strategies=strategies,
                             lse_grad=branch_combine.branch_lse_grad(lse_grad, mode))
     spanning = [i for i in rest if plans[i].branch.window is None]
@@ -293,7 +291,7 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
 
 
 def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
-                    *, axis_name, num_devices: int, implementation, dropout_rng,
+                    *, axis_name, num_devices: int, kernel, dropout_rng,
                     strategies=None, only=None, scatter=True, lse_grad=True):
     """``[(o_i, lse_i, lse_lo_i)]`` of every branch (of the branches ``only`` lists,
     when given) for this device's queries (inside shard_map; the log-sum-exp in two
@@ -303,6 +301,7 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
       plans: the :class:`branch_plans.BranchPlan` of every branch (heads and offsets).
       sharded_branches: :func:`shard_branches` for the same branches.
       query: [B, n, H, D]; key, value: [B, n, Hkv, D]; kv_mask: None or [B, n].
+      kernel: the call's kernel.
       dropout_rng: None, or the key of the whole call; every branch, device and
         ring step draws its own mask from it.
       strategies: :func:`branch_strategies` (None: every branch ``"ring"``).
@@ -316,7 +315,6 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
       per branch, o [B, n, Hq, D] and lse, lse_lo [B, n, Hq] over the branch's global
       segments (Hq: the heads of the branch).
     """
-    kernel = get_kernel(implementation)
     me = jax.lax.axis_index(axis_name)
     strategies = ("ring",) * len(plans) if strategies is None else strategies
     results = []
@@ -327,16 +325,17 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
         if plan.branch.window is not None:
             results.append(dilated_window.ring_partial(
                 args, plan, query, key, value, kv_mask, rng, axis_name=axis_name,
-                num_devices=num_devices, implementation=implementation,
+                num_devices=num_devices, kernel=kernel,
                 lse_grad=lse_grad))
             continue
         # a ring folds in its device and step itself; the others draw per device here
         device_rng = None if rng is None else jax.random.fold_in(rng, me)
         if sb.is_local:
-            attend = functools.partial(_local, kernel, args, device_rng, lse_grad)
+            attend = functools.partial(branch_combine.kernel_call, kernel, args, device_rng,
+                                       lse_grad)
         elif how == "ring":
             cfg = RingConfig(axis_name, num_devices, sb.ring_size, "contiguous", args,
-                             implementation, lse_grad=lse_grad)
+                             kernel, lse_grad=lse_grad)
             attend = functools.partial(_ring, cfg, rng)
         else:
             grp = Group(axis_name, num_devices, sb.ring_size, kernel, args, lse_grad)
@@ -345,11 +344,6 @@ def branch_partials(plans, sharded_branches, query, key, value, kv_mask, args: K
         results.append(dilation.attend_dilated(attend, sb.cut, plan, query, key, value,
                                                kv_mask, scatter=scatter))
     return results
-
-
-def _local(kernel, args, rng, lse_grad, q, k, v, valid):
-    return kernel.attention(q, k, v, args, kv_valid=valid, dropout_rng=rng,
-                            lse_grad=lse_grad)
 
 
 def _ring(cfg, rng, q, k, v, valid):

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends import KernelArgs, get_kernel
+from jax_dilated.backends import KernelArgs
 from jax_dilated.core import branch_plans, validation
 from jax_dilated.ops import dilated_packed
-from jax_dilated.ops.branch_combine import one_device
+from jax_dilated.ops.dilated_programs import DilatedCall, one_device
 
 __all__ = ["seq_to_heads", "heads_to_seq", "gather_tokens", "heads_unservable",
            "kv_repeat", "kernel_args",
@@ -62,19 +62,17 @@ def kv_repeat(num_kv_heads: int, num_devices: int) -> int:
         num_devices // math.gcd(num_kv_heads, num_devices))
 
 
-def kernel_args(options, head_dim: int, *, dropout=False) -> KernelArgs:
+def kernel_args(options, head_dim: int) -> KernelArgs:
     """The kernel arguments of an operation's bound ``options`` (scale, causality,
-    blocks, soft-cap; the dropout rate only with ``dropout``), validated."""
+    blocks, soft-cap), validated: the strategies that call kernels directly on
+    ``jd.sharded``'s operations (``"allgather"``, ``"heads"``) read them here, once
+    per call."""
     block_q, block_k = validation.check_block_sizes(options.get("block_q"),
                                                     options.get("block_k"))
-    rate = 0.0
-    if dropout:
-        rate = validation.check_dropout(options.get("dropout_rate", 0.0),
-                                        options.get("dropout_rng"))
     return KernelArgs(scale=validation.check_scale(options.get("scale"), head_dim),
                       is_causal=validation.check_flag("is_causal",
                                                       options.get("is_causal", False)),
-                      dropout_rate=rate, block_q=block_q, block_k=block_k,
+                      block_q=block_q, block_k=block_k,
                       logit_soft_cap=validation.check_logit_soft_cap(
                           options.get("logit_soft_cap")))
 
@@ -127,10 +125,11 @@ def by_device(axis_name: str, variants: list, call):
     return jax.lax.switch(which, [functools.partial(call, v) for _, v in distinct])
 
 
-def dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
-                   num_heads: int, segment_ids=None, heads_of=None, lse_grad=True):
+def dilated_heads(call: DilatedCall, q, k, v, mask, rng, axis_name: str, num_devices: int,
+                  num_heads: int, segment_ids=None, heads_of=None, lse_grad=True):
     """Single-device dilated attention of this device's heads over the whole sequence,
-    global head numbering: ``(out, lse)`` [B, T, h, D], [B, T, h].
+    global head numbering: ``(out, lse)`` [B, T, h, D], [B, T, h]. ``rng``: the call's
+    dropout key or None (each device folds in its index).
 
     ``heads_of``: None when ``q``/``k``/``v`` hold this device's ``h = H / P`` heads
     (:func:`seq_to_heads`; device ``d`` has heads ``[d h, (d+1) h)``); else an int
@@ -138,16 +137,11 @@ def dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
     holding all heads (gathered). With ``segment_ids`` [B, T] the packed program
     (:func:`jax_dilated.ops.dilated_packed.packed_attention`) runs instead of the
     unpacked one. ``lse_grad`` False: the caller does not differentiate through
-    ``lse`` (:func:`jax_dilated.ops.branch_combine.one_device`).
+    ``lse`` (:func:`jax_dilated.ops.dilated_programs.one_device`).
     """
-    o = options
-    branches = branch_plans.validate_branches(o["segment_lengths"], o["dilation_rates"])
-    mode, rule = o.get("mode", "longnet"), o.get("head_offsets", "modulo")
-    args = kernel_args(o, q.shape[-1], dropout=True)
-    rng = o.get("dropout_rng") if args.dropout_rate > 0 else None
+    branches, mode = call.branches, call.mode
     if rng is not None:  # every device's heads draw their own masks
         rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
-    kernel = get_kernel(o.get("implementation"))
     t = q.shape[1]
     if heads_of is None:
         h, hkv = q.shape[2], k.shape[2]
@@ -161,15 +155,16 @@ def dilated_heads(options, q, k, v, mask, axis_name: str, num_devices: int,
         k, v = (jnp.take(x, mine // (num_heads // x.shape[2]), axis=2) for x in (k, v))
     variants = []
     for heads in table:
-        plans = head_plans(branches, t, num_heads, heads, hkv, mode, rule)
+        plans = head_plans(branches, t, num_heads, heads, hkv, mode, call.head_offsets)
         variants.append((plan_key(plans), plans))
 
     def run(plans, q, k, v, mask, rng):
         if segment_ids is not None:
-            out, lse = dilated_packed.packed_attention(kernel, args, plans, mode, q, k, v, mask,
-                                           segment_ids, o.get("max_documents"), rng)
+            out, lse = dilated_packed.packed_attention(call.kernel, call.args, plans, mode, q,
+                                                       k, v, mask, segment_ids,
+                                                       call.max_documents, rng)
         else:
-            out, lse = one_device(kernel, args, plans, mode, q, k, v, mask, rng,
+            out, lse = one_device(call.kernel, call.args, plans, mode, q, k, v, mask, rng,
                                   lse_grad=lse_grad)
         if mode == "head_groups" and len(plans) != len(branches):
             # this device's heads are in fewer groups than there are branches: the
@@ -192,8 +187,9 @@ def to_heads(q, k, v, mask, segment_ids, axis_name: str, num_devices: int):
             gather_tokens(segment_ids, axis_name))
 
 
-def dilated_over_heads(options, q, k, v, mask, segment_ids, *, axis_name: str,
-                       num_devices: int, gather: bool = False, lse_grad: bool = True):
+def dilated_over_heads(call: DilatedCall, q, k, v, mask, segment_ids, rng, *,
+                       axis_name: str, num_devices: int, gather: bool = False,
+                       lse_grad: bool = True):
     """Dilated attention, the sequence sharded contiguously over ``axis_name`` (inside
     ``shard_map``), run as single-device programs on the whole sequence of some heads:
     ``(out [B, n, H, D], lse [B, n, H])``.
@@ -213,21 +209,20 @@ def dilated_over_heads(options, q, k, v, mask, segment_ids, *, axis_name: str,
       away), and the output comes back with an all-to-all. It holds the whole q, k, v
       (``O(T H D)`` per device) and does ``c / H`` of the work instead of ``1 / P``.
 
-    ``options``: the keywords of :func:`jax_dilated.dilated_attention` (segment
-    lengths, rates, mode, offsets, causal, scale, dropout, implementation, blocks,
-    ``max_documents``); ``lse_grad`` as in :func:`dilated_heads`.
+    ``call``: the validated call (:class:`~jax_dilated.ops.dilated_programs.DilatedCall`);
+    ``rng``, ``lse_grad`` as in :func:`dilated_heads`.
     """
     p, h = num_devices, q.shape[2]
     if not gather and h % p == 0:
         q, k, v, mask, ids = to_heads(q, k, v, mask, segment_ids, axis_name, p)
-        out, lse = dilated_heads(options, q, k, v, mask, axis_name, p, h, ids,
+        out, lse = dilated_heads(call, q, k, v, mask, rng, axis_name, p, h, ids,
                                  lse_grad=lse_grad)
         return heads_to_seq(out, axis_name), heads_to_seq(lse, axis_name)
     c = -(-h // p)
     table = np.minimum(np.arange(p * c).reshape(p, c), h - 1)
     q, k, v, mask, ids = (gather_tokens(x, axis_name)
                           for x in (q, k, v, mask, segment_ids))
-    out, lse = dilated_heads(options, q, k, v, mask, axis_name, p, h, ids, heads_of=table,
+    out, lse = dilated_heads(call, q, k, v, mask, rng, axis_name, p, h, ids, heads_of=table,
                              lse_grad=lse_grad)
     # [B, T, c] per device -> [B, n, P c]: the first H are the heads, in order
     return (heads_to_seq(out, axis_name)[:, :, :h], heads_to_seq(lse, axis_name)[:, :, :h])

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads, window_arg
+from jax_dilated.backends.base import (Kernel, KeySide, Masks, QuerySide, RingSteps,
+                                       RowGrads, window_arg)
 from jax_dilated.core import layouts, softmax, validation
 from jax_dilated.core.documents import document_ids
 from jax_dilated.core.skip import maybe_skip
@@ -71,7 +72,7 @@ class RingConfig:
     ring_size: int
     layout: str
     args: KernelArgs
-    implementation: str | None
+    kernel: Kernel  # the call's, chosen once by its entry point (get_kernel)
     steps: Callable[..., RingSteps] | None = None
     # False: the caller does not differentiate through the log-sum-exp (ring_partials
     # then stops its gradient) and the backward hands every step the output
@@ -106,7 +107,7 @@ def _setup(cfg: RingConfig, q, k, aux, segment_ids=None):
 
     A travelling block is ``(kv, valid, segments)``: the packed keys/values with
     their padding mask and document ids (each None where not given)."""
-    kernel = get_kernel(cfg.implementation)
+    kernel = cfg.kernel
     steps = (kernel_steps(kernel, q, k, cfg.args) if cfg.steps is None
              else cfg.steps(kernel, q, k, aux))
     p, n = cfg.ring_size, q.shape[1]
@@ -263,12 +264,12 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_over_axis(query, key, value, kv_mask, args: KernelArgs, *, seq_axis: str,
-                   num_devices: int, layout: str, implementation, segment_ids=None,
+                   num_devices: int, layout: str, kernel, segment_ids=None,
                    sinks=None, steps=None, aux=None, lse_grad: bool = True):
     """``(o, lse)`` of one ring over all ``num_devices`` devices of ``seq_axis`` in
     ``layout``, as ring and block-sparse attention run over a mesh (``steps``,
     ``lse_grad``: :class:`RingConfig`; the rest: :func:`ring_partials`)."""
-    cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, implementation,
+    cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, kernel,
                      steps=steps, lse_grad=lse_grad)
     o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, aux, segment_ids, sinks)
     return o, lse
@@ -385,18 +386,19 @@ def ring_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
                       is_causal=is_causal, block_q=block_q, block_k=block_k,
                       window=window_arg(window), logit_soft_cap=logit_soft_cap)
-    get_kernel(implementation)  # validate the name now, at trace time
+    kernel = get_kernel(implementation)  # the name checked now, at trace time
     if num_devices == 1:
         # One device holds every key, in token order in every layout: the kernel's own
         # call, whose default positions let it plan causal and window blocks at trace
         # time (a ring passes traced positions) and which needs no ring loop.
-        o, lse, _ = get_kernel(implementation).attention(
-            query, key, value, args, kv_valid=kv_mask, q_segment_ids=segment_ids,
-            k_segment_ids=segment_ids, sinks=sinks, lse_grad=return_lse)
+        o, lse, _ = kernel.attention(
+            query, key, value, args,
+            Masks(kv_valid=kv_mask, q_segment_ids=segment_ids, k_segment_ids=segment_ids),
+            sinks=sinks, lse_grad=return_lse)
     else:
         o, lse = ring_over_axis(query, key, value, kv_mask, args, seq_axis=seq_axis,
                                 num_devices=num_devices, layout=layout,
-                                implementation=implementation, segment_ids=segment_ids,
+                                kernel=kernel, segment_ids=segment_ids,
                                 sinks=sinks, lse_grad=return_lse)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax_dilated.backends.base import (
     KernelArgs,
     KeySide,
+    Masks,
     QuerySide,
     RingSteps,
     RowGrads,
@@ -101,14 +102,13 @@ class KernelSteps(PartialSteps):
         self.kernel, self.args = kernel, args
 
     def _run(self, dense, sparse, query: QuerySide, keys: KeySide, *arrays, **dense_only):
-        where = {"q_positions": query.positions, "k_positions": keys.positions,
-                 "kv_valid": keys.valid}
-        if query.segments is not None:  # only when given: kernels without them still work
-            where.update(q_segment_ids=query.segments, k_segment_ids=keys.segments)
+        masks = Masks(q_positions=query.positions, k_positions=keys.positions,
+                      kv_valid=keys.valid, q_segment_ids=query.segments,
+                      k_segment_ids=keys.segments)
         if keys.blocks is None:
-            return dense(*arrays, self.args, dropout_rng=keys.dropout_rng, **where,
+            return dense(*arrays, self.args, masks._replace(dropout_rng=keys.dropout_rng),
                          **dense_only)
-        return sparse(*arrays, self.args, blocks=keys.blocks, **where)
+        return sparse(*arrays, self.args, masks, blocks=keys.blocks)
 
     def _allowed(self, query: QuerySide, keys: KeySide):
         return any_pair_allowed(self.args.is_causal, query.positions, keys.positions,
@@ -144,6 +144,5 @@ def kernel_steps(kernel, q, k, args: KernelArgs) -> RingSteps:
     """The ring steps of ``kernel`` for queries like ``q`` and keys like ``k``: its
     fused ones (``ring_steps``) where it has them for these shapes, else the generic
     :class:`KernelSteps`."""
-    make = getattr(kernel, "ring_steps", None)
-    steps = None if make is None else make(q, k, args)
+    steps = kernel.ring_steps(q, k, args)
     return KernelSteps(kernel, args) if steps is None else steps

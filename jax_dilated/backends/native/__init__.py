@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends import call_specs, selection
-from jax_dilated.backends.base import KernelArgs
+from jax_dilated.backends.base import NO_MASKS, KernelArgs, Masks
 from jax_dilated.backends.native import build
 from jax_dilated.backends.xla import XlaKernel, dense
 from jax_dilated.core import softmax
@@ -68,18 +68,18 @@ class NativeCpuKernel(XlaKernel):
     """
 
     name = "native"
+    fused_dilated = True
 
-    def call_reason(self, q, k, args: KernelArgs, *, q_positions=None, k_positions=None,
-                    kv_valid=None, dropout_rng=None, q_segment_ids=None,
-                    k_segment_ids=None) -> str | None:
+    def call_reason(self, q, k, args: KernelArgs, masks: Masks = NO_MASKS) -> str | None:
         """None when the native forward serves this call, else why not (static: from
-        dtypes, shapes and which arguments are present; the rules are
+        dtypes, shapes and which masks are present; the rules are
         :func:`~jax_dilated.backends.selection.native_call_reason`)."""
-        del dropout_rng
+        kv_valid = masks.kv_valid
         reason = selection.native_call_reason(call_specs.call_spec(
-            q, k, args, q_positions=q_positions, k_positions=k_positions,
+            q, k, args, q_positions=masks.q_positions, k_positions=masks.k_positions,
             kv_valid=kv_valid))
-        if reason is None and (q_segment_ids is not None or k_segment_ids is not None):
+        if reason is None and (masks.q_segment_ids is not None
+                               or masks.k_segment_ids is not None):
             reason = "segment ids"
         if reason is None and kv_valid is not None and kv_valid.ndim not in (2, 3):
             reason = f"a kv mask of rank {kv_valid.ndim}"
@@ -87,26 +87,22 @@ class NativeCpuKernel(XlaKernel):
             reason = f"keys of dtype {k.dtype} with queries of dtype {q.dtype}"
         return reason or unavailable_reason()
 
-    def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
+    def forward(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS):
         """``(o, lse, lse_lo)`` as :func:`jax_dilated.backends.xla.dense.forward`."""
-        kw = dict(q_positions=q_positions, k_positions=k_positions, kv_valid=kv_valid,
-                  dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
-                  k_segment_ids=k_segment_ids)
-        if self.call_reason(q, k, args, **kw) is not None:
-            return super().forward(q, k, v, args, **kw)
-        return native_forward(q, k, v, args, kv_valid=kv_valid)
+        if self.call_reason(q, k, args, masks) is not None or v.dtype != q.dtype:
+            return super().forward(q, k, v, args, masks)
+        return native_forward(q, k, v, args, kv_valid=masks.kv_valid)
 
-    def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
-                  sinks=None, lse_grad=True):
+    def _forward_keywords(self, q, k, v, args: KernelArgs, **masks):
+        # dense.attention's forward_fn takes the masks as dense.forward's keywords
+        return self.forward(q, k, v, args, Masks(**masks))
+
+    def attention(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS, *, sinks=None,
+                  lse_grad=True):
         """Differentiable: the native forward, the XLA kernel's backward
         (:func:`jax_dilated.backends.xla.dense.attention`)."""
-        o, *lse = dense.attention(q, k, v, args, q_positions=q_positions,
-                                  k_positions=k_positions, kv_valid=kv_valid,
-                                  dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
-                                  k_segment_ids=k_segment_ids, sinks=sinks,
-                                  forward_fn=self.forward)
+        o, *lse = dense.attention(q, k, v, args, sinks=sinks,
+                                  forward_fn=self._forward_keywords, **masks._asdict())
         return o, *(lse if lse_grad else jax.lax.stop_gradient(lse))
 
     def dilated_forward(self, q, k, v, args: KernelArgs, plans, **kw):

@@ -291,7 +291,10 @@ static_assert(16 % N == 0, "a head_dim that is a multiple of 16 is whole vectors
 
 // exp(x) for the softmax: exp(x) = 2^n e^r, n = round(x log2 e), |r| <= ln2 / 2; e^r
 // by its Taylor polynomial to degree 7 in Horner form (relative error below 2e-7).
-// Arguments below -104 give 0 (as exp's float32 value, up to subnormals).
+// Arguments below -104 give 0 (as exp's float32 value, up to subnormals). Only
+// softmax arguments come here, s - max or s - lse, at most 0 up to rounding: there is
+// no upper clamp (AVX2's and NEON's 2^n, built in the exponent field, would wrap
+// above 127).
 inline VT vexp(VT x) {
   x = V::max(x, V::set1(-104.0f));
   const VT n = V::round(V::mul(x, V::set1(1.44269504088896341f)));

@@ -39,6 +39,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import jax
 
@@ -149,8 +150,20 @@ def _requested() -> tuple[str | None, str | None]:
     return os.environ.get(ISA_ENV, "").strip().lower() or None, None
 
 
-@functools.lru_cache(maxsize=None)
+# one build and registration at a time: programs traced on several threads (a thread
+# pool of jitted calls) would otherwise build the same library and register its
+# targets twice
+_LOCK = threading.Lock()
+
+
 def _load(requested_isa: str | None, source: str | None) -> tuple[str | None, Library | None]:
+    with _LOCK:
+        return _load_once(requested_isa, source)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_once(requested_isa: str | None,
+               source: str | None) -> tuple[str | None, Library | None]:
     chosen = _choose_isa(requested_isa)
     if chosen not in ISAS:
         return chosen, None

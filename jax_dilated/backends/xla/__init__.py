@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 
-from jax_dilated.backends.base import BlockLists, KernelArgs
+from jax_dilated.backends.base import NO_MASKS, BlockLists, KernelArgs, KernelBase, Masks
 from jax_dilated.backends.xla import block_sparse, dense, ring
 from jax_dilated.backends.xla.block_sparse import (
            block_sparse_backward,
@@ -27,7 +27,7 @@ __all__ = ["XlaKernel", "KERNEL", "forward", "backward", "attention",
            "DEFAULT_BLOCK_K"]
 
 
-class XlaKernel:
+class XlaKernel(KernelBase):
     """The blockwise XLA kernel, every entry point of :class:`~.base.Kernel`.
 
     Stateless: the methods look their function up on :mod:`.dense`,
@@ -38,33 +38,21 @@ class XlaKernel:
     name = "xla"
     blockwise = True
 
-    def forward(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None):
+    def forward(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS):
         """:func:`.dense.forward`."""
-        return dense.forward(q, k, v, args, q_positions=q_positions,
-                             k_positions=k_positions, kv_valid=kv_valid,
-                             dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
-                             k_segment_ids=k_segment_ids)
+        return dense.forward(q, k, v, args, **masks._asdict())
 
-    def backward(self, q, k, v, do, lse, delta, args: KernelArgs, *, q_positions=None,
-                 k_positions=None, kv_valid=None, dropout_rng=None, q_segment_ids=None,
-                 k_segment_ids=None, out=None):
+    def backward(self, q, k, v, do, lse, delta, args: KernelArgs, masks: Masks = NO_MASKS,
+                 *, out=None):
         """:func:`.dense.backward` (``out`` is not needed: ``delta`` is read)."""
         del out
-        return dense.backward(q, k, v, do, lse, delta, args, q_positions=q_positions,
-                              k_positions=k_positions, kv_valid=kv_valid,
-                              dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
-                              k_segment_ids=k_segment_ids)
+        return dense.backward(q, k, v, do, lse, delta, args, **masks._asdict())
 
-    def attention(self, q, k, v, args: KernelArgs, *, q_positions=None, k_positions=None,
-                  kv_valid=None, dropout_rng=None, q_segment_ids=None, k_segment_ids=None,
-                  sinks=None, lse_grad=True):
+    def attention(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS, *, sinks=None,
+                  lse_grad=True):
         """:func:`.dense.attention` (its backward reads ``delta``, so ``lse_grad`` only
         stops the log-sum-exp's gradient)."""
-        o, *lse = dense.attention(q, k, v, args, q_positions=q_positions,
-                                  k_positions=k_positions, kv_valid=kv_valid,
-                                  dropout_rng=dropout_rng, q_segment_ids=q_segment_ids,
-                                  k_segment_ids=k_segment_ids, sinks=sinks)
+        o, *lse = dense.attention(q, k, v, args, sinks=sinks, **masks._asdict())
         return o, *(lse if lse_grad else jax.lax.stop_gradient(lse))
 
     def batch_chunk(self, n: int, q, k, args: KernelArgs) -> int:
@@ -72,27 +60,17 @@ class XlaKernel:
         (:func:`.dense.batch_chunk`)."""
         return dense.batch_chunk(n, q, k, args)
 
-    def block_sparse_forward(self, q, k, v, args: KernelArgs, *, blocks: BlockLists,
-                             q_positions=None, k_positions=None, kv_valid=None,
-                             q_segment_ids=None, k_segment_ids=None):
-        """:func:`.block_sparse.block_sparse_forward`."""
+    def block_sparse_forward(self, q, k, v, args: KernelArgs, masks: Masks = NO_MASKS, *,
+                             blocks: BlockLists):
+        """:func:`.block_sparse.block_sparse_forward` (no dropout)."""
         return block_sparse.block_sparse_forward(q, k, v, args, blocks=blocks,
-                                                 q_positions=q_positions,
-                                                 k_positions=k_positions,
-                                                 kv_valid=kv_valid,
-                                                 q_segment_ids=q_segment_ids,
-                                                 k_segment_ids=k_segment_ids)
+                                                 **_without_dropout(masks))
 
-    def block_sparse_backward(self, q, k, v, do, lse, delta, args: KernelArgs, *,
-                              blocks: BlockLists, q_positions=None, k_positions=None,
-                              kv_valid=None, q_segment_ids=None, k_segment_ids=None):
-        """:func:`.block_sparse.block_sparse_backward`."""
+    def block_sparse_backward(self, q, k, v, do, lse, delta, args: KernelArgs,
+                              masks: Masks = NO_MASKS, *, blocks: BlockLists):
+        """:func:`.block_sparse.block_sparse_backward` (no dropout)."""
         return block_sparse.block_sparse_backward(q, k, v, do, lse, delta, args,
-                                                  blocks=blocks, q_positions=q_positions,
-                                                  k_positions=k_positions,
-                                                  kv_valid=kv_valid,
-                                                  q_segment_ids=q_segment_ids,
-                                                  k_segment_ids=k_segment_ids)
+                                                  blocks=blocks, **_without_dropout(masks))
 
     def ring_steps(self, q, k, args: KernelArgs):
         """:func:`.ring.ring_steps` (None where the shapes do not allow them)."""
@@ -104,6 +82,13 @@ class XlaKernel:
 
     def __repr__(self):
         return "XlaKernel()"
+
+
+def _without_dropout(masks: Masks) -> dict:
+    """The masks as keywords of a function that draws no dropout (block-sparse)."""
+    kw = masks._asdict()
+    kw.pop("dropout_rng")
+    return kw
 
 
 # The one instance the registry hands out (the kernel holds no state).

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dilated.backends import get_kernel
-from jax_dilated.backends.base import KeySide, QuerySide, RowGrads
+from jax_dilated.backends.base import KeySide, Masks, QuerySide, RowGrads
 from jax_dilated.core import layouts, softmax, validation
 from jax_dilated.core.documents import document_ids
 from jax_dilated.ops import block_sparse as block_sparse_ops
@@ -59,10 +59,10 @@ def allgather_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name
     args = dataclasses.replace(args, block_q=_chunk_block(layout, n, args.block_q),
                                block_k=_chunk_block(layout, n, args.block_k))
     kernel = get_kernel(o.get("implementation"))
-    ids = {} if segment_ids is None else dict(q_segment_ids=segment_ids,
-                                              k_segment_ids=idsall)
-    out = kernel.attention(q, kall, vall, args, q_positions=q_pos, k_positions=k_pos,
-                           kv_valid=mall, lse_grad=False, **ids)[0]
+    masks = Masks(q_positions=q_pos, k_positions=k_pos, kv_valid=mall,
+                  q_segment_ids=None if segment_ids is None else segment_ids,
+                  k_segment_ids=None if segment_ids is None else idsall)
+    out = kernel.attention(q, kall, vall, args, masks, lse_grad=False)[0]
     return out.astype(q.dtype)
 
 

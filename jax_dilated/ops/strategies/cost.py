@@ -13,7 +13,6 @@ import jax.numpy as jnp
 
 from jax_dilated.backends import selection
 from jax_dilated.backends.xla.layout import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
-from jax_dilated.core import branch_plans
 from jax_dilated.core.branches import is_window
 from jax_dilated.ops import distributed, head_parallel
 from jax_dilated.ops.strategies.operation import Operation, describe, plans_of, servable
@@ -407,8 +406,7 @@ def _branch_flops(op: Operation, b, t, h, d) -> list[float]:
     if op.kind != "dilated":
         return dense
     try:
-        pairs = branch_plans.validate_branches(op.options["segment_lengths"],
-                                               op.options["dilation_rates"])
+        pairs = op.branches
     except (ValueError, TypeError, KeyError):
         return dense
     flops = []

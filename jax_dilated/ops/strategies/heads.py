@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from jax_dilated.backends import get_kernel
+from jax_dilated.backends.base import Masks
 from jax_dilated.core import validation
 from jax_dilated.core.documents import document_ids
 from jax_dilated.ops import dilated as dilated_ops
@@ -41,7 +42,7 @@ def heads_local(op: Operation, q, k, v, mask, segment_ids=None, *, axis_name: st
         ids = document_ids(ids)
         kernel = get_kernel(kw.get("implementation"))
         out = kernel.attention(q, k, v, head_parallel.kernel_args(kw, q.shape[-1]),
-                               kv_valid=mask, q_segment_ids=ids, k_segment_ids=ids,
+                               Masks(kv_valid=mask, q_segment_ids=ids, k_segment_ids=ids),
                                lse_grad=False)[0].astype(q.dtype)
     elif op.kind == "exact":
         # exact attention on one device: one segment of the whole sequence, rate 1

@@ -40,6 +40,14 @@ class Operation:
     fn: object
     options: dict
 
+    @functools.cached_property
+    def branches(self):
+        """A dilated operation's branches, validated once
+        (:func:`~jax_dilated.core.branch_plans.validate_branches`; its errors
+        propagate)."""
+        return branch_plans.validate_branches(self.options["segment_lengths"],
+                                              self.options["dilation_rates"])
+
     @property
     def name(self) -> str:
         return {"exact": "ring_attention", "dilated": "dilated_attention",
@@ -108,9 +116,7 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
         try:
             n = seq_len // num_devices
             if op.kind == "dilated":
-                branches = branch_plans.validate_branches(op.options["segment_lengths"],
-                                                          op.options["dilation_rates"])
-                distributed.shard_branches(branches, local_len=n, num_devices=num_devices)
+                distributed.shard_branches(op.branches, local_len=n, num_devices=num_devices)
             else:
                 ring_blocks(n, num_devices, layout, op.options["block_size"])
         except (ValueError, TypeError, KeyError) as err:
@@ -134,13 +140,11 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
 def plans_of(op: Operation, *, seq_len: int, num_heads: int, num_kv_heads: int):
     """``(branches, plans)`` of a dilated ``op`` for these shapes (its own validation
     errors propagate)."""
-    branches = branch_plans.validate_branches(op.options["segment_lengths"],
-                                              op.options["dilation_rates"])
     plans = branch_plans.plan_branches(
-        branches, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        op.branches, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
         mode=op.options.get("mode", "longnet"),
         offsets_rule=op.options.get("head_offsets", "modulo"))
-    return branches, plans
+    return op.branches, plans
 
 
 def _dilated_heads_by_branch(op: Operation, seq_len: int, num_heads: int,
@@ -219,8 +223,7 @@ def _require_per_branch(op, strategy, *, num_heads, num_kv_heads, num_devices, l
     if op.kind != "dilated":
         raise ValueError(f"a per-branch strategy {strategy!r} needs dilated_attention, got "
                          f"{op.name}; use one of {STRATEGIES}.")
-    branches = branch_plans.validate_branches(op.options["segment_lengths"],
-                                              op.options["dilation_rates"])
+    branches = op.branches
     distributed.check_branch_strategy(strategy, len(branches))
     if segment_ids or seq_len is None:
         return  # packed rows run whole sequences of some heads under every strategy

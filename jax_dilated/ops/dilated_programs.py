@@ -1,0 +1,115 @@
+"""Which program runs one-device dilated attention, and running it: the one dispatcher
+of every one-device path (unpacked calls, and each device's heads under the
+``"heads"`` strategy and packed rows over a mesh).
+
+Three programs compute the same ``(out, lse)`` (docs/semantics.md, section 2):
+
+* ``"fused"`` (:mod:`jax_dilated.ops.dilated_fused`): every branch in one kernel call
+  per pass, segments read where they lie; for a kernel that declares
+  ``fused_dilated`` (the native CPU kernel) where it serves every branch (sliding
+  windows run beside it as their own windowed calls).
+* ``"streamed"`` (:mod:`jax_dilated.ops.dilated_local`): branch by branch, a few
+  segments at a time, into the output in place; chunk-sized temporaries. The
+  blockwise kernels' program (cheap calls), and a non-blockwise kernel's (cuDNN) in
+  longnet mode when every segment length divides the sequence: its backward then runs
+  each branch from the merged output's statistics, which is cuDNN's own backward,
+  where a merge after the branches would send a log-sum-exp cotangent to every branch
+  (cuDNN's widened backward). Not differentiated (and without dropout or a window
+  branch), such a call runs the batched program instead, which is faster for cuDNN
+  at long sequences (no chunk loop).
+* ``"batched"`` (:func:`jax_dilated.ops.branch_combine.batched`): one batched kernel
+  call per branch with the kernel's own backward, the branches combined afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jax_dilated.backends.base import Kernel, KernelArgs
+from jax_dilated.core import branch_plans, softmax
+from jax_dilated.core.branches import SlidingWindow
+from jax_dilated.core.types import HeadOffsets, Mode
+from jax_dilated.ops import branch_combine, dilated_local, dilated_window
+from jax_dilated.ops.dilated_fused import fused_partial, fused_unservable
+
+__all__ = ["DilatedCall", "PROGRAMS", "choose_program", "one_device"]
+
+PROGRAMS = ("fused", "streamed", "batched")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DilatedCall:
+    """One :func:`jax_dilated.dilated_attention` call's static options, validated once
+    by it; every path (one device, packed rows, each strategy over a mesh) reads them
+    from here and validates nothing again.
+
+    branches: the ``(w, r)`` of every branch (``w`` an int or a sliding window);
+    mode, head_offsets: as the call gave them (checked); args: the kernel arguments
+    (scale, causality, dropout rate, blocks, soft-cap); kernel: the kernel chosen for
+    the call (:func:`jax_dilated.backends.get_kernel`); max_documents: the packed
+    rows' bound or None.
+    """
+
+    branches: tuple[tuple[int | SlidingWindow, int], ...]
+    mode: Mode
+    head_offsets: HeadOffsets
+    args: KernelArgs
+    kernel: Kernel
+    max_documents: int | None
+
+    def plans(self, *, seq_len: int, num_heads: int, num_kv_heads: int):
+        """Every branch's :class:`~jax_dilated.core.branch_plans.BranchPlan` for
+        these shapes."""
+        return branch_plans.plan_branches(self.branches, seq_len=seq_len,
+                                          num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                          mode=self.mode, offsets_rule=self.head_offsets)
+
+
+def choose_program(kernel, args, plans, mode: str, query, key, kv_mask, rng) -> tuple[str, str]:
+    """``(program, why)``: the one of :data:`PROGRAMS` that runs this call (module
+    docstring) and the reason, in words."""
+    why_not_fused = fused_unservable(kernel, args, plans, query, key, kv_mask, rng)
+    if why_not_fused is None:
+        return "fused", f"the {kernel.name} kernel runs every branch in one call per pass"
+    if kernel.blockwise:
+        return "streamed", (f"the {kernel.name} kernel is blockwise (cheap calls); not "
+                            f"fused: {why_not_fused}")
+    whole = all(query.shape[1] % p.branch.effective_length == 0
+                and p.branch.padded_length == p.branch.effective_length for p in plans
+                if p.branch.window is None)
+    if mode == "longnet" and whole:
+        return "streamed", ("longnet with every segment dividing the sequence: each "
+                            "branch's backward runs from the merged output (the kernel's "
+                            "own backward)")
+    return "batched", f"one {kernel.name} call per branch with its own backward"
+
+
+def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
+               sinks=None, lse_grad=True):
+    """``(out, lse)`` of unpacked dilated attention of ``plans`` on one device, by the
+    program :func:`choose_program` picks. ``rng``: the dropout key or None;
+    ``sinks``: None or the [H] attention sinks, included in the result; ``lse_grad``:
+    False when the caller does not differentiate through ``lse`` (returned with its
+    gradient stopped where that lets cuDNN run its own backward)."""
+    program, _ = choose_program(kernel, args, plans, mode, query, key, kv_mask, rng)
+    if program == "fused":
+        dense = [p for p in plans if p.branch.window is None]
+        if len(dense) == len(plans):
+            o, lse, _ = fused_partial(kernel, args, plans, mode, query, key, value, kv_mask,
+                                      sinks)
+            return o, lse
+        partial = fused_partial(kernel, args, dense, mode, query, key, value, kv_mask,
+                                num_branches=len(plans)) if dense else None
+        return dilated_window.add_windows(partial, kernel, args, plans, mode, query, key,
+                                          value, kv_mask, rng, sinks=sinks)
+    batched = functools.partial(branch_combine.batched, kernel, args, plans, mode, rng=rng)
+    if program == "streamed":
+        windows = any(p.branch.window is not None for p in plans)
+        primal = None if kernel.blockwise or rng is not None or windows else batched
+        return dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
+                                           kv_mask, rng, sinks=sinks, primal=primal,
+                                           lse_grad=lse_grad)
+    # the sinks are merged by the lse, so it has a gradient wherever there are sinks
+    return softmax.sinks_on_output(*batched(query, key, value, kv_mask,
+                                            lse_grad=lse_grad or sinks is not None), sinks)
