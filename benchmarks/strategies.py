@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layout for exact and block-sparse attention (dilated: contiguous)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--no-timing", action="store_true", help="compile and report memory only")
+    p.add_argument("--hybrid", type=str_list, default=(),
+                   help="two-axis splits P_a x P_b of the devices (e.g. 2x4,4x2): exact "
+                        "attention also through strategy='hybrid' over each, in the same "
+                        "cells (docs/semantics.md, section 8)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -99,7 +103,11 @@ def run(args: argparse.Namespace) -> dict:
     sharding = NamedSharding(mesh, P(None, "seq"))
     config = {k: getattr(args, k) for k in (
         "seq_lens", "kv_heads", "devices", "ops", "heads", "head_dim", "batch", "causal",
-        "layout", "dtype", "repeats", "warmup", "quick", "seed", "threads")}
+        "layout", "dtype", "repeats", "warmup", "quick", "seed", "threads", "hybrid")}
+    splits = [tuple(int(x) for x in s.split("x")) for s in args.hybrid]
+    if any(len(s) != 2 or s[0] * s[1] != p for s in splits):
+        raise SystemExit(f"--hybrid: each split is P_axP_b with P_a P_b = {p}, got "
+                         f"{args.hybrid}")
     cells = [(o, n, hkv) for o in args.ops for n in args.seq_lens for hkv in args.kv_heads]
     picks = {}  # what auto picks, and the per-branch mix where it is a candidate
     for op_name, n, hkv in cells:
@@ -110,6 +118,7 @@ def run(args: argparse.Namespace) -> dict:
             layout=layout, quiet=True)
     # per cell: one device, the strategies, the mix where there is one, auto, the timing
     steps = sum(5 + (MIX in costs) + (not args.no_timing) for _, costs, _ in picks.values())
+    steps += len(splits) * sum(o == "exact" for o, _, _ in cells)
     progress = harness.Progress(steps, "strategies")
     rng = np.random.default_rng(args.seed)
     rows = []
@@ -130,16 +139,28 @@ def run(args: argparse.Namespace) -> dict:
         mem1 = harness.compiled_memory(dev.vjp_of(one), *specs1)
         row["single_device"] = {"memory": mem1.to_json()}
         progress.done()
-        specs = [jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding) for s in specs1]
         host = [rng.standard_normal(s.shape).astype(dtype) for s in specs1]
         calls = {}
         variants = {s: s for s in STRATEGIES}
         if MIX in costs:
             variants[MIX] = costs[MIX].strategy
         variants["auto"] = "auto"
+        if op_name == "exact":
+            for pa, pb in splits:
+                variants[f"hybrid {pa}x{pb}"] = (pa, pb)
         for strategy, given in variants.items():
-            progress.start(f"{op_name} n={n} kv={hkv}: compile {_label(given)}")
+            progress.start(f"{op_name} n={n} kv={hkv}: compile {strategy}")
             cost = costs.get(strategy)
+            attn, shard = None, sharding
+            if strategy.startswith("hybrid"):
+                cost = jd.explain_strategy(fn, qshape, kshape, num_devices=p, dtype=dtype,
+                                           layout=layout, quiet=True,
+                                           axis_sizes=given)[1]["hybrid"]
+                grid = jax.sharding.Mesh(np.array(dev.take_devices(p)).reshape(given),
+                                         ("a", "b"))
+                shard = NamedSharding(grid, P(None, ("b", "a")))
+                attn = jd.sharded(fn, grid, seq_axis=("a", "b"), layout=layout,
+                                  strategy="hybrid")
             entry = {"estimate": None if cost is None else {
                 "strategy": _label(cost.strategy), "sent_bytes": cost.sent_bytes,
                 "held_bytes": cost.held_bytes, "overlap": cost.overlap, "work": cost.work,
@@ -148,9 +169,11 @@ def run(args: argparse.Namespace) -> dict:
                 row["strategies"][strategy] = entry
                 progress.done()
                 continue
-            attn = jd.sharded(fn, mesh, seq_axis="seq", layout=layout, strategy=given)
-            step = jax.jit(dev.vjp_of(attn), in_shardings=sharding)
-            compiled = step.lower(*specs).compile()
+            if attn is None:
+                attn = jd.sharded(fn, mesh, seq_axis="seq", layout=layout, strategy=given)
+            step = jax.jit(dev.vjp_of(attn), in_shardings=shard)
+            compiled = step.lower(*[jax.ShapeDtypeStruct(s.shape, dtype, sharding=shard)
+                                    for s in specs1]).compile()
             mem = compiled.memory_analysis()
             entry["memory"] = {
                 "temp": int(mem.temp_size_in_bytes),
@@ -159,7 +182,7 @@ def run(args: argparse.Namespace) -> dict:
             entry["hlo_collectives"] = collectives_in(compiled.as_text())
             row["strategies"][strategy] = entry
             if not args.no_timing:
-                arrays = [jax.device_put(x, sharding) for x in host]
+                arrays = [jax.device_put(x, shard) for x in host]
                 calls[strategy] = functools.partial(compiled, *arrays)
             progress.done()
         if calls:
@@ -178,8 +201,13 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _label(strategy) -> str:
-    """A strategy as text: a per-branch tuple as ``ring+heads+ring``."""
-    return strategy if isinstance(strategy, str) else "+".join(strategy)
+    """A strategy as text: a per-branch tuple as ``ring+heads+ring``, a hybrid split as
+    ``hybrid 2x4``."""
+    if isinstance(strategy, str):
+        return strategy
+    if strategy[0] == "hybrid":
+        return f"hybrid {strategy[1]}x{strategy[2]}"
+    return "+".join(strategy)
 
 
 def print_summary(payload: dict) -> None:
@@ -214,3 +242,15 @@ def print_summary(payload: dict) -> None:
         f"D={cfg['head_dim']}, {cfg['dtype']}, causal={cfg['causal']}): per-device "
         f"compiled memory (temp+args+outputs), bytes sent per device (fwd+bwd)",
         headers, table)
+    hybrid = [(r, s, e) for r in payload["rows"] for s, e in r["strategies"].items()
+              if s.startswith("hybrid") and "memory" in e]
+    if hybrid:
+        harness.print_table(
+            "hybrid splits beside the ring over all P (exact attention): per-device "
+            "compiled memory, bytes sent per device (fwd+bwd)",
+            ["op", "n", "kv", "split", "mem", "sent", "ring mem", "ring sent"],
+            [[r["op"], str(r["seq_len"]), str(r["kv_heads"]), s, fmt_bytes(e["memory"]["total"]),
+              fmt_bytes(e["estimate"]["sent_bytes"]),
+              fmt_bytes(r["strategies"]["ring"]["memory"]["total"]),
+              fmt_bytes(r["strategies"]["ring"]["estimate"]["sent_bytes"])]
+             for r, s, e in hybrid])

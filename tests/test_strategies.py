@@ -326,7 +326,8 @@ def test_strategy_errors_name_what_can_serve():
     q, k, v, _, _ = _inputs(6, 2)
     ring = functools.partial(jd.ring_attention, is_causal=True)
     with pytest.raises(ValueError, match=r"strategy must be one of \('ring', 'allgather', "
-                                         r"'heads', 'auto'\), or for dilated attention a "
+                                         r"'heads', 'hybrid', 'auto'\), or for dilated "
+                                         r"attention a "
                                          r"tuple .* got 'ulysses'"):
         jd.sharded(ring, _mesh(4), seq_axis="seq", strategy="ulysses")
     attn = jd.sharded(ring, _mesh(4), seq_axis="seq", strategy="heads")

@@ -35,7 +35,7 @@ HeadOffsets = Literal["modulo", "blocked"]
 Layout = Literal["contiguous", "zigzag", "striped"]
 # how a sequence-parallel call runs over the mesh axis (jd.sharded, the mesh layers);
 # "auto" picks one per call (jd.explain_strategy)
-Strategy = Literal["ring", "allgather", "heads", "auto"]
+Strategy = Literal["ring", "allgather", "heads", "hybrid", "auto"]
 # what one branch of dilated attention that spans devices does (an entry of a
 # per-branch strategy tuple; also jd.dilated_attention's strategy=)
 BranchStrategy = Literal["ring", "allgather", "heads"]

@@ -51,8 +51,28 @@ def _place(x, mesh, spec):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _hybrid_axes(mesh, seq_axis, batch_axis, head_axis) -> tuple[str, str] | None:
+    """``(a, b)`` for a ``seq_axis`` naming two mesh axes (``"hybrid"``), None for one;
+    a ``ValueError`` naming the argument when they are not two different mesh axes."""
+    if isinstance(seq_axis, str) or seq_axis is None:
+        validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
+        return None
+    axes = tuple(seq_axis)
+    if len(axes) != 2 or not all(isinstance(x, str) for x in axes):
+        raise ValueError(f"seq_axis must name one mesh axis, or two as (a, b) for "
+                         f"strategy='hybrid' (heads exchanged over a, a ring over b), got "
+                         f"{seq_axis!r}.")
+    if axes[0] == axes[1]:
+        raise ValueError(f"seq_axis={seq_axis!r} names the same mesh axis twice: give two "
+                         f"different axes (a, b), or one axis alone.")
+    for axis in axes:
+        validation.check_mesh_axes(mesh, axis, batch_axis, head_axis)
+    return axes
+
+
 def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.Mesh, *,
-            seq_axis: str, batch_axis: str | None = None, head_axis: str | None = None,
+            seq_axis: str | tuple[str, str], batch_axis: str | None = None,
+            head_axis: str | None = None,
             layout: Layout = "contiguous", strategy: StrategyLike = "ring",
             ) -> Callable[..., Array | tuple[Array, Array]]:
     """Wrap ``fn`` (``jd.ring_attention``, ``jd.dilated_attention``) to run on global arrays over ``mesh``.
@@ -64,7 +84,10 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
         An ``fn`` that takes ``axis_name=`` but not ``seq_axis=`` (the old spelling)
         still gets the axis as ``axis_name=``, with a DeprecationWarning.
       mesh: a ``jax.sharding.Mesh``.
-      seq_axis: mesh axis to shard the sequence over.
+      seq_axis: mesh axis to shard the sequence over, or two axes ``(a, b)`` for
+        ``strategy="hybrid"``: the sequence is sharded over both (``b`` major), heads
+        are exchanged over ``a`` and the operation's ring runs over ``b``
+        (docs/semantics.md, section 8, "Hybrid").
       batch_axis, head_axis: optional mesh axes to shard batch and heads over (heads
         and kv heads must both divide by the head axis size).
       layout: how the sequence is laid out over ``seq_axis`` (ring attention only;
@@ -76,8 +99,12 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
         ``"allgather"`` (keys and values gathered over the axis; the library's
         operations only), ``"heads"`` (all-to-all to head-sharded arrays, ``fn``
         runs unchanged, without ``seq_axis``, on the whole sequence of ``H / P``
-        heads; needs the heads divisible by the axis size) or ``"auto"`` (chosen
-        per call by the cost model of :func:`jax_dilated.explain_strategy`).
+        heads; needs the heads divisible by the axis size), ``"hybrid"`` (with
+        ``seq_axis=(a, b)``: an all-to-all over ``a`` to ``H / P_a`` heads of a ring
+        chunk, the operation's ring over ``b`` in ``layout``, and back; exact
+        attention, needs the heads divisible by ``P_a``) or ``"auto"`` (chosen per call
+        by the cost model of :func:`jax_dilated.explain_strategy`; with two axes,
+        ``"hybrid"``).
         :func:`jax_dilated.dilated_attention` runs every strategy itself: it gets
         ``seq_axis=`` and the strategy as ``strategy=``, which may also be a tuple
         with one of ``"ring"``, ``"allgather"``, ``"heads"`` per branch (how each
@@ -113,9 +140,16 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
     if not callable(fn):
         raise TypeError(f"fn must be an attention function (e.g. jd.ring_attention), got "
                         f"{fn!r}.")
-    validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
+    hybrid = _hybrid_axes(mesh, seq_axis, batch_axis, head_axis)
     layouts.check_layout(layout)
     strategy = strategies.check_sharded_strategy(strategy)
+    if hybrid is None and strategy == "hybrid":
+        raise ValueError(f"strategy='hybrid' needs two mesh axes, seq_axis=(a, b) (heads "
+                         f"exchanged over a, a ring over b), got seq_axis={seq_axis!r}.")
+    if hybrid is not None and strategy not in ("hybrid", "auto"):
+        raise ValueError(f"seq_axis={seq_axis!r} names two mesh axes, which "
+                         f"strategy='hybrid' (or 'auto') runs, got strategy={strategy!r}; "
+                         f"for {strategy!r} name one axis.")
     op = strategies.describe(fn)
     axis_kw = _axis_keyword(fn)
     # Only the ring takes a layout; dilated attention shards contiguously.
@@ -125,11 +159,15 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             f"layout={layout!r} needs an operation that takes a layout (ring_attention); "
             f"{_name(fn)} shards the sequence contiguously: use layout='contiguous'."
         )
-    num = mesh.shape[seq_axis]
-    qkv_spec = P(batch_axis, seq_axis, head_axis, None)
-    mask_spec = P(batch_axis, seq_axis)
+    if hybrid is None:
+        num, seq_spec, sizes = mesh.shape[seq_axis], seq_axis, None
+    else:  # b major: after the all-to-all over a, ring chunk i_b is whole on device i_b
+        sizes = (mesh.shape[hybrid[0]], mesh.shape[hybrid[1]])
+        num, seq_spec = sizes[0] * sizes[1], (hybrid[1], hybrid[0])
+    qkv_spec = P(batch_axis, seq_spec, head_axis, None)
+    mask_spec = P(batch_axis, seq_spec)
     # (output, lse) when fn is bound with return_lse=True, else the output
-    out_specs = (qkv_spec, P(batch_axis, seq_axis, head_axis)) if op.options.get(
+    out_specs = (qkv_spec, P(batch_axis, seq_spec, head_axis)) if op.options.get(
         "return_lse") else qkv_spec
 
     def run(query, key, value, *, kv_mask=None, segment_ids=None, sinks=None):
@@ -145,7 +183,11 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             raise ValueError(
                 f"batch_axis={batch_axis!r} has {mesh.shape[batch_axis]} devices: the "
                 f"batch size must be divisible by it, got query {tuple(query.shape)}.")
-        layouts.check_divisible(t, num, layout)
+        if hybrid is None:
+            layouts.check_divisible(t, num, layout)
+        else:  # pieces over both axes, the layout over the ring's
+            layouts.check_divisible(t, num, "contiguous")
+            layouts.check_divisible(t, sizes[1], layout)
         validation.check_kv_mask(kv_mask, query.shape[0], key.shape[1])
         segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
         packed = segment_ids is not None
@@ -161,12 +203,20 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
                     f"({h}) and num_kv_heads ({hkv}) must both be "
                     f"divisible by it."
                 )
+        heads_per_shard = h // mesh.shape[head_axis] if head_axis is not None else h
+        heads_of = "" if head_axis is None else f" in each shard of head_axis={head_axis!r}"
+        if hybrid is not None:
+            why = strategies.hybrid_unservable(op, num_heads=heads_per_shard,
+                                               size_a=sizes[0], heads_of=heads_of)
+            if why:
+                raise ValueError(f"{why}.")
+            return compiled("hybrid", "contiguous", False, query, key, value, kv_mask,
+                            segment_ids, sinks)
         chosen = strategy
         # a call with sinks: the strategies that rebuild the call cannot carry them
         # (strategies.servable), so the operation is described with them bound
         op_call = op if sinks is None else dataclasses.replace(
             op, options={**op.options, "sinks": True})
-        heads_per_shard = h // mesh.shape[head_axis] if head_axis is not None else h
         kv_per_shard = hkv // mesh.shape[head_axis] if head_axis is not None else hkv
         if strategy == "auto":
             chosen = strategies.choose(
@@ -175,8 +225,7 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
                 dtype=query.dtype, layout=layout, segment_ids=packed)[0]
         strategies.require(
             op_call, chosen, num_heads=heads_per_shard, num_devices=num, layout=layout,
-            seq_len=t, heads_of="" if head_axis is None else
-            f" in each shard of head_axis={head_axis!r}", segment_ids=packed,
+            seq_len=t, heads_of=heads_of, segment_ids=packed,
             num_kv_heads=kv_per_shard)
         # the heads strategy needs no layout: it moves whole heads, not tokens
         lay = "contiguous" if chosen == "heads" else layout
@@ -210,6 +259,9 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             specs.append(P(head_axis))
 
         def compute(q, k, v, mask, ids, sink):
+            if chosen == "hybrid":
+                return strategies.hybrid_local(op, q, k, v, mask, ids, sink, axes=hybrid,
+                                               sizes=sizes, layout=layout)
             if op.kind == "dilated":  # it runs every strategy itself (strategy=)
                 extra = {} if chosen == "ring" else {"strategy": chosen}
             elif chosen == "heads":

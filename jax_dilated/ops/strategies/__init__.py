@@ -42,8 +42,13 @@ cost model of :func:`estimate` (bytes sent and memory held per device, whether t
 transfer overlaps compute); :func:`explain_strategy` prints the choice and the
 numbers.
 
+``"hybrid"`` (two mesh axes ``seq_axis=(a, b)``, :mod:`.hybrid`): the heads strategy's
+all-to-all over ``a`` and the operation's own ring over ``b`` on ``H / P_a`` heads, so
+that the sequence scales past the head count (USP / long-context-attention's Ulysses x
+ring); exact attention so far.
+
 The package, by job: :mod:`.operation` (what ``jd.sharded`` was given, which strategies
-can serve it), :mod:`.heads` and :mod:`.allgather` (each strategy's program inside
+can serve it), :mod:`.heads`, :mod:`.allgather` and :mod:`.hybrid` (each strategy's program inside
 ``shard_map``; ``"ring"`` is the operation's own), :mod:`.cost` (the cost model) and
 :mod:`.choice` (``"auto"``'s pick, :func:`explain_strategy`).
 """
@@ -57,11 +62,13 @@ from jax_dilated.ops.strategies.allgather import allgather_local
 from jax_dilated.ops.strategies.choice import choose, explain_strategy
 from jax_dilated.ops.strategies.cost import StrategyCost, estimate
 from jax_dilated.ops.strategies.heads import heads_local
+from jax_dilated.ops.strategies.hybrid import hybrid_local, hybrid_unservable
 from jax_dilated.ops.strategies.operation import (STRATEGIES, Operation, accepts,
                                                   check_sharded_strategy, describe, require,
                                                   servable)
 
 __all__ = ["STRATEGIES", "Operation", "describe", "accepts", "check_sharded_strategy",
            "servable", "require", "seq_to_heads", "heads_to_seq", "gather_tokens",
-           "heads_local", "allgather_local", "dilated_over_heads", "StrategyCost",
+           "heads_local", "allgather_local", "hybrid_local", "hybrid_unservable",
+           "dilated_over_heads", "StrategyCost",
            "estimate", "choose", "explain_strategy"]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jax_dilated.core.types import DTypeLike, Layout
 from jax_dilated.ops.strategies.cost import StrategyCost, estimate, pricing_for
+from jax_dilated.ops.strategies.hybrid import hybrid_cost
 from jax_dilated.ops.strategies.operation import Operation, describe
 
 __all__ = ["choose", "explain_strategy"]
@@ -19,7 +20,8 @@ __all__ = ["choose", "explain_strategy"]
 
 def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
            head_dim: int, num_devices: int, dtype="float32", layout: str = "contiguous",
-           platform: str | None = None, segment_ids: bool = False):
+           platform: str | None = None, segment_ids: bool = False,
+           axis_sizes: tuple[int, int] | None = None):
     """``(strategy, costs, why)``: the strategy ``"auto"`` picks for this call.
 
     Among the strategies that can serve, the one with the least estimated time,
@@ -33,20 +35,30 @@ def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     order ring, heads, per-branch mix, allgather. For dilated attention the
     per-branch mix of :func:`estimate` competes too; ``strategy`` is then its tuple.
     ``segment_ids``: the call has packed rows (only strategies that can serve them
-    are considered; :func:`estimate`).
+    are considered; :func:`estimate`). ``axis_sizes = (P_a, P_b)``, ``P_a P_b =
+    num_devices``: ``"hybrid"`` over that two-axis split competes too
+    (:func:`~.hybrid.hybrid_cost`; its ``strategy`` is ``("hybrid", P_a, P_b)``).
     """
     op = op if isinstance(op, Operation) else describe(op)
     costs = estimate(op, batch=batch, seq_len=seq_len, num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim,
                      num_devices=num_devices, dtype=dtype, layout=layout,
                      segment_ids=segment_ids, platform=platform)
+    if axis_sizes is not None:
+        if axis_sizes[0] * axis_sizes[1] != num_devices:
+            raise ValueError(f"axis_sizes={tuple(axis_sizes)} must multiply to "
+                             f"num_devices={num_devices}.")
+        costs["hybrid"] = hybrid_cost(op, batch=batch, seq_len=seq_len,
+                                      num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                      head_dim=head_dim, sizes=tuple(axis_sizes),
+                                      dtype=dtype, layout=layout)
     pricing = pricing_for(op, platform, batch, seq_len, num_heads, head_dim)
     times = {s: pricing.of(c) for s, c in costs.items() if c.reason is None}
     if not times:
         raise ValueError("no strategy can serve this call: " + "; ".join(
             f"{s}: {c.reason}" for s, c in costs.items()))
     best = min(times.values())
-    order = ("ring", "heads", "per_branch", "allgather")
+    order = ("ring", "heads", "per_branch", "hybrid", "allgather")
     near = [s for s in order if s in times and times[s] <= 1.1 * best]
     key = min(near, key=lambda s: (costs[s].held_bytes, order.index(s)))
     c = costs[key]
@@ -64,7 +76,8 @@ def explain_strategy(fn: Callable[..., Any], query_shape: Sequence[int],
                      dtype: DTypeLike = "float32", layout: Layout = "contiguous",
                      platform: str | None = None, file: TextIO | None = None,
                      quiet: bool = False, segment_ids: bool = False,
-                     ) -> tuple[str | tuple[str, ...], dict[str, StrategyCost], str]:
+                     axis_sizes: tuple[int, int] | None = None,
+                     ) -> tuple[str | tuple, dict[str, StrategyCost], str]:
     """Which strategy ``strategy="auto"`` picks for ``fn`` on these shapes, and why.
 
     Args:
@@ -77,6 +90,9 @@ def explain_strategy(fn: Callable[..., Any], query_shape: Sequence[int],
         this machine's).
       file, quiet: where to print (default stdout); ``quiet`` only returns.
       segment_ids: whether the call has packed rows (``segment_ids=``).
+      axis_sizes: ``(P_a, P_b)`` of a two-axis mesh (``jd.sharded(seq_axis=(a, b))``):
+        ``"hybrid"`` over it is priced beside the one-axis strategies on the same
+        ``num_devices``.
 
     Returns:
       ``(strategy, {strategy: StrategyCost}, why)``.
@@ -95,7 +111,7 @@ def explain_strategy(fn: Callable[..., Any], query_shape: Sequence[int],
     pick, costs, why = choose(fn, batch=b, seq_len=t, num_heads=h, num_kv_heads=hkv,
                               head_dim=d, num_devices=num_devices, dtype=dtype,
                               layout=layout, platform=platform,
-                              segment_ids=segment_ids)
+                              segment_ids=segment_ids, axis_sizes=axis_sizes)
     if not quiet:
         out = sys.stdout if file is None else file
         op = describe(fn)
@@ -106,7 +122,10 @@ def explain_strategy(fn: Callable[..., Any], query_shape: Sequence[int],
             state = "can serve" if c.reason is None else f"cannot serve: {c.reason}"
             if c.note:
                 state += f" ({c.note})"
-            s = s if isinstance(c.strategy, str) else f"per-branch {c.strategy}"
+            if s == "hybrid":
+                s = f"hybrid {c.strategy[1]} x {c.strategy[2]}"
+            elif not isinstance(c.strategy, str):
+                s = f"per-branch {c.strategy}"
             print(f"  {s:<9} sent {c.sent_bytes / 2**20:9.2f} MiB/device, held "
                   f"{c.held_bytes / 2**20:9.2f} MiB/device, "
                   f"{'overlapped' if c.overlap else 'not overlapped'}, work share "

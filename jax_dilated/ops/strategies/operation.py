@@ -23,7 +23,7 @@ from jax_dilated.ops.ring import ring_attention
 __all__ = ["STRATEGIES", "Operation", "describe", "accepts", "check_sharded_strategy",
            "servable", "require", "plans_of"]
 
-STRATEGIES = ("ring", "allgather", "heads", "auto")
+STRATEGIES = ("ring", "allgather", "heads", "hybrid", "auto")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

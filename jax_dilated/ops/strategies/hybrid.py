@@ -1,0 +1,117 @@
+"""The ``"hybrid"`` strategy's local program: head exchange and ring together over two
+mesh axes (docs/semantics.md, section 8, "Hybrid").
+
+``jd.sharded(fn, mesh, seq_axis=(a, b), strategy="hybrid")`` shards the sequence over
+both axes, ``b`` major: device ``(i_b, i_a)`` holds the contiguous piece ``i_b P_a +
+i_a`` of ``P_a P_b`` pieces. Inside ``shard_map``:
+
+1. an all-to-all over ``a`` turns the ``P_a`` pieces of ring chunk ``i_b`` into the
+   whole chunk (``P_a n`` tokens) of ``H / P_a`` heads; kv heads are repeated first
+   only as far as ``P_a`` needs (:func:`~jax_dilated.ops.head_parallel.kv_repeat`), the
+   padding mask and document ids are gathered over ``a``;
+2. the chunks are re-laid out over ``b`` (zigzag, striped: O(chunk) moved per device)
+   and the operation's own ring runs over ``b`` on those heads;
+3. the output comes back to the layout, then to pieces by an all-to-all over ``a``.
+
+Each device sends its q, k, v shards and the output once over ``a`` (about ``(P_a -
+1) / P_a`` of them) and ``P_b - 1`` key/value blocks of ``H_kv' / P_a`` heads around
+the ring over ``b``, against ``P - 1`` blocks of all kv heads for a ring over all
+``P = P_a P_b`` devices; it holds no array of the global sequence length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dilated.core import layouts
+from jax_dilated.ops import head_parallel
+from jax_dilated.ops.strategies.cost import StrategyCost, causal_share
+from jax_dilated.ops.strategies.operation import Operation
+
+__all__ = ["hybrid_unservable", "hybrid_local", "hybrid_cost"]
+
+
+def hybrid_unservable(op: Operation, *, num_heads: int, size_a: int,
+                      heads_of: str = "") -> str | None:
+    """Why ``"hybrid"`` cannot run ``op`` with ``num_heads`` query heads and ``size_a``
+    devices on the head-exchange axis (None when it can)."""
+    if op.kind != "exact":
+        return (f"strategy='hybrid' runs exact attention (ring_attention) so far, got "
+                f"{op.name}")
+    if num_heads % size_a:
+        return (f"strategy='hybrid' needs num_heads ({num_heads}{heads_of}) divisible by "
+                f"the {size_a} devices of its head-exchange axis (the first of seq_axis)")
+    return None
+
+
+def hybrid_local(op: Operation, q, k, v, mask, segment_ids, sinks, *, axes: tuple[str, str],
+                 sizes: tuple[int, int], layout: str):
+    """Inside ``shard_map``, the pieces of the sequence sharded over ``axes = (a, b)``
+    (``b`` major): the ``"hybrid"`` strategy (module docstring).
+
+    ``q`` [B, n, H, D], ``k``/``v`` [B, n, H_kv, D], ``mask`` and ``segment_ids`` None or
+    [B, n], ``sinks`` None or [H] (replicated); ``layout`` the ring's over ``b``.
+    Returns the output [B, n, H, D], or ``(output, lse [B, n, H])`` when ``op`` returns
+    the log-sum-exp.
+    """
+    a, b = axes
+    size_a, size_b = sizes
+    h = q.shape[2]
+    q, k, v, mask, ids = head_parallel.to_heads(q, k, v, mask, segment_ids, a, size_a)
+    if sinks is not None:  # this device's heads of them
+        sinks = jax.lax.dynamic_slice_in_dim(sinks, jax.lax.axis_index(a) * (h // size_a),
+                                             h // size_a)
+    # a chunk of the ring over b is contiguous now: re-laid out in place (zigzag; striped
+    # where the chunk splits over the ring). A striped chunk that does not split runs
+    # as a contiguous ring, exact all the same: the layout balances causal work only.
+    in_shard = layout == "zigzag" or (layout == "striped" and q.shape[1] % size_b == 0)
+    if in_shard:
+        q, k, v, mask, ids = (None if x is None else
+                              layouts.shard_to_layout(x, b, size_b, layout)
+                              for x in (q, k, v, mask, ids))
+    extra = {key: val for key, val in op.options.items()
+             if key not in ("seq_axis", "axis_name", "layout", "kv_mask", "segment_ids",
+                            "sinks")}
+    if ids is not None:
+        extra["segment_ids"] = ids
+    if sinks is not None:
+        extra["sinks"] = sinks
+    out = op.fn(q, k, v, kv_mask=mask, seq_axis=b,
+                layout=layout if in_shard else "contiguous", **extra)
+    outs = out if isinstance(out, tuple) else (out,)
+    if in_shard:
+        outs = tuple(layouts.shard_from_layout(x, b, size_b, layout) for x in outs)
+    outs = tuple(head_parallel.heads_to_seq(x, a) for x in outs)
+    return outs if isinstance(out, tuple) else outs[0]
+
+
+def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
+                num_kv_heads: int, head_dim: int, sizes: tuple[int, int], dtype="float32",
+                layout: str = "contiguous") -> StrategyCost:
+    """The per-device :class:`~.cost.StrategyCost` of ``"hybrid"`` over ``sizes = (P_a,
+    P_b)`` (forward and backward; :func:`~.cost.estimate`'s conventions: ``e`` bytes per
+    element, ``n = T / (P_a P_b)``, ``Q = B n H D e`` and ``K' = B n H_kv R D e`` one
+    piece of queries and of kv heads repeated ``R`` times for ``P_a``).
+
+    The all-to-alls over ``a`` move ``(P_a - 1) / P_a`` of q, k', v' in and the output
+    back, forward and again backward, ``2 (P_a - 1) / P_a (2 Q + 2 K')``, not
+    overlapped; the ring over ``b`` sends ``6 (P_b - 1) K'`` (its blocks hold ``P_a n``
+    tokens of ``H_kv R / P_a`` heads, ``K'`` bytes), overlapped. It holds the pieces,
+    their head-exchanged copies and two ring blocks in flight; its work is the ring's
+    share over ``b`` of a ``1 / P_a`` slice of the heads.
+    """
+    size_a, size_b = sizes
+    e = jnp.dtype(dtype).itemsize
+    n = seq_len // (size_a * size_b)
+    q = batch * n * num_heads * head_dim * e
+    k = batch * n * num_kv_heads * head_dim * e * head_parallel.kv_repeat(num_kv_heads,
+                                                                          size_a)
+    exchanged = 2 * (size_a - 1) / size_a * (2 * q + 2 * k)
+    ring = 6 * (size_b - 1) * k
+    shards = 4 * q + 4 * (batch * n * num_kv_heads * head_dim * e)  # q, out, k, v + grads
+    share = causal_share(size_b, layout, bool(op.options.get("is_causal", False))) / size_a
+    return StrategyCost(("hybrid", size_a, size_b), exchanged + ring,
+                        shards + 2 * (2 * q + 2 * k) + 4 * k, False, share,
+                        hybrid_unservable(op, num_heads=num_heads, size_a=size_a),
+                        small_work=share, overlapped_bytes=ring)
