@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _helpers import XLA_CPU_MEMORY
-from _mesh import make_mesh
+from _mesh import build_mesh, make_mesh
 
 import jax_dilated as jd
 
@@ -100,6 +100,76 @@ def test_hybrid_options_equal_one_device(shape, options):
     _check(got, want)
 
 
+DILATED = dict(segment_lengths=(16, 64, 128), dilation_rates=(1, 2, 4))
+DILATED_CASES = [
+    dict(DILATED, is_causal=True),
+    dict(DILATED, is_causal=False),
+    dict(segment_lengths=(jd.SlidingWindow(7), 32, 128), dilation_rates=(1, 2, 4),
+         is_causal=True, logit_soft_cap=2.0),
+]
+
+
+@pytest.mark.parametrize("options", DILATED_CASES,
+                         ids=["causal", "non-causal", "window-softcap"])
+def test_hybrid_dilated_equals_one_device(options):
+    """Longnet dilated attention, 8 query and 2 kv heads on 2 x 4: each device's 4
+    heads keep their global offsets, the spanning segments ring over the devices of b
+    they span; with a padding mask and sinks, forward and gradients equal one device."""
+    q, k, v, g, mask, _ = _inputs(8, 2, seed=3)
+    sinks = np.linspace(-1.0, 1.0, 8)
+    fn = functools.partial(jd.dilated_attention, **options)
+    want = _value_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask, sinks=sinks),
+                            q, k, v, g)
+    attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), strategy="hybrid")
+    got = _value_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask, sinks=sinks),
+                           q, k, v, g)
+    _check(got, want)
+
+
+@pytest.mark.parametrize("options,shape", [
+    (dict(DILATED, mode="head_groups"), (2, 4)),   # each device's heads: another group
+    (dict(DILATED), (4, 2)),                       # 2 heads per device, rate 4
+    (dict(DILATED, head_offsets="blocked"), (2, 4)),
+])
+def test_hybrid_dilated_refuses_plans_that_differ_by_device(options, shape):
+    """Where the devices of a would run different plans (offsets or groups), the ring
+    over b would sit in a per-device switch: a ValueError says what would serve."""
+    q, k, v, *_ = _inputs(8, 2)
+    attn = jd.sharded(functools.partial(jd.dilated_attention, **options), _mesh(shape),
+                      seq_axis=("a", "b"), strategy="hybrid")
+    with pytest.raises(ValueError, match="run the same plan"):
+        attn(q, k, v)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
+def test_hybrid_dilated_packed_rows_equal_one_device(shape):
+    """Packed rows (ids reused after another document) under "hybrid": whole sequences
+    of some heads over the two axes as one, as under every strategy."""
+    q, k, v, g, mask, ids = _inputs(8, 4, seed=4)
+    fn = functools.partial(jd.dilated_attention, is_causal=True, **DILATED)
+    want = _value_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask, segment_ids=ids),
+                            q, k, v, g)
+    attn = jd.sharded(fn, _mesh(shape), seq_axis=("a", "b"), strategy="hybrid")
+    got = _value_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask, segment_ids=ids),
+                           q, k, v, g)
+    _check(got, want)
+
+
+def test_hybrid_dilated_inside_shard_map():
+    """dilated_attention(seq_axis=(a, b), strategy="hybrid") on the user's own shards
+    (b major), equal to one device."""
+    from jax.sharding import PartitionSpec as PS
+    q, k, v, g, mask, _ = _inputs(8, 2, seed=5)
+    fn = functools.partial(jd.dilated_attention, is_causal=True, **DILATED)
+    want = _value_and_grads(lambda q, k, v: fn(q, k, v), q, k, v, g)
+    spec = PS(None, ("b", "a"))
+    local = jax.shard_map(lambda q, k, v: fn(q, k, v, seq_axis=("a", "b"), strategy="hybrid"),
+                          mesh=build_mesh((2, 4), ("a", "b"), "auto"), in_specs=(spec,) * 3,
+                          out_specs=spec)
+    got = _value_and_grads(local, q, k, v, g)
+    _check(got, want)
+
+
 def test_hybrid_returns_the_lse_and_auto_picks_it():
     q, k, v, _, mask, _ = _inputs(4, 4, seed=2)
     fn = functools.partial(jd.ring_attention, is_causal=True, return_lse=True)
@@ -127,15 +197,18 @@ def _collectives(hlo: str):
     return out
 
 
-def test_hybrid_program_exchanges_over_a_and_rings_over_b():
+@pytest.mark.parametrize("op", ["exact", "dilated"])
+def test_hybrid_program_exchanges_over_a_and_rings_over_b(op):
     """The compiled forward holds all-to-alls among the devices of one b index (axis
     a), collective permutes among those of one a index (axis b), no all-gather of q,
     k or v, and no array of the global sequence length."""
     mesh = _mesh((2, 4))
     ids = mesh.devices  # [a, b] -> device
     x = jax.ShapeDtypeStruct((B, T, 8, D), jnp.float32)
-    attn = jd.sharded(functools.partial(jd.ring_attention, is_causal=True), mesh,
-                      seq_axis=("a", "b"), strategy="hybrid", layout="zigzag")
+    fn = (functools.partial(jd.ring_attention, is_causal=True) if op == "exact" else
+          functools.partial(jd.dilated_attention, is_causal=True, **DILATED))
+    attn = jd.sharded(fn, mesh, seq_axis=("a", "b"), strategy="hybrid",
+                      layout="zigzag" if op == "exact" else "contiguous")
     hlo = jax.jit(attn).lower(x, x, x).compile().as_text()
     found = _collectives(hlo)
     ops = {op for op, _ in found}
@@ -206,8 +279,11 @@ def test_hybrid_errors_name_the_argument():
         jd.sharded(fn, mesh, seq_axis="a", strategy="hybrid")
     with pytest.raises(ValueError, match="names two mesh axes"):
         jd.sharded(fn, mesh, seq_axis=("a", "b"), strategy="ring")
-    with pytest.raises(ValueError, match="exact attention"):
-        jd.sharded(functools.partial(jd.dilated_attention, segment_lengths=(8,),
-                                     dilation_rates=(1,)),
+    with pytest.raises(ValueError, match="exact and dilated attention"):
+        jd.sharded(functools.partial(jd.block_sparse_attention, block_size=8,
+                                     pattern=np.ones((2, 2), bool)),
                    mesh, seq_axis=("a", "b"), strategy="hybrid")(x[:, :, :4], x[:, :, :4],
                                                                  x[:, :, :4])
+    with pytest.raises(ValueError, match=r"goes with seq_axis=\(a, b\)"):
+        jd.dilated_attention(x, x, x, segment_lengths=(8,), dilation_rates=(1,),
+                             strategy="hybrid")

@@ -28,7 +28,7 @@ OPTIONS = {
     "mode": (types.Mode,),
     "head_offsets": (types.HeadOffsets,),
     "layout": (types.Layout,),
-    "strategy": (types.Strategy, types.BranchStrategy),
+    "strategy": (types.Strategy, types.BranchStrategy, types.DilatedStrategy),
     "implementation": (types.Implementation,),
     "kind": (types.LayerKind,),
     "api": (types.FlaxApi,),
@@ -156,6 +156,7 @@ def test_public_dataclass_fields_are_annotated():
     ("Layout", "jax_dilated.core.layouts:LAYOUTS"),
     ("Strategy", "jax_dilated.ops.strategies:STRATEGIES"),
     ("BranchStrategy", "jax_dilated.ops.distributed:BRANCH_STRATEGIES"),
+    ("DilatedStrategy", "jax_dilated.ops.dilated:STRATEGIES"),
     ("Implementation", "jax_dilated.backends.registry:IMPLEMENTATIONS"),
     ("LayerKind", "jax_dilated.layers.factory:KINDS"),
 ])

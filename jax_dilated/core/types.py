@@ -22,7 +22,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jax_dilated.core.branches import SlidingWindow
 
 __all__ = ["Array", "ArrayLike", "DTypeLike", "Mode", "HeadOffsets", "Layout",
-           "Strategy", "BranchStrategy", "StrategyLike", "Implementation", "LayerKind",
+           "Strategy", "BranchStrategy", "DilatedStrategy", "StrategyLike", "Implementation", "LayerKind",
            "FlaxApi", "SegmentLengths"]
 
 Array = jax.Array
@@ -39,6 +39,9 @@ Strategy = Literal["ring", "allgather", "heads", "hybrid", "auto"]
 # what one branch of dilated attention that spans devices does (an entry of a
 # per-branch strategy tuple; also jd.dilated_attention's strategy=)
 BranchStrategy = Literal["ring", "allgather", "heads"]
+# jd.dilated_attention's own strategy= over a mesh: one for every branch, or "hybrid"
+# with two mesh axes (a per-branch tuple is a sequence of BranchStrategy)
+DilatedStrategy = Literal["ring", "allgather", "heads", "hybrid"]
 # strategy= of jd.sharded and the mesh-built layers: one strategy for the call, or (dilated
 # attention) one entry per branch
 StrategyLike = Union[Strategy, Sequence[BranchStrategy]]

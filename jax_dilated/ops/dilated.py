@@ -19,17 +19,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
+import numpy as np
+
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.core.branches import is_window
 from jax_dilated.core.documents import document_ids
-from jax_dilated.core.types import (Array, ArrayLike, BranchStrategy, HeadOffsets,
-                                    Implementation, Mode, SegmentLengths)
+from jax_dilated.core.types import (Array, ArrayLike, BranchStrategy, DilatedStrategy,
+                                    HeadOffsets, Implementation, Mode, SegmentLengths)
 from jax_dilated.backends.base import window_arg
 from jax_dilated.ops import dilated_packed, distributed, head_parallel
 from jax_dilated.ops.dilated_programs import DilatedCall, one_device
 
-__all__ = ["dilated_attention"]
+__all__ = ["dilated_attention", "STRATEGIES"]
+
+# strategy= of dilated_attention over a mesh (besides a per-branch tuple)
+STRATEGIES = (*distributed.BRANCH_STRATEGIES, "hybrid")
 
 
 def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
@@ -37,13 +43,14 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
                       mode: Mode = "longnet", head_offsets: HeadOffsets = "modulo",
                       is_causal: bool = False, scale: float | None = None,
                       kv_mask: ArrayLike | None = None, dropout_rate: float = 0.0,
-                      dropout_rng: Array | None = None, seq_axis: str | None = None,
+                      dropout_rng: Array | None = None,
+                      seq_axis: str | tuple[str, str] | None = None,
                       implementation: Implementation | None = None,
                       block_q: int | None = None, block_k: int | None = None,
                       return_lse: bool = False, segment_ids: ArrayLike | None = None,
                       max_documents: int | None = None, axis_name: str | None = None,
                       logit_soft_cap: float | None = None, sinks: ArrayLike | None = None,
-                      strategy: BranchStrategy | Sequence[BranchStrategy] = "ring",
+                      strategy: DilatedStrategy | Sequence[BranchStrategy] = "ring",
                       ) -> Array | tuple[Array, Array]:
     """LongNet dilated attention, on one device or with the sequence sharded over a mesh axis.
 
@@ -80,7 +87,11 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
         branch of ``"ring"``, ``"allgather"``, ``"heads"`` (the last: an all-to-all
         among the ``g`` devices of the branch's segment, to ``1 / g`` of its heads;
         needs its query heads divisible by ``g``); a branch local to a shard moves
-        nothing whatever its entry. Packed rows run whole sequences of some heads under
+        nothing whatever its entry. ``"hybrid"`` with ``seq_axis=(a, b)`` (the
+        sequence sharded over both, ``b`` major: ``PartitionSpec(..., (b, a))``): an
+        all-to-all over ``a`` to whole ring chunks of ``H / P_a`` heads, this
+        program over ``b`` on them (spanning segments ring over the devices of ``b``
+        they span), and back (docs/semantics.md, section 8, "Hybrid"). Packed rows run whole sequences of some heads under
         every strategy (all-gathered under ``"allgather"``). Only ``"ring"`` without
         ``seq_axis``.
       implementation: kernel; None chooses by device kind (on CPU the native kernel's
@@ -162,7 +173,11 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     return_lse = validation.check_flag("return_lse", return_lse)
     block_q, block_k = validation.check_block_sizes(block_q, block_k)
     sinks = validation.check_sinks(sinks, h)
-    strategy = distributed.check_branch_strategy(strategy, len(branches))
+    hybrid = strategy == "hybrid" or not (seq_axis is None or isinstance(seq_axis, str))
+    if hybrid:
+        seq_axis = _hybrid_axes(seq_axis, strategy)
+    else:
+        strategy = distributed.check_branch_strategy(strategy, len(branches))
     if seq_axis is None and strategy != "ring":
         raise ValueError(f"strategy={strategy!r} says how to parallelise the sequence axis: "
                          f"it needs seq_axis= (inside shard_map, or through jd.sharded); "
@@ -178,11 +193,13 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
                         block_k=block_k,
                         logit_soft_cap=validation.check_logit_soft_cap(logit_soft_cap)),
         kernel=get_kernel(implementation), max_documents=max_documents)
+    # with two axes (a, b) the pieces are in b-major order: the flat axis is (b, a)
+    flat_axis = seq_axis[::-1] if hybrid else seq_axis
     num_devices = 1 if seq_axis is None else validation.axis_size(
-        seq_axis, "dilated_attention(seq_axis=...)")
+        flat_axis, "dilated_attention(seq_axis=...)")
     plans = call.plans(seq_len=t * num_devices, num_heads=h, num_kv_heads=hkv)
     segment_ids = document_ids(validation.check_segment_ids(segment_ids, query.shape, key.shape),
-                               axis_name=seq_axis, num_devices=num_devices)
+                               axis_name=flat_axis, num_devices=num_devices)
     rng = dropout_rng if dropout_rate > 0.0 else None
     # sinks join once, on the combined denominator (docs/semantics.md, s. 2): inside
     # the one-device program (which folds them into its backward), after the others
@@ -196,6 +213,14 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
         o, lse = dilated_packed.packed_attention(call.kernel, call.args, plans, mode, query,
                                                  key, value, kv_mask, segment_ids,
                                                  max_documents, rng)
+    elif hybrid and segment_ids is not None:
+        # packed rows: whole sequences of some heads, as under every strategy, over
+        # the two axes as one
+        o, lse = head_parallel.dilated_over_heads(
+            call, query, key, value, kv_mask, segment_ids, rng, axis_name=flat_axis,
+            num_devices=num_devices, lse_grad=lse_grad)
+    elif hybrid:
+        o, lse = _hybrid(call, query, key, value, kv_mask, rng, seq_axis, lse_grad)
     else:
         o, lse = _over_mesh(call, plans, query, key, value, kv_mask, rng, segment_ids,
                             seq_axis, num_devices, strategy, lse_grad)
@@ -236,3 +261,74 @@ def _over_mesh(call: DilatedCall, plans, query, key, value, kv_mask, rng, segmen
         axis_name=seq_axis, num_devices=num_devices, kernel=call.kernel, dropout_rng=rng,
         strategies=distributed.branch_strategies(strategy, plans, sharded_branches),
         lse_grad=lse_grad)
+
+
+def _hybrid_axes(seq_axis, strategy) -> tuple[str, str]:
+    """``(a, b)`` of the ``"hybrid"`` strategy; a ``ValueError`` naming the argument
+    when ``seq_axis`` is not two different axis names or the strategy not hybrid."""
+    axes = None if seq_axis is None or isinstance(seq_axis, str) else tuple(seq_axis)
+    if strategy != "hybrid" or axes is None or len(axes) != 2 or axes[0] == axes[1] or not all(
+            isinstance(x, str) for x in axes):
+        raise ValueError(f"strategy='hybrid' goes with seq_axis=(a, b), two different mesh "
+                         f"axes (heads exchanged over a, a ring over b), and two axes with "
+                         f"strategy='hybrid'; got seq_axis={seq_axis!r}, "
+                         f"strategy={strategy!r}.")
+    return axes
+
+
+def _hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: bool):
+    """``(out, lse)`` of the ``"hybrid"`` strategy (docs/semantics.md, section 8): an
+    all-to-all over ``a`` to whole ring chunks of ``H / P_a`` heads, distributed dilated
+    attention of those heads (their *global* offsets and head groups) over ``b``, whose
+    spanning branches ring over the devices of ``b`` they span, and back."""
+    a, b = axes
+    size_a = validation.axis_size(a, "dilated_attention(seq_axis=(a, b))")
+    size_b = validation.axis_size(b, "dilated_attention(seq_axis=(a, b))")
+    h = query.shape[2]
+    if h % size_a:
+        raise ValueError(f"strategy='hybrid' needs num_heads ({h}) divisible by the "
+                         f"{size_a} devices of its head-exchange axis {a!r}.")
+    q, k, v, mask, _ = head_parallel.to_heads(query, key, value, kv_mask, None, a, size_a)
+    chunk, heads, kv_heads = q.shape[1], q.shape[2], k.shape[2]
+    sharded_branches = distributed.shard_branches(call.branches, local_len=chunk,
+                                                  num_devices=size_b)
+    variants = []
+    for d in range(size_a):  # each a index holds its own slice of the heads
+        plans = head_parallel.head_plans(call.branches, chunk * size_b, h,
+                                         np.arange(d * heads, (d + 1) * heads), kv_heads,
+                                         call.mode, call.head_offsets)
+        variants.append((head_parallel.plan_key(plans), plans))
+    if rng is not None:  # every head slice draws its own masks
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(a))
+
+    resolved = [p.branch for p in call.plans(seq_len=chunk * size_b, num_heads=h,
+                                             num_kv_heads=h)]
+
+    def run(plans):
+        # the branches these heads run (head_groups: those of their groups), in order
+        kept, i = [], 0
+        for plan in plans:
+            while resolved[i] != plan.branch:
+                i += 1
+            kept.append(sharded_branches[i])
+            i += 1
+        out, lse = distributed.sharded_dilated(
+            plans, kept, q, k, v, mask, call.args, mode=call.mode, axis_name=b,
+            num_devices=size_b, kernel=call.kernel, dropout_rng=rng, lse_grad=lse_grad)
+        if call.mode == "head_groups" and len(plans) != len(call.branches):
+            # divided by the branches of these heads' groups, not by all of them
+            out = (out * (len(plans) / len(call.branches))).astype(q.dtype)
+        return out, lse
+
+    if len({key for key, _ in variants}) > 1:
+        # the ring over b would sit inside a per-device switch, whose collectives the
+        # devices of other head slices never reach
+        raise ValueError(
+            f"strategy='hybrid' needs every device of its head-exchange axis {a!r} to "
+            f"run the same plan: the {heads} heads each holds (of {h}) must have the "
+            f"same offsets (longnet: heads per device a multiple of every rate, "
+            f"head_offsets='modulo') and, in head_groups mode, one group per branch on "
+            f"every device; with {size_a} devices on {a!r} they do not. Use fewer "
+            f"devices on {a!r}, or strategy='ring' / 'heads' over one axis.")
+    out, lse = run(variants[0][1])
+    return head_parallel.heads_to_seq(out, a), head_parallel.heads_to_seq(lse, a)

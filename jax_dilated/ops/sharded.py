@@ -259,7 +259,7 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             specs.append(P(head_axis))
 
         def compute(q, k, v, mask, ids, sink):
-            if chosen == "hybrid":
+            if chosen == "hybrid" and op.kind == "exact":
                 return strategies.hybrid_local(op, q, k, v, mask, ids, sink, axes=hybrid,
                                                sizes=sizes, layout=layout)
             if op.kind == "dilated":  # it runs every strategy itself (strategy=)

@@ -17,7 +17,7 @@ from jax_dilated.core.branches import is_window
 from jax_dilated.ops import distributed, head_parallel
 from jax_dilated.ops.strategies.operation import Operation, describe, plans_of, servable
 
-__all__ = ["StrategyCost", "estimate", "pricing_for", "causal_share"]
+__all__ = ["StrategyCost", "estimate", "pricing_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +67,7 @@ class StrategyCost:
         return self.sent_bytes if self.overlap else 0.0
 
 
-def causal_share(p: int, layout: str, causal: bool) -> float:
-    """The largest share of causal (or not) work one of ``p`` devices does in ``layout``."""
+def _causal_share(p: int, layout: str, causal: bool) -> float:
     if not causal or p == 1 or layout != "contiguous":
         return 1.0 / p
     return 2.0 / (p + 1)  # the last device's P blocks of the P (P + 1) / 2
@@ -198,7 +197,7 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
                                   base_held + grads_held, qshard,
                                   pricing_for(op, platform, b, t, h, d)))
     else:
-        share = causal_share(p, layout, causal)
+        share = _causal_share(p, layout, causal)
         if op.kind == "block_sparse":
             share = 1.0 / p if layout != "contiguous" or not causal else share
         out["ring"] = StrategyCost("ring", 6 * (p - 1) * kshard,

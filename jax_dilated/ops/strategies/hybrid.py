@@ -1,5 +1,7 @@
-"""The ``"hybrid"`` strategy's local program: head exchange and ring together over two
-mesh axes (docs/semantics.md, section 8, "Hybrid").
+"""The ``"hybrid"`` strategy's local program for exact attention: head exchange and
+ring together over two mesh axes (docs/semantics.md, section 8, "Hybrid"); dilated
+attention runs it itself (:func:`jax_dilated.dilated_attention` with ``seq_axis=(a,
+b)``).
 
 ``jd.sharded(fn, mesh, seq_axis=(a, b), strategy="hybrid")`` shards the sequence over
 both axes, ``b`` major: device ``(i_b, i_a)`` holds the contiguous piece ``i_b P_a +
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 
 from jax_dilated.core import layouts
 from jax_dilated.ops import head_parallel
-from jax_dilated.ops.strategies.cost import StrategyCost, causal_share
+from jax_dilated.ops.strategies.cost import StrategyCost, estimate
 from jax_dilated.ops.strategies.operation import Operation
 
 __all__ = ["hybrid_unservable", "hybrid_local", "hybrid_cost"]
@@ -36,9 +38,9 @@ def hybrid_unservable(op: Operation, *, num_heads: int, size_a: int,
                       heads_of: str = "") -> str | None:
     """Why ``"hybrid"`` cannot run ``op`` with ``num_heads`` query heads and ``size_a``
     devices on the head-exchange axis (None when it can)."""
-    if op.kind != "exact":
-        return (f"strategy='hybrid' runs exact attention (ring_attention) so far, got "
-                f"{op.name}")
+    if op.kind not in ("exact", "dilated"):
+        return (f"strategy='hybrid' runs exact and dilated attention (ring_attention, "
+                f"dilated_attention) so far, got {op.name}")
     if num_heads % size_a:
         return (f"strategy='hybrid' needs num_heads ({num_heads}{heads_of}) divisible by "
                 f"the {size_a} devices of its head-exchange axis (the first of seq_axis)")
@@ -96,22 +98,28 @@ def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
 
     The all-to-alls over ``a`` move ``(P_a - 1) / P_a`` of q, k', v' in and the output
     back, forward and again backward, ``2 (P_a - 1) / P_a (2 Q + 2 K')``, not
-    overlapped; the ring over ``b`` sends ``6 (P_b - 1) K'`` (its blocks hold ``P_a n``
-    tokens of ``H_kv R / P_a`` heads, ``K'`` bytes), overlapped. It holds the pieces,
-    their head-exchanged copies and two ring blocks in flight; its work is the ring's
-    share over ``b`` of a ``1 / P_a`` slice of the heads.
+    overlapped, and hold the exchanged copies, ``2 (2 Q + 2 K')``; the rest is the
+    operation's ring over ``P_b`` devices on ``H / P_a`` heads of the whole sequence
+    (:func:`~.cost.estimate`'s ``"ring"``: for exact attention ``6 (P_b - 1) K'``,
+    overlapped), its work a ``1 / P_a`` slice of it.
     """
     size_a, size_b = sizes
     e = jnp.dtype(dtype).itemsize
     n = seq_len // (size_a * size_b)
+    rep = head_parallel.kv_repeat(num_kv_heads, size_a)
     q = batch * n * num_heads * head_dim * e
-    k = batch * n * num_kv_heads * head_dim * e * head_parallel.kv_repeat(num_kv_heads,
-                                                                          size_a)
+    k = batch * n * num_kv_heads * rep * head_dim * e
+    why = hybrid_unservable(op, num_heads=num_heads, size_a=size_a)
+    if why is None and num_heads % size_a == 0:
+        ring = estimate(op, batch=batch, seq_len=seq_len, num_heads=num_heads // size_a,
+                        num_kv_heads=max(1, num_kv_heads * rep // size_a),
+                        head_dim=head_dim, num_devices=size_b, dtype=dtype,
+                        layout=layout)["ring"]
+        why = ring.reason
+    else:
+        ring = StrategyCost("ring", 0.0, 0.0, True, 1.0)
     exchanged = 2 * (size_a - 1) / size_a * (2 * q + 2 * k)
-    ring = 6 * (size_b - 1) * k
-    shards = 4 * q + 4 * (batch * n * num_kv_heads * head_dim * e)  # q, out, k, v + grads
-    share = causal_share(size_b, layout, bool(op.options.get("is_causal", False))) / size_a
-    return StrategyCost(("hybrid", size_a, size_b), exchanged + ring,
-                        shards + 2 * (2 * q + 2 * k) + 4 * k, False, share,
-                        hybrid_unservable(op, num_heads=num_heads, size_a=size_a),
-                        small_work=share, overlapped_bytes=ring)
+    return StrategyCost(("hybrid", size_a, size_b), exchanged + ring.sent_bytes,
+                        ring.held_bytes + 2 * (2 * q + 2 * k), False, ring.work / size_a,
+                        why, small_work=ring.small_work / size_a,
+                        overlapped_bytes=ring.overlappable)
