@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import XLA_CPU_MEMORY
+from _helpers import XLA_CPU_MEMORY, output_and_grads
 from _mesh import build_mesh, make_mesh
 
 import jax_dilated as jd
@@ -42,15 +42,6 @@ def _dense(q, k, v, mask, causal):
     return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(jnp.isnan(p), 0.0, p), v)
 
 
-def _value_and_grads(f, q, k, v, g):
-    def loss(q, k, v):
-        out = f(q, k, v)
-        return jnp.sum(out * g), out
-
-    (dq, dk, dv), out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    return [np.asarray(x) for x in (out, dq, dk, dv)]
-
-
 def _check(got, want, tol=1e-10):
     for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
         err = np.max(np.abs(a - w)) / max(np.max(np.abs(w)), 1.0)
@@ -68,10 +59,10 @@ def test_hybrid_equals_dense(shape, causal, layout):
     """8 query heads, 2 kv heads (on a = 4, each kv head repeated twice), a padding
     mask: output and gradients equal a dense float64 softmax."""
     q, k, v, g, mask, _ = _inputs(8, 2)
-    want = _value_and_grads(lambda q, k, v: _dense(q, k, v, mask, causal), q, k, v, g)
+    want = output_and_grads(lambda q, k, v: _dense(q, k, v, mask, causal), q, k, v, g)
     attn = jd.sharded(functools.partial(jd.ring_attention, is_causal=causal), _mesh(shape),
                       seq_axis=("a", "b"), layout=layout, strategy="hybrid")
-    got = _value_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
     _check(got, want)
 
 
@@ -91,11 +82,11 @@ def test_hybrid_options_equal_one_device(shape, options):
     sinks = np.array([0.3, -1.0, 2.0, 0.1])
     fn = functools.partial(jd.ring_attention, **options)
     one = jd.sharded(fn, make_mesh((1,), ("s",)), seq_axis="s")
-    want = _value_and_grads(
+    want = output_and_grads(
         lambda q, k, v: one(q, k, v, kv_mask=mask, segment_ids=ids, sinks=sinks), q, k, v, g)
     attn = jd.sharded(fn, _mesh(shape), seq_axis=("a", "b"), strategy="hybrid",
                       layout="zigzag" if options["is_causal"] else "contiguous")
-    got = _value_and_grads(
+    got = output_and_grads(
         lambda q, k, v: attn(q, k, v, kv_mask=mask, segment_ids=ids, sinks=sinks), q, k, v, g)
     _check(got, want)
 
@@ -118,10 +109,10 @@ def test_hybrid_dilated_equals_one_device(options):
     q, k, v, g, mask, _ = _inputs(8, 2, seed=3)
     sinks = np.linspace(-1.0, 1.0, 8)
     fn = functools.partial(jd.dilated_attention, **options)
-    want = _value_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask, sinks=sinks),
+    want = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask, sinks=sinks),
                             q, k, v, g)
     attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), strategy="hybrid")
-    got = _value_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask, sinks=sinks),
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask, sinks=sinks),
                            q, k, v, g)
     _check(got, want)
 
@@ -147,10 +138,10 @@ def test_hybrid_dilated_packed_rows_equal_one_device(shape):
     of some heads over the two axes as one, as under every strategy."""
     q, k, v, g, mask, ids = _inputs(8, 4, seed=4)
     fn = functools.partial(jd.dilated_attention, is_causal=True, **DILATED)
-    want = _value_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask, segment_ids=ids),
+    want = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask, segment_ids=ids),
                             q, k, v, g)
     attn = jd.sharded(fn, _mesh(shape), seq_axis=("a", "b"), strategy="hybrid")
-    got = _value_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask, segment_ids=ids),
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask, segment_ids=ids),
                            q, k, v, g)
     _check(got, want)
 
@@ -161,12 +152,12 @@ def test_hybrid_dilated_inside_shard_map():
     from jax.sharding import PartitionSpec as PS
     q, k, v, g, mask, _ = _inputs(8, 2, seed=5)
     fn = functools.partial(jd.dilated_attention, is_causal=True, **DILATED)
-    want = _value_and_grads(lambda q, k, v: fn(q, k, v), q, k, v, g)
+    want = output_and_grads(lambda q, k, v: fn(q, k, v), q, k, v, g)
     spec = PS(None, ("b", "a"))
     local = jax.shard_map(lambda q, k, v: fn(q, k, v, seq_axis=("a", "b"), strategy="hybrid"),
                           mesh=build_mesh((2, 4), ("a", "b"), "auto"), in_specs=(spec,) * 3,
                           out_specs=spec)
-    got = _value_and_grads(local, q, k, v, g)
+    got = output_and_grads(local, q, k, v, g)
     _check(got, want)
 
 
