@@ -102,7 +102,8 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
         heads; needs the heads divisible by the axis size), ``"hybrid"`` (with
         ``seq_axis=(a, b)``: an all-to-all over ``a`` to ``H / P_a`` heads of a ring
         chunk, the operation's ring over ``b`` in ``layout``, and back; exact
-        attention, needs the heads divisible by ``P_a``) or ``"auto"`` (chosen per call
+        attention, and dilated attention, which runs it itself; needs the heads
+        divisible by ``P_a``) or ``"auto"`` (chosen per call
         by the cost model of :func:`jax_dilated.explain_strategy`; with two axes,
         ``"hybrid"``).
         :func:`jax_dilated.dilated_attention` runs every strategy itself: it gets
