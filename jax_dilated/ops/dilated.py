@@ -173,7 +173,7 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     return_lse = validation.check_flag("return_lse", return_lse)
     block_q, block_k = validation.check_block_sizes(block_q, block_k)
     sinks = validation.check_sinks(sinks, h)
-    hybrid = strategy == "hybrid" or not (seq_axis is None or isinstance(seq_axis, str))
+    hybrid = strategy == "hybrid" or isinstance(seq_axis, (tuple, list))
     if hybrid:
         seq_axis = _hybrid_axes(seq_axis, strategy)
     else:

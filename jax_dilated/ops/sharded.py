@@ -54,7 +54,7 @@ def _place(x, mesh, spec):
 def _hybrid_axes(mesh, seq_axis, batch_axis, head_axis) -> tuple[str, str] | None:
     """``(a, b)`` for a ``seq_axis`` naming two mesh axes (``"hybrid"``), None for one;
     a ``ValueError`` naming the argument when they are not two different mesh axes."""
-    if isinstance(seq_axis, str) or seq_axis is None:
+    if not isinstance(seq_axis, (tuple, list)):
         validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
         return None
     axes = tuple(seq_axis)
