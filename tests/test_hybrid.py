@@ -15,6 +15,7 @@ from _helpers import XLA_CPU_MEMORY, output_and_grads
 from _mesh import build_mesh, make_mesh
 
 import jax_dilated as jd
+from jax_dilated import block_patterns as bp
 
 B, T, D = 2, 128, 8
 
@@ -161,6 +162,33 @@ def test_hybrid_dilated_inside_shard_map():
     _check(got, want)
 
 
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
+def test_hybrid_block_sparse_equals_one_device(shape):
+    """Block-sparse attention (a pattern shared by the heads; causal, zigzag over b),
+    8 query and 2 kv heads, padding mask, packed rows and sinks: equal to one device."""
+    q, k, v, g, mask, ids = _inputs(8, 2, seed=6)
+    sinks = np.linspace(-0.5, 0.5, 8)
+    fn = functools.partial(jd.block_sparse_attention, block_size=8, is_causal=True,
+                           pattern=bp.LocalWindow(1) | bp.GlobalBlocks([0]))
+    one = jd.sharded(fn, make_mesh((1,), ("s",)), seq_axis="s")
+    want = output_and_grads(
+        lambda q, k, v: one(q, k, v, kv_mask=mask, segment_ids=ids, sinks=sinks), q, k, v, g)
+    attn = jd.sharded(fn, _mesh(shape), seq_axis=("a", "b"), strategy="hybrid",
+                      layout="zigzag")
+    got = output_and_grads(
+        lambda q, k, v: attn(q, k, v, kv_mask=mask, segment_ids=ids, sinks=sinks), q, k, v, g)
+    _check(got, want)
+
+
+def test_hybrid_block_sparse_refuses_per_head_patterns_that_differ():
+    q, k, v, *_ = _inputs(8, 2)
+    fn = functools.partial(jd.block_sparse_attention, block_size=8,
+                           pattern=bp.RandomBlocks(density=0.4, seed=1, per_head=True))
+    attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), strategy="hybrid")
+    with pytest.raises(ValueError, match="per-head pattern"):
+        attn(q, k, v)
+
+
 def test_hybrid_returns_the_lse_and_auto_picks_it():
     q, k, v, _, mask, _ = _inputs(4, 4, seed=2)
     fn = functools.partial(jd.ring_attention, is_causal=True, return_lse=True)
@@ -270,11 +298,9 @@ def test_hybrid_errors_name_the_argument():
         jd.sharded(fn, mesh, seq_axis="a", strategy="hybrid")
     with pytest.raises(ValueError, match="names two mesh axes"):
         jd.sharded(fn, mesh, seq_axis=("a", "b"), strategy="ring")
-    with pytest.raises(ValueError, match="exact and dilated attention"):
-        jd.sharded(functools.partial(jd.block_sparse_attention, block_size=8,
-                                     pattern=np.ones((2, 2), bool)),
-                   mesh, seq_axis=("a", "b"), strategy="hybrid")(x[:, :, :4], x[:, :, :4],
-                                                                 x[:, :, :4])
+    with pytest.raises(ValueError, match="the library's operations"):
+        jd.sharded(lambda q, k, v, **kw: q, mesh, seq_axis=("a", "b"),
+                   strategy="hybrid")(x[:, :, :4], x[:, :, :4], x[:, :, :4])
     with pytest.raises(ValueError, match=r"goes with seq_axis=\(a, b\)"):
         jd.dilated_attention(x, x, x, segment_lengths=(8,), dilation_rates=(1,),
                              strategy="hybrid")

@@ -101,9 +101,9 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
         runs unchanged, without ``seq_axis``, on the whole sequence of ``H / P``
         heads; needs the heads divisible by the axis size), ``"hybrid"`` (with
         ``seq_axis=(a, b)``: an all-to-all over ``a`` to ``H / P_a`` heads of a ring
-        chunk, the operation's ring over ``b`` in ``layout``, and back; exact
-        attention, and dilated attention, which runs it itself; needs the heads
-        divisible by ``P_a``) or ``"auto"`` (chosen per call
+        chunk, the operation's ring over ``b`` in ``layout``, and back; the library's
+        operations (dilated attention runs it itself); needs the heads divisible by
+        ``P_a``) or ``"auto"`` (chosen per call
         by the cost model of :func:`jax_dilated.explain_strategy`; with two axes,
         ``"hybrid"``).
         :func:`jax_dilated.dilated_attention` runs every strategy itself: it gets
@@ -260,7 +260,7 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             specs.append(P(head_axis))
 
         def compute(q, k, v, mask, ids, sink):
-            if chosen == "hybrid" and op.kind == "exact":
+            if chosen == "hybrid" and op.kind != "dilated":
                 return strategies.hybrid_local(op, q, k, v, mask, ids, sink, axes=hybrid,
                                                sizes=sizes, layout=layout)
             if op.kind == "dilated":  # it runs every strategy itself (strategy=)

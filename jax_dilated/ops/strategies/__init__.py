@@ -45,7 +45,7 @@ numbers.
 ``"hybrid"`` (two mesh axes ``seq_axis=(a, b)``, :mod:`.hybrid`): the heads strategy's
 all-to-all over ``a`` and the operation's own ring over ``b`` on ``H / P_a`` heads, so
 that the sequence scales past the head count (USP / long-context-attention's Ulysses x
-ring); exact attention, and dilated attention, which runs it itself.
+ring); the library's operations (dilated attention runs it itself).
 
 The package, by job: :mod:`.operation` (what ``jd.sharded`` was given, which strategies
 can serve it), :mod:`.heads`, :mod:`.allgather` and :mod:`.hybrid` (each strategy's program inside

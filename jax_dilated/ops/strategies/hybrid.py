@@ -1,5 +1,5 @@
-"""The ``"hybrid"`` strategy's local program for exact attention: head exchange and
-ring together over two mesh axes (docs/semantics.md, section 8, "Hybrid"); dilated
+"""The ``"hybrid"`` strategy's local program for exact and block-sparse attention: head
+exchange and ring together over two mesh axes (docs/semantics.md, section 8, "Hybrid"); dilated
 attention runs it itself (:func:`jax_dilated.dilated_attention` with ``seq_axis=(a,
 b)``).
 
@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jax_dilated.core import layouts
+from jax_dilated.core import layouts, validation
 from jax_dilated.ops import head_parallel
+from jax_dilated.ops.block_sparse_plan import resolve_mask
 from jax_dilated.ops.strategies.cost import StrategyCost, estimate
 from jax_dilated.ops.strategies.operation import Operation
 
@@ -38,9 +40,9 @@ def hybrid_unservable(op: Operation, *, num_heads: int, size_a: int,
                       heads_of: str = "") -> str | None:
     """Why ``"hybrid"`` cannot run ``op`` with ``num_heads`` query heads and ``size_a``
     devices on the head-exchange axis (None when it can)."""
-    if op.kind not in ("exact", "dilated"):
-        return (f"strategy='hybrid' runs exact and dilated attention (ring_attention, "
-                f"dilated_attention) so far, got {op.name}")
+    if op.kind not in ("exact", "dilated", "block_sparse"):
+        return (f"strategy='hybrid' runs the library's operations (ring_attention, "
+                f"dilated_attention, block_sparse_attention), got {op.name}")
     if num_heads % size_a:
         return (f"strategy='hybrid' needs num_heads ({num_heads}{heads_of}) divisible by "
                 f"the {size_a} devices of its head-exchange axis (the first of seq_axis)")
@@ -75,6 +77,8 @@ def hybrid_local(op: Operation, q, k, v, mask, segment_ids, sinks, *, axes: tupl
     extra = {key: val for key, val in op.options.items()
              if key not in ("seq_axis", "axis_name", "layout", "kv_mask", "segment_ids",
                             "sinks")}
+    if op.kind == "block_sparse":
+        extra["pattern"] = _pattern_of_heads(extra, h, size_a, q.shape[1] * size_b)
     if ids is not None:
         extra["segment_ids"] = ids
     if sinks is not None:
@@ -86,6 +90,26 @@ def hybrid_local(op: Operation, q, k, v, mask, segment_ids, sinks, *, axes: tupl
         outs = tuple(layouts.shard_from_layout(x, b, size_b, layout) for x in outs)
     outs = tuple(head_parallel.heads_to_seq(x, a) for x in outs)
     return outs if isinstance(out, tuple) else outs[0]
+
+
+def _pattern_of_heads(options, num_heads: int, size_a: int, seq_len: int):
+    """Block-sparse attention's pattern for each device's ``H / P_a`` heads: the shared
+    mask as it is; a per-head mask cut to the heads, which must be the same on every
+    device of ``a`` (a static choice per device would put the ring over ``b`` inside a
+    per-device switch, whose collectives the other head slices never reach)."""
+    bs = validation.check_positive_int("block_size", options["block_size"])
+    nb = -(-seq_len // bs)
+    mask = resolve_mask(options["pattern"], nb, nb, num_heads)
+    if mask.shape[0] == 1:
+        return mask[0]
+    heads = num_heads // size_a
+    slices = [np.asarray(mask[d * heads:(d + 1) * heads]) for d in range(size_a)]
+    if isinstance(mask, np.ndarray) and all(np.array_equal(x, slices[0]) for x in slices):
+        return slices[0]
+    raise ValueError(f"strategy='hybrid' needs block-sparse attention's per-head pattern "
+                     f"to be the same for every device's {heads} heads (of {num_heads}) on "
+                     f"its head-exchange axis; use a pattern shared by all heads, or "
+                     f"strategy='ring' / 'heads' over one axis.")
 
 
 def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
