@@ -118,8 +118,22 @@ def test_hybrid_dilated_equals_one_device(options):
     _check(got, want)
 
 
+@pytest.mark.parametrize("kv_heads", [8, 4])
+def test_hybrid_dilated_head_groups_reorders_heads(kv_heads):
+    """head_groups, 8 heads in 2 groups on 2 x 4: the contiguous slices would hold one
+    group each, so the heads are dealt out (half of each group per slice, whole kv
+    units) and put back; equal to one device, forward and gradients."""
+    q, k, v, g, mask, _ = _inputs(8, kv_heads, seed=7)
+    fn = functools.partial(jd.dilated_attention, segment_lengths=(32, 128),
+                           dilation_rates=(1, 4), mode="head_groups", is_causal=True)
+    want = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask), q, k, v, g)
+    attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), strategy="hybrid")
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    _check(got, want)
+
+
 @pytest.mark.parametrize("options,shape", [
-    (dict(DILATED, mode="head_groups"), (2, 4)),   # each device's heads: another group
+    (dict(DILATED, mode="head_groups"), (2, 4)),   # 3 groups of 3, 3, 2 heads
     (dict(DILATED), (4, 2)),                       # 2 heads per device, rate 4
     (dict(DILATED, head_offsets="blocked"), (2, 4)),
 ])
@@ -129,7 +143,7 @@ def test_hybrid_dilated_refuses_plans_that_differ_by_device(options, shape):
     q, k, v, *_ = _inputs(8, 2)
     attn = jd.sharded(functools.partial(jd.dilated_attention, **options), _mesh(shape),
                       seq_axis=("a", "b"), strategy="hybrid")
-    with pytest.raises(ValueError, match="run the same plan"):
+    with pytest.raises(ValueError, match="every set of heads with equal plans"):
         attn(q, k, v)
 
 

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
-import numpy as np
-
 from jax_dilated.backends import KernelArgs, get_kernel
 from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.core.branches import is_window
@@ -29,7 +26,7 @@ from jax_dilated.core.documents import document_ids
 from jax_dilated.core.types import (Array, ArrayLike, BranchStrategy, DilatedStrategy,
                                     HeadOffsets, Implementation, Mode, SegmentLengths)
 from jax_dilated.backends.base import window_arg
-from jax_dilated.ops import dilated_packed, distributed, head_parallel
+from jax_dilated.ops import dilated_hybrid, dilated_packed, distributed, head_parallel
 from jax_dilated.ops.dilated_programs import DilatedCall, one_device
 
 __all__ = ["dilated_attention", "STRATEGIES"]
@@ -220,7 +217,8 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
             call, query, key, value, kv_mask, segment_ids, rng, axis_name=flat_axis,
             num_devices=num_devices, lse_grad=lse_grad)
     elif hybrid:
-        o, lse = _hybrid(call, query, key, value, kv_mask, rng, seq_axis, lse_grad)
+        o, lse = dilated_hybrid.hybrid(call, query, key, value, kv_mask, rng, seq_axis,
+                                       lse_grad)
     else:
         o, lse = _over_mesh(call, plans, query, key, value, kv_mask, rng, segment_ids,
                             seq_axis, num_devices, strategy, lse_grad)
@@ -274,61 +272,3 @@ def _hybrid_axes(seq_axis, strategy) -> tuple[str, str]:
                          f"strategy='hybrid'; got seq_axis={seq_axis!r}, "
                          f"strategy={strategy!r}.")
     return axes
-
-
-def _hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: bool):
-    """``(out, lse)`` of the ``"hybrid"`` strategy (docs/semantics.md, section 8): an
-    all-to-all over ``a`` to whole ring chunks of ``H / P_a`` heads, distributed dilated
-    attention of those heads (their *global* offsets and head groups) over ``b``, whose
-    spanning branches ring over the devices of ``b`` they span, and back."""
-    a, b = axes
-    size_a = validation.axis_size(a, "dilated_attention(seq_axis=(a, b))")
-    size_b = validation.axis_size(b, "dilated_attention(seq_axis=(a, b))")
-    h = query.shape[2]
-    if h % size_a:
-        raise ValueError(f"strategy='hybrid' needs num_heads ({h}) divisible by the "
-                         f"{size_a} devices of its head-exchange axis {a!r}.")
-    q, k, v, mask, _ = head_parallel.to_heads(query, key, value, kv_mask, None, a, size_a)
-    chunk, heads, kv_heads = q.shape[1], q.shape[2], k.shape[2]
-    sharded_branches = distributed.shard_branches(call.branches, local_len=chunk,
-                                                  num_devices=size_b)
-    variants = []
-    for d in range(size_a):  # each a index holds its own slice of the heads
-        plans = head_parallel.head_plans(call.branches, chunk * size_b, h,
-                                         np.arange(d * heads, (d + 1) * heads), kv_heads,
-                                         call.mode, call.head_offsets)
-        variants.append((head_parallel.plan_key(plans), plans))
-    if rng is not None:  # every head slice draws its own masks
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(a))
-
-    resolved = [p.branch for p in call.plans(seq_len=chunk * size_b, num_heads=h,
-                                             num_kv_heads=h)]
-
-    def run(plans):
-        # the branches these heads run (head_groups: those of their groups), in order
-        kept, i = [], 0
-        for plan in plans:
-            while resolved[i] != plan.branch:
-                i += 1
-            kept.append(sharded_branches[i])
-            i += 1
-        out, lse = distributed.sharded_dilated(
-            plans, kept, q, k, v, mask, call.args, mode=call.mode, axis_name=b,
-            num_devices=size_b, kernel=call.kernel, dropout_rng=rng, lse_grad=lse_grad)
-        if call.mode == "head_groups" and len(plans) != len(call.branches):
-            # divided by the branches of these heads' groups, not by all of them
-            out = (out * (len(plans) / len(call.branches))).astype(q.dtype)
-        return out, lse
-
-    if len({key for key, _ in variants}) > 1:
-        # the ring over b would sit inside a per-device switch, whose collectives the
-        # devices of other head slices never reach
-        raise ValueError(
-            f"strategy='hybrid' needs every device of its head-exchange axis {a!r} to "
-            f"run the same plan: the {heads} heads each holds (of {h}) must have the "
-            f"same offsets (longnet: heads per device a multiple of every rate, "
-            f"head_offsets='modulo') and, in head_groups mode, one group per branch on "
-            f"every device; with {size_a} devices on {a!r} they do not. Use fewer "
-            f"devices on {a!r}, or strategy='ring' / 'heads' over one axis.")
-    out, lse = run(variants[0][1])
-    return head_parallel.heads_to_seq(out, a), head_parallel.heads_to_seq(lse, a)

@@ -1,0 +1,131 @@
+"""Dilated attention's ``"hybrid"`` strategy (docs/semantics.md, section 8, "Hybrid"):
+with the sequence sharded over two mesh axes ``(a, b)``, ``b`` major, an all-to-all
+over ``a`` to whole ring chunks of ``H / P_a`` heads, distributed dilated attention of
+those heads over ``b`` (:func:`jax_dilated.ops.distributed.sharded_dilated`; a branch
+whose segments span devices rings over the devices of ``b`` it spans), and back.
+
+The ring over ``b`` must be one program on every device of ``a``: a per-device choice
+(``lax.switch``) would hold collectives that the devices of the other head slices
+never reach. So every head slice must run the same plan (the same offsets, and in
+head_groups mode the same groups, at every local head). Where the contiguous slices
+differ, the heads are first put in an order that deals each class of heads with equal
+plans (in units of the heads that read one kv head) evenly over ``a``
+(:func:`head_order`), and put back afterwards; where no order can, the call is
+refused with the reason.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated.core import validation
+from jax_dilated.ops import distributed, head_parallel
+from jax_dilated.ops.dilated_programs import DilatedCall
+
+__all__ = ["hybrid", "head_order"]
+
+
+def head_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
+               size_a: int) -> np.ndarray | None:
+    """An order of the ``units`` kv units (``num_heads / units`` consecutive query heads
+    each, the heads of one (repeated) kv head) after which every one of the ``size_a``
+    contiguous slices runs the same plan: each class of units with equal plans (their
+    heads' branches and offsets) dealt out evenly, slices in class order. None where
+    some class does not divide by ``size_a``."""
+    plans = call.plans(seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_heads)
+    runs = [[] for _ in range(num_heads)]  # head -> its (branch, offset) pairs
+    for i, plan in enumerate(plans):
+        for j, o in zip(plan.query_heads.tolist(), plan.offsets.tolist()):
+            runs[j].append((i, o))
+    per = num_heads // units
+    classes: dict = {}
+    for u in range(units):
+        classes.setdefault(tuple(tuple(runs[u * per + t]) for t in range(per)), []).append(u)
+    if any(len(c) % size_a for c in classes.values()):
+        return None
+    ordered = sorted(classes.values(), key=lambda c: c[0])  # head groups stay in order
+    return np.array([u for d in range(size_a) for c in ordered
+                     for u in c[d * len(c) // size_a:(d + 1) * len(c) // size_a]])
+
+
+def _permute_units(x, order, units: int):
+    """``x`` [B, n, H, ...] with its heads in ``units`` blocks reordered by ``order``."""
+    b, n, h = x.shape[:3]
+    blocks = x.reshape(b, n, units, h // units, *x.shape[3:])
+    return jnp.take(blocks, order, axis=2).reshape(x.shape)
+
+
+def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: bool):
+    """``(out [B, n, H, D], lse [B, n, H])`` of the ``"hybrid"`` strategy on this
+    device's piece (module docstring); ``rng``: the dropout key or None."""
+    a, b = axes
+    size_a = validation.axis_size(a, "dilated_attention(seq_axis=(a, b))")
+    size_b = validation.axis_size(b, "dilated_attention(seq_axis=(a, b))")
+    h, hkv = query.shape[2], key.shape[2]
+    if h % size_a:
+        raise ValueError(f"strategy='hybrid' needs num_heads ({h}) divisible by the "
+                         f"{size_a} devices of its head-exchange axis {a!r}.")
+    seq_len = query.shape[1] * size_a * size_b
+    units = hkv * head_parallel.kv_repeat(hkv, size_a)
+    heads = h // size_a
+    order = np.arange(units)
+    variants = _variants(call, seq_len, h, units, size_a, order)
+    if len({k for k, _ in variants}) > 1:
+        order = head_order(call, seq_len=seq_len, num_heads=h, units=units, size_a=size_a)
+        if order is None:
+            raise ValueError(
+                f"strategy='hybrid' needs every device of its head-exchange axis {a!r} "
+                f"to run the same plan (offsets, and in head_groups mode groups, at each "
+                f"of its {heads} heads), and no order of the {h} heads (in {units} units "
+                f"of one kv head) deals them so over {size_a} devices: every set of "
+                f"heads with equal plans must divide by {size_a}. Use fewer devices on "
+                f"{a!r}, or strategy='ring' / 'heads' over one axis.")
+        variants = _variants(call, seq_len, h, units, size_a, order)
+    permuted = not np.array_equal(order, np.arange(units))
+    k, v = key, value
+    if units != hkv:  # each kv head repeated, so that the units divide by P_a
+        k, v = (jnp.repeat(x, units // hkv, axis=2) for x in (key, value))
+    q = query
+    if permuted:
+        q, k, v = (_permute_units(x, order, units) for x in (q, k, v))
+    q, k, v, mask, _ = head_parallel.to_heads(q, k, v, kv_mask, None, a, size_a)
+    if rng is not None:  # every head slice draws its own masks
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(a))
+    plans = variants[0][1]
+    sharded_branches = distributed.shard_branches(call.branches, local_len=q.shape[1],
+                                                  num_devices=size_b)
+    resolved = [p.branch for p in call.plans(seq_len=seq_len, num_heads=h,
+                                             num_kv_heads=h)]
+    kept, i = [], 0  # the branches these heads run (head_groups: their groups'), in order
+    for plan in plans:
+        while resolved[i] != plan.branch:
+            i += 1
+        kept.append(sharded_branches[i])
+        i += 1
+    out, lse = distributed.sharded_dilated(
+        plans, kept, q, k, v, mask, call.args, mode=call.mode, axis_name=b,
+        num_devices=size_b, kernel=call.kernel, dropout_rng=rng, lse_grad=lse_grad)
+    if call.mode == "head_groups" and len(plans) != len(call.branches):
+        # divided by the branches of these heads' groups, not by all of them
+        out = (out * (len(plans) / len(call.branches))).astype(q.dtype)
+    out, lse = head_parallel.heads_to_seq(out, a), head_parallel.heads_to_seq(lse, a)
+    if permuted:
+        back = np.argsort(order)
+        out, lse = (_permute_units(x, back, units) for x in (out, lse))
+    return out, lse
+
+
+def _variants(call, seq_len: int, num_heads: int, units: int, size_a: int, order):
+    """``[(plan key, plans)]`` of each slice of ``a`` with the units in ``order``."""
+    per, heads = num_heads // units, num_heads // size_a
+    global_heads = (order[:, None] * per + np.arange(per)[None, :]).reshape(-1)
+    local_kv = units // size_a
+    out = []
+    for d in range(size_a):
+        plans = head_parallel.head_plans(call.branches, seq_len, num_heads,
+                                         global_heads[d * heads:(d + 1) * heads], local_kv,
+                                         call.mode, call.head_offsets)
+        out.append((head_parallel.plan_key(plans), plans))
+    return out
