@@ -203,6 +203,29 @@ def test_hybrid_block_sparse_refuses_per_head_patterns_that_differ():
         attn(q, k, v)
 
 
+def test_hybrid_layers_equal_one_device():
+    """The NNX layers built with a two-axis mesh and strategy="hybrid" (dilated and
+    ring attention, float32) give what the single-device layer gives."""
+    from flax import nnx
+    kw = dict(segment_lengths=(16, 64, 128), dilation_rates=(1, 2, 4))
+    x = jax.random.normal(jax.random.key(1), (2, T, 64))
+    mesh = build_mesh((2, 4), ("a", "b"), "auto")
+    one = jd.nnx.MultiheadDilatedAttention(64, 8, num_kv_heads=2, rngs=nnx.Rngs(0), **kw)
+    hybrid = jd.nnx.MultiheadDilatedAttention(64, 8, num_kv_heads=2, rngs=nnx.Rngs(0),
+                                              mesh=mesh, seq_axis=("a", "b"),
+                                              strategy="hybrid", **kw)
+    want, got = (np.asarray(m(x, is_causal=True, deterministic=True)) for m in (one, hybrid))
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+    ring = jd.nnx.MultiheadRingAttention(64, 8, num_kv_heads=2, mesh=mesh,
+                                         seq_axis=("a", "b"), strategy="hybrid",
+                                         layout="zigzag", rngs=nnx.Rngs(0))
+    ring_one = jd.nnx.MultiheadRingAttention(64, 8, num_kv_heads=2,
+                                             mesh=build_mesh((1,), ("s",), "auto"),
+                                             seq_axis="s", rngs=nnx.Rngs(0))
+    want, got = (np.asarray(m(x, is_causal=True, deterministic=True)) for m in (ring_one, ring))
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+
+
 def test_hybrid_returns_the_lse_and_auto_picks_it():
     q, k, v, _, mask, _ = _inputs(4, 4, seed=2)
     fn = functools.partial(jd.ring_attention, is_causal=True, return_lse=True)

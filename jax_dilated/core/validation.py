@@ -288,7 +288,19 @@ def check_mesh_axis(mesh, name: str, axis):
 
 def check_mesh_axes(mesh, seq_axis, batch_axis=None, head_axis=None):
     """A mesh and its sequence axis come together; every named axis exists and they
-    are different axes (``mesh=None`` with no axis named is one device)."""
+    are different axes (``mesh=None`` with no axis named is one device). ``seq_axis``
+    may be a pair of axes ``(a, b)`` (the ``"hybrid"`` strategy)."""
+    if isinstance(seq_axis, (tuple, list)):
+        if len(seq_axis) != 2 or not all(isinstance(x, str) for x in seq_axis):
+            raise ValueError(f"seq_axis must name one mesh axis, or two as (a, b) for "
+                             f"strategy='hybrid' (heads exchanged over a, a ring over b), "
+                             f"got {seq_axis!r}.")
+        if seq_axis[0] == seq_axis[1]:
+            raise ValueError(f"seq_axis={seq_axis!r} names the same mesh axis twice: give "
+                             f"two different axes (a, b), or one axis alone.")
+        for axis in seq_axis:
+            check_mesh_axes(mesh, axis, batch_axis, head_axis)
+        return
     named = (("seq_axis", seq_axis), ("batch_axis", batch_axis), ("head_axis", head_axis))
     if mesh is None:
         for name, axis in named:

@@ -52,8 +52,9 @@ class DilatedAttention(nnx_rngs.DropoutMixin, nnx.Module):
       dropout_rate: attention-probability dropout.
       attention_fn: a drop-in with the signature of :func:`jax_dilated.dilated_attention`.
       mesh, seq_axis: run sequence-parallel over ``mesh`` (the sequence sharded on
-        ``seq_axis``; ``batch_axis`` / ``head_axis`` optionally shard batch and heads);
-        inputs and outputs stay global arrays.
+        ``seq_axis``, or on two axes ``(a, b)`` with ``strategy="hybrid"``;
+        ``batch_axis`` / ``head_axis`` optionally shard batch and heads); inputs and
+        outputs stay global arrays.
       deterministic: default of the call's ``deterministic``.
       rngs: ``nnx.Rngs``; its ``dropout`` stream is kept for dropout.
 
@@ -190,8 +191,9 @@ class MultiheadDilatedAttention(MultiheadBody):
       precision: matmul precision of the projections and the attention kernel.
       attention_fn: drop-in for :func:`jax_dilated.dilated_attention` (same keywords).
       mesh, seq_axis, batch_axis, head_axis: run the attention sequence-parallel over
-        ``mesh`` (distributed dilated attention, equal to the single-device result);
-        projections follow their inputs' sharding.
+        ``mesh`` (distributed dilated attention, equal to the single-device result;
+        ``seq_axis=(a, b)`` with ``strategy="hybrid"``: heads over ``a``, a ring over
+        ``b``); projections follow their inputs' sharding.
       qk_transform: ``(q, k, positions) -> (q, k)`` applied to the projected
         queries [B, T, H, D] and keys [B, T, Hkv, D] before attention (and before
         keys enter the KV cache), ``positions`` int32 [T] the tokens' absolute
