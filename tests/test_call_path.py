@@ -108,6 +108,8 @@ PATHS = [
 @pytest.mark.parametrize("name,fn,method,bound", PATHS, ids=[c[0] for c in PATHS])
 def test_frames_to_the_kernel(kernel_calls, name, fn, method, bound):
     if "native" in name and native.unavailable_reason():
+        # the fused path is the native kernel's: without a C++ compiler, on a CPU
+        # without AVX2, or off Linux the XLA kernel serves and the path does not exist
         pytest.skip(native.unavailable_reason())
     got, frames = _first_call(kernel_calls, fn, *_inputs())
     assert got == method, (got, frames)
@@ -119,6 +121,7 @@ def test_one_dispatcher_chooses_the_program(implementation, program):
     """The program the dispatcher names is the one that runs (the fused one only where
     the native kernel builds), and the reason is given in words."""
     if program == "fused" and native.unavailable_reason():
+        # as above: only the native kernel has a fused program
         pytest.skip(native.unavailable_reason())
     q, k, v = _inputs()
     kernel = jd.backends.get_kernel(implementation)

@@ -338,6 +338,9 @@ def test_hybrid_errors_name_the_argument():
     with pytest.raises(ValueError, match="the library's operations"):
         jd.sharded(lambda q, k, v, **kw: q, mesh, seq_axis=("a", "b"),
                    strategy="hybrid")(x[:, :, :4], x[:, :, :4], x[:, :, :4])
-    with pytest.raises(ValueError, match=r"goes with seq_axis=\(a, b\)"):
+    with pytest.raises(ValueError, match=r"seq_axis must name .* two as \(a, b\)"):
         jd.dilated_attention(x, x, x, segment_lengths=(8,), dilation_rates=(1,),
                              strategy="hybrid")
+    with pytest.raises(ValueError, match="names two mesh axes"):
+        jd.dilated_attention(x, x, x, segment_lengths=(8,), dilation_rates=(1,),
+                             seq_axis=("a", "b"), strategy="ring")

@@ -13,6 +13,7 @@ __all__ = ["axis_size", "check_qkv", "check_kv_mask", "check_segment_ids", "chec
            "check_dropout_rate", "check_scale", "check_scale_option", "default_scale", "check_flag",
            "check_positive_int", "check_positive_float", "check_block_sizes",
            "check_nonnegative_int", "check_position", "check_mesh_axes", "check_mesh_axis",
+           "check_axis_pair",
            "renamed", "warn_renamed", "check_window", "check_logit_soft_cap", "check_sinks"]
 
 
@@ -286,19 +287,27 @@ def check_mesh_axis(mesh, name: str, axis):
         )
 
 
+def check_axis_pair(seq_axis) -> tuple[str, str]:
+    """``seq_axis`` as the pair ``(a, b)`` of the ``"hybrid"`` strategy (heads exchanged
+    over ``a``, a ring over ``b``); a ``ValueError`` naming it unless it is two
+    different axis names."""
+    axes = tuple(seq_axis) if isinstance(seq_axis, (tuple, list)) else None
+    if axes is None or len(axes) != 2 or not all(isinstance(x, str) for x in axes):
+        raise ValueError(f"seq_axis must name one mesh axis, or two as (a, b) for "
+                         f"strategy='hybrid' (heads exchanged over a, a ring over b), got "
+                         f"{seq_axis!r}.")
+    if axes[0] == axes[1]:
+        raise ValueError(f"seq_axis={seq_axis!r} names the same mesh axis twice: give two "
+                         f"different axes (a, b), or one axis alone.")
+    return axes
+
+
 def check_mesh_axes(mesh, seq_axis, batch_axis=None, head_axis=None):
     """A mesh and its sequence axis come together; every named axis exists and they
     are different axes (``mesh=None`` with no axis named is one device). ``seq_axis``
     may be a pair of axes ``(a, b)`` (the ``"hybrid"`` strategy)."""
     if isinstance(seq_axis, (tuple, list)):
-        if len(seq_axis) != 2 or not all(isinstance(x, str) for x in seq_axis):
-            raise ValueError(f"seq_axis must name one mesh axis, or two as (a, b) for "
-                             f"strategy='hybrid' (heads exchanged over a, a ring over b), "
-                             f"got {seq_axis!r}.")
-        if seq_axis[0] == seq_axis[1]:
-            raise ValueError(f"seq_axis={seq_axis!r} names the same mesh axis twice: give "
-                             f"two different axes (a, b), or one axis alone.")
-        for axis in seq_axis:
+        for axis in check_axis_pair(seq_axis):
             check_mesh_axes(mesh, axis, batch_axis, head_axis)
         return
     named = (("seq_axis", seq_axis), ("batch_axis", batch_axis), ("head_axis", head_axis))

@@ -172,7 +172,10 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     sinks = validation.check_sinks(sinks, h)
     hybrid = strategy == "hybrid" or isinstance(seq_axis, (tuple, list))
     if hybrid:
-        seq_axis = _hybrid_axes(seq_axis, strategy)
+        if strategy != "hybrid":
+            raise ValueError(f"seq_axis={seq_axis!r} names two mesh axes, which "
+                             f"strategy='hybrid' runs, got strategy={strategy!r}.")
+        seq_axis = validation.check_axis_pair(seq_axis)
     else:
         strategy = distributed.check_branch_strategy(strategy, len(branches))
     if seq_axis is None and strategy != "ring":
@@ -259,16 +262,3 @@ def _over_mesh(call: DilatedCall, plans, query, key, value, kv_mask, rng, segmen
         axis_name=seq_axis, num_devices=num_devices, kernel=call.kernel, dropout_rng=rng,
         strategies=distributed.branch_strategies(strategy, plans, sharded_branches),
         lse_grad=lse_grad)
-
-
-def _hybrid_axes(seq_axis, strategy) -> tuple[str, str]:
-    """``(a, b)`` of the ``"hybrid"`` strategy; a ``ValueError`` naming the argument
-    when ``seq_axis`` is not two different axis names or the strategy not hybrid."""
-    axes = None if seq_axis is None or isinstance(seq_axis, str) else tuple(seq_axis)
-    if strategy != "hybrid" or axes is None or len(axes) != 2 or axes[0] == axes[1] or not all(
-            isinstance(x, str) for x in axes):
-        raise ValueError(f"strategy='hybrid' goes with seq_axis=(a, b), two different mesh "
-                         f"axes (heads exchanged over a, a ring over b), and two axes with "
-                         f"strategy='hybrid'; got seq_axis={seq_axis!r}, "
-                         f"strategy={strategy!r}.")
-    return axes
