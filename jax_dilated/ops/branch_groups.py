@@ -82,7 +82,7 @@ class HeadExchange(KernelBase):
     summed back. Rows are in segment order after the exchange (devices in order), so
     the kernel's own positions are the causal ones. Every device of the group calls
     it in the same order: the streamed program's chunks
-    (:func:`jax_dilated.ops.dilated_local.streamed_partial`) or one call per branch.
+    (:func:`jax_dilated.ops.dilated_local.attend`) or one call per branch.
     """
 
     grp: Group

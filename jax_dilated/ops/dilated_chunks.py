@@ -4,8 +4,9 @@
 where the rate does not divide them; the chunks they are cut into) and its views of
 the call's arrays: a chunk's dilated queries, keys and values, and its results written
 back into the accumulators in place, also through the slots of packed rows.
-:func:`loop_chunks` runs a body over every chunk. :mod:`jax_dilated.ops.dilated_local`
-runs the streamed forward and backward on these.
+:meth:`BranchView.runs` lists the chunks as loops of equal chunks, which
+:mod:`jax_dilated.ops.dilated_local` runs its streamed forward and backward bodies
+over (inline there: the chunk body calls the kernel directly from the program).
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import numpy as np
 from jax_dilated.backends.base import Kernel, KernelArgs
 from jax_dilated.core import branch_plans, dilation
 from jax_dilated.core.arrays import pad_axis
-from jax_dilated.core.skip import maybe_skip
 
-__all__ = ["BranchView", "loop_chunks", "slice_items", "branch_rng", "chunk_rng"]
+__all__ = ["BranchView", "ChunkRun", "slice_items", "branch_rng", "chunk_rng"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,31 @@ def _chunks(items: int, target: int) -> _Chunks:
         if size >= 1 and items % size == 0:
             return _Chunks(size, items // size, 0)
     return _Chunks(target, items // target, items % target)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRun:
+    """A loop over chunks of ``size`` items: trip ``i`` runs chunk :meth:`chunk` ``(i)``,
+    whose first item is ``chunk * stride``. ``trips`` is an int, or for the slots of
+    packed rows the traced count of the chunks holding a filled slot, listed first in
+    ``order`` (a chunk of empty slots only computes nothing: it is not visited)."""
+
+    size: int
+    stride: int
+    first: int
+    trips: int | jax.Array
+    order: jax.Array | None = None
+
+    @property
+    def unrolled(self) -> bool:
+        """One static trip: the body is called once, without a loop."""
+        return self.order is None and self.trips == 1
+
+    def chunk(self, i):
+        """The chunk that trip ``i`` runs."""
+        if self.order is not None:
+            return self.order[i]
+        return i if self.first == 0 else self.first + i
 
 
 def branch_rng(rng, i: int):
@@ -107,6 +132,25 @@ class BranchView:
         # gathered kv head g is kv head kv_heads[g]: the kv heads' contributions
         # are sums over the gathered heads that read them
         self.kv_sources = [np.flatnonzero(self.plan.kv_heads == j) for j in range(self.kv_heads)]
+
+    def runs(self) -> list[ChunkRun]:
+        """The branch's chunks as loops (:class:`ChunkRun`): the ``full`` chunks, then
+        the ``rest`` (one static chunk); for slots, only chunks holding a filled slot."""
+        ch = self.chunks
+        runs = [(0, ch.full, ch.size)] if ch.full else []
+        if ch.rest:
+            runs.append((ch.full, 1, ch.rest))
+        if self.index is None:
+            return [ChunkRun(size, ch.size, first, count) for first, count, size in runs]
+        out = []
+        for first, count, size in runs:
+            rows = jax.lax.slice_in_dim(self.index, first * ch.size * self.w,
+                                        (first * ch.size + count * size) * self.w)
+            need = jnp.any(rows.reshape(count, size * self.w) < self.batch * self.seq_len,
+                           axis=1)
+            order = jnp.flatnonzero(need, size=count, fill_value=0).astype(jnp.int32) + first
+            out.append(ChunkRun(size, ch.size, first, jnp.sum(need, dtype=jnp.int32), order))
+        return out
 
     def view(self, x, fill=0):
         """[B, T, ...] -> [B S, w, ...] (slots: the packed rows, [B T, ...])."""
@@ -246,25 +290,6 @@ class BranchView:
             return None
         valid = jnp.broadcast_to(valid[:, :, None], (self.batch, self.seq_len, self.kv_heads))
         return self.view(valid, False)
-
-
-def loop_chunks(chunks: _Chunks, body, carry, br: BranchView):
-    """``body(carry, start, size, c)`` over every chunk ``c`` (traced start in the loop);
-    slots: a chunk of empty slots only is skipped (it would compute nothing)."""
-    if br.index is not None:
-        def step(acc, start, size, c):
-            need = jnp.any(br._rows(start, size) < br.batch * br.seq_len)
-            return maybe_skip(need, lambda a: body(a, start, size, c), acc)
-    else:
-        step = body
-    if chunks.full == 1:
-        carry = step(carry, 0, chunks.size, 0)
-    elif chunks.full > 1:
-        carry = jax.lax.fori_loop(
-            0, chunks.full, lambda c, acc: step(acc, c * chunks.size, chunks.size, c), carry)
-    if chunks.rest:
-        carry = step(carry, chunks.full * chunks.size, chunks.rest, chunks.full)
-    return carry
 
 
 def slice_items(x, start, size):

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 from jax_dilated.backends.base import Kernel, KernelArgs, Masks
 from jax_dilated.core import branch_plans, softmax
 
-__all__ = ["fused_unservable", "fused_partial"]
+__all__ = ["FusedCall", "attend", "fused_call", "fused_unservable"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Fused:
+class FusedCall:
     """Static description of one fused call (identity-hashed: it holds NumPy plans)."""
 
     kernel: Kernel
@@ -66,22 +66,19 @@ def fused_unservable(kernel: Kernel, args: KernelArgs, plans, query, key, kv_mas
     return None
 
 
-def fused_partial(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key, value,
-                  kv_mask, sinks=None, *, num_branches: int | None = None):
-    """``(o [B, T, H, D], lse, lse_lo [B, T, H])`` of the branches ``plans`` (none a
-    sliding window) in one fused kernel call per pass (:func:`fused_unservable` must
-    be None), with the [H] attention ``sinks`` (or None) folded in; differentiable in
-    query, key, value and sinks through ``o`` and ``lse``. ``num_branches``: the
-    call's branches (head_groups divides by it; default ``len(plans)``)."""
-    order = (branch_plans.nested_order(plans, query.shape[1]) if mode == "longnet"
-             else None)
+def fused_call(kernel: Kernel, args: KernelArgs, plans, mode: str, seq_len: int, *,
+               num_branches: int | None = None) -> FusedCall:
+    """The fused call of the branches ``plans`` (none a sliding window;
+    :func:`fused_unservable` must be None) on sequences of ``seq_len``, for
+    :func:`attend`. ``num_branches``: the call's branches (head_groups divides by
+    it; default ``len(plans)``)."""
+    order = branch_plans.nested_order(plans, seq_len) if mode == "longnet" else None
     ordered = (tuple(plans[::-1]) if order is None else tuple(plans[i] for i in order))
-    call = _Fused(kernel, args, ordered, order is not None, mode,
-                  num_branches or len(plans))
-    return _attend(call, query, key, value, kv_mask, sinks)
+    return FusedCall(kernel, args, ordered, order is not None, mode,
+                     num_branches or len(plans))
 
 
-def _forward(call: _Fused, query, key, value, kv_mask):
+def _forward(call: FusedCall, query, key, value, kv_mask):
     longnet = call.mode == "longnet"
     o, lse, lse_lo = call.kernel.dilated_forward(
         query, key, value, call.args, list(call.plans), kv_mask=kv_mask, accumulate=longnet,
@@ -90,13 +87,15 @@ def _forward(call: _Fused, query, key, value, kv_mask):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(call, query, key, value, kv_mask, sinks):
-    """``(o, lse, lse_lo)`` with the sinks folded in; ``lse_lo``'s cotangent is
-    ignored (core/softmax.py)."""
+def attend(call: FusedCall, query, key, value, kv_mask, sinks=None):
+    """The fused program: ``(o [B, T, H, D], lse, lse_lo [B, T, H])`` of the branches
+    ``call.plans`` in one kernel call per pass, with the [H] attention ``sinks`` (or
+    None) folded in; differentiable in query, key, value and sinks through ``o`` and
+    ``lse`` (``lse_lo``'s cotangent is ignored, core/softmax.py)."""
     return softmax.fold_sinks(*_forward(call, query, key, value, kv_mask), sinks)
 
 
-def _attend_fwd(call, query, key, value, kv_mask, sinks):
+def _attend_fwd(call, query, key, value, kv_mask, sinks=None):
     # the sinks are folded in here: the backward runs on the sink-including
     # statistics (the sink is one more key the kernel never reads)
     o, lse, lse_lo = softmax.fold_sinks(*_forward(call, query, key, value, kv_mask), sinks)
@@ -119,4 +118,4 @@ def _attend_bwd(call, res, cotangents):
             softmax.sink_gradient(lse, delta, sinks))
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+attend.defvjp(_attend_fwd, _attend_bwd)

@@ -52,24 +52,31 @@ import jax.numpy as jnp
 from jax_dilated.backends.base import Kernel, KernelArgs, Masks
 from jax_dilated.core import branch_plans, dilation, softmax
 from jax_dilated.core.vma import varying_like
-from jax_dilated.ops import dilated_window
-from jax_dilated.ops.dilated_chunks import (BranchView, branch_rng, chunk_rng, loop_chunks,
-                                            slice_items)
+from jax_dilated.ops.dilated_chunks import BranchView, branch_rng, chunk_rng, slice_items
 
-__all__ = ["dilated_local"]
+__all__ = ["StreamedCall", "attend"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Call:
-    """Static description of one call (identity-hashed: it holds NumPy plans)."""
+class StreamedCall:
+    """Static description of one streamed call (identity-hashed: it holds NumPy plans).
+
+    kernel: runs the chunks of dilated segments ``[N, w/r, H_g, D]`` (its
+    ``batch_chunk`` sizes them); args: static kernel arguments; plans: the
+    :class:`~jax_dilated.core.branch_plans.BranchPlan` of the branches run here (none
+    a sliding window: those run beside, :func:`jax_dilated.ops.dilated_window.add_windows`);
+    mode: ``"longnet"`` or ``"head_groups"``; groups: head_groups divides the output
+    by this (the number of the call's branches, these and any others).
+    """
 
     kernel: Kernel
     args: KernelArgs
     plans: tuple[branch_plans.BranchPlan, ...]
     mode: str
-    groups: int  # head_groups: the output is divided by this (all branches of the call)
+    groups: int
     # None, or f(query, key, value, kv_mask) -> (out, lse): the same result computed
-    # another way, run where the call is not differentiated (the custom_vjp's primal)
+    # another way, run where the call is not differentiated (the custom_vjp's primal);
+    # only without dropout or slots
     primal: Callable | None = None
     # False: nothing differentiates through the lse (the caller stops its gradient),
     # so delta = c rowsum(do * o) and the kernel calls' backward gets o (Kernel.backward)
@@ -83,84 +90,10 @@ class _Call:
         return self.kernel if self.branch_kernels is None else self.branch_kernels[i]
 
 
-def dilated_local(kernel: Kernel, args: KernelArgs, plans, mode: str, query, key, value,
-                  kv_mask, dropout_rng, *, source=None, segment_ids=None, sinks=None,
-                  primal=None, lse_grad=True):
-    """All branches of dilated attention on one device: ``(out, lse)``.
-
-    Args:
-      kernel: the attention kernel (its ``forward``/``backward`` run on chunks of
-        dilated segments ``[N, w/r, H_g, D]``; ``batch_chunk`` sizes the chunks).
-      args: static kernel arguments.
-      plans: the :class:`~jax_dilated.core.branch_plans.BranchPlan` of every branch.
-      mode: ``"longnet"`` or ``"head_groups"``.
-      query: [B, T, H, D]; key, value: [B, T, H_kv, D]; kv_mask: None or [B, T] bool.
-      dropout_rng: None or a key (branch ``i`` folds in ``i``, its chunk ``c`` then ``c``).
-        A sliding-window branch (``plan.branch.window``) runs as one windowed kernel
-        call (:mod:`jax_dilated.ops.dilated_window`), mixed with the streamed
-        branches' result; without one the program is the streamed one alone.
-      source: None, or the slots of packed rows ([B, T'] int32, module docstring) that
-        every segment length divides; arrays, ``kv_mask`` and results stay packed.
-      segment_ids: with ``source``, the packed rows' ids [B, T]: a sliding-window
-        branch stays inside each document.
-      sinks: None or [H] attention sinks (:func:`jax_dilated.core.softmax.add_sinks`),
-        added to the result.
-      primal: None, or ``f(query, key, value, kv_mask) -> (out, lse)`` computing the
-        same result (without sinks) another way, run instead of the streamed program
-        where the call is not differentiated; only without sliding-window branches,
-        dropout or slots.
-      lse_grad: False when the caller does not differentiate through ``lse`` (it is
-        then returned with its gradient stopped): the backward hands each kernel call
-        the output (``Kernel.backward(out=)``: cuDNN's own backward, not its widened
-        one). Used without sliding-window branches (they are mixed through ``lse``).
-
-    Returns:
-      ``out`` [B, T, H, D] in query's dtype and ``lse`` [B, T, H] in the stats dtype,
-      as :func:`jax_dilated.ops.branch_combine.combine_branches` defines them (with the
-      sinks); differentiable in query, key, value and sinks through both.
-    """
-    windows = any(p.branch.window is not None for p in plans)
-    if primal is not None and (windows or dropout_rng is not None or source is not None):
-        raise AssertionError("primal: no windows, dropout or slots")  # pragma: no cover
-    if not windows:  # the default program, unchanged
-        call = _Call(kernel, args, tuple(plans), mode, len(plans), primal, lse_grad)
-        o, lse, _ = _attend(call, query, key, value, kv_mask, dropout_rng, source, sinks)
-        return o, (lse if lse_grad else jax.lax.stop_gradient(lse))
-    # Sliding-window branches run as their own windowed kernel call, mixed with the
-    # streamed branches' (out, lse)
-    dense = tuple(p for p in plans if p.branch.window is None)
-    partial = None
-    if dense:
-        partial = _attend(_Call(kernel, args, dense, mode, len(plans)), query, key, value,
-                          kv_mask, dropout_rng, source)
-    return dilated_window.add_windows(partial, kernel, args, plans, mode, query, key, value,
-                                      kv_mask, dropout_rng, segment_ids, sinks)
-
-
-def streamed_partial(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_mask,
-                     dropout_rng, *, num_branches: int, branch_kernels=None):
-    """The streamed program over some of a call's ``num_branches`` branches (``plans``,
-    none a sliding window): their partial ``(o, lse, lse_lo)`` over every head.
-
-    longnet: the branches merged; head_groups: the branches' heads hold their output
-    divided by ``num_branches`` and their ``lse``, the other heads 0 and ``-inf``.
-    :func:`jax_dilated.ops.dilated_window.mix` adds the call's other branches.
-    ``branch_kernels``: None, or one kernel per plan that runs that plan's chunks
-    instead of ``kernel`` (a spanning branch's head exchange, ops/distributed.py).
-    """
-    kernels = None if branch_kernels is None else tuple(branch_kernels)
-    # chunked even on a kernel with a fused program: the strategies' cost model
-    # (ops/strategies/cost.py) prices every strategy's local branches as this program, and
-    # a head exchange (a spanning branch's) cannot run inside a fused call
-    return _attend(_Call(kernel, args, tuple(plans), mode, num_branches,
-                         branch_kernels=kernels), query, key, value, kv_mask,
-                   dropout_rng, None)
-
-
 # --------------------------------------------------------------------------- forward
 
 
-def _forward(call: _Call, query, key, value, kv_mask, rng, source):
+def _forward(call: StreamedCall, query, key, value, kv_mask, rng, source):
     b, t, h, d = query.shape
     stats = softmax.stats_dtype(query.dtype)
     longnet = call.mode == "longnet"
@@ -179,8 +112,10 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
         valid_v = br.valid(kv_mask)
         rng_i = branch_rng(rng, i)
 
-        def body(acc, start, size, c, br=br, q_v=q_v, k_v=k_v, v_v=v_v, valid_v=valid_v,
+        def body(i, acc, run, br=br, q_v=q_v, k_v=k_v, v_v=v_v, valid_v=valid_v,
                  rng_i=rng_i, first=n_done == 0):
+            c = run.chunk(i)
+            start, size = c * run.stride, run.size
             o_acc, lse_acc, lo_acc = acc
             valid = slice_items(valid_v, start, size)
             o_c, lse_c, lo_c = br.kernel.forward(
@@ -205,8 +140,10 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
             return tuple(br.store(x, y, start, br.h0)
                          for x, y in zip((o_acc, lse_acc, lo_acc), (o_c, lse_c, lo_c)))
 
-        acc = loop_chunks(br.chunks, body,
-                          (br.view(o), br.view(lse, -jnp.inf), br.view(lse_lo)), br)
+        acc = (br.view(o), br.view(lse, -jnp.inf), br.view(lse_lo))
+        for run in br.runs():  # inline, so the kernel is called from the program's body
+            step = functools.partial(body, run=run)
+            acc = step(0, acc) if run.unrolled else jax.lax.fori_loop(0, run.trips, step, acc)
         o, lse, lse_lo = (br.unview(x) for x in acc)
     return o.astype(query.dtype), lse, lse_lo
 
@@ -214,7 +151,7 @@ def _forward(call: _Call, query, key, value, kv_mask, rng, source):
 # --------------------------------------------------------------------------- backward
 
 
-def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_do, delta,
+def _backward(call: StreamedCall, query, key, value, kv_mask, rng, source, lse, do, c_do, delta,
               out=None):
     """dq, dk, dv from ``(c_do, delta) = softmax.backward_scale(do, o, lse_lo, dlse)``.
 
@@ -250,9 +187,11 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
         valid_v = br.valid(kv_mask)
         rng_i = branch_rng(rng, i)
 
-        def body(acc, start, size, c, br=br, q_v=q_v, k_v=k_v, v_v=v_v, do_v=do_v,
+        def body(i, acc, run, br=br, q_v=q_v, k_v=k_v, v_v=v_v, do_v=do_v,
                  lse_v=lse_v, delta_v=delta_v, c_v=c_v, out_v=out_v, valid_v=valid_v,
                  rng_i=rng_i, first=n_done == 0):
+            c = run.chunk(i)
+            start, size = c * run.stride, run.size
             dq_acc, dk_acc, dv_acc = acc
             valid = slice_items(valid_v, start, size)
             do_c = (br.dilated(do_v, start, size, "q", 0).astype(stats)
@@ -279,8 +218,11 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
                 dq_acc = br.store(dq_acc, dq_c, start, br.h0)
             return dq_acc, br.store(dk_acc, dk_c, start, 0), br.store(dv_acc, dv_c, start, 0)
 
-        dq_v, dk_v, dv_v = loop_chunks(br.chunks, body, (br.view(dq), br.view(dk), br.view(dv)), br)
-        dq, dk, dv = br.unview(dq_v), br.unview(dk_v), br.unview(dv_v)
+        acc = (br.view(dq), br.view(dk), br.view(dv))
+        for run in br.runs():  # as in _forward
+            step = functools.partial(body, run=run)
+            acc = step(0, acc) if run.unrolled else jax.lax.fori_loop(0, run.trips, step, acc)
+        dq, dk, dv = (br.unview(x) for x in acc)
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 
 
@@ -288,10 +230,21 @@ def _backward(call: _Call, query, key, value, kv_mask, rng, source, lse, do, c_d
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(call, query, key, value, kv_mask, rng, source, sinks=None):
-    """``(o, lse, lse_lo)``; as everywhere, ``lse_lo``'s cotangent is ignored
-    (core/softmax.py). ``sinks`` [H] or None: the attention sinks, folded into the
-    result (:func:`jax_dilated.core.softmax.add_sinks`)."""
+def attend(call: StreamedCall, query, key, value, kv_mask, rng, source=None, sinks=None):
+    """The streamed program: ``(o, lse, lse_lo)`` of the branches ``call.plans``.
+
+    query: [B, T, H, D]; key, value: [B, T, H_kv, D]; kv_mask: None or [B, T] bool.
+    rng: None or the dropout key (branch ``i`` folds in ``i``, its chunk ``c`` then
+    ``c``). source: None, or the slots of packed rows ([B, T'] int32, module
+    docstring) that every segment length divides; arrays, ``kv_mask`` and results
+    stay packed. sinks: None or the [H] attention sinks, folded into the result
+    (:func:`jax_dilated.core.softmax.add_sinks`).
+
+    ``(o, lse)`` are as :func:`jax_dilated.ops.branch_combine.combine_branches`
+    defines them (head_groups: heads of no branch here hold 0 and ``-inf``),
+    differentiable in query, key, value and sinks through both; as everywhere,
+    ``lse_lo``'s cotangent is ignored (core/softmax.py).
+    """
     if call.primal is not None:
         o, lse = call.primal(query, key, value, kv_mask)
         return softmax.fold_sinks(o, lse, jnp.zeros_like(lse), sinks)
@@ -299,7 +252,7 @@ def _attend(call, query, key, value, kv_mask, rng, source, sinks=None):
     return softmax.fold_sinks(o, lse, lse_lo, sinks)
 
 
-def _attend_fwd(call, query, key, value, kv_mask, rng, source, sinks=None):
+def _attend_fwd(call, query, key, value, kv_mask, rng, source=None, sinks=None):
     # the sinks are folded in here, not after the custom_vjp: the backward then runs
     # on the sink-including statistics (the sink is one more key the kernel never
     # reads), and no output-sized cotangent or copy of o is made for a merge outside
@@ -322,4 +275,4 @@ def _attend_bwd(call, res, cotangents):
     return dq, dk, dv, None, None, None, softmax.sink_gradient(lse, delta, sinks)
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+attend.defvjp(_attend_fwd, _attend_bwd)

@@ -35,15 +35,17 @@ Shapes: query [B, T, H, D], key/value [B, T, Hkv, D], segment_ids [B, T] int32.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends.base import KernelArgs, Masks
-from jax_dilated.core import branch_plans
+from jax_dilated.core import branch_plans, softmax
 from jax_dilated.core.documents import document_starts
+from jax_dilated.core.vma import varying_like
 from jax_dilated.ops import dilated_local, dilated_window
-from jax_dilated.ops.branch_combine import combine_branches
 
 __all__ = ["group_count", "packed_branch", "packed_attention",
            "check_max_documents", "slots_capacity", "padded_layout"]
@@ -205,7 +207,10 @@ def packed_attention(kernel, args: KernelArgs, plans, mode: str, query, key, val
     the streams, bounded by ``max_documents`` or compact. Where the slots serve fewer
     documents than the bound allows (or there is no bound), a row batch with few
     enough documents still takes the slots: chosen now for concrete ids, by a
-    ``lax.cond`` on the count for traced ones.
+    ``lax.cond`` on the count for traced ones. Either layout gives the partial of the
+    segment-grid branches, entered from here (the slots: the streamed program,
+    :func:`jax_dilated.ops.dilated_local.attend`); the sliding windows are mixed in
+    after (:func:`jax_dilated.ops.dilated_window.add_windows`).
     """
     check_max_documents(max_documents)
     starts = document_starts(segment_ids)
@@ -217,56 +222,68 @@ def packed_attention(kernel, args: KernelArgs, plans, mode: str, query, key, val
             raise ValueError(
                 f"segment_ids has a row of {most} documents (maximal runs of equal "
                 f"ids), more than max_documents={max_documents}.")
-    call = (kernel, args, plans, mode, query, key, value, kv_mask, segment_ids)
-    slots = slots_capacity(plans, query.shape[1])
-    if slots is None:
-        return _streams(*call, starts, documents, max_documents, rng)
-    unit, capacity = slots
-    if max_documents is not None and max_documents <= capacity:
-        o, lse = _padded(*call, unit, max_documents, rng)
-        overflow = documents > max_documents  # (traced ids only)
-        return jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, o.dtype), o), lse
-    fits = jnp.max(documents) <= capacity
-    if concrete:
-        return (_padded(*call, unit, capacity, rng) if bool(fits) else
-                _streams(*call, starts, documents, max_documents, rng))
-    return jax.lax.cond(fits, lambda: _padded(*call, unit, capacity, rng),
-                        lambda: _streams(*call, starts, documents, max_documents, rng))
+    dense = tuple(p for p in plans if p.branch.window is None)
+    # a row with more documents than max_documents (reachable only under jit, where
+    # the ids are traced): NaN, never a result computed from cut streams or slots
+    overflow = (jnp.zeros(query.shape[0], bool) if max_documents is None
+                else documents > max_documents)
+    partial = None
+    if dense:
+        streams = functools.partial(_streams, kernel, args, plans, mode, query, key, value,
+                                    kv_mask, starts, max_documents, rng)
+        slots = slots_capacity(plans, query.shape[1])
+        if slots is not None:
+            unit, capacity = slots
+            bound = (max_documents if max_documents is not None and max_documents <= capacity
+                     else capacity)
+            fits = True if bound == max_documents else jnp.max(documents) <= capacity
+            padded = functools.partial(
+                dilated_local.attend, dilated_local.StreamedCall(kernel, args, dense, mode,
+                                                                 len(plans)),
+                query, key, value, kv_mask, rng, padded_layout(segment_ids, unit, bound))
+            if concrete or fits is True:
+                partial = padded() if bool(fits) else streams()
+            else:
+                partial = jax.lax.cond(fits, padded, streams)
+        else:
+            partial = streams()
+    o, lse = dilated_window.add_windows(partial, kernel, args, plans, mode, query, key, value,
+                                        kv_mask, rng, segment_ids)
+    return jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, o.dtype), o), lse
 
 
 def _streams(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_mask,
-             segment_ids, starts, documents, max_documents: int | None, rng):
-    """``(out, lse)`` through every branch's streams (:func:`packed_branch`); NaN in a
-    row with more than ``max_documents`` documents."""
-    overflow = (jnp.zeros(query.shape[0], bool) if max_documents is None
-                else documents > max_documents)
-    results = []
+             starts, max_documents: int | None, rng):
+    """The partial ``(o, lse, lse_lo)`` of the segment-grid branches of ``plans``
+    through their streams (:func:`packed_branch`), as the streamed program gives it
+    (longnet: merged, ``o`` in query's dtype; head_groups: each branch's heads hold its
+    output divided by ``len(plans)``, the window branches' heads 0 and ``-inf``); NaN
+    in a row with more than ``max_documents`` documents."""
+    b, t, h, d = query.shape
+    stats = softmax.stats_dtype(query.dtype)
+    partial, overflow = None, jnp.zeros(b, bool)
+    if mode == "head_groups":  # the heads of no branch here: 0 and -inf
+        partial = varying_like((jnp.zeros((b, t, h, d), query.dtype),
+                                jnp.full((b, t, h), -jnp.inf, stats),
+                                jnp.zeros((b, t, h), stats)), (query, key, value))
     for i, plan in enumerate(plans):
-        if plan.branch.window is not None:  # the window stays inside each document
-            results.append(dilated_window.local_partial(
-                kernel, args, plan, query, key, value, kv_mask,
-                None if rng is None else jax.random.fold_in(rng, i), segment_ids))
+        if plan.branch.window is not None:
             continue
-        *part, over = packed_branch(
+        o_i, lse_i, lo_i, over = packed_branch(
             kernel, args, plan, query, key, value, kv_mask, starts,
             None if rng is None else jax.random.fold_in(rng, i), max_documents)
-        results.append(part)
         overflow = overflow | over
-    o, lse = combine_branches(results, mode, query.dtype)
-    # a row with more documents than max_documents (reachable only under jit, where the
-    # ids are traced): NaN, never a result computed from cut streams
+        if mode == "longnet":  # every branch holds every head
+            part = (o_i.astype(stats), lse_i, lo_i)
+            partial = part if partial is None else softmax.merge_partials(*partial, *part)
+            continue
+        o, lse, lse_lo = partial
+        a, z = int(plan.query_heads[0]), int(plan.query_heads[-1]) + 1
+        partial = (o.at[:, :, a:z].set((o_i.astype(stats) / len(plans)).astype(o.dtype)),
+                   lse.at[:, :, a:z].set(lse_i), lse_lo.at[:, :, a:z].set(lo_i))
+    o, lse, lse_lo = partial
     o = jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, o.dtype), o)
-    return o, lse
-
-
-def _padded(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_mask,
-            segment_ids, unit: int, max_documents: int, rng):
-    """``(out, lse)`` through the slots of the padded layout: the unpacked one-device
-    program reading and writing the packed rows (sliding-window branches: the windowed
-    kernel inside each document of the packed row)."""
-    return dilated_local.dilated_local(
-        kernel, args, plans, mode, query, key, value, kv_mask, rng,
-        source=padded_layout(segment_ids, unit, max_documents), segment_ids=segment_ids)
+    return o.astype(query.dtype), lse, lse_lo
 
 
 def check_max_documents(max_documents):

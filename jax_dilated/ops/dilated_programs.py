@@ -26,12 +26,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+
 from jax_dilated.backends.base import Kernel, KernelArgs
 from jax_dilated.core import branch_plans, softmax
 from jax_dilated.core.branches import SlidingWindow
 from jax_dilated.core.types import HeadOffsets, Mode
-from jax_dilated.ops import branch_combine, dilated_local, dilated_window
-from jax_dilated.ops.dilated_fused import fused_partial, fused_unservable
+from jax_dilated.ops import branch_combine, dilated_fused, dilated_local, dilated_window
+from jax_dilated.ops.dilated_fused import fused_unservable
 
 __all__ = ["DilatedCall", "PROGRAMS", "choose_program", "one_device"]
 
@@ -91,25 +93,36 @@ def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
     program :func:`choose_program` picks. ``rng``: the dropout key or None;
     ``sinks``: None or the [H] attention sinks, included in the result; ``lse_grad``:
     False when the caller does not differentiate through ``lse`` (returned with its
-    gradient stopped where that lets cuDNN run its own backward)."""
+    gradient stopped where that lets cuDNN run its own backward).
+
+    Each program is entered from here (no layer between it and its kernel calls);
+    sliding-window branches run beside the fused or streamed program
+    (:func:`jax_dilated.ops.dilated_window.add_windows`)."""
     program, _ = choose_program(kernel, args, plans, mode, query, key, kv_mask, rng)
-    if program == "fused":
-        dense = [p for p in plans if p.branch.window is None]
-        if len(dense) == len(plans):
-            o, lse, _ = fused_partial(kernel, args, plans, mode, query, key, value, kv_mask,
-                                      sinks)
-            return o, lse
-        partial = fused_partial(kernel, args, dense, mode, query, key, value, kv_mask,
-                                num_branches=len(plans)) if dense else None
-        return dilated_window.add_windows(partial, kernel, args, plans, mode, query, key,
-                                          value, kv_mask, rng, sinks=sinks)
-    batched = functools.partial(branch_combine.batched, kernel, args, plans, mode, rng=rng)
-    if program == "streamed":
-        windows = any(p.branch.window is not None for p in plans)
-        primal = None if kernel.blockwise or rng is not None or windows else batched
-        return dilated_local.dilated_local(kernel, args, plans, mode, query, key, value,
-                                           kv_mask, rng, sinks=sinks, primal=primal,
-                                           lse_grad=lse_grad)
-    # the sinks are merged by the lse, so it has a gradient wherever there are sinks
-    return softmax.sinks_on_output(*batched(query, key, value, kv_mask,
-                                            lse_grad=lse_grad or sinks is not None), sinks)
+    if program == "batched":
+        # the sinks are merged by the lse, so it has a gradient wherever there are sinks
+        return softmax.sinks_on_output(*branch_combine.batched(
+            kernel, args, plans, mode, query, key, value, kv_mask, rng,
+            lse_grad=lse_grad or sinks is not None), sinks)
+    dense = tuple(p for p in plans if p.branch.window is None)
+    n, t = len(plans), query.shape[1]
+    if len(dense) == n and program == "fused":  # the sinks fold into its backward
+        o, lse, _ = dilated_fused.attend(dilated_fused.fused_call(kernel, args, plans, mode, t),
+                                         query, key, value, kv_mask, sinks)
+        return o, lse
+    if len(dense) == n:
+        primal = None if kernel.blockwise or rng is not None else functools.partial(
+            branch_combine.batched, kernel, args, plans, mode, rng=rng)
+        call = dilated_local.StreamedCall(kernel, args, dense, mode, n, primal, lse_grad)
+        o, lse, _ = dilated_local.attend(call, query, key, value, kv_mask, rng, None, sinks)
+        return o, (lse if lse_grad else jax.lax.stop_gradient(lse))
+    partial = None  # the other branches' (o, lse, lse_lo), the windows mixed in below
+    if dense and program == "fused":
+        partial = dilated_fused.attend(
+            dilated_fused.fused_call(kernel, args, dense, mode, t, num_branches=n),
+            query, key, value, kv_mask)
+    elif dense:
+        partial = dilated_local.attend(dilated_local.StreamedCall(kernel, args, dense, mode, n),
+                                       query, key, value, kv_mask, rng)
+    return dilated_window.add_windows(partial, kernel, args, plans, mode, query, key, value,
+                                      kv_mask, rng, sinks=sinks)

@@ -70,7 +70,7 @@ def ring_partial(args: KernelArgs, plan: branch_plans.BranchPlan, query, key, va
 
 def mix(partial, windowed, mode: str, num_branches: int, dtype):
     """Mix the streamed branches' ``partial = (o, lse, lse_lo)`` (all heads, as
-    :func:`jax_dilated.ops.dilated_local.streamed_partial` gives it; None when there
+    :func:`jax_dilated.ops.dilated_local.attend` gives it; None when there
     are none) with the other branches' ``windowed = [(plan, (o, lse, lse_lo))]`` (the
     sliding windows; on a mesh, also the branches that span devices).
 

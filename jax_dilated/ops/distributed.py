@@ -238,7 +238,7 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
 
     With the blockwise XLA kernel, the local branches (not sliding windows) run
     together as the one-device streamed program on the shard
-    (:func:`jax_dilated.ops.dilated_local.streamed_partial`): chunk-sized temporaries
+    (:func:`jax_dilated.ops.dilated_local.attend`): chunk-sized temporaries
     instead of a shard-sized gather, result and scatter per branch. The spanning
     branches whose strategy is ``"heads"`` join that program, each as one segment of
     the whole shard whose kernel calls exchange heads
@@ -267,9 +267,13 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: K
         kernels = [kernel if sharded_branches[i].is_local else HeadExchange(
             Group(axis_name, num_devices, sharded_branches[i].ring_size, kernel, args))
             for i in streamed]
-        partial = dilated_local.streamed_partial(
-            kernel, args, streamed_plans, mode, query, key, value, kv_mask, rng,
-            num_branches=len(plans), branch_kernels=kernels)
+        # chunked even on a kernel with a fused program: the strategies' cost model
+        # (ops/strategies/cost.py) prices every strategy's local branches as this
+        # program, and a head exchange cannot run inside a fused call
+        partial = dilated_local.attend(
+            dilated_local.StreamedCall(kernel, args, tuple(streamed_plans), mode, len(plans),
+                                       branch_kernels=tuple(kernels)),
+            query, key, value, kv_mask, rng)
     run = functools.partial(branch_partials, plans, sharded_branches, query, key, value,
                             kv_mask, args, axis_name=axis_name, num_devices=num_devices,
                             kernel=kernel, dropout_rng=dropout_rng,
