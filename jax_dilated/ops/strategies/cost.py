@@ -46,6 +46,9 @@ class StrategyCost:
     note: None, or how the strategy runs this call where that is not its usual way
       (dilated attention's ``"heads"`` branch by branch), printed by
       :func:`~.choice.explain_strategy`.
+    forward_bytes: the part of ``sent_bytes`` the forward pass sends (what a compiled
+      forward alone moves; ``tests/test_strategy_bytes.py`` checks both against the
+      collectives of the compiled programs). None where not split.
     """
 
     strategy: str | tuple
@@ -57,6 +60,7 @@ class StrategyCost:
     small_work: float = 0.0
     overlapped_bytes: float | None = None
     note: str | None = None
+    forward_bytes: float | None = None
 
     @property
     def overlappable(self) -> float:
@@ -134,16 +138,20 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     figures are per device, for a forward and backward pass, from the shapes alone
     (``e`` bytes per element, ``n = T / P``, ``K = B n H_kv D e`` one shard of keys):
 
-    * ring: sends ``(P - 1)`` shards of k and v forward and k, v, dk, dv backward:
-      ``6 (P - 1) K`` (exact and block-sparse); dilated attention sends only for
-      branches spanning ``g`` devices, ``6 (g - 1) K_b`` with ``K_b`` the ``n / r``
-      tokens of the kv heads the branch gathers. Holds its shards plus two blocks in
-      flight (dilated: also ``3 Q`` per branch, each branch's output, cotangent and
-      dq before the merge); transfers overlap compute.
-    * allgather: the same bytes (all-gather forward, all-gather again and a
-      reduce-scatter of dk/dv backward) but holds all keys and values, and their
-      gradients in the backward, ``4 P K`` (dilated: ``4 g K_b`` of the largest
-      spanning branch, plus ``3 Q`` per branch as the ring); no overlap.
+    * ring: sends the k and v shards ``P`` times forward (the XLA kernel's ring steps
+      bring the block home for the backward; ``P - 1`` with cuDNN's generic steps),
+      k, v ``P - 1`` times and the dk, dv accumulators ``P`` times backward:
+      ``(6 P - 2) K`` in float32 (:func:`_ring_sent`; exact and block-sparse);
+      dilated attention sends only for branches spanning ``g`` devices, the same with
+      ``g`` and ``K_b``, the ``n / r`` tokens of the kv heads the branch gathers.
+      Holds its shards plus two blocks in flight (dilated: also ``3 Q`` per branch,
+      each branch's output, cotangent and dq before the merge); transfers overlap
+      compute.
+    * allgather: all-gathers k and v forward and reduce-scatters dk, dv backward (the
+      backward reuses the gathered keys), ``4 (P - 1) K``, and holds all keys and
+      values, and their gradients in the backward, ``4 P K`` (dilated: ``4 (g - 1)
+      K_b`` sent, ``4 g K_b`` held of the largest spanning branch, plus ``3 Q`` per
+      branch as the ring); no overlap.
     * heads: two all-to-alls forward (q, k, v in; out back) and two backward, each
       moving ``(P - 1) / P`` of the arrays: ``2 (P - 1) / P (2 Q + 2 K')`` with ``Q``
       one shard of queries and ``K'`` of kv heads after the GQA repeat; holds a head
@@ -153,6 +161,8 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
       all-to-alls inside its group on its dilated ``n / r`` tokens,
       ``2 (g - 1) / g (2 Q_b + 2 K_b')``, holding ``2 (2 Q_b + 2 K_b')``; needs its
       query heads divisible by ``g``.
+    * forward only (``forward_bytes``): a third of the all-gather's, half of the
+      all-to-alls', ``2 P K`` of the ring's (``2 (P - 1) K`` with cuDNN's steps).
     * with the XLA kernel, a dilated branch spanning devices also holds its logits
       blocks, which differ by strategy (:func:`_logits_blocks_held`): ``H_b`` heads
       over ``n / r`` tokens on the ring (``n / r`` queries against ``g n / r`` keys
@@ -171,6 +181,7 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     op = op if isinstance(op, Operation) else describe(op)
     e = jnp.dtype(dtype).itemsize
     p, b, t, h, hkv, d = num_devices, batch, seq_len, num_heads, num_kv_heads, head_dim
+    kind = platform or _device_kind()
     n = t // p
     kshard = b * n * hkv * d * e
     qshard = b * n * h * d * e
@@ -189,7 +200,8 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
             "allgather", 2 * (p - 1) * (qshard + 2 * kshard)
             + 2 * (p - 1) / p * out_shard,
             base_held + grads_held + 2 * p * (qshard + 2 * kshard) + 2 * p * out_shard,
-            False, c / h, why["allgather"])
+            False, c / h, why["allgather"],
+            forward_bytes=(p - 1) * (qshard + 2 * kshard) + (p - 1) / p * out_shard)
         out["allgather"] = gathered
         out["ring"] = dataclasses.replace(gathered, strategy="ring", reason=why["ring"])
     elif op.kind == "dilated" and why["ring"] is None:
@@ -200,12 +212,18 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
         share = _causal_share(p, layout, causal)
         if op.kind == "block_sparse":
             share = 1.0 / p if layout != "contiguous" or not causal else share
-        out["ring"] = StrategyCost("ring", 6 * (p - 1) * kshard,
+        fwd, sent = _ring_sent(p, kshard, e, _ring_keeps_block(op, kind, e, d))
+        out["ring"] = StrategyCost("ring", sent,
                                    base_held + grads_held + 4 * kshard, True, share,
-                                   why["ring"], small_work=share)
-        out["allgather"] = StrategyCost("allgather", 6 * (p - 1) * kshard,
+                                   why["ring"], small_work=share, forward_bytes=fwd)
+        # all-gather k, v forward, reduce-scatter dk, dv backward: the backward reuses
+        # the keys gathered in the forward (held anyway) rather than gathering again;
+        # the compiled forward+backward has two all-gathers, not four
+        # (tests/test_strategy_bytes.py)
+        out["allgather"] = StrategyCost("allgather", 4 * (p - 1) * kshard,
                                         base_held + grads_held + 4 * p * kshard, False,
-                                        share, why["allgather"], small_work=share)
+                                        share, why["allgather"], small_work=share,
+                                        forward_bytes=2 * (p - 1) * kshard)
     rep = head_parallel.kv_repeat(hkv, p)
     kprime = kshard * rep
     sent_heads = 2 * (p - 1) / p * (2 * qshard + 2 * kprime)
@@ -213,7 +231,7 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     held_heads = base_held + grads_held + 2 * (2 * qshard + 2 * kprime)
     if "heads" not in out:  # (dilated attention's "heads" by branch is priced above)
         out["heads"] = StrategyCost("heads", sent_heads, held_heads, False, 1.0 / p,
-                                    why["heads"])
+                                    why["heads"], forward_bytes=sent_heads / 2)
     if packed and h % p == 0:  # the packed ring path is the heads all-to-all
         out["ring"] = dataclasses.replace(out["heads"], strategy="ring",
                                           reason=why["ring"])
@@ -234,43 +252,50 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
     flops = _branch_flops(op, b, t, h, d)
     total = max(sum(flops), 1.0)
     streamed = _streams_branches(op, pricing.kind, e, d)
+    keeps = _ring_keeps_block(op, pricing.kind, e, d)
     longnet = op.options.get("mode", "longnet") == "longnet"
     # per branch: {entry: (sent, held while it runs, overlapped, small work share,
-    # held until the merge)}, and its work share
+    # held until the merge, sent in the forward)}, and its work share
     options, shares = [], [f / total / p for f in flops]
     for plan, sb, share in zip(plans, sbs, shares):
         kept = _branch_result_held(plan, sb, h, qshard, streamed, longnet)
         if sb.is_local:
-            options.append({"ring": (0.0, 0.0, 0.0, share, kept)})
+            options.append({"ring": (0.0, 0.0, 0.0, share, kept, 0.0)})
             continue
         g, hb, lb = sb.ring_size, len(plan.query_heads), n // sb.rate
         kb = b * lb * len(plan.kv_heads) * d * e
-        sent = 6 * (g - 1) * kb
+        fwd, sent = _ring_sent(g, kb, e, keeps or plan.branch.window is not None)
         # the XLA kernel's logits blocks differ by strategy (_logits_blocks_held)
         blocks = functools.partial(_logits_blocks_held, b, e) if streamed else (
             lambda *_: 0.0)
-        mine = {"ring": (sent, 4 * kb + blocks(hb, lb, lb), sent, share, kept),
-                "allgather": (sent, 4 * g * kb + blocks(hb, lb, g * lb), 0.0, share,
-                              kept)}
+        # the all-gather: k, v gathered forward, dk, dv reduce-scattered backward (the
+        # backward reuses the gathered keys, as for exact attention in estimate)
+        mine = {"ring": (sent, 4 * kb + blocks(hb, lb, lb), sent, share, kept, fwd),
+                "allgather": (4 * (g - 1) * kb, 4 * g * kb + blocks(hb, lb, g * lb), 0.0,
+                              share, kept, 2 * (g - 1) * kb)}
         if plan.branch.window is not None:
             del mine["allgather"]  # a window branch runs its windowed ring only
         elif hb % g == 0:
             qb = b * lb * hb * d * e
             kprime = kb * head_parallel.kv_repeat(len(plan.kv_heads), g)
+            # q, k', v' in and the output back, forward; do in, dq, dk', dv' back,
+            # backward. Inside the streamed program (ops/distributed.py) the backward
+            # exchanges q, k', v' again rather than holding them, but XLA merges those
+            # all-to-alls with the forward's (the same operands, common subexpression
+            # elimination), so a forward+backward compiled as one program moves each
+            # once (tests/test_strategy_bytes.py); nothing of the branch is held until
+            # the merge there
+            moved = 2 * (2 * qb + 2 * kprime)
             if streamed:
-                # inside the streamed program (ops/distributed.py): the backward
-                # exchanges q, k', v' again rather than holding them, and nothing of
-                # the branch is held until the merge
-                moved, kept = 5 * qb + 6 * kprime, 0.0
-            else:
-                moved = 2 * (2 * qb + 2 * kprime)
+                kept = 0.0
             # priced on CPU as the ring's calls (small work ``share``): the exchanged
             # branch still runs a kernel call over only its group's dilated rows, not
             # one call over the whole sequence as the whole-call "heads" does, so it
             # earns none of that strategy's discount (docs/benchmarks.md, "One
             # strategy per dilated branch": the mix runs about as fast as the rings)
             mine["heads"] = ((g - 1) / g * moved, 2 * (2 * qb + 2 * kprime)
-                             + blocks(hb // g, g * lb, g * lb), 0.0, share, kept)
+                             + blocks(hb // g, g * lb, g * lb), 0.0, share, kept,
+                             (g - 1) / g * moved / 2)
         options.append(mine)
     streamed_held = 3 * qshard if streamed else 0.0
 
@@ -284,7 +309,8 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
             name, sent, shards_held + max((x[1] for x in parts), default=0.0)
             + streamed_held + sum(x[4] for x in parts), overlapped == sent, 1.0 / p,
             why[name] if isinstance(name, str) else None,
-            small_work=sum(x[3] for x in parts), overlapped_bytes=overlapped)
+            small_work=sum(x[3] for x in parts), overlapped_bytes=overlapped,
+            forward_bytes=sum(x[5] for x in parts))
 
     uniform = {}
     for name in ("ring", "allgather"):
@@ -312,6 +338,45 @@ def _dilated_costs(op, why, b, t, h, hkv, d, p, e, shards_held, qshard,
         return uniform  # the same as one of the uniform strategies
     uniform["per_branch"] = total_cost(mix, mix)
     return uniform
+
+
+def _ring_sent(size: int, kb: float, itemsize: int, keeps_block: bool):
+    """``(forward, forward + backward)`` bytes one device sends around a ring of
+    ``size`` devices whose visiting blocks are ``kb`` bytes of keys and as many of
+    values (ops/ring.py), as the compiled programs move them
+    (tests/test_strategy_bytes.py), rather than ``P - 1`` hops of each:
+
+    * the forward sends the block ``P`` times where the ring keeps the block it packed
+      (``keep_packed``: the XLA kernel's ring steps, one loop over all ``P`` steps
+      brings it home for the backward), ``P - 1`` times with the generic steps
+      (cuDNN's);
+    * the backward sends k, v ``P - 1`` times and the dk, dv accumulators ``P`` times
+      (the last hop brings them to their owner), accumulated in the statistics dtype
+      (float32 for half-precision inputs: twice their bytes)."""
+    if size <= 1:
+        return 0.0, 0.0
+    fwd = 2 * (size if keeps_block else size - 1) * kb
+    acc = kb * max(itemsize, 4) / itemsize
+    return fwd, fwd + 2 * (size - 1) * kb + 2 * size * acc
+
+
+def _ring_keeps_block(op, kind: str, itemsize: int, head_dim: int) -> bool:
+    """Whether the ring runs the XLA kernel's fused steps, which keep the packed block
+    (a forward of ``P`` hops, :func:`_ring_sent`): block-sparse attention always; the
+    XLA and native kernels (the native one inherits the XLA ring steps); with
+    ``implementation=None`` every call off GPU, and on a GPU the calls cuDNN cannot
+    take as a ring step (causal, a window, or dtype / head_dim it has no kernel for,
+    priced as on Hopper: ``backends/registry.py``, ``ring_steps``)."""
+    if op.kind == "block_sparse":
+        return True
+    impl = op.options.get("implementation")
+    if impl is not None:
+        return impl != "cudnn"
+    if kind != "gpu" or op.options.get("is_causal") or op.options.get("window") is not None:
+        return True
+    dtype = {2: "bfloat16", 4: "float32", 8: "float64"}.get(itemsize, "float32")
+    spec = selection.CallSpec(dtype, head_dim, is_causal=False)
+    return selection.cudnn_call_reason(_PRICED_GPU, spec) is not None
 
 
 def _logits_blocks_held(batch: int, itemsize: int, heads: int, len_q: int,

@@ -124,8 +124,10 @@ def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
     back, forward and again backward, ``2 (P_a - 1) / P_a (2 Q + 2 K')``, not
     overlapped, and hold the exchanged copies, ``2 (2 Q + 2 K')``; the rest is the
     operation's ring over ``P_b`` devices on ``H / P_a`` heads of the whole sequence
-    (:func:`~.cost.estimate`'s ``"ring"``: for exact attention ``6 (P_b - 1) K'``,
-    overlapped), its work a ``1 / P_a`` slice of it.
+    (:func:`~.cost.estimate`'s ``"ring"``: for exact attention ``(6 P_b - 2) K'`` in
+    float32 with the XLA kernel's ring steps, whose forward sends the block ``P_b``
+    times, overlapped), its work a ``1 / P_a`` slice of it. Forward only
+    (``forward_bytes``): half the exchange and the ring's forward.
     """
     size_a, size_b = sizes
     e = jnp.dtype(dtype).itemsize
@@ -146,4 +148,5 @@ def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
     return StrategyCost(("hybrid", size_a, size_b), exchanged + ring.sent_bytes,
                         ring.held_bytes + 2 * (2 * q + 2 * k), False, ring.work / size_a,
                         why, small_work=ring.small_work / size_a,
-                        overlapped_bytes=ring.overlappable)
+                        overlapped_bytes=ring.overlappable,
+                        forward_bytes=exchanged / 2 + (ring.forward_bytes or 0.0))
