@@ -40,6 +40,7 @@ __all__ = [
     "check_decode_segment_ids",
     "check_sinks_flag",
     "check_mesh_scores",
+    "mesh_strategy",
     "layer_decode_step",
 ]
 
@@ -91,6 +92,17 @@ def precision_context(precision):
     return jax.default_matmul_precision(name.lower())
 
 
+def mesh_strategy(seq_axis, strategy=None) -> StrategyLike:
+    """The ``strategy`` of a mesh-built layer: as given, or, where the caller left it
+    unset (None), ``"hybrid"`` for a pair ``seq_axis=(a, b)`` (heads exchanged over
+    ``a``, a ring over ``b``; the only strategy, with ``"auto"``, that runs two axes,
+    docs/semantics.md section 8, "Hybrid") and ``"ring"`` for one axis (the layers'
+    default). Used by the layer factory and :class:`jax_dilated.models.LongNetLM`."""
+    if strategy is not None:
+        return strategy
+    return "hybrid" if isinstance(seq_axis, (tuple, list)) else "ring"
+
+
 # ----------------------------------------------------------------------- attention core
 
 
@@ -106,14 +118,17 @@ class AttentionCore:
     mesh, seq_axis, batch_axis, head_axis, layout, strategy: with a mesh, ``fn`` runs
       sequence-parallel on global arrays through :func:`jax_dilated.sharded`
       (``strategy``: ``"ring"``, ``"allgather"``, ``"heads"`` or ``"auto"``; for
-      dilated attention also a tuple with one of the first three per branch).
+      dilated attention also a tuple with one of the first three per branch; with
+      ``seq_axis=(a, b)``, two mesh axes, ``"hybrid"`` or ``"auto"``, which picks it:
+      the sequence sharded ``b``-major over both, heads exchanged over ``a``, a ring
+      over ``b``, docs/semantics.md section 8, "Hybrid").
     """
 
     kind: str
     fn: Callable
     options: tuple
     mesh: Any = None
-    seq_axis: str | None = None
+    seq_axis: str | tuple[str, str] | None = None
     batch_axis: str | None = None
     head_axis: str | None = None
     layout: Layout = "contiguous"

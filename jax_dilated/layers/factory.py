@@ -8,6 +8,7 @@ here.)
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Union, get_args
 
 import jax
@@ -18,6 +19,7 @@ from jax_dilated.backends import select_implementation
 from jax_dilated.block_patterns import BlockPattern
 from jax_dilated.core import validation
 from jax_dilated.core.types import ArrayLike, FlaxApi, LayerKind, SegmentLengths
+from jax_dilated.layers import common
 from jax_dilated.layers import linen as linen_layers
 from jax_dilated.layers import nnx as nnx_layers
 from jax_dilated.layers.flax_adapter import attention_fn
@@ -61,7 +63,8 @@ def _kernel_note(device: jax.Device | None = None) -> str:
 
 
 def choose_kind(*, segment_lengths: SegmentLengths | None = None,
-                mesh: jax.sharding.Mesh | None = None, seq_axis: str | None = None,
+                mesh: jax.sharding.Mesh | None = None,
+                seq_axis: str | tuple[str, str] | None = None,
                 seq_len: int | None = None, device: jax.Device | None = None,
                 pattern: BlockPattern | ArrayLike | None = None) -> Choice:
     """The kind ``"auto"`` picks, with the reason.
@@ -76,6 +79,12 @@ def choose_kind(*, segment_lengths: SegmentLengths | None = None,
       ``P * MIN_TOKENS_PER_DEVICE`` tokens - then ``"dilated"`` on one device;
     * otherwise ``"dilated"``.
 
+    ``seq_axis`` may name two mesh axes ``(a, b)``: ``P = P_a P_b`` is then the devices
+    of both, and the sequence-parallel kinds run the ``"hybrid"`` strategy (heads
+    exchanged over ``a``, a ring over ``b``; docs/semantics.md section 8, "Hybrid"),
+    the one strategy that runs a pair (:func:`create_multihead_dilated_attention`
+    sets it).
+
     The reason also names the kernel the device kind selects.
     """
     if seq_len is not None:
@@ -88,31 +97,36 @@ def choose_kind(*, segment_lengths: SegmentLengths | None = None,
     validation.check_mesh_axes(mesh, seq_axis)
     note = _kernel_note(device if device is not None or mesh is None
                         else mesh.devices.flat[0])
+    if mesh is not None:
+        pair = isinstance(seq_axis, (tuple, list))
+        axes = tuple(seq_axis) if pair else (seq_axis,)
+        devices = math.prod(mesh.shape[a] for a in axes)
+        named = f"mesh axes {axes!r}" if pair else f"mesh axis {seq_axis!r}"
+        where = (f"{named} ({' x '.join(str(mesh.shape[a]) for a in axes)} = {devices} "
+                 f"devices; strategy 'hybrid': heads exchanged over {axes[0]!r}, a ring "
+                 f"over {axes[1]!r})" if pair else f"{named} ({devices} devices)")
     if segment_lengths is None:
         if mesh is None:
             raise ValueError(
                 "kind='auto' needs segment_lengths (dilated attention) or a mesh and "
                 "seq_axis (exact ring attention).")
         return Choice("ring", f"no segment_lengths: exact attention, sequence sharded "
-                              f"over mesh axis {seq_axis!r} ({mesh.shape[seq_axis]} "
-                              f"devices); {note}")
+                              f"over {where}; {note}")
     if mesh is None:
         return Choice("dilated", f"no mesh: one device; {note}")
-    devices = mesh.shape[seq_axis]
     if devices == 1:
-        return Choice("dilated", f"mesh axis {seq_axis!r} has one device; {note}")
+        return Choice("dilated", f"{named} has one device; {note}")
     if seq_len is not None:
         if seq_len % devices:
             return Choice("dilated", f"seq_len={seq_len} is not divisible by the {devices} "
-                                     f"devices of mesh axis {seq_axis!r}: one device; {note}")
+                                     f"devices of {named}: one device; {note}")
         if seq_len < devices * MIN_TOKENS_PER_DEVICE:
             return Choice("dilated", f"seq_len={seq_len} gives under "
                                      f"{MIN_TOKENS_PER_DEVICE} tokens per device on "
                                      f"{devices} devices: one device is faster; {note}")
     length = "" if seq_len is None else f"seq_len={seq_len}, "
     return Choice("distributed", f"{length}distributed dilated attention, sequence "
-                                 f"sharded over mesh axis {seq_axis!r} ({devices} "
-                                 f"devices); {note}")
+                                 f"sharded over {where}; {note}")
 
 
 def _layer_classes(api: str):
@@ -145,7 +159,17 @@ def create_multihead_dilated_attention(kind: LayerKind = "auto", *, api: FlaxApi
       seq_len: the sequence length the layer will see, if known (used by ``"auto"``).
       explain: also return the :class:`Choice` (kind and reason).
       **config: the layer's arguments (``embed_dim``, ``num_heads``,
-        ``segment_lengths``, ``dilation_rates``, ``mesh``, ``seq_axis``, ``rngs``, ...).
+        ``segment_lengths``, ``dilation_rates``, ``mesh``, ``seq_axis``, ``strategy``,
+        ``rngs``, ...).
+
+    Two mesh axes: ``seq_axis=(a, b)`` shards the sequence over both (``b`` major; the
+    length divisible by ``P_a P_b``) for the sequence-parallel kinds. A ``strategy``
+    left out is then ``"hybrid"`` (heads exchanged over ``a``, ``num_heads`` divisible
+    by ``P_a``, a ring over ``b``; docs/semantics.md section 8, "Hybrid"), and
+    ``strategy="auto"`` picks ``"hybrid"`` too (the one strategy that runs a pair);
+    ``kind="auto"`` counts the devices of both axes (see :func:`choose_kind`). The
+    layer computes what the same layer computes on one device. With one axis a
+    ``strategy`` left out is the layers' default, ``"ring"``.
 
     Returns:
       The layer, or ``(layer, choice)`` with ``explain=True``.
@@ -153,8 +177,8 @@ def create_multihead_dilated_attention(kind: LayerKind = "auto", *, api: FlaxApi
     Raises:
       TypeError / ValueError: for a ``seq_len`` that is not a positive int.
       ValueError: for an unknown kind, a ring kind without a mesh,
-        a mesh without the named axis, ``"dilated"`` with a mesh, ``"ring"`` with
-        dilated-attention options.
+        a mesh without the named axis (or a pair naming one axis twice),
+        ``"dilated"`` with a mesh, ``"ring"`` with dilated-attention options.
 
     Example:
       >>> import jax_dilated as jd
@@ -177,6 +201,8 @@ def create_multihead_dilated_attention(kind: LayerKind = "auto", *, api: FlaxApi
     mesh, seq_axis = config.get("mesh"), config.get("seq_axis")
     validation.check_mesh_axes(mesh, seq_axis, config.get("batch_axis"),
                                config.get("head_axis"))
+    if mesh is not None:  # "hybrid" for seq_axis=(a, b), else the layers' "ring"
+        config["strategy"] = common.mesh_strategy(seq_axis, config.get("strategy"))
     if kind == "auto":
         choice = choose_kind(segment_lengths=config.get("segment_lengths"), mesh=mesh,
                              seq_axis=seq_axis, seq_len=seq_len,

@@ -15,6 +15,14 @@ collection (or ``dropout_rng=``); decoding through the ``"cache"`` collection, a
 ``[batch, max_len, embed_dim]`` input creates the cache, then
 ``apply(variables, x_t, decode=True, mutable=["cache"])`` decodes the next tokens
 ``x_t`` [batch, n, embed_dim] (one at a time, or a whole prompt).
+
+Over a mesh (``mesh``, ``seq_axis``) the layers take global arrays and give what the
+same layer gives on one device. ``seq_axis=(a, b)`` with ``strategy="hybrid"`` (or
+``"auto"``, which picks it) shards the sequence over two mesh axes, ``b`` major (the
+length divisible by ``P_a P_b``): heads are exchanged over ``a`` (``num_heads``
+divisible by ``P_a``) and the attention's ring runs over ``b`` (docs/semantics.md
+section 8, "Hybrid"); a pair naming one axis twice or an axis not in the mesh is a
+``ValueError`` naming ``seq_axis`` at construction.
 """
 
 from __future__ import annotations
@@ -49,7 +57,8 @@ def _dropout_key(module: nn.Module, rate: float, deterministic, dropout_rng):
 class DilatedAttention(nn.Module):
     """:func:`jax_dilated.dilated_attention` as a Linen module (no parameters).
 
-    Fields as :class:`jax_dilated.nnx.DilatedAttention`; call ``(query, key, value, *,
+    Fields as :class:`jax_dilated.nnx.DilatedAttention` (``seq_axis`` one mesh axis,
+    or two ``(a, b)`` with ``strategy="hybrid"``); call ``(query, key, value, *,
     is_causal=False, kv_mask=None, segment_ids=None, sinks=None, deterministic=None,
     dropout_rng=None)`` with ``[B, T, H, D]`` arrays (``segment_ids`` int [B, T]:
     packed documents; ``sinks`` float [H]: per-head sink logits).
@@ -71,7 +80,7 @@ class DilatedAttention(nn.Module):
     implementation: Implementation | None = None
     attention_fn: Callable | None = None
     mesh: jax.sharding.Mesh | None = None
-    seq_axis: str | None = None
+    seq_axis: str | tuple[str, str] | None = None
     batch_axis: str | None = None
     head_axis: str | None = None
     strategy: StrategyLike = "ring"
@@ -112,8 +121,10 @@ class DilatedAttention(nn.Module):
 class RingAttention(nn.Module):
     """Exact attention over a sequence sharded on ``seq_axis`` of ``mesh`` (Linen).
 
-    Fields as :class:`jax_dilated.nnx.RingAttention`; call ``(query, key, value, *,
-    is_causal=False, kv_mask=None, segment_ids=None, sinks=None)``.
+    Fields as :class:`jax_dilated.nnx.RingAttention` (``seq_axis`` one mesh axis, or
+    two ``(a, b)`` with ``strategy="hybrid"``); call ``(query, key, value, *,
+    is_causal=False, kv_mask=None, segment_ids=None, sinks=None)`` with ``[B, T, H,
+    D]`` arrays -> ``[B, T, H, D]``.
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -124,7 +135,7 @@ class RingAttention(nn.Module):
     """
 
     mesh: jax.sharding.Mesh
-    seq_axis: str
+    seq_axis: str | tuple[str, str]
     layout: Layout = "contiguous"
     batch_axis: str | None = None
     head_axis: str | None = None
@@ -190,7 +201,7 @@ class _Multihead(nn.Module):
     implementation: Implementation | None = None
     attention_fn: Callable | None = None
     mesh: jax.sharding.Mesh | None = None
-    seq_axis: str | None = None
+    seq_axis: str | tuple[str, str] | None = None
     batch_axis: str | None = None
     head_axis: str | None = None
     strategy: StrategyLike = "ring"
@@ -303,7 +314,9 @@ class _Multihead(nn.Module):
 class MultiheadDilatedAttention(_Multihead):
     """LongNet multi-head dilated attention (Linen); options, parameters and math as
     :class:`jax_dilated.nnx.MultiheadDilatedAttention` (``segment_lengths`` and
-    ``dilation_rates`` are required).
+    ``dilation_rates`` are required; ``mesh`` with ``seq_axis=(a, b)`` and
+    ``strategy="hybrid"``: distributed dilated attention over two mesh axes, see the
+    module docstring). ``[batch, seq, embed_dim]`` in and out.
 
     Example:
       >>> import jax, jax_dilated as jd
@@ -332,7 +345,9 @@ class MultiheadDilatedAttention(_Multihead):
 
 class MultiheadRingAttention(_Multihead):
     """Multi-head exact ring attention over ``mesh`` / ``seq_axis`` (Linen); see
-    :class:`jax_dilated.nnx.MultiheadRingAttention`.
+    :class:`jax_dilated.nnx.MultiheadRingAttention`. ``seq_axis=(a, b)`` with
+    ``strategy="hybrid"``: heads exchanged over ``a``, the ring over ``b`` (see the
+    module docstring). ``[batch, seq, embed_dim]`` in and out.
 
     Example:
       >>> import jax, jax_dilated as jd

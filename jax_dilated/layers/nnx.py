@@ -78,7 +78,7 @@ class DilatedAttention(nnx_rngs.DropoutMixin, nnx.Module):
                  scale: float | None = None, dropout_rate: float = 0.0,
                  implementation: Implementation | None = None,
                  attention_fn: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
-                 seq_axis: str | None = None, batch_axis: str | None = None,
+                 seq_axis: str | tuple[str, str] | None = None, batch_axis: str | None = None,
                  head_axis: str | None = None, strategy: StrategyLike = "ring",
                  deterministic: bool | None = None, block_q: int | None = None,
                  block_k: int | None = None, logit_soft_cap: float | None = None,
@@ -115,7 +115,9 @@ class RingAttention(nnx.Module):
     for ``layout="zigzag"``).
 
     Args:
-      mesh, seq_axis: the mesh and the axis of the ring.
+      mesh, seq_axis: the mesh and the axis of the ring, or two axes ``(a, b)`` with
+        ``strategy="hybrid"`` (heads exchanged over ``a``, the ring over ``b``;
+        docs/semantics.md section 8, "Hybrid").
       layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"``.
       batch_axis, head_axis: optional mesh axes for batch and heads.
       scale, implementation, attention_fn, block_q, block_k, window, logit_soft_cap:
@@ -134,7 +136,8 @@ class RingAttention(nnx.Module):
       (1, 32, 2, 8)
     """
 
-    def __init__(self, *, mesh: jax.sharding.Mesh, seq_axis: str, layout: Layout = "contiguous",
+    def __init__(self, *, mesh: jax.sharding.Mesh, seq_axis: str | tuple[str, str],
+                 layout: Layout = "contiguous",
                  batch_axis: str | None = None, head_axis: str | None = None,
                  strategy: Strategy = "ring", scale: float | None = None,
                  implementation: Implementation | None = None,
@@ -229,7 +232,7 @@ class MultiheadDilatedAttention(MultiheadBody):
                  param_dtype: DTypeLike = jnp.float32, precision: Any = None,
                  implementation: Implementation | None = None,
                  attention_fn: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
-                 seq_axis: str | None = None, batch_axis: str | None = None,
+                 seq_axis: str | tuple[str, str] | None = None, batch_axis: str | None = None,
                  head_axis: str | None = None, strategy: StrategyLike = "ring",
                  deterministic: bool | None = None,
                  decode: bool = False, qk_transform: Callable | None = None,
@@ -276,7 +279,8 @@ class MultiheadRingAttention(MultiheadBody):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, mesh: jax.sharding.Mesh,
-                 seq_axis: str, layout: Layout = "contiguous", num_kv_heads: int | None = None,
+                 seq_axis: str | tuple[str, str], layout: Layout = "contiguous",
+                 num_kv_heads: int | None = None,
                  scale: float | None = None, use_bias: bool = True, layer_norm: bool = True,
                  layer_norm_eps: float = 1e-5, gamma_init: float = 1.0,
                  dtype: DTypeLike | None = None, param_dtype: DTypeLike = jnp.float32,
@@ -329,7 +333,7 @@ class MultiheadBlockSparseAttention(MultiheadBody):
                  dtype: DTypeLike | None = None, param_dtype: DTypeLike = jnp.float32,
                  precision: Any = None, implementation: Implementation | None = None,
                  attention_fn: Callable | None = None, mesh: jax.sharding.Mesh | None = None,
-                 seq_axis: str | None = None, layout: Layout = "contiguous",
+                 seq_axis: str | tuple[str, str] | None = None, layout: Layout = "contiguous",
                  batch_axis: str | None = None, head_axis: str | None = None,
                  strategy: Strategy = "ring", qk_transform: Callable | None = None,
                  window: tuple[int, int] | None = None, logit_soft_cap: float | None = None,

@@ -23,7 +23,10 @@ matrix.
 
 * Sequence parallelism: ``LongNetLM(config, mesh=..., seq_axis=...)`` runs every
   attention layer as distributed dilated attention over the mesh (equal to the
-  single-device model); everything else is token-wise and follows the input's sharding.
+  single-device model); ``seq_axis=(a, b)`` shards the sequence over two mesh axes
+  with the ``"hybrid"`` strategy (heads exchanged over ``a``, a ring over ``b``;
+  docs/semantics.md section 8, "Hybrid"); everything else is token-wise and follows
+  the input's sharding.
 * Rematerialisation: ``config.remat=True`` recomputes each block in the backward pass
   (``nnx.remat``): activations of only the block boundaries are kept.
 * Decoding: :meth:`LongNetLM.init_cache` + ``model(tokens, decode=True)`` run on the
@@ -42,10 +45,10 @@ import numpy as np
 from flax import nnx
 
 from jax_dilated.core import validation
-from jax_dilated.core.types import Array, ArrayLike, DTypeLike
+from jax_dilated.core.types import Array, ArrayLike, DTypeLike, StrategyLike
 from jax_dilated.layers import nnx as jd_nnx
 from jax_dilated.layers import projections
-from jax_dilated.layers.common import check_decode_segment_ids
+from jax_dilated.layers.common import check_decode_segment_ids, mesh_strategy
 from jax_dilated.models.config import LongNetConfig
 
 __all__ = ["LongNetLM", "cross_entropy"]
@@ -89,7 +92,8 @@ class _FeedForward(nnx.Module):
 class _Block(nnx.Module):
     """One decoder block ``[B, T, E] -> [B, T, E]`` (see the module docstring)."""
 
-    def __init__(self, cfg: LongNetConfig, *, mesh, seq_axis, batch_axis, rngs: nnx.Rngs):
+    def __init__(self, cfg: LongNetConfig, *, mesh, seq_axis, batch_axis, strategy,
+                 rngs: nnx.Rngs):
         ln = functools.partial(nnx.LayerNorm, cfg.embed_dim, epsilon=cfg.layer_norm_eps,
                                dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                scale_metadata=_meta("embed"), bias_metadata=_meta("embed"),
@@ -103,7 +107,8 @@ class _Block(nnx.Module):
             layer_norm_eps=cfg.layer_norm_eps, gamma_init=cfg.gamma, dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, implementation=cfg.implementation,
             block_q=cfg.block_q, block_k=cfg.block_k, mesh=mesh,
-            seq_axis=seq_axis, batch_axis=batch_axis, qk_transform=cfg.qk_transform(),
+            seq_axis=seq_axis, batch_axis=batch_axis, strategy=strategy,
+            qk_transform=cfg.qk_transform(),
             logit_soft_cap=cfg.logit_soft_cap, sinks=cfg.attention_sinks,
             deterministic=False, rngs=rngs)
         self.ln_ffn = ln()
@@ -156,7 +161,16 @@ class LongNetLM(nnx.Module):
       mesh, seq_axis: run every attention layer sequence-parallel over ``mesh``
         (distributed dilated attention with the sequence sharded on ``seq_axis``;
         the sequence length must then divide by its size); ``batch_axis`` also
-        shards the batch. Inputs and outputs stay global arrays.
+        shards the batch. Inputs and outputs stay global arrays. ``seq_axis=(a, b)``
+        names two mesh axes: the sequence sharded over both (``b`` major, the length
+        divisible by ``P_a P_b``), heads exchanged over ``a`` (``num_heads``
+        divisible by ``P_a``), a ring over ``b`` (docs/semantics.md section 8,
+        "Hybrid"); the logits and gradients are those of the single-device model.
+      strategy: how each attention layer runs over the mesh (see
+        :func:`jax_dilated.sharded`): None (default) is ``"ring"`` for one axis and
+        ``"hybrid"`` for a pair; also ``"allgather"``, ``"heads"``, ``"auto"`` or a
+        tuple with one per branch (one axis), ``"auto"`` (a pair: it picks
+        ``"hybrid"``).
       rngs: ``nnx.Rngs`` (``params`` for initialisation, ``dropout`` for dropout).
 
     Call: ``model(tokens [B, T] int, *, kv_mask=None [B, T] bool, segment_ids=None
@@ -193,11 +207,13 @@ class LongNetLM(nnx.Module):
     """
 
     def __init__(self, config: LongNetConfig, *, mesh: jax.sharding.Mesh | None = None,
-                 seq_axis: str | None = None, batch_axis: str | None = None,
+                 seq_axis: str | tuple[str, str] | None = None,
+                 batch_axis: str | None = None, strategy: StrategyLike | None = None,
                  rngs: nnx.Rngs):
         if not isinstance(config, LongNetConfig):
             raise TypeError(f"config must be a LongNetConfig, got {type(config).__name__}.")
         validation.check_mesh_axes(mesh, seq_axis, batch_axis)
+        strategy = mesh_strategy(seq_axis, strategy)
         self.config = config
         e, v = config.embed_dim, config.vocab_size
         init = jax.nn.initializers.normal(e ** -0.5)
@@ -206,7 +222,7 @@ class LongNetLM(nnx.Module):
                                rngs=rngs)
         self.embed_dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
         self.blocks = nnx.List([_Block(config, mesh=mesh, seq_axis=seq_axis,
-                                       batch_axis=batch_axis, rngs=rngs)
+                                       batch_axis=batch_axis, strategy=strategy, rngs=rngs)
                                 for _ in range(config.num_layers)])
         self.final_ln = nnx.LayerNorm(e, epsilon=config.layer_norm_eps, dtype=config.dtype,
                                       param_dtype=config.param_dtype,
