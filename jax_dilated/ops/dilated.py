@@ -17,6 +17,7 @@ whole output by the number of branches.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from jax_dilated.backends import KernelArgs, get_kernel
@@ -213,36 +214,32 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
         o, lse = dilated_packed.packed_attention(call.kernel, call.args, plans, mode, query,
                                                  key, value, kv_mask, segment_ids,
                                                  max_documents, rng)
-    elif hybrid and segment_ids is not None:
-        # packed rows: whole sequences of some heads, as under every strategy, over
-        # the two axes as one
-        o, lse = head_parallel.dilated_over_heads(
-            call, query, key, value, kv_mask, segment_ids, rng, axis_name=flat_axis,
-            num_devices=num_devices, lse_grad=lse_grad)
-    elif hybrid:
-        o, lse = dilated_hybrid.hybrid(call, query, key, value, kv_mask, rng, seq_axis,
-                                       lse_grad)
     else:
-        o, lse = _over_mesh(call, plans, query, key, value, kv_mask, rng, segment_ids,
-                            seq_axis, num_devices, strategy, lse_grad)
+        program = _mesh_program(call, plans, t, h, segment_ids, seq_axis, flat_axis,
+                                num_devices, strategy, lse_grad)
+        o, lse = program(query, key, value, kv_mask, rng)
     o, lse = softmax.sinks_on_output(o, lse, sinks)
     return (o, lse) if return_lse else o
 
 
-def _over_mesh(call: DilatedCall, plans, query, key, value, kv_mask, rng, segment_ids,
-               seq_axis: str, num_devices: int, strategy, lse_grad: bool):
-    """``(out, lse)`` with the sequence sharded over ``seq_axis`` (inside shard_map):
-    the whole sequence of some heads per device (``"heads"`` as one all-to-all, and
-    packed rows under every strategy), else the branches on the shards
-    (:func:`jax_dilated.ops.distributed.sharded_dilated`)."""
-    t, h = query.shape[1], query.shape[2]
+def _mesh_program(call: DilatedCall, plans, local_len: int, num_heads: int, segment_ids,
+                  seq_axis, flat_axis, num_devices: int, strategy, lse_grad: bool):
+    """The program that runs a call with the sequence sharded over ``seq_axis`` (inside
+    shard_map), as ``f(query, key, value, kv_mask, rng) -> (out, lse)``: the whole
+    sequence of some heads per device (``"heads"`` as one all-to-all, and packed rows
+    under every strategy), the hybrid exchange over two axes, else the branches on the
+    shards (:func:`jax_dilated.ops.distributed.sharded_dilated`). Chosen here, entered
+    by the caller, so that the program calls its kernels from one frame below it."""
+    if isinstance(seq_axis, tuple) and segment_ids is None:
+        return functools.partial(dilated_hybrid.hybrid, call, axes=seq_axis,
+                                 lse_grad=lse_grad)
     # "heads" runs branch by branch where it can (distributed.heads_by_branch), else
     # as the all-to-all of the whole call
-    by_branch = (distributed.heads_by_branch(call.branches, plans, local_len=t,
+    by_branch = (distributed.heads_by_branch(call.branches, plans, local_len=local_len,
                                              num_devices=num_devices)
                  if strategy == "heads" and segment_ids is None else None)
     whole_heads = strategy == "heads" and by_branch is None
-    why = head_parallel.heads_unservable(h, num_devices) if whole_heads else None
+    why = head_parallel.heads_unservable(num_heads, num_devices) if whole_heads else None
     if why:
         also = "" if segment_ids is not None else (
             ", and it cannot run branch by branch either (that needs every segment on "
@@ -251,14 +248,16 @@ def _over_mesh(call: DilatedCall, plans, query, key, value, kv_mask, rng, segmen
         raise ValueError(f"{why} ({seq_axis!r}){also}; use 'ring' or 'allgather'.")
     if segment_ids is not None or whole_heads:
         # every device runs the one-device program on the whole sequence of some heads
-        # (packed rows: documents start anywhere, so segments do not sit on the shards)
-        return head_parallel.dilated_over_heads(
-            call, query, key, value, kv_mask, segment_ids, rng, axis_name=seq_axis,
-            num_devices=num_devices, gather=strategy == "allgather", lse_grad=lse_grad)
+        # (packed rows: documents start anywhere, so segments do not sit on the shards;
+        # under hybrid over the two axes as one)
+        return functools.partial(
+            head_parallel.dilated_over_heads, call, segment_ids=segment_ids,
+            axis_name=flat_axis, num_devices=num_devices,
+            gather=strategy == "allgather", lse_grad=lse_grad)
     sharded_branches = by_branch or distributed.shard_branches(
-        call.branches, local_len=t, num_devices=num_devices)
-    return distributed.sharded_dilated(
-        plans, sharded_branches, query, key, value, kv_mask, call.args, mode=call.mode,
-        axis_name=seq_axis, num_devices=num_devices, kernel=call.kernel, dropout_rng=rng,
+        call.branches, local_len=local_len, num_devices=num_devices)
+    return functools.partial(
+        distributed.sharded_dilated, plans, sharded_branches, args=call.args,
+        mode=call.mode, axis_name=seq_axis, num_devices=num_devices, kernel=call.kernel,
         strategies=distributed.branch_strategies(strategy, plans, sharded_branches),
         lse_grad=lse_grad)

@@ -105,8 +105,8 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
         kept.append(sharded_branches[i])
         i += 1
     out, lse = distributed.sharded_dilated(
-        plans, kept, q, k, v, mask, call.args, mode=call.mode, axis_name=b,
-        num_devices=size_b, kernel=call.kernel, dropout_rng=rng, lse_grad=lse_grad)
+        plans, kept, q, k, v, mask, rng, args=call.args, mode=call.mode, axis_name=b,
+        num_devices=size_b, kernel=call.kernel, lse_grad=lse_grad)
     if call.mode == "head_groups" and len(plans) != len(call.branches):
         # divided by the branches of these heads' groups, not by all of them
         out = (out * (len(plans) / len(call.branches))).astype(q.dtype)

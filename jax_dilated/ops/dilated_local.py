@@ -54,7 +54,7 @@ from jax_dilated.core import branch_plans, dilation, softmax
 from jax_dilated.core.vma import varying_like
 from jax_dilated.ops.dilated_chunks import BranchView, branch_rng, chunk_rng, slice_items
 
-__all__ = ["StreamedCall", "attend"]
+__all__ = ["StreamedCall", "attend", "attend_with_primal"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,7 +93,21 @@ class StreamedCall:
 # --------------------------------------------------------------------------- forward
 
 
-def _forward(call: StreamedCall, query, key, value, kv_mask, rng, source):
+def _forward(call: StreamedCall, query, key, value, kv_mask, rng, source=None, sinks=None):
+    """The streamed program: ``(o, lse, lse_lo)`` of the branches ``call.plans``.
+
+    query: [B, T, H, D]; key, value: [B, T, H_kv, D]; kv_mask: None or [B, T] bool.
+    rng: None or the dropout key (branch ``i`` folds in ``i``, its chunk ``c`` then
+    ``c``). source: None, or the slots of packed rows ([B, T'] int32, module
+    docstring) that every segment length divides; arrays, ``kv_mask`` and results
+    stay packed. sinks: None or the [H] attention sinks, folded into the result
+    (:func:`jax_dilated.core.softmax.add_sinks`).
+
+    ``(o, lse)`` are as :func:`jax_dilated.ops.branch_combine.combine_branches`
+    defines them (head_groups: heads of no branch here hold 0 and ``-inf``),
+    differentiable in query, key, value and sinks through both; as everywhere,
+    ``lse_lo``'s cotangent is ignored (core/softmax.py).
+    """
     b, t, h, d = query.shape
     stats = softmax.stats_dtype(query.dtype)
     longnet = call.mode == "longnet"
@@ -145,7 +159,7 @@ def _forward(call: StreamedCall, query, key, value, kv_mask, rng, source):
             step = functools.partial(body, run=run)
             acc = step(0, acc) if run.unrolled else jax.lax.fori_loop(0, run.trips, step, acc)
         o, lse, lse_lo = (br.unview(x) for x in acc)
-    return o.astype(query.dtype), lse, lse_lo
+    return softmax.fold_sinks(o.astype(query.dtype), lse, lse_lo, sinks)
 
 
 # --------------------------------------------------------------------------- backward
@@ -229,35 +243,20 @@ def _backward(call: StreamedCall, query, key, value, kv_mask, rng, source, lse, 
 # --------------------------------------------------------------------------- custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attend(call: StreamedCall, query, key, value, kv_mask, rng, source=None, sinks=None):
-    """The streamed program: ``(o, lse, lse_lo)`` of the branches ``call.plans``.
-
-    query: [B, T, H, D]; key, value: [B, T, H_kv, D]; kv_mask: None or [B, T] bool.
-    rng: None or the dropout key (branch ``i`` folds in ``i``, its chunk ``c`` then
-    ``c``). source: None, or the slots of packed rows ([B, T'] int32, module
-    docstring) that every segment length divides; arrays, ``kv_mask`` and results
-    stay packed. sinks: None or the [H] attention sinks, folded into the result
-    (:func:`jax_dilated.core.softmax.add_sinks`).
-
-    ``(o, lse)`` are as :func:`jax_dilated.ops.branch_combine.combine_branches`
-    defines them (head_groups: heads of no branch here hold 0 and ``-inf``),
-    differentiable in query, key, value and sinks through both; as everywhere,
-    ``lse_lo``'s cotangent is ignored (core/softmax.py).
-    """
-    if call.primal is not None:
-        o, lse = call.primal(query, key, value, kv_mask)
-        return softmax.fold_sinks(o, lse, jnp.zeros_like(lse), sinks)
-    o, lse, lse_lo = _forward(call, query, key, value, kv_mask, rng, source)
-    return softmax.fold_sinks(o, lse, lse_lo, sinks)
+def _with_primal(call: StreamedCall, query, key, value, kv_mask, rng, source=None,
+                 sinks=None):
+    """:func:`attend`, but ``call.primal`` where the call is not differentiated."""
+    if call.primal is None:
+        return _forward(call, query, key, value, kv_mask, rng, source, sinks)
+    o, lse = call.primal(query, key, value, kv_mask)
+    return softmax.fold_sinks(o, lse, jnp.zeros_like(lse), sinks)
 
 
 def _attend_fwd(call, query, key, value, kv_mask, rng, source=None, sinks=None):
     # the sinks are folded in here, not after the custom_vjp: the backward then runs
     # on the sink-including statistics (the sink is one more key the kernel never
     # reads), and no output-sized cotangent or copy of o is made for a merge outside
-    o, lse, lse_lo = softmax.fold_sinks(
-        *_forward(call, query, key, value, kv_mask, rng, source), sinks)
+    o, lse, lse_lo = _forward(call, query, key, value, kv_mask, rng, source, sinks)
     return (o, lse, lse_lo), (query, key, value, kv_mask, rng, source, o, lse, lse_lo, sinks)
 
 
@@ -275,4 +274,10 @@ def _attend_bwd(call, res, cotangents):
     return dq, dk, dv, None, None, None, softmax.sink_gradient(lse, delta, sinks)
 
 
+# The streamed program, differentiable; the forward is the primal itself, so the chunk
+# body calls the kernel two frames below the dispatcher
+attend = jax.custom_vjp(_forward, nondiff_argnums=(0,))
 attend.defvjp(_attend_fwd, _attend_bwd)
+# The same, running ``call.primal`` where the call is not differentiated
+attend_with_primal = jax.custom_vjp(_with_primal, nondiff_argnums=(0,))
+attend_with_primal.defvjp(_attend_fwd, _attend_bwd)

@@ -114,7 +114,8 @@ def one_device(kernel, args, plans, mode: str, query, key, value, kv_mask, rng,
         primal = None if kernel.blockwise or rng is not None else functools.partial(
             branch_combine.batched, kernel, args, plans, mode, rng=rng)
         call = dilated_local.StreamedCall(kernel, args, dense, mode, n, primal, lse_grad)
-        o, lse, _ = dilated_local.attend(call, query, key, value, kv_mask, rng, None, sinks)
+        run = dilated_local.attend if primal is None else dilated_local.attend_with_primal
+        o, lse, _ = run(call, query, key, value, kv_mask, rng, None, sinks)
         return o, (lse if lse_grad else jax.lax.stop_gradient(lse))
     partial = None  # the other branches' (o, lse, lse_lo), the windows mixed in below
     if dense and program == "fused":

@@ -227,8 +227,8 @@ def branch_strategies(strategy, plans, sharded_branches) -> tuple[str, ...]:
     return entries
 
 
-def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, args: KernelArgs,
-                    *, mode: str, axis_name, num_devices: int, kernel, dropout_rng,
+def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, dropout_rng, *,
+                    args: KernelArgs, mode: str, axis_name, num_devices: int, kernel,
                     strategies=None, lse_grad=True):
     """``(out, lse)`` of dilated attention for this device's queries (inside shard_map;
     arguments as in :func:`branch_partials`, ``mode`` the call's). ``lse_grad``

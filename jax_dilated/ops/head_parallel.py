@@ -187,7 +187,7 @@ def to_heads(q, k, v, mask, segment_ids, axis_name: str, num_devices: int):
             gather_tokens(segment_ids, axis_name))
 
 
-def dilated_over_heads(call: DilatedCall, q, k, v, mask, segment_ids, rng, *,
+def dilated_over_heads(call: DilatedCall, q, k, v, mask, rng, *, segment_ids=None,
                        axis_name: str, num_devices: int, gather: bool = False,
                        lse_grad: bool = True):
     """Dilated attention, the sequence sharded contiguously over ``axis_name`` (inside
