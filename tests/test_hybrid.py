@@ -309,14 +309,28 @@ def test_hybrid_holds_about_what_the_ring_holds():
 @pytest.mark.parametrize("sizes", [(2, 4), (4, 2)])
 def test_cost_model_hybrid_sends_less_than_the_ring(sizes, capsys):
     """8 query heads, 2 kv heads, 8 devices: the cost model's bytes per device of the
-    hybrid split are fewer than the ring's over all 8 (28 and 30 kv shards against 42),
-    and explain_strategy lists it beside the one-axis strategies."""
+    hybrid split are fewer than the ring's over all 8 (32 and 38 kv shards against 46),
+    and explain_strategy lists it beside the one-axis strategies.
+
+    In kv shards ``K`` (one device's ``T / 8`` tokens of the 2 kv heads, float32; a
+    query shard is ``4 K``), with the ring over ``P`` devices sending ``(6 P - 2)`` of
+    its blocks (the XLA kernel's forward sends the block ``P`` times, bringing it home
+    for the backward; the backward sends k, v ``P - 1`` times and dk, dv ``P`` times):
+    ring over 8, ``46 K``; hybrid 2 x 4, the head exchange over 2 ``2 (1 / 2) (2 * 4 K +
+    2 K) = 10 K`` plus a ring over 4 of ``T / 4`` tokens of one kv head (blocks of
+    ``K``), ``22 K``: ``32 K``; hybrid 4 x 2, the exchange over 4 with the 2 kv heads
+    repeated twice ``2 (3 / 4) (2 * 4 K + 2 * 2 K) = 18 K`` plus a ring over 2 of ``T /
+    2`` tokens of one repeated kv head (blocks of ``2 K``), ``10 * 2 K``: ``38 K``."""
     fn = functools.partial(jd.ring_attention, is_causal=True)
     pick, costs, _ = jd.explain_strategy(fn, (1, 32768, 8, 64), (1, 32768, 2, 64),
                                          num_devices=8, layout="zigzag", axis_sizes=sizes)
     kshard = 32768 // 8 * 2 * 64 * 4
-    assert costs["ring"].sent_bytes == 42 * kshard
-    assert costs["hybrid"].sent_bytes == (28 if sizes == (2, 4) else 30) * kshard
+    assert costs["ring"].sent_bytes == (6 * 8 - 2) * kshard == 46 * kshard
+    exchange = {(2, 4): 2 * (1 / 2) * (2 * 4 + 2 * 1), (4, 2): 2 * (3 / 4) * (2 * 4 + 2 * 2)}
+    ring_b = {(2, 4): (6 * 4 - 2) * 1, (4, 2): (6 * 2 - 2) * 2}
+    assert exchange[sizes] + ring_b[sizes] == (32 if sizes == (2, 4) else 38)
+    assert costs["hybrid"].sent_bytes == (32 if sizes == (2, 4) else 38) * kshard
+    assert costs["hybrid"].sent_bytes < costs["ring"].sent_bytes
     assert costs["hybrid"].reason is None
     assert f"hybrid {sizes[0]} x {sizes[1]}" in capsys.readouterr().out
 

@@ -22,6 +22,7 @@ from _mesh import devices as mesh_devices, make_mesh
 import jax_dilated as jd
 from jax_dilated import block_patterns as bp
 from jax_dilated.ops.strategies import cost
+from jax_dilated.ops.strategies.operation import describe
 
 B, T, D = 2, 64, 8
 
@@ -475,29 +476,64 @@ def test_auto_prices_the_per_branch_mix(capsys, monkeypatch):
     its ring costs (measured, docs/benchmarks.md), and memory decides: 12 heads on 8
     devices keep their rings at 4096 tokens, where the ring's kernel blocks are the
     smaller, and exchange heads in the branch of 2 devices from 8192 (measured: the
-    mix 1.28-1.31x the rings' time at 4096, 0.95-0.96x at 8192). On a GPU a ring
-    hides its transfers only behind its own step's compute, so a long sparse branch
-    (little compute per byte) exchanges heads instead. jd.sharded runs the tuple auto
-    picks, and it equals one device."""
+    mix 1.28-1.31x the rings' time at 4096, 0.95-0.96x at 8192).
+
+    On a GPU a ring hides its transfers only behind its own step's compute, so the
+    long sparse branch over 8 devices (little compute per byte) exchanges heads, while
+    the branch over 2 keeps its ring: ``("ring", "ring", "heads")``, 8 heads. At 4096
+    tokens auto picks that mix: "heads" run branch by branch (the branch over 2
+    exchanging heads too) is within 10% of its time and holds more (the exchange's
+    full logits blocks). At 8192 the mix is still priced, and still the fastest, but
+    branch-by-branch "heads" is within 10% of it (its exchange sends q, k', v' once:
+    the compiled program merges the backward's re-exchange with the forward's,
+    tests/test_strategy_bytes.py) and holds less, so auto picks "heads".
+
+    jd.sharded runs the tuple auto picks, and it equals one device."""
     for t, want in ((4096, "ring"), (8192, ("ring", "heads", "ring"))):
         dil = functools.partial(jd.dilated_attention, dilation_rates=(1, 2, 4),
                                 segment_lengths=(t // 16, t // 4, t), is_causal=True)
         pick, costs, _ = jd.explain_strategy(dil, (1, t, 12, 64), num_devices=8,
                                              platform="cpu", quiet=True)
         assert pick == want and costs["heads"].reason is not None, (t, pick)
-    pick, costs, _ = jd.explain_strategy(dil, (1, 8192, 8, 64), num_devices=8,
-                                         platform="gpu")
-    assert pick == ("ring", "ring", "heads") == costs["per_branch"].strategy, pick
-    assert "per-branch ('ring', 'ring', 'heads')" in capsys.readouterr().out
+    mix = ("ring", "ring", "heads")
+    for t in (4096, 8192):
+        dil = functools.partial(jd.dilated_attention, dilation_rates=(1, 2, 4),
+                                segment_lengths=(t // 16, t // 4, t), is_causal=True)
+        pick, costs, _ = jd.explain_strategy(dil, (1, t, 8, 64), num_devices=8,
+                                             platform="gpu", quiet=t != 4096)
+        assert costs["per_branch"].strategy == mix and costs["heads"].reason is None
+        price = cost.pricing_for(describe(dil), "gpu", 1, t, 8, 64).of
+        times = {s: price(costs[s]) for s in ("per_branch", "heads")}
+        # branch-by-branch heads within 10% of the mix: the least memory decides
+        assert times["per_branch"] <= times["heads"] <= 1.1 * times["per_branch"], times
+        assert costs["heads"].sent_bytes < costs["per_branch"].sent_bytes \
+            < costs["ring"].sent_bytes
+        if t == 4096:
+            assert costs["per_branch"].held_bytes < costs["heads"].held_bytes
+            assert pick == mix, pick
+            assert "per-branch ('ring', 'ring', 'heads')" in capsys.readouterr().out
+        else:  # 7.5 MiB sent against the mix's 13.5 and the ring's 33, and held less
+            assert costs["heads"].held_bytes < costs["per_branch"].held_bytes
+            assert pick == "heads", pick
     # the tuple through jd.sharded: auto on a (pretended) GPU at this module's shapes
     small = functools.partial(jd.dilated_attention, segment_lengths=(4, 16, 64),
                               dilation_rates=(1, 2, 4), is_causal=True)
-    q, k, v, g, mask = _inputs(8, 4)
     monkeypatch.setattr(cost, "_device_kind", lambda: "gpu")
-    # (float64: the XLA kernel's streamed program, whose exchange sends q, k, v again
-    # in the backward, so the branch of 2 devices keeps its ring)
-    assert jd.explain_strategy(small, q.shape, k.shape, num_devices=8,
-                               quiet=True)[0] == ("ring", "ring", "heads")
+    # 8 heads: at these sizes the compute is nothing beside the bytes, and each
+    # spanning branch sends the fewest exchanging heads (q, k', v' once), so the best
+    # of each branch is branch-by-branch "heads" itself, which auto picks
+    q, k, v, g, mask = _inputs(8, 4)
+    pick, costs, _ = jd.explain_strategy(small, q.shape, k.shape, num_devices=8,
+                                         dtype=q.dtype, quiet=True)
+    assert pick == "heads" and "per_branch" not in costs, pick
+    # 4 heads: the branch over 8 devices cannot split them (and "heads" cannot serve),
+    # so it gathers, and the branch over 2 exchanges heads: the mix sends what the
+    # all-gather sends and holds less (nothing of the exchanged branch until the merge)
+    q, k, v, g, mask = _inputs(4, 2)
+    pick, costs, _ = jd.explain_strategy(small, q.shape, k.shape, num_devices=8,
+                                         dtype=q.dtype, quiet=True)
+    assert pick == ("ring", "heads", "allgather") == costs["per_branch"].strategy, pick
+    assert costs["heads"].reason is not None
     want = _value_and_grads(lambda q, k, v: small(q, k, v, kv_mask=mask), q, k, v, g)
     attn = jd.sharded(small, _mesh(8), seq_axis="seq", strategy="auto")
     assert "all_to_all" in str(jax.make_jaxpr(lambda q, k, v: attn(q, k, v))(q, k, v))
@@ -513,7 +549,16 @@ def test_cost_model_figures():
                           layout="zigzag")
     kshard = b * (t // p) * hkv * d * 4
     qshard = b * (t // p) * h * d * 4
-    assert costs["ring"].sent_bytes == costs["allgather"].sent_bytes == 6 * (p - 1) * kshard
+    # ring: k, v P times forward (the XLA kernel's ring steps bring the block home for
+    # the backward), k, v P - 1 times and the dk, dv accumulators (float32) P times
+    # backward: 2 P + 2 (P - 1) + 2 P = 6 P - 2 shards (22 at P = 4)
+    assert costs["ring"].sent_bytes == (2 * p + 2 * (p - 1) + 2 * p) * kshard
+    assert costs["ring"].sent_bytes == (6 * p - 2) * kshard == 22 * kshard
+    assert costs["ring"].forward_bytes == 2 * p * kshard
+    # all-gather: k, v gathered forward ((P - 1) shards each), dk, dv reduce-scattered
+    # backward (as many); the backward reuses the gathered keys, it does not gather again
+    assert costs["allgather"].sent_bytes == 4 * (p - 1) * kshard
+    assert costs["allgather"].forward_bytes == 2 * (p - 1) * kshard
     assert costs["allgather"].held_bytes - costs["ring"].held_bytes == 4 * (p - 1) * kshard
     # 2 kv heads on 4 devices: each kv head is repeated twice before the all-to-all
     assert costs["heads"].sent_bytes == pytest.approx(2 * (p - 1) / p * (2 * qshard
@@ -526,7 +571,9 @@ def test_cost_model_figures():
                             dilation_rates=(1, 4))
     costs = cost.estimate(dil, batch=b, seq_len=t, num_heads=h, num_kv_heads=h,
                           head_dim=d, num_devices=p)
-    assert costs["ring"].sent_bytes == 6 * (p - 1) * b * (t // p // 4) * h * d * 4
+    kb = b * (t // p // 4) * h * d * 4
+    assert costs["ring"].sent_bytes == (6 * p - 2) * kb  # the branch's ring spans all p
+    assert costs["allgather"].sent_bytes == 4 * (p - 1) * kb
 
 
 def test_branch_results_held_follow_the_kernel_that_serves(monkeypatch):

@@ -161,8 +161,9 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
       all-to-alls inside its group on its dilated ``n / r`` tokens,
       ``2 (g - 1) / g (2 Q_b + 2 K_b')``, holding ``2 (2 Q_b + 2 K_b')``; needs its
       query heads divisible by ``g``.
-    * forward only (``forward_bytes``): a third of the all-gather's, half of the
-      all-to-alls', ``2 P K`` of the ring's (``2 (P - 1) K`` with cuDNN's steps).
+    * forward only (``forward_bytes``): half of the all-gather's (the gathers; the
+      reduce-scatters are the backward's) and of the all-to-alls', ``2 P K`` of the
+      ring's (``2 (P - 1) K`` with cuDNN's steps).
     * with the XLA kernel, a dilated branch spanning devices also holds its logits
       blocks, which differ by strategy (:func:`_logits_blocks_held`): ``H_b`` heads
       over ``n / r`` tokens on the ring (``n / r`` queries against ``g n / r`` keys

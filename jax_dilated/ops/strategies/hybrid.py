@@ -16,9 +16,12 @@ i_a`` of ``P_a P_b`` pieces. Inside ``shard_map``:
 3. the output comes back to the layout, then to pieces by an all-to-all over ``a``.
 
 Each device sends its q, k, v shards and the output once over ``a`` (about ``(P_a -
-1) / P_a`` of them) and ``P_b - 1`` key/value blocks of ``H_kv' / P_a`` heads around
-the ring over ``b``, against ``P - 1`` blocks of all kv heads for a ring over all
-``P = P_a P_b`` devices; it holds no array of the global sequence length.
+1) / P_a`` of them) and key/value blocks of ``H_kv' / P_a`` heads around the ring over
+``b`` (``P_b`` of them in the forward with the XLA kernel's ring steps, which bring
+the block home for the backward), against blocks of all kv heads around a ring over
+all ``P = P_a P_b`` devices (``(6 P_b - 2) K'`` against ``(6 P - 2) K`` forward and
+backward in float32, :func:`hybrid_cost`); it holds no array of the global sequence
+length.
 """
 
 from __future__ import annotations
