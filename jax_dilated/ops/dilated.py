@@ -212,8 +212,9 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     lse_grad = return_lse or sinks is not None
     if seq_axis is None:
         o, lse = dilated_packed.packed_attention(call.kernel, call.args, plans, mode, query,
-                                                 key, value, kv_mask, segment_ids,
-                                                 max_documents, rng)
+                                                 key, value, kv_mask, rng,
+                                                 segment_ids=segment_ids,
+                                                 max_documents=max_documents)
     else:
         program = _mesh_program(call, plans, t, h, segment_ids, seq_axis, flat_axis,
                                 num_devices, strategy, lse_grad)

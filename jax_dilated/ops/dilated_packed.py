@@ -197,7 +197,7 @@ def padded_layout(segment_ids, unit: int, max_documents: int):
 
 
 def packed_attention(kernel, args: KernelArgs, plans, mode: str, query, key, value,
-                     kv_mask, segment_ids, max_documents: int | None, rng):
+                     kv_mask, rng, *, segment_ids, max_documents: int | None):
     """``(out [B, T, H, D], lse [B, T, H])`` of dilated attention over packed rows, every
     branch of ``plans`` (window branches: the windowed kernel inside each document),
     combined as unpacked; a row with more than ``max_documents`` documents is a

@@ -24,7 +24,7 @@ from jax_dilated.ops.dilated_programs import DilatedCall, one_device
 
 __all__ = ["seq_to_heads", "heads_to_seq", "gather_tokens", "heads_unservable",
            "kv_repeat", "kernel_args",
-           "head_plans", "plan_key", "by_device", "dilated_heads",
+           "head_plans", "plan_key", "distinct_variants", "device_choice", "by_device",
            "to_heads", "dilated_over_heads"]
 
 
@@ -106,74 +106,31 @@ def plan_key(plans):
     return tuple((p.branch, p.query_heads.tobytes(), p.offsets.tobytes()) for p in plans)
 
 
+def distinct_variants(variants: list) -> tuple[list, list[int]]:
+    """``(distinct, index)``: the distinct values of ``variants = [(key, value)]`` (by
+    key, in first-seen order) and the one each device ``d`` takes, ``distinct[index[d]]``."""
+    keys, distinct, index = [], [], []
+    for key, value in variants:
+        if key not in keys:
+            keys.append(key)
+            distinct.append(value)
+        index.append(keys.index(key))
+    return distinct, index
+
+
+def device_choice(axis_name: str, index: list[int]):
+    """This device's entry of ``index`` (traced: ``lax.axis_index`` picks it)."""
+    return jnp.asarray(np.asarray(index, np.int32))[jax.lax.axis_index(axis_name)]
+
+
 def by_device(axis_name: str, variants: list, call):
     """``call(variant)`` for this device's variant (``variants[d]``): static when all
     devices share one, else a ``lax.switch`` over the distinct ones."""
-    distinct, index = [], []
-    for v in variants:
-        key = v[0]
-        for j, (k, _) in enumerate(distinct):
-            if k == key:
-                index.append(j)
-                break
-        else:
-            index.append(len(distinct))
-            distinct.append(v)
+    distinct, index = distinct_variants(variants)
     if len(distinct) == 1:
-        return call(distinct[0][1])
-    which = jnp.asarray(np.asarray(index, np.int32))[jax.lax.axis_index(axis_name)]
-    return jax.lax.switch(which, [functools.partial(call, v) for _, v in distinct])
-
-
-def dilated_heads(call: DilatedCall, q, k, v, mask, rng, axis_name: str, num_devices: int,
-                  num_heads: int, segment_ids=None, heads_of=None, lse_grad=True):
-    """Single-device dilated attention of this device's heads over the whole sequence,
-    global head numbering: ``(out, lse)`` [B, T, h, D], [B, T, h]. ``rng``: the call's
-    dropout key or None (each device folds in its index).
-
-    ``heads_of``: None when ``q``/``k``/``v`` hold this device's ``h = H / P`` heads
-    (:func:`seq_to_heads`; device ``d`` has heads ``[d h, (d+1) h)``); else an int
-    [P, c] table of the global heads each device runs, taken here from ``q``/``k``/``v``
-    holding all heads (gathered). With ``segment_ids`` [B, T] the packed program
-    (:func:`jax_dilated.ops.dilated_packed.packed_attention`) runs instead of the
-    unpacked one. ``lse_grad`` False: the caller does not differentiate through
-    ``lse`` (:func:`jax_dilated.ops.dilated_programs.one_device`).
-    """
-    branches, mode = call.branches, call.mode
-    if rng is not None:  # every device's heads draw their own masks
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
-    t = q.shape[1]
-    if heads_of is None:
-        h, hkv = q.shape[2], k.shape[2]
-        table = [np.arange(d * h, (d + 1) * h) for d in range(num_devices)]
-    else:
-        # one kv head per query head: the kv head each of this device's heads reads
-        table = list(heads_of)
-        h = hkv = len(table[0])
-        mine = jnp.asarray(np.asarray(heads_of, np.int32))[jax.lax.axis_index(axis_name)]
-        q = jnp.take(q, mine, axis=2)
-        k, v = (jnp.take(x, mine // (num_heads // x.shape[2]), axis=2) for x in (k, v))
-    variants = []
-    for heads in table:
-        plans = head_plans(branches, t, num_heads, heads, hkv, mode, call.head_offsets)
-        variants.append((plan_key(plans), plans))
-
-    def run(plans, q, k, v, mask, rng):
-        if segment_ids is not None:
-            out, lse = dilated_packed.packed_attention(call.kernel, call.args, plans, mode, q,
-                                                       k, v, mask, segment_ids,
-                                                       call.max_documents, rng)
-        else:
-            out, lse = one_device(call.kernel, call.args, plans, mode, q, k, v, mask, rng,
-                                  lse_grad=lse_grad)
-        if mode == "head_groups" and len(plans) != len(branches):
-            # this device's heads are in fewer groups than there are branches: the
-            # output is divided by the number of all branches, not of these
-            out = (out * (len(plans) / len(branches))).astype(q.dtype)
-        return out, lse
-
-    return by_device(axis_name, variants,
-                      lambda plans: run(plans, q, k, v, mask, rng))
+        return call(distinct[0])
+    return jax.lax.switch(device_choice(axis_name, index),
+                          [functools.partial(call, v) for v in distinct])
 
 
 def to_heads(q, k, v, mask, segment_ids, axis_name: str, num_devices: int):
@@ -196,9 +153,10 @@ def dilated_over_heads(call: DilatedCall, q, k, v, mask, rng, *, segment_ids=Non
 
     Every device runs the single-device program (the packed one with ``segment_ids``
     [B, n], this shard's ids) on the *whole* sequence of some heads (global head
-    numbering), then an all-to-all brings its rows back. It serves the ``"heads"``
-    strategy, and packed rows under every strategy: a document may start anywhere,
-    so the segment grid no longer sits on the shards.
+    numbering: each head keeps its offsets and group), then an all-to-all brings its
+    rows back. It serves the ``"heads"`` strategy, and packed rows under every
+    strategy: a document may start anywhere, so the segment grid no longer sits on
+    the shards.
 
     * ``H % P == 0`` (and not ``gather``): the heads strategy's all-to-all
       (:func:`seq_to_heads`), ``H / P`` heads per device; each device sends about
@@ -209,20 +167,55 @@ def dilated_over_heads(call: DilatedCall, q, k, v, mask, rng, *, segment_ids=Non
       away), and the output comes back with an all-to-all. It holds the whole q, k, v
       (``O(T H D)`` per device) and does ``c / H`` of the work instead of ``1 / P``.
 
+    Devices whose heads run different plans choose theirs by a ``lax.switch``.
     ``call``: the validated call (:class:`~jax_dilated.ops.dilated_programs.DilatedCall`);
-    ``rng``, ``lse_grad`` as in :func:`dilated_heads`.
+    ``rng``: the call's dropout key or None (each device folds in its index);
+    ``lse_grad``: False when the caller does not differentiate through ``lse``
+    (:func:`jax_dilated.ops.dilated_programs.one_device`).
     """
     p, h = num_devices, q.shape[2]
-    if not gather and h % p == 0:
+    whole = not gather and h % p == 0
+    if whole:
         q, k, v, mask, ids = to_heads(q, k, v, mask, segment_ids, axis_name, p)
-        out, lse = dilated_heads(call, q, k, v, mask, rng, axis_name, p, h, ids,
-                                 lse_grad=lse_grad)
+        c = h // p
+        table = np.arange(h).reshape(p, c)
+        hkv = k.shape[2]
+    else:
+        c = -(-h // p)
+        table = np.minimum(np.arange(p * c).reshape(p, c), h - 1)
+        q, k, v, mask, ids = (gather_tokens(x, axis_name)
+                              for x in (q, k, v, mask, segment_ids))
+        # one kv head per query head: the kv head each of this device's heads reads
+        mine = device_choice(axis_name, table.tolist())
+        k, v = (jnp.take(x, mine // (h // x.shape[2]), axis=2) for x in (k, v))
+        q, hkv = jnp.take(q, mine, axis=2), c
+    if rng is not None:  # every device's heads draw their own masks
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+    t = q.shape[1]
+    variants = []
+    for heads in table:
+        plans = head_plans(call.branches, t, h, heads, hkv, call.mode, call.head_offsets)
+        variants.append((plan_key(plans), plans))
+    distinct, index = distinct_variants(variants)
+    if ids is None:
+        programs = [functools.partial(one_device, call.kernel, call.args, plans, call.mode,
+                                      lse_grad=lse_grad) for plans in distinct]
+    else:
+        programs = [functools.partial(dilated_packed.packed_attention, call.kernel,
+                                      call.args, plans, call.mode, segment_ids=ids,
+                                      max_documents=call.max_documents)
+                    for plans in distinct]
+    which = None if len(distinct) == 1 else device_choice(axis_name, index)
+    out, lse = (programs[0](q, k, v, mask, rng) if which is None else
+                jax.lax.switch(which, programs, q, k, v, mask, rng))
+    if call.mode == "head_groups":
+        # a device's heads in fewer groups than there are branches: its output is
+        # divided by the number of all branches, not of its own
+        ratio = [len(plans) / len(call.branches) for plans in distinct]
+        if ratio != [1.0] * len(ratio):
+            scale = ratio[0] if which is None else jnp.asarray(ratio)[which]
+            out = (out * scale).astype(q.dtype)
+    if whole:
         return heads_to_seq(out, axis_name), heads_to_seq(lse, axis_name)
-    c = -(-h // p)
-    table = np.minimum(np.arange(p * c).reshape(p, c), h - 1)
-    q, k, v, mask, ids = (gather_tokens(x, axis_name)
-                          for x in (q, k, v, mask, segment_ids))
-    out, lse = dilated_heads(call, q, k, v, mask, rng, axis_name, p, h, ids, heads_of=table,
-                             lse_grad=lse_grad)
     # [B, T, c] per device -> [B, n, P c]: the first H are the heads, in order
     return (heads_to_seq(out, axis_name)[:, :, :h], heads_to_seq(lse, axis_name)[:, :, :h])

@@ -247,28 +247,8 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             args.append(_place(sinks, mesh, P(head_axis)))
             specs.append(P(head_axis))
 
-        def compute(q, k, v, mask, ids, sink):
-            if chosen == "hybrid" and op.kind != "dilated":
-                return strategies.hybrid_local(op, q, k, v, mask, ids, sink, axes=hybrid,
-                                               sizes=sizes, layout=layout)
-            if op.kind == "dilated":  # it runs every strategy itself (strategy=)
-                extra = {} if chosen == "ring" else {"strategy": chosen}
-            elif chosen == "heads":
-                return strategies.heads_local(op, q, k, v, mask, ids, axis_name=seq_axis,
-                                              num_devices=num)
-            elif chosen == "allgather":
-                return strategies.allgather_local(op, q, k, v, mask, ids,
-                                                  axis_name=seq_axis, num_devices=num,
-                                                  layout=lay)
-            else:
-                extra = {}
-            if ids is not None:
-                extra["segment_ids"] = ids
-            if sink is not None:
-                extra["sinks"] = sink
-            return fn(q, k, v, kv_mask=mask, **{axis_kw: seq_axis}, **layout_kw, **extra)
-
         def local(q, k, v, *tokens):
+            """One device's shards: re-laid out, the strategy run, laid back."""
             tokens = iter(tokens)
             mask = None if kv_mask is None else next(tokens)
             ids = None if segment_ids is None else next(tokens)
@@ -277,7 +257,25 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
                 q, k, v, mask, ids = (None if x is None else
                                       layouts.shard_to_layout(x, seq_axis, num, lay)
                                       for x in (q, k, v, mask, ids))
-            out = compute(q, k, v, mask, ids, sink)
+            # dilated attention runs every strategy itself (strategy=); the others'
+            # strategies are the library's, around the operation
+            own = op.kind == "dilated" or chosen == "ring"
+            if own:
+                extra = {} if chosen == "ring" else {"strategy": chosen}
+                if ids is not None:
+                    extra["segment_ids"] = ids
+                if sink is not None:
+                    extra["sinks"] = sink
+                out = fn(q, k, v, kv_mask=mask, **{axis_kw: seq_axis}, **layout_kw, **extra)
+            elif chosen == "hybrid":
+                out = strategies.hybrid_local(op, q, k, v, mask, ids, sink, axes=hybrid,
+                                              sizes=sizes, layout=layout)
+            elif chosen == "heads":
+                out = strategies.heads_local(op, q, k, v, mask, ids, axis_name=seq_axis,
+                                             num_devices=num)
+            else:
+                out = strategies.allgather_local(op, q, k, v, mask, ids, axis_name=seq_axis,
+                                                 num_devices=num, layout=lay)
             if not in_shard:
                 return out
             if isinstance(out, tuple):  # (output, lse)
