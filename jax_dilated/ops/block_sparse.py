@@ -55,11 +55,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.backends.base import KeySide, QuerySide, RingSteps, RowGrads, window_arg
+from jax_dilated.backends.base import KeySide, Masks, QuerySide, RingSteps, RowGrads, window_arg
 from jax_dilated.block_patterns import BlockPattern
 from jax_dilated.core import layouts, softmax, validation
 from jax_dilated.core.arrays import take_static
 from jax_dilated.core.documents import document_ids
+from jax_dilated.core.skip import maybe_skip
 from jax_dilated.core.types import Array, ArrayLike, Implementation, Layout
 from jax_dilated.core.vma import varying_like
 from jax_dilated.ops.block_sparse_plan import (
@@ -74,7 +75,6 @@ from jax_dilated.ops.ring import ring_over_axis
 from jax_dilated.ops.ring_steps import (
     KernelSteps,
     PartialSteps,
-    empty_unless,
     zeros_unless,
 )
 
@@ -102,6 +102,11 @@ class _Plan:
         order = np.concatenate([np.arange(num_heads) if c.q_heads is None else c.q_heads
                                 for c in classes])
         self.inverse = None if np.array_equal(order, np.arange(num_heads)) else np.argsort(order)
+
+    def assemble(self, parts):
+        """The classes' per-head arrays [..., H_c, ...] (axis 2) -> the call's head order."""
+        out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
+        return out if self.inverse is None else take_static(out, self.inverse, axis=2)
 
     def need(self, c: HeadClass, query: QuerySide, keys: KeySide, aux):
         """(lists, active) of class ``c`` for this step (see :meth:`HeadClass.need`)."""
@@ -162,16 +167,11 @@ class _ClassSteps(PartialSteps):
             yield c, query._replace(q=_heads(query.q, c.q_heads)), keys._replace(
                 kv=(_heads(k, c.kv_heads), _heads(v, c.kv_heads)), blocks=lists), need
 
-    def _assemble(self, parts):
-        out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
-        inverse = self.plan.inverse
-        return out if inverse is None else take_static(out, inverse, axis=2)
-
     def partial(self, query: QuerySide, keys: KeySide):
-        compute = self.kernel_steps.compute_partial
-        parts = [empty_unless(need, lambda qc=qc, kc=kc: compute(qc, kc), qc, kc)
-                 for _, qc, kc, need in self._classes(query, keys)]
-        return tuple(self._assemble(list(x)) for x in zip(*parts))
+        stats = softmax.stats_dtype(query.q.dtype)
+        o, lse, lse_lo = _class_partials(self.kernel_steps.kernel, self.plan, self.aux,
+                                         query, keys)
+        return o.astype(stats), lse, lse_lo
 
     def grads(self, query: QuerySide, keys: KeySide, rows: RowGrads):
         stats = softmax.stats_dtype(query.q.dtype)
@@ -190,15 +190,37 @@ class _ClassSteps(PartialSteps):
                 idx = jnp.asarray(c.kv_heads)
                 dk = (zero if dk is None else dk).at[:, :, idx].add(dkc)
                 dv = (zero if dv is None else dv).at[:, :, idx].add(dvc)
-        return self._assemble(dqs), dk, dv
+        return self.plan.assemble(dqs), dk, dv
+
+
+def _class_partials(kernel, plan: _Plan, aux, query: QuerySide, keys: KeySide):
+    """Every head class's block-sparse call on this step's keys, assembled over the
+    heads: ``(o, lse, lse_lo)`` as :meth:`Kernel.block_sparse_forward` returns them
+    (``o`` in the input dtype); a class with no active block gives the empty
+    partial without a call (:func:`~jax_dilated.core.skip.maybe_skip`)."""
+    k, v = keys.kv
+    masks = Masks(q_positions=query.positions, k_positions=keys.positions,
+                  kv_valid=keys.valid, q_segment_ids=query.segments,
+                  k_segment_ids=keys.segments)
+    parts = []
+    for c in plan.classes:
+        lists, need = plan.need(c, query, keys, aux)
+        k_c, v_c = _heads(k, c.kv_heads), _heads(v, c.kv_heads)
+        run = functools.partial(kernel.block_sparse_forward, k=k_c, v=v_c, args=plan.args,
+                                masks=masks, blocks=lists)
+        parts.append(maybe_skip(need, run, _heads(query.q, c.q_heads),
+                                functools.partial(_no_keys, kv=(k_c, v_c))))
+    return tuple(plan.assemble(list(x)) for x in zip(*parts))
+
+
+def _no_keys(q, kv):
+    """The partial of queries ``q`` that meet no key (kernel dtypes: ``o`` in q's)."""
+    stats = softmax.stats_dtype(q.dtype)
+    o, lse, lse_lo = softmax.empty_partial(q.shape, stats)
+    return varying_like((o.astype(q.dtype), lse, lse_lo), (q, kv))
 
 
 # ------------------------------------------------------------------ single device
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _local(q, k, v, kv_valid, plan, aux, segment_ids, sinks):
-    return _local_fwd(q, k, v, kv_valid, plan, aux, segment_ids, sinks)[0]
 
 
 def _local_steps(q, k, v, kv_valid, plan, aux, segment_ids):
@@ -207,10 +229,17 @@ def _local_steps(q, k, v, kv_valid, plan, aux, segment_ids):
             KeySide((k, v), valid=kv_valid, segments=segment_ids))
 
 
+def _local_forward(q, k, v, kv_valid, plan, aux, segment_ids, sinks):
+    """One device: ``(o, lse, lse_lo)`` of every head class's call (the kernel entered
+    from here), the [H] ``sinks`` (or None) folded in."""
+    o, lse, lse_lo = _class_partials(plan.kernel, plan, aux, QuerySide(q, segments=segment_ids),
+                                     KeySide((k, v), valid=kv_valid, segments=segment_ids))
+    return softmax.fold_sinks(o.astype(softmax.stats_dtype(q.dtype)), lse, lse_lo, sinks)
+
+
 def _local_fwd(q, k, v, kv_valid, plan, aux, segment_ids, sinks):
-    steps, query, keys = _local_steps(q, k, v, kv_valid, plan, aux, segment_ids)
     # the sinks folded in here, so that the backward reads the one output
-    o, lse, lse_lo = softmax.fold_sinks(*steps.partial(query, keys), sinks)
+    o, lse, lse_lo = _local_forward(q, k, v, kv_valid, plan, aux, segment_ids, sinks)
     return (o, lse, lse_lo), (q, k, v, kv_valid, aux, segment_ids, o, lse, lse_lo, sinks)
 
 
@@ -225,6 +254,7 @@ def _local_bwd(plan, res, cotangents):
             softmax.sink_gradient(lse, delta, sinks))
 
 
+_local = jax.custom_vjp(_local_forward, nondiff_argnums=(4,))
 _local.defvjp(_local_fwd, _local_bwd)
 
 
