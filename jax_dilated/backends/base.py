@@ -428,9 +428,11 @@ class RingSteps(Protocol):
 
         kv = pack_kv(k, v)                                     # once per ring
         acc = empty_partial(q.shape, stats)                    # (o, lse, lse_lo)
-        for each visiting block:  acc = forward(query, keys, acc)   where needed(...)
+        for each visiting block:  keys, needed = visit(query, keys)
+                                  acc = forward(query, keys, acc)   where needed
         dq, dkv = zeros                                        # stats dtype
-        for each visiting block:  (dq, dkv) = backward(query, keys, rows, (dq, dkv))
+        for each visiting block:  keys, needed = visit(query, keys)
+                                  (dq, dkv) = backward(query, keys, rows, (dq, dkv))  where needed
         dk, dv = unpack_kv(dkv)                                # after dkv came home
 
     ``forward`` and ``backward`` must draw the same dropout masks from the same
@@ -446,11 +448,14 @@ class RingSteps(Protocol):
     def pack_kv(self, k, v):
         """k, v [N, Lk, H_kv, D] -> the block in this step's layout (a pytree)."""
 
-    def needed(self, query: QuerySide, keys: KeySide):
-        """Whether the step has any allowed (query, key) pair: None (statically
-        always, or steps that skip inside ``forward``/``backward`` themselves), a
-        Python bool, or a traced bool; the ring skips the step (forward and backward,
-        accumulators unchanged) where it is False."""
+    def visit(self, query: QuerySide, keys: KeySide) -> tuple[KeySide, object]:
+        """``(keys, needed)``: the visiting block's keys as :meth:`forward` and
+        :meth:`backward` read them (``keys`` itself, or with what the steps add, e.g.
+        a block-sparse step's ``blocks``), and whether the step has any allowed
+        (query, key) pair: None (statically always, or steps that skip inside
+        ``forward``/``backward`` themselves), a Python bool, or a traced bool; the
+        ring skips the step (forward and backward, accumulators unchanged) where it
+        is False."""
 
     def forward(self, query: QuerySide, keys: KeySide, acc):
         """Fold the visiting block into the running normalised partial ``acc = (o,

@@ -71,7 +71,7 @@ from jax_dilated.ops.block_sparse_plan import (
     ring_blocks,
     window_mask,
 )
-from jax_dilated.ops.ring import ring_over_axis
+from jax_dilated.ops.ring import RingConfig, ring_partials
 from jax_dilated.ops.ring_steps import (
     KernelSteps,
     PartialSteps,
@@ -131,22 +131,15 @@ class _ListedSteps:
     listed blocks is active and a key is valid."""
 
     def __init__(self, steps: RingSteps, plan: _Plan, aux):
-        self.steps, self.plan, self.aux = steps, plan, aux
+        self.plan, self.aux = plan, aux
+        # the kernel's own steps do the work, on the keys visit() lists
         self.keep_packed = steps.keep_packed
         self.pack_kv, self.unpack_kv = steps.pack_kv, steps.unpack_kv
+        self.forward, self.backward = steps.forward, steps.backward
 
-    def _listed(self, query: QuerySide, keys: KeySide):
+    def visit(self, query: QuerySide, keys: KeySide):
         lists, need = self.plan.need(self.plan.classes[0], query, keys, self.aux)
         return keys._replace(blocks=lists), need
-
-    def needed(self, query: QuerySide, keys: KeySide):
-        return self._listed(query, keys)[1]
-
-    def forward(self, query: QuerySide, keys: KeySide, acc):
-        return self.steps.forward(query, self._listed(query, keys)[0], acc)
-
-    def backward(self, query: QuerySide, keys: KeySide, rows: RowGrads, acc):
-        return self.steps.backward(query, self._listed(query, keys)[0], rows, acc)
 
 
 class _ClassSteps(PartialSteps):
@@ -389,9 +382,9 @@ def block_sparse_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *
                            tk * num_devices, block_size, window)
         classes, aux = head_classes(mask, h, hkv, gq, gq, is_causal)
         plan = _Plan(kernel, args, classes, h, gq, gq)
-        o, lse = ring_over_axis(query, key, value, kv_mask, args, seq_axis=seq_axis,
-                                num_devices=num_devices, layout=layout,
-                                kernel=kernel, segment_ids=segment_ids,
-                                sinks=sinks, steps=plan, aux=aux)
+        cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, kernel,
+                         steps=plan)
+        o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, aux, segment_ids,
+                                  sinks)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

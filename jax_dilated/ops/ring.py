@@ -23,7 +23,7 @@ log-sum-exp saved, key/value blocks and their gradient accumulators travel; afte
 ever materialised: memory per device is O(T / P).
 
 Steps whose visiting block is entirely masked (causal, padding, no document shared
-with the local queries, or outside every local query's sliding window) are skipped with ``lax.cond`` (:meth:`RingSteps.needed`);
+with the local queries, or outside every local query's sliding window) are skipped with ``lax.cond`` (:meth:`RingSteps.visit`);
 inside a step the kernel skips masked blocks, and its blocks are aligned to the zigzag
 chunks so that every device does the same work at every step.
 """
@@ -151,26 +151,24 @@ def _forward(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, keep_kv: bool = 
     steps, query, keys = _setup(cfg, q, k, aux, segment_ids)
     p, me = cfg.ring_size, query.index
 
-    def fold(acc, block, src):
-        step_keys = keys(block, src, rng)
-        return maybe_skip(steps.needed(query, step_keys),
-                          lambda acc: steps.forward(query, step_keys, acc), acc)
+    def step(carry, s, send=True):
+        """Fold the visiting block (from device ``me - s``) into the partial, the
+        block sent on first (then compute) unless ``send`` is False."""
+        acc, block = carry
+        nxt = jax.lax.ppermute(block, cfg.axis_name, cfg.perm()) if send else block
+        step_keys, needed = steps.visit(query, keys(block, (me - s) % p, rng))
+        acc = maybe_skip(needed, functools.partial(steps.forward, query, step_keys), acc)
+        return (acc, nxt), None
 
     acc = varying_like(softmax.empty_partial(q.shape, softmax.stats_dtype(q.dtype), sinks),
                        (q, k))
-    block = (steps.pack_kv(k, v), kv_valid, segment_ids)
-    if p == 1:
-        acc = fold(acc, block, me)
-    else:
-        def step(carry, s):
-            acc, block = carry
-            nxt = jax.lax.ppermute(block, cfg.axis_name, cfg.perm())  # send first, then compute
-            return (fold(acc, block, (me - s) % p), nxt), None
-
-        hops = p if steps.keep_packed else p - 1
-        (acc, block), _ = jax.lax.scan(step, (acc, block), jnp.arange(hops))
-        if hops < p:
-            acc = fold(acc, block, (me - hops) % p)
+    carry = (acc, (steps.pack_kv(k, v), kv_valid, segment_ids))
+    hops = 0 if p == 1 else p if steps.keep_packed else p - 1
+    if hops:
+        carry, _ = jax.lax.scan(step, carry, jnp.arange(hops))
+    if hops < p:  # the last block, not sent on
+        carry, _ = step(carry, hops, send=False)
+    acc, block = carry
     if not keep_kv:
         return acc
     return (*acc, block[0] if steps.keep_packed else None)
@@ -187,9 +185,8 @@ def _backward(q, k, v, kv_valid, rng, rows: RowGrads, cfg: RingConfig, aux=None,
     stats = softmax.stats_dtype(q.dtype)
 
     def grads(acc, block, src):
-        step_keys = keys(block, src, rng)
-        return maybe_skip(steps.needed(query, step_keys),
-                          lambda acc: steps.backward(query, step_keys, rows, acc), acc)
+        step_keys, needed = steps.visit(query, keys(block, src, rng))
+        return maybe_skip(needed, lambda acc: steps.backward(query, step_keys, rows, acc), acc)
 
     # the forward's packed block (see _forward), or packed again where that is free
     block = (steps.pack_kv(k, v) if packed_kv is None else packed_kv, kv_valid, segment_ids)
@@ -210,19 +207,15 @@ def _backward(q, k, v, kv_valid, rng, rows: RowGrads, cfg: RingConfig, aux=None,
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None, sinks=None):
-    return _forward(q, k, v, kv_valid, rng, cfg, aux, segment_ids=segment_ids, sinks=sinks)
-
-
-def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None, segment_ids=None, sinks=None):
+def _ring_fwd(q, k, v, kv_valid, rng, cfg, aux=None, keep_kv=False, segment_ids=None,
+              sinks=None):
     o, lse, lse_lo, packed_kv = _forward(q, k, v, kv_valid, rng, cfg, aux, keep_kv=True,
                                          segment_ids=segment_ids, sinks=sinks)
     return (o, lse, lse_lo), (q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv,
                               segment_ids, sinks)
 
 
-def _ring_bwd(cfg, res, cotangents):
+def _ring_bwd(cfg, keep_kv, res, cotangents):
     q, k, v, kv_valid, rng, o, lse, lse_lo, aux, packed_kv, segment_ids, sinks = res
     do, dlse, _ = cotangents  # lse_lo is a constant correction (core/softmax.py)
     # Without an lse cotangent (cfg.lse_grad False: ring_partials stopped its gradient,
@@ -254,25 +247,17 @@ def ring_partials(q, k, v, kv_valid, rng, cfg: RingConfig, aux=None, segment_ids
         # varying like the rows whose sum is their cotangent inside the custom_vjp;
         # the cast's transpose then sums that over the devices
         sinks = varying_like(sinks, (q, k))
-    o, lse, lse_lo = _ring(q, k, v, kv_valid, rng, cfg, aux, segment_ids, sinks)
+    o, lse, lse_lo = _ring(q, k, v, kv_valid, rng, cfg, aux, False, segment_ids, sinks)
     if not cfg.lse_grad:  # what makes the backward's use of o exact (_ring_bwd)
         lse = jax.lax.stop_gradient(lse)
     return o, lse, lse_lo
 
 
+# The ring's forward is the primal itself (keep_kv False; the forward rule keeps the
+# packed block for the backward), so a step calls the kernel's steps few frames below
+# the entry point
+_ring = jax.custom_vjp(_forward, nondiff_argnums=(5, 7))
 _ring.defvjp(_ring_fwd, _ring_bwd)
-
-
-def ring_over_axis(query, key, value, kv_mask, args: KernelArgs, *, seq_axis: str,
-                   num_devices: int, layout: str, kernel, segment_ids=None,
-                   sinks=None, steps=None, aux=None, lse_grad: bool = True):
-    """``(o, lse)`` of one ring over all ``num_devices`` devices of ``seq_axis`` in
-    ``layout``, as ring and block-sparse attention run over a mesh (``steps``,
-    ``lse_grad``: :class:`RingConfig`; the rest: :func:`ring_partials`)."""
-    cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, kernel,
-                     steps=steps, lse_grad=lse_grad)
-    o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, aux, segment_ids, sinks)
-    return o, lse
 
 
 def ring_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
@@ -396,9 +381,9 @@ def ring_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
             Masks(kv_valid=kv_mask, q_segment_ids=segment_ids, k_segment_ids=segment_ids),
             sinks=sinks, lse_grad=return_lse)
     else:
-        o, lse = ring_over_axis(query, key, value, kv_mask, args, seq_axis=seq_axis,
-                                num_devices=num_devices, layout=layout,
-                                kernel=kernel, segment_ids=segment_ids,
-                                sinks=sinks, lse_grad=return_lse)
+        cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, kernel,
+                         lse_grad=return_lse)
+        o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, None, segment_ids,
+                                  sinks)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o

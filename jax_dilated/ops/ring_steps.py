@@ -80,8 +80,8 @@ class PartialSteps:
     def unpack_kv(self, dkv):
         return tuple(dkv)
 
-    def needed(self, query: QuerySide, keys: KeySide):
-        return None  # partial/grads skip themselves
+    def visit(self, query: QuerySide, keys: KeySide):
+        return keys, None  # partial/grads skip themselves
 
     def forward(self, query: QuerySide, keys: KeySide, acc):
         return softmax.merge_partials(*acc, *self.partial(query, keys))

@@ -167,10 +167,10 @@ class _RingSteps:
         ok = None if blocks.rows_ok is None else jnp.asarray(blocks.rows_ok, bool)
         return jnp.asarray(blocks.rows, jnp.int32), ok
 
-    def needed(self, query: QuerySide, keys: KeySide):
-        return any_pair_allowed(self.args.is_causal, query.positions, keys.positions,
-                                keys.valid, query.segments, keys.segments,
-                                window=self.args.window)
+    def visit(self, query: QuerySide, keys: KeySide):
+        return keys, any_pair_allowed(self.args.is_causal, query.positions, keys.positions,
+                                      keys.valid, query.segments, keys.segments,
+                                      window=self.args.window)
 
     def forward(self, query: QuerySide, keys: KeySide, acc):
         args, q, dropout_rng = self.args, query.q, keys.dropout_rng
