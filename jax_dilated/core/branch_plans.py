@@ -24,6 +24,7 @@ from jax_dilated.core.types import HeadOffsets, Mode
 __all__ = [
     "Branch",
     "validate_branches",
+    "check_mode",
     "head_offsets",
     "head_groups",
     "BranchPlan",
@@ -229,13 +230,19 @@ class BranchPlan:
     kv_group: int
 
 
+def check_mode(mode, head_offsets) -> None:
+    """``mode`` one of :data:`MODES` and ``head_offsets`` one of :data:`HEAD_OFFSETS`
+    (a ``ValueError`` naming the argument otherwise)."""
+    for name, value, choices in (("mode", mode, MODES),
+                                 ("head_offsets", head_offsets, HEAD_OFFSETS)):
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
 def plan_branches(branches, *, seq_len: int, num_heads: int, num_kv_heads: int,
                   mode: Mode, offsets_rule: HeadOffsets) -> list[BranchPlan]:
     """Static plan of every branch for ``mode`` (see docs/semantics.md, section 2)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-    if offsets_rule not in HEAD_OFFSETS:
-        raise ValueError(f"head_offsets must be one of {HEAD_OFFSETS}, got {offsets_rule!r}.")
+    # mode and offsets_rule were checked with the call (check_mode)
     plans = []
     if mode == "longnet":
         heads_of = [np.arange(num_heads)] * len(branches)

@@ -13,7 +13,7 @@ __all__ = ["axis_size", "check_qkv", "check_kv_mask", "check_segment_ids", "chec
            "check_dropout_rate", "check_scale", "check_scale_option", "default_scale", "check_flag",
            "check_positive_int", "check_positive_float", "check_block_sizes",
            "check_nonnegative_int", "check_position", "check_mesh_axes", "check_mesh_axis",
-           "check_axis_pair",
+           "check_axis_pair", "check_max_documents",
            "renamed", "warn_renamed", "check_window", "check_logit_soft_cap", "check_sinks"]
 
 
@@ -383,3 +383,12 @@ def check_sinks(sinks, num_heads: int):
         raise ValueError(f"sinks must have shape [num_heads] = ({num_heads},), got "
                          f"{tuple(sinks.shape)}.")
     return jnp.asarray(sinks)
+
+
+def check_max_documents(max_documents) -> None:
+    """``max_documents``: None or a positive int (ValueError otherwise)."""
+    if max_documents is not None and (isinstance(max_documents, bool)
+                                      or not isinstance(max_documents, int)
+                                      or max_documents < 1):
+        raise ValueError(f"max_documents must be None or a positive int, got "
+                         f"{max_documents!r}.")

@@ -198,11 +198,7 @@ def dilated_core(*, segment_lengths, dilation_rates, mode="longnet", head_offset
     window is a branch of ``segment_lengths`` (``jd.SlidingWindow``).
     """
     branches = branch_plans.validate_branches(segment_lengths, dilation_rates)
-    if mode not in branch_plans.MODES:
-        raise ValueError(f"mode must be one of {branch_plans.MODES}, got {mode!r}.")
-    if head_offsets not in branch_plans.HEAD_OFFSETS:
-        raise ValueError(
-            f"head_offsets must be one of {branch_plans.HEAD_OFFSETS}, got {head_offsets!r}.")
+    branch_plans.check_mode(mode, head_offsets)
     validation.check_scale_option(scale)
     select_implementation(implementation)
     validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)

@@ -22,6 +22,7 @@ than the cache). The cache holds ``O(max_len)`` keys and values.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -29,15 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.backends import KernelArgs, get_kernel
+from jax_dilated.backends import KernelArgs
 from jax_dilated.backends.base import Masks
 from jax_dilated.core import branch_plans, softmax, validation
 from jax_dilated.core.arrays import round_to
-from jax_dilated.core.branches import is_window
 from jax_dilated.core.types import (Array, ArrayLike, DTypeLike, HeadOffsets, Implementation,
                                     Mode, SegmentLengths)
 from jax_dilated.ops.branch_combine import combine_branches
 from jax_dilated.ops.dilated import dilated_attention
+from jax_dilated.ops.dilated_programs import DilatedCall
 
 __all__ = ["KVCache", "init_kv_cache", "dilated_attention_decode", "decode_step",
            "decode_tokens"]
@@ -174,21 +175,19 @@ def dilated_attention_decode(query: ArrayLike, key_cache: ArrayLike, value_cache
         raise ValueError(
             f"decoding attends one token at a time: query must be [batch, 1, heads, "
             f"head_dim], got {tuple(query.shape)}.")
-    branches = branch_plans.validate_branches(segment_lengths, dilation_rates)
-    plans = branch_plans.plan_branches(branches, seq_len=key_cache.shape[1], num_heads=h,
-                                   num_kv_heads=hkv, mode=mode, offsets_rule=head_offsets)
-    for w, _ in branches:  # an explicit right > 0 is an error (decoding is causal)
-        if is_window(w):
-            w.resolve(is_causal=True)
-    kernel = get_kernel(implementation)
-    block_q, block_k = validation.check_block_sizes(block_q, block_k)
+    # the call as the forward pass validates it; decoding is causal by construction (its
+    # keys end at the position), so the kernel calls are not (args.is_causal False),
+    # but a window's explicit right > 0 is an error as there
+    call = DilatedCall.of(segment_lengths, dilation_rates, mode=mode,
+                          head_offsets=head_offsets, head_dim=query.shape[-1], is_causal=True,
+                          scale=scale, block_q=block_q, block_k=block_k,
+                          logit_soft_cap=logit_soft_cap, implementation=implementation)
+    plans = call.plans(seq_len=key_cache.shape[1], num_heads=h, num_kv_heads=hkv)
+    args = dataclasses.replace(call.args, is_causal=False)
     sinks = validation.check_sinks(sinks, h)
-    args = KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
-                      block_q=block_q, block_k=block_k,
-                      logit_soft_cap=validation.check_logit_soft_cap(logit_soft_cap))
     # a concrete position out of [0, max_len) raises here; a traced one gives NaN
     p, bad = validation.check_position(position, key_cache.shape[1])
-    results = [_branch_decode(kernel, plan, query, key_cache, value_cache, p, args, h)
+    results = [_branch_decode(call.kernel, plan, query, key_cache, value_cache, p, args, h)
                for plan in plans]
     out, lse = combine_branches(results, mode, query.dtype)
     # once, on the combined denominator, as the forward pass

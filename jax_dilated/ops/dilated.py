@@ -20,13 +20,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from jax_dilated.backends import KernelArgs, get_kernel
-from jax_dilated.core import branch_plans, softmax, validation
-from jax_dilated.core.branches import is_window
+from jax_dilated.core import softmax, validation
 from jax_dilated.core.documents import document_ids
 from jax_dilated.core.types import (Array, ArrayLike, BranchStrategy, DilatedStrategy,
                                     HeadOffsets, Implementation, Mode, SegmentLengths)
-from jax_dilated.backends.base import window_arg
 from jax_dilated.ops import dilated_hybrid, dilated_packed, distributed, head_parallel
 from jax_dilated.ops.dilated_programs import DilatedCall, one_device
 
@@ -164,12 +161,14 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
             f"must equal query length, got query {tuple(query.shape)} and key "
             f"{tuple(key.shape)}."
         )
-    branches = branch_plans.validate_branches(segment_lengths, dilation_rates)
-    is_causal = validation.check_flag("is_causal", is_causal)
-    kv_mask = validation.check_kv_mask(kv_mask, b, t)
     dropout_rate = validation.check_dropout(dropout_rate, dropout_rng)
+    call = DilatedCall.of(segment_lengths, dilation_rates, mode=mode,
+                          head_offsets=head_offsets, head_dim=query.shape[-1],
+                          is_causal=is_causal, scale=scale, dropout_rate=dropout_rate,
+                          block_q=block_q, block_k=block_k, logit_soft_cap=logit_soft_cap,
+                          implementation=implementation, max_documents=max_documents)
+    kv_mask = validation.check_kv_mask(kv_mask, b, t)
     return_lse = validation.check_flag("return_lse", return_lse)
-    block_q, block_k = validation.check_block_sizes(block_q, block_k)
     sinks = validation.check_sinks(sinks, h)
     hybrid = strategy == "hybrid" or isinstance(seq_axis, (tuple, list))
     if hybrid:
@@ -178,22 +177,11 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
                              f"strategy='hybrid' runs, got strategy={strategy!r}.")
         seq_axis = validation.check_axis_pair(seq_axis)
     else:
-        strategy = distributed.check_branch_strategy(strategy, len(branches))
+        strategy = distributed.check_branch_strategy(strategy, len(call.branches))
     if seq_axis is None and strategy != "ring":
         raise ValueError(f"strategy={strategy!r} says how to parallelise the sequence axis: "
                          f"it needs seq_axis= (inside shard_map, or through jd.sharded); "
                          f"on one device leave the default 'ring'.")
-    for w, _ in branches:  # an explicit right > 0 with causal attention is an error now
-        if is_window(w):
-            window_arg(w.resolve(is_causal))
-    dilated_packed.check_max_documents(max_documents)
-    call = DilatedCall(
-        branches=branches, mode=mode, head_offsets=head_offsets,
-        args=KernelArgs(scale=validation.check_scale(scale, query.shape[-1]),
-                        is_causal=is_causal, dropout_rate=dropout_rate, block_q=block_q,
-                        block_k=block_k,
-                        logit_soft_cap=validation.check_logit_soft_cap(logit_soft_cap)),
-        kernel=get_kernel(implementation), max_documents=max_documents)
     # with two axes (a, b) the pieces are in b-major order: the flat axis is (b, a)
     flat_axis = seq_axis[::-1] if hybrid else seq_axis
     num_devices = 1 if seq_axis is None else validation.axis_size(

@@ -48,7 +48,7 @@ from jax_dilated.core.vma import varying_like
 from jax_dilated.ops import dilated_local, dilated_window
 
 __all__ = ["group_count", "packed_branch", "packed_attention",
-           "check_max_documents", "slots_capacity", "padded_layout"]
+           "slots_capacity", "padded_layout"]
 
 
 def group_count(seq_len: int, segment_length: int, max_documents: int) -> int:
@@ -212,7 +212,6 @@ def packed_attention(kernel, args: KernelArgs, plans, mode: str, query, key, val
     :func:`jax_dilated.ops.dilated_local.attend`); the sliding windows are mixed in
     after (:func:`jax_dilated.ops.dilated_window.add_windows`).
     """
-    check_max_documents(max_documents)
     starts = document_starts(segment_ids)
     documents = jnp.sum(starts == jnp.arange(starts.shape[1]), axis=1)
     concrete = not isinstance(documents, jax.core.Tracer)
@@ -284,12 +283,3 @@ def _streams(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_m
     o, lse, lse_lo = partial
     o = jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, o.dtype), o)
     return o.astype(query.dtype), lse, lse_lo
-
-
-def check_max_documents(max_documents):
-    """``max_documents``: None or a positive int (ValueError otherwise)."""
-    if max_documents is not None and (isinstance(max_documents, bool)
-                                      or not isinstance(max_documents, int)
-                                      or max_documents < 1):
-        raise ValueError(f"max_documents must be None or a positive int, got "
-                         f"{max_documents!r}.")

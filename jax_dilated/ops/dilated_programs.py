@@ -28,9 +28,10 @@ import functools
 
 import jax
 
-from jax_dilated.backends.base import Kernel, KernelArgs
-from jax_dilated.core import branch_plans, softmax
-from jax_dilated.core.branches import SlidingWindow
+from jax_dilated.backends.base import Kernel, KernelArgs, window_arg
+from jax_dilated.backends.registry import get_kernel
+from jax_dilated.core import branch_plans, softmax, validation
+from jax_dilated.core.branches import SlidingWindow, is_window
 from jax_dilated.core.types import HeadOffsets, Mode
 from jax_dilated.ops import branch_combine, dilated_fused, dilated_local, dilated_window
 from jax_dilated.ops.dilated_fused import fused_unservable
@@ -59,6 +60,30 @@ class DilatedCall:
     args: KernelArgs
     kernel: Kernel
     max_documents: int | None
+
+    @classmethod
+    def of(cls, segment_lengths, dilation_rates, *, mode: Mode, head_offsets: HeadOffsets,
+           head_dim: int, is_causal: bool, scale: float | None = None,
+           dropout_rate: float = 0.0, block_q: int | None = None,
+           block_k: int | None = None, logit_soft_cap: float | None = None,
+           implementation=None, max_documents: int | None = None) -> DilatedCall:
+        """The call of these options, each checked here (a ``ValueError`` or
+        ``TypeError`` naming the argument): the one validation of a dilated call's
+        static options, by :func:`jax_dilated.dilated_attention` and by decoding.
+        ``dropout_rate`` is checked (with its key) by the caller."""
+        branches = branch_plans.validate_branches(segment_lengths, dilation_rates)
+        branch_plans.check_mode(mode, head_offsets)
+        is_causal = validation.check_flag("is_causal", is_causal)
+        for w, _ in branches:  # an explicit right > 0 with causal attention is an error
+            if is_window(w):
+                window_arg(w.resolve(is_causal))
+        validation.check_max_documents(max_documents)
+        block_q, block_k = validation.check_block_sizes(block_q, block_k)
+        args = KernelArgs(scale=validation.check_scale(scale, head_dim), is_causal=is_causal,
+                          dropout_rate=dropout_rate, block_q=block_q, block_k=block_k,
+                          logit_soft_cap=validation.check_logit_soft_cap(logit_soft_cap))
+        return cls(branches, mode, head_offsets, args, get_kernel(implementation),
+                   max_documents)
 
     def plans(self, *, seq_len: int, num_heads: int, num_kv_heads: int):
         """Every branch's :class:`~jax_dilated.core.branch_plans.BranchPlan` for
