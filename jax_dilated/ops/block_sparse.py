@@ -381,10 +381,11 @@ def block_sparse_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *
         mask = window_mask(resolve_mask(pattern, nb, nb, h), tq * num_devices,
                            tk * num_devices, block_size, window)
         classes, aux = head_classes(mask, h, hkv, gq, gq, is_causal)
-        plan = _Plan(kernel, args, classes, h, gq, gq)
-        cfg = RingConfig(seq_axis, num_devices, num_devices, layout, args, kernel,
-                         steps=plan)
-        o, lse, _ = ring_partials(query, key, value, kv_mask, None, cfg, aux, segment_ids,
-                                  sinks)
+        # one ring over every device of the axis, its steps the head classes'
+        steps = _Plan(kernel, args, classes, h, gq, gq)
+        o, lse, _ = ring_partials(
+            query, key, value, kv_mask, None,
+            RingConfig(seq_axis, num_devices, num_devices, layout, args, kernel, steps=steps),
+            aux, segment_ids, sinks)
     o = o.astype(query.dtype)
     return (o, lse) if return_lse else o
