@@ -49,7 +49,8 @@ ring); the library's operations (dilated attention runs it itself).
 
 The package, by job: :mod:`.operation` (what ``jd.sharded`` was given, which strategies
 can serve it), :mod:`.heads`, :mod:`.allgather` and :mod:`.hybrid` (each strategy's program inside
-``shard_map``; ``"ring"`` is the operation's own), :mod:`.cost` (the cost model) and
+``shard_map``; ``"ring"`` is the operation's own), :mod:`.cost` (the cost model) with
+:mod:`.pricing` (its figures' record and how a device kind prices them), and
 :mod:`.choice` (``"auto"``'s pick, :func:`explain_strategy`).
 """
 

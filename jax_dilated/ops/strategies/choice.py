@@ -28,10 +28,10 @@ def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     ``time ~ work x F + exposed bytes / bandwidth`` per device, where ``F`` is the
     flops of the whole attention (forward and backward, ``10 B T^2 H D`` dense;
     dilated: the branches' segments; block-sparse as dense, a bound) and
-    ``flops / bandwidth`` the device kind's balance (``cost._BALANCE``: flops one byte
-    moved costs). On CPU no transfer overlaps and the work done in calls over a
-    shard's tokens costs ``cost._CPU_SEQ_SHARDED_WORK`` times as much (measured; see
-    the constant). Ties (within 10%) go to the one holding less memory, then to the
+    ``flops / bandwidth`` the device kind's balance (``pricing._BALANCE``: flops one
+    byte moved costs). On CPU no transfer overlaps and the work done in calls over a
+    shard's tokens costs ``pricing._CPU_SEQ_SHARDED_WORK`` times as much (measured;
+    see the constant). Ties (within 10%) go to the one holding less memory, then to the
     order ring, heads, per-branch mix, allgather. For dilated attention the
     per-branch mix of :func:`estimate` competes too; ``strategy`` is then its tuple.
     ``segment_ids``: the call has packed rows (only strategies that can serve them

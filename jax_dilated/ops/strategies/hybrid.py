@@ -118,7 +118,7 @@ def _pattern_of_heads(options, num_heads: int, size_a: int, seq_len: int):
 def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
                 num_kv_heads: int, head_dim: int, sizes: tuple[int, int], dtype="float32",
                 layout: str = "contiguous") -> StrategyCost:
-    """The per-device :class:`~.cost.StrategyCost` of ``"hybrid"`` over ``sizes = (P_a,
+    """The per-device :class:`~.pricing.StrategyCost` of ``"hybrid"`` over ``sizes = (P_a,
     P_b)`` (forward and backward; :func:`~.cost.estimate`'s conventions: ``e`` bytes per
     element, ``n = T / (P_a P_b)``, ``Q = B n H D e`` and ``K' = B n H_kv R D e`` one
     piece of queries and of kv heads repeated ``R`` times for ``P_a``).
