@@ -104,9 +104,11 @@ PATHS = [
     ("dilated, mesh, ring", _sharded(_DILATED_XLA), "XlaKernel.forward"),
     ("dilated, mesh, heads by branch", _sharded(_DILATED_XLA, "heads"),
      "HeadExchange.forward"),
+    # a sliding-window branch: "heads" runs as one all-to-all of the whole call
     ("dilated, mesh, heads", _sharded(functools.partial(
-        jd.dilated_attention, implementation="xla", segment_lengths=(64, 256),
-        dilation_rates=(1, 2)), "heads"), "XlaKernel.forward"),
+        jd.dilated_attention, implementation="xla",
+        segment_lengths=(64, jd.SlidingWindow(32, 32)), dilation_rates=(1, 1)), "heads"),
+     "XlaKernel.forward"),
     ("dilated, mesh, allgather", _sharded(_DILATED_XLA, "allgather"), "XlaKernel.forward"),
     ("dilated, mesh, packed rows",
      lambda q, k, v: _sharded(_DILATED_XLA)(q, k, v, segment_ids=_PACKED_IDS),

@@ -292,7 +292,7 @@ def test_seq_axis_equals_one_device(mode):
 
 
 def test_packed_seq_axis_equals_one_device():
-    """Packed rows with seq_axis (head_parallel.dilated_over_heads) and a window branch."""
+    """Packed rows with seq_axis (head_parallel.over_heads) and a window branch."""
     q, k, v, _, sinks = make_inputs(8, 32, 2)
     ids = np.array([[0] * 11 + [1] * 21] * B)
     kw = dict(segment_lengths=(jd.SlidingWindow(4), 8), dilation_rates=(1, 2),

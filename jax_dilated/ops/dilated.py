@@ -115,7 +115,7 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
         some heads: an all-to-all to ``H / P`` heads when ``P`` divides the heads
         (moving about a shard of q, k, v and the output per device), else q, k, v
         and the ids are all-gathered (``O(T H D)`` held per device) and each device
-        computes ``ceil(H / P)`` heads (:func:`jax_dilated.ops.head_parallel.dilated_over_heads`).
+        computes ``ceil(H / P)`` heads (:func:`jax_dilated.ops.head_parallel.over_heads`).
         No segment-length restriction of the unpacked sharded path applies.
       max_documents: a static bound on the documents per row with ``segment_ids``.
         Give it where you can: packed rows then cost about what their documents cost
@@ -204,24 +204,28 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
                                                  segment_ids=segment_ids,
                                                  max_documents=max_documents)
     else:
-        program = _mesh_program(call, plans, t, h, segment_ids, seq_axis, flat_axis,
-                                num_devices, strategy, lse_grad)
-        o, lse = program(query, key, value, kv_mask, rng)
+        program, operands, back = _mesh_program(call, plans, query, key, value, kv_mask,
+                                                rng, segment_ids, seq_axis, flat_axis,
+                                                num_devices, strategy, lse_grad)
+        o, lse = back(*program(*operands))
     o, lse = softmax.sinks_on_output(o, lse, sinks)
     return (o, lse) if return_lse else o
 
 
-def _mesh_program(call: DilatedCall, plans, local_len: int, num_heads: int, segment_ids,
+def _mesh_program(call: DilatedCall, plans, query, key, value, kv_mask, rng, segment_ids,
                   seq_axis, flat_axis, num_devices: int, strategy, lse_grad: bool):
-    """The program that runs a call with the sequence sharded over ``seq_axis`` (inside
-    shard_map), as ``f(query, key, value, kv_mask, rng) -> (out, lse)``: the whole
-    sequence of some heads per device (``"heads"`` as one all-to-all, and packed rows
-    under every strategy), the hybrid exchange over two axes, else the branches on the
+    """How a call runs with the sequence sharded over ``seq_axis`` (inside shard_map):
+    ``(program, operands, back)``, the result ``back(*program(*operands)) = (out,
+    lse)``. The whole sequence of some heads per device (``"heads"`` as one
+    all-to-all, and packed rows under every strategy: the exchange is made here, the
+    way back is ``back``), the hybrid exchange over two axes, else the branches on the
     shards (:func:`jax_dilated.ops.distributed.sharded_dilated`). Chosen here, entered
     by the caller, so that the program calls its kernels from one frame below it."""
+    local_len, num_heads = query.shape[1], query.shape[2]
+    operands = (query, key, value, kv_mask, rng)
     if isinstance(seq_axis, tuple) and segment_ids is None:
-        return functools.partial(dilated_hybrid.hybrid, call, axes=seq_axis,
-                                 lse_grad=lse_grad)
+        return (functools.partial(dilated_hybrid.hybrid, call, axes=seq_axis,
+                                  lse_grad=lse_grad), operands, _unchanged)
     # "heads" runs branch by branch where it can (distributed.heads_by_branch), else
     # as the all-to-all of the whole call
     by_branch = (distributed.heads_by_branch(call.branches, plans, local_len=local_len,
@@ -239,14 +243,17 @@ def _mesh_program(call: DilatedCall, plans, local_len: int, num_heads: int, segm
         # every device runs the one-device program on the whole sequence of some heads
         # (packed rows: documents start anywhere, so segments do not sit on the shards;
         # under hybrid over the two axes as one)
-        return functools.partial(
-            head_parallel.dilated_over_heads, call, segment_ids=segment_ids,
-            axis_name=flat_axis, num_devices=num_devices,
-            gather=strategy == "allgather", lse_grad=lse_grad)
+        return head_parallel.over_heads(
+            call, *operands, segment_ids=segment_ids, axis_name=flat_axis,
+            num_devices=num_devices, gather=strategy == "allgather", lse_grad=lse_grad)
     sharded_branches = by_branch or distributed.shard_branches(
         call.branches, local_len=local_len, num_devices=num_devices)
     return functools.partial(
         distributed.sharded_dilated, plans, sharded_branches, args=call.args,
         mode=call.mode, axis_name=seq_axis, num_devices=num_devices, kernel=call.kernel,
         strategies=distributed.branch_strategies(strategy, plans, sharded_branches),
-        lse_grad=lse_grad)
+        lse_grad=lse_grad), operands, _unchanged
+
+
+def _unchanged(out, lse):
+    return out, lse

@@ -50,27 +50,38 @@ def _chunks(items: int, target: int) -> _Chunks:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkRun:
-    """A loop over chunks of ``size`` items: trip ``i`` runs chunk :meth:`chunk` ``(i)``,
-    whose first item is ``chunk * stride``. ``trips`` is an int, or for the slots of
-    packed rows the traced count of the chunks holding a filled slot, listed first in
-    ``order`` (a chunk of empty slots only computes nothing: it is not visited)."""
+    """A loop over ``trips`` chunks of ``size`` items: trip ``i`` runs chunk
+    :meth:`chunk` ``(i)``, whose first item is ``chunk * stride``. ``need``: None, or
+    for the slots of packed rows [trips] bool, False for a chunk of empty slots only
+    (it would compute nothing: :meth:`skipping` skips it)."""
 
     size: int
     stride: int
     first: int
-    trips: int | jax.Array
-    order: jax.Array | None = None
-
-    @property
-    def unrolled(self) -> bool:
-        """One static trip: the body is called once, without a loop."""
-        return self.order is None and self.trips == 1
+    trips: int
+    need: jax.Array | None = None
 
     def chunk(self, i):
         """The chunk that trip ``i`` runs."""
-        if self.order is not None:
-            return self.order[i]
         return i if self.first == 0 else self.first + i
+
+    def skipping(self, step):
+        """``step(i, acc)`` as the loop's body, run only for the chunks in ``need``.
+        A ``lax.cond`` of its own per chunk (as :func:`~jax_dilated.core.skip.maybe_skip`
+        with a traced predicate): XLA then keeps a chunk's buffers inside the
+        conditional, where a loop over the needed chunks only held 3% more."""
+        if self.need is None:
+            return step
+        need = self.need
+
+        def step_if_needed(i, acc):
+            return jax.lax.cond(need[i], step, _unchanged, i, acc)
+
+        return step_if_needed
+
+
+def _unchanged(i, acc):
+    return acc
 
 
 def branch_rng(rng, i: int):
@@ -135,7 +146,7 @@ class BranchView:
 
     def runs(self) -> list[ChunkRun]:
         """The branch's chunks as loops (:class:`ChunkRun`): the ``full`` chunks, then
-        the ``rest`` (one static chunk); for slots, only chunks holding a filled slot."""
+        the ``rest`` (one static chunk); for slots, which chunks hold a filled slot."""
         ch = self.chunks
         runs = [(0, ch.full, ch.size)] if ch.full else []
         if ch.rest:
@@ -148,8 +159,7 @@ class BranchView:
                                         (first * ch.size + count * size) * self.w)
             need = jnp.any(rows.reshape(count, size * self.w) < self.batch * self.seq_len,
                            axis=1)
-            order = jnp.flatnonzero(need, size=count, fill_value=0).astype(jnp.int32) + first
-            out.append(ChunkRun(size, ch.size, first, jnp.sum(need, dtype=jnp.int32), order))
+            out.append(ChunkRun(size, ch.size, first, count, need))
         return out
 
     def view(self, x, fill=0):

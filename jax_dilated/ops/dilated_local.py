@@ -156,8 +156,8 @@ def _forward(call: StreamedCall, query, key, value, kv_mask, rng, source=None, s
 
         acc = (br.view(o), br.view(lse, -jnp.inf), br.view(lse_lo))
         for run in br.runs():  # inline, so the kernel is called from the program's body
-            step = functools.partial(body, run=run)
-            acc = step(0, acc) if run.unrolled else jax.lax.fori_loop(0, run.trips, step, acc)
+            step = run.skipping(functools.partial(body, run=run))
+            acc = step(0, acc) if run.trips == 1 else jax.lax.fori_loop(0, run.trips, step, acc)
         o, lse, lse_lo = (br.unview(x) for x in acc)
     return softmax.fold_sinks(o.astype(query.dtype), lse, lse_lo, sinks)
 
@@ -234,8 +234,8 @@ def _backward(call: StreamedCall, query, key, value, kv_mask, rng, source, lse, 
 
         acc = (br.view(dq), br.view(dk), br.view(dv))
         for run in br.runs():  # as in _forward
-            step = functools.partial(body, run=run)
-            acc = step(0, acc) if run.unrolled else jax.lax.fori_loop(0, run.trips, step, acc)
+            step = run.skipping(functools.partial(body, run=run))
+            acc = step(0, acc) if run.trips == 1 else jax.lax.fori_loop(0, run.trips, step, acc)
         dq, dk, dv = (br.unview(x) for x in acc)
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 

@@ -260,26 +260,24 @@ def _streams(kernel, args: KernelArgs, plans, mode: str, query, key, value, kv_m
     in a row with more than ``max_documents`` documents."""
     b, t, h, d = query.shape
     stats = softmax.stats_dtype(query.dtype)
-    partial, overflow = None, jnp.zeros(b, bool)
-    if mode == "head_groups":  # the heads of no branch here: 0 and -inf
-        partial = varying_like((jnp.zeros((b, t, h, d), query.dtype),
-                                jnp.full((b, t, h), -jnp.inf, stats),
-                                jnp.zeros((b, t, h), stats)), (query, key, value))
+    partial, overflow, pieces = None, jnp.zeros(b, bool), []
     for i, plan in enumerate(plans):
         if plan.branch.window is not None:
+            if mode == "head_groups":  # its heads: 0 and -inf here, the window's later
+                pieces.append(varying_like(softmax.empty_partial(
+                    (b, t, len(plan.query_heads), d), stats), (query, key, value)))
             continue
         o_i, lse_i, lo_i, over = packed_branch(
             kernel, args, plan, query, key, value, kv_mask, starts,
             None if rng is None else jax.random.fold_in(rng, i), max_documents)
         overflow = overflow | over
+        part = (o_i.astype(stats), lse_i, lo_i)
         if mode == "longnet":  # every branch holds every head
-            part = (o_i.astype(stats), lse_i, lo_i)
             partial = part if partial is None else softmax.merge_partials(*partial, *part)
-            continue
-        o, lse, lse_lo = partial
-        a, z = int(plan.query_heads[0]), int(plan.query_heads[-1]) + 1
-        partial = (o.at[:, :, a:z].set((o_i.astype(stats) / len(plans)).astype(o.dtype)),
-                   lse.at[:, :, a:z].set(lse_i), lse_lo.at[:, :, a:z].set(lo_i))
+        else:  # the groups' heads side by side, in order
+            pieces.append((part[0] / len(plans), *part[1:]))
+    if mode == "head_groups":
+        partial = tuple(jnp.concatenate(x, axis=2) for x in zip(*pieces))
     o, lse, lse_lo = partial
     o = jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, o.dtype), o)
     return o.astype(query.dtype), lse, lse_lo

@@ -46,7 +46,7 @@ docs/semantics.md, section 8):
 A local branch moves nothing, whatever its entry says. ``strategy="heads"`` for the
 whole call runs branch by branch like this wherever it can (:func:`heads_by_branch`),
 and otherwise as the all-to-all of the whole sequence
-(:func:`jax_dilated.ops.head_parallel.dilated_over_heads`).
+(:func:`jax_dilated.ops.head_parallel.over_heads`).
 
 The backward is the ring's ``custom_vjp`` (the key/value blocks and their gradient
 accumulators travel together and return to their owners), so memory per device is
@@ -61,7 +61,7 @@ lies outside every local query's window are skipped), whatever the shard length.
 Packed rows (``segment_ids``) do not run here: their segment grid restarts at every
 document, so segments do not sit on the shards, and each device runs the one-device
 packed program on the whole sequence of some heads instead
-(:func:`jax_dilated.ops.head_parallel.dilated_over_heads`; docs/semantics.md, section 2).
+(:func:`jax_dilated.ops.head_parallel.over_heads`; docs/semantics.md, section 2).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 head shards, and dilated attention of this device's heads over the whole sequence.
 
 The ``"heads"`` strategy (:mod:`jax_dilated.ops.strategies.heads`) builds on these, and so
-does dilated attention with ``seq_axis`` (:func:`dilated_over_heads`: its ``"heads"``
+does dilated attention with ``seq_axis`` (:func:`over_heads`: its ``"heads"``
 strategy, and packed rows under every strategy), which
 :func:`jax_dilated.dilated_attention` calls: this module sits below both (it imports
 neither), so neither import goes in a circle.
@@ -25,7 +25,7 @@ from jax_dilated.ops.dilated_programs import DilatedCall, one_device
 __all__ = ["seq_to_heads", "heads_to_seq", "gather_tokens", "heads_unservable",
            "kv_repeat", "kernel_args",
            "head_plans", "plan_key", "distinct_variants", "device_choice", "by_device",
-           "to_heads", "dilated_over_heads"]
+           "to_heads", "over_heads"]
 
 
 def seq_to_heads(x, axis_name: str):
@@ -144,12 +144,14 @@ def to_heads(q, k, v, mask, segment_ids, axis_name: str, num_devices: int):
             gather_tokens(segment_ids, axis_name))
 
 
-def dilated_over_heads(call: DilatedCall, q, k, v, mask, rng, *, segment_ids=None,
+def over_heads(call: DilatedCall, q, k, v, mask, rng, *, segment_ids=None,
                        axis_name: str, num_devices: int, gather: bool = False,
                        lse_grad: bool = True):
     """Dilated attention, the sequence sharded contiguously over ``axis_name`` (inside
     ``shard_map``), run as single-device programs on the whole sequence of some heads:
-    ``(out [B, n, H, D], lse [B, n, H])``.
+    ``(program, operands, back)``, whose ``back(*program(*operands))`` is ``(out [B,
+    n, H, D], lse [B, n, H])``. (The caller enters the program itself, so that it
+    calls its kernels few frames below the operation's entry point.)
 
     Every device runs the single-device program (the packed one with ``segment_ids``
     [B, n], this shard's ids) on the *whole* sequence of some heads (global head
@@ -206,16 +208,20 @@ def dilated_over_heads(call: DilatedCall, q, k, v, mask, rng, *, segment_ids=Non
                                       max_documents=call.max_documents)
                     for plans in distinct]
     which = None if len(distinct) == 1 else device_choice(axis_name, index)
-    out, lse = (programs[0](q, k, v, mask, rng) if which is None else
-                jax.lax.switch(which, programs, q, k, v, mask, rng))
-    if call.mode == "head_groups":
-        # a device's heads in fewer groups than there are branches: its output is
-        # divided by the number of all branches, not of its own
-        ratio = [len(plans) / len(call.branches) for plans in distinct]
-        if ratio != [1.0] * len(ratio):
-            scale = ratio[0] if which is None else jnp.asarray(ratio)[which]
+    program = (programs[0] if which is None
+               else functools.partial(jax.lax.switch, which, programs))
+    # head_groups: a device's heads in fewer groups than there are branches: its
+    # output is divided by the number of all branches, not of its own
+    ratio = [len(plans) / len(call.branches) for plans in distinct]
+    scale = None
+    if call.mode == "head_groups" and ratio != [1.0] * len(ratio):
+        scale = ratio[0] if which is None else jnp.asarray(ratio)[which]
+
+    def back(out, lse):
+        if scale is not None:
             out = (out * scale).astype(q.dtype)
-    if whole:
-        return heads_to_seq(out, axis_name), heads_to_seq(lse, axis_name)
-    # [B, T, c] per device -> [B, n, P c]: the first H are the heads, in order
-    return (heads_to_seq(out, axis_name)[:, :, :h], heads_to_seq(lse, axis_name)[:, :, :h])
+        out, lse = heads_to_seq(out, axis_name), heads_to_seq(lse, axis_name)
+        # gathered: [B, T, c] per device -> [B, n, P c]: the first H are the heads
+        return (out, lse) if whole else (out[:, :, :h], lse[:, :, :h])
+
+    return program, (q, k, v, mask, rng), back

@@ -35,7 +35,7 @@ takes one per branch: a tuple such as ``("ring", "heads", "allgather")``, where
 Packed dilated attention (``segment_ids``) restarts its segment grid at every document,
 so its segments do not sit on the shards: under every strategy each device runs the
 single-device packed program on the whole sequence of some heads
-(:func:`dilated_over_heads`).
+(:func:`over_heads`).
 
 ``"auto"`` chooses one (for dilated attention possibly a per-branch tuple) from the
 cost model of :func:`estimate` (bytes sent and memory held per device, whether the
@@ -57,7 +57,7 @@ can serve it), :mod:`.heads`, :mod:`.allgather` and :mod:`.hybrid` (each strateg
 from __future__ import annotations
 
 # the head-parallel transforms are part of this package's public names
-from jax_dilated.ops.head_parallel import (gather_tokens, heads_to_seq, dilated_over_heads,
+from jax_dilated.ops.head_parallel import (gather_tokens, heads_to_seq, over_heads,
                                            seq_to_heads)
 from jax_dilated.ops.strategies.allgather import allgather_local
 from jax_dilated.ops.strategies.choice import choose, explain_strategy
@@ -71,5 +71,5 @@ from jax_dilated.ops.strategies.operation import (STRATEGIES, Operation, accepts
 __all__ = ["STRATEGIES", "Operation", "describe", "accepts", "check_sharded_strategy",
            "servable", "require", "seq_to_heads", "heads_to_seq", "gather_tokens",
            "heads_local", "allgather_local", "hybrid_local", "hybrid_unservable",
-           "dilated_over_heads", "StrategyCost",
+           "over_heads", "StrategyCost",
            "estimate", "choose", "explain_strategy"]

@@ -77,7 +77,7 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
       for the all-gather), ``H_b / g`` heads over ``g n / r`` for the head exchange.
 
     Packed dilated attention (``segment_ids=True``) runs whole sequences of some heads
-    under every strategy (:func:`.dilated_over_heads`): ``"ring"`` is then the heads
+    under every strategy (:func:`.over_heads`): ``"ring"`` is then the heads
     figures when ``H % P == 0``, and otherwise, like ``"allgather"``, the gathered
     program: q, k, v gathered forward and reduce-scattered backward,
     ``2 (P - 1) (Q + 2 K)``, plus the output's all-to-alls; it holds the whole q, k, v

@@ -88,7 +88,7 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
     ``heads_of`` says whose heads ``num_heads`` counts in messages (e.g. those of one
     ``head_axis`` shard). ``segment_ids``: the call has packed rows; a custom function
     must then take ``segment_ids=``, and packed dilated attention has no segment rule
-    to check (it runs whole sequences of some heads, :func:`.dilated_over_heads`).
+    to check (it runs whole sequences of some heads, :func:`.over_heads`).
     """
     why = {"ring": None, "allgather": None, "heads": None}
     why["heads"] = head_parallel.heads_unservable(num_heads, num_devices, heads_of)
@@ -111,7 +111,7 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
         sequence = ("block-sparse attention needs shards made of whole blocks, got "
                     "layout='striped'")
     elif seq_len is not None and op.kind == "dilated" and segment_ids:
-        pass  # packed rows: every strategy runs whole sequences (dilated_over_heads)
+        pass  # packed rows: every strategy runs whole sequences (over_heads)
     elif seq_len is not None and op.kind in ("dilated", "block_sparse"):
         try:
             n = seq_len // num_devices
