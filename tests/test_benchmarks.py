@@ -512,23 +512,27 @@ def test_window_op_runs_end_to_end_at_a_tiny_size(tmp_path):
 def test_strategies_op_runs_end_to_end_at_a_tiny_size(tmp_path, capsys, monkeypatch):
     """``python -m benchmarks strategies`` in this process at a tiny size: every strategy
     compiles, is timed and has its memory, and so does the per-branch mix the cost model
-    offers (on a pretended GPU: 8 heads over 8 devices exchange heads only in the
-    longest branch), and the step counter counts every step it announces."""
+    offers (on a pretended GPU, 4 heads over 8 devices: the longest branch's 8 devices
+    cannot split 4 heads, so it gathers, the middle one exchanges heads among its 2),
+    and the step counter counts every step it announces."""
     from benchmarks import strategies as bench
     from jax_dilated.ops.strategies import cost
 
     monkeypatch.setattr(cost, "_device_kind", lambda: "gpu")
     op, args = _op_args("strategies", [
-        "--ops", "dilated", "--seq-lens", "256", "--kv-heads", "8", "--devices", "8",
-        "--heads", "8", "--head-dim", "8", "--repeats", "1", "--warmup", "0", "--json",
+        "--ops", "dilated", "--seq-lens", "256", "--kv-heads", "4", "--devices", "8",
+        "--heads", "4", "--head-dim", "8", "--repeats", "1", "--warmup", "0", "--json",
         str(tmp_path / "s.json"), "--no-plot"])
     harness.resolve_common(args, op)
     args.load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(0.1, 0.1))
     payload = op.run(args)
     (row,) = payload["rows"]
-    assert row["auto"] == "ring+ring+heads"
+    assert row["auto"] == "ring+heads+allgather"
     assert set(row["strategies"]) == {"ring", "allgather", "heads", bench.MIX, "auto"}
     for name, entry in row["strategies"].items():
+        if name == "heads":  # 4 heads over 8 devices: refused, with the reason
+            assert entry["estimate"]["reason"] and "memory" not in entry
+            continue
         assert entry["memory"]["total"] > 0 and entry["fwd_bwd"]["median_s"] > 0, name
     err = capsys.readouterr().err
     total = int(re.search(r"\[strategies\] (\d+) steps", err).group(1))
