@@ -347,14 +347,74 @@ def test_hybrid_errors_name_the_argument():
         jd.sharded(fn, mesh, seq_axis=("a", "c"), strategy="hybrid")
     with pytest.raises(ValueError, match=r"needs two mesh axes, seq_axis=\(a, b\)"):
         jd.sharded(fn, mesh, seq_axis="a", strategy="hybrid")
-    with pytest.raises(ValueError, match="names two mesh axes"):
-        jd.sharded(fn, mesh, seq_axis=("a", "b"), strategy="ring")
     with pytest.raises(ValueError, match="the library's operations"):
         jd.sharded(lambda q, k, v, **kw: q, mesh, seq_axis=("a", "b"),
                    strategy="hybrid")(x[:, :, :4], x[:, :, :4], x[:, :, :4])
     with pytest.raises(ValueError, match=r"seq_axis must name .* two as \(a, b\)"):
         jd.dilated_attention(x, x, x, segment_lengths=(8,), dilation_rates=(1,),
                              strategy="hybrid")
-    with pytest.raises(ValueError, match="names two mesh axes"):
-        jd.dilated_attention(x, x, x, segment_lengths=(8,), dilation_rates=(1,),
-                             seq_axis=("a", "b"), strategy="ring")
+    with pytest.raises(ValueError, match="no order of the 8 heads"):
+        # 4 x 2, 8 heads of 8 kv heads: rate 4's offsets differ between the 4 slices
+        jd.sharded(functools.partial(jd.dilated_attention, segment_lengths=(16, 64, 128),
+                                     dilation_rates=(1, 2, 4)), mesh, seq_axis=("a", "b"),
+                   strategy="hybrid")(*(jnp.zeros((1, 128, 8, 8)),) * 3)
+
+
+# ---------------------------------------------- one-axis strategies and "auto" on a pair
+
+PAIR_OPS = {
+    "exact": (functools.partial(jd.ring_attention, is_causal=True), "zigzag"),
+    "dilated": (functools.partial(jd.dilated_attention, segment_lengths=(16, 64, 128),
+                                  dilation_rates=(1, 2, 4), is_causal=True), "contiguous"),
+}
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "heads", "auto"])
+@pytest.mark.parametrize("op", ["exact", "dilated"])
+def test_one_axis_strategies_over_a_pair_equal_one_device(op, strategy):
+    """A pair with a one-axis strategy runs it over the two axes as one (in the mesh's
+    order), and "auto" picks among those and both hybrid splits: forward and gradients
+    equal one device in float64, 8 query heads, 2 kv heads, a padding mask."""
+    fn, layout = PAIR_OPS[op]
+    q, k, v, g, mask, _ = _inputs(8, 2, seed=3)
+    one = jd.sharded(fn, make_mesh((1,), ("s",)), seq_axis="s", layout=layout)
+    want = output_and_grads(lambda q, k, v: one(q, k, v, kv_mask=mask), q, k, v, g)
+    attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), layout=layout,
+                      strategy=strategy)
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    _check(got, want)
+
+
+def test_auto_prices_both_hybrid_splits_and_runs_the_one_it_picks(monkeypatch, capsys):
+    """On a 2 x 4 pair "auto" prices heads over a with the ring over b ((2, 4)) and the
+    other way round ((4, 2)) beside the one-axis strategies, explain_strategy shows both,
+    and the split it picks runs with its axes' roles (here the swapped one, forced),
+    equal to one device."""
+    fn, layout = PAIR_OPS["exact"]
+    _, costs, _ = jd.explain_strategy(fn, (B, T, 8, D), (B, T, 2, D), num_devices=8,
+                                      layout=layout, axis_sizes=(2, 4))
+    assert costs["hybrid"].strategy == ("hybrid", 2, 4)
+    assert costs["hybrid_swapped"].strategy == ("hybrid", 4, 2)
+    assert costs["hybrid"].sent_bytes != costs["hybrid_swapped"].sent_bytes
+    out = capsys.readouterr().out
+    assert "hybrid 2 x 4" in out and "hybrid 4 x 2" in out
+    from jax_dilated.ops import strategies
+    real = strategies.choose
+    picked = []
+
+    def swapped(*args, **kw):
+        picked.append(kw["axis_sizes"])
+        return ("hybrid", 4, 2), *real(*args, **kw)[1:]
+
+    monkeypatch.setattr(strategies, "choose", swapped)
+    q, k, v, g, mask, _ = _inputs(8, 2, seed=4)
+    one = jd.sharded(fn, make_mesh((1,), ("s",)), seq_axis="s", layout=layout)
+    want = output_and_grads(lambda q, k, v: one(q, k, v, kv_mask=mask), q, k, v, g)
+    attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), layout=layout, strategy="auto")
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    assert picked and picked[0] == (2, 4)
+    _check(got, want)
+    # the swapped split exchanges heads over b: its all-to-alls run over b's 4 devices
+    hlo = jax.jit(attn).lower(*(jnp.asarray(x) for x in (q, k, v))).compile().as_text()
+    groups = re.findall(r"all-to-all\([^\n]*replica_groups=\{(\{[^}]*\})", hlo)
+    assert groups and all(len(grp.strip("{}").split(",")) == 4 for grp in groups), groups

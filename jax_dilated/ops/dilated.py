@@ -86,7 +86,9 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
         sequence sharded over both, ``b`` major: ``PartitionSpec(..., (b, a))``): an
         all-to-all over ``a`` to whole ring chunks of ``H / P_a`` heads, this
         program over ``b`` on them (spanning segments ring over the devices of ``b``
-        they span), and back (docs/semantics.md, section 8, "Hybrid"). Packed rows run whole sequences of some heads under
+        they span), and back (docs/semantics.md, section 8, "Hybrid"); with any other
+        strategy two (or more) axes are one sequence axis, the first major (give them
+        in the mesh's order: JAX numbers their devices so). Packed rows run whole sequences of some heads under
         every strategy (all-gathered under ``"allgather"``). Only ``"ring"`` without
         ``seq_axis``.
       implementation: kernel; None chooses by device kind (on CPU the native kernel's
@@ -170,14 +172,13 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     kv_mask = validation.check_kv_mask(kv_mask, b, t)
     return_lse = validation.check_flag("return_lse", return_lse)
     sinks = validation.check_sinks(sinks, h)
-    hybrid = strategy == "hybrid" or isinstance(seq_axis, (tuple, list))
+    hybrid = strategy == "hybrid"
     if hybrid:
-        if strategy != "hybrid":
-            raise ValueError(f"seq_axis={seq_axis!r} names two mesh axes, which "
-                             f"strategy='hybrid' runs, got strategy={strategy!r}.")
         seq_axis = validation.check_axis_pair(seq_axis)
     else:
         strategy = distributed.check_branch_strategy(strategy, len(call.branches))
+        if isinstance(seq_axis, list):  # several mesh axes as one, the first major
+            seq_axis = tuple(seq_axis)
     if seq_axis is None and strategy != "ring":
         raise ValueError(f"strategy={strategy!r} says how to parallelise the sequence axis: "
                          f"it needs seq_axis= (inside shard_map, or through jd.sharded); "
@@ -223,7 +224,7 @@ def _mesh_program(call: DilatedCall, plans, query, key, value, kv_mask, rng, seg
     by the caller, so that the program calls its kernels from one frame below it."""
     local_len, num_heads = query.shape[1], query.shape[2]
     operands = (query, key, value, kv_mask, rng)
-    if isinstance(seq_axis, tuple) and segment_ids is None:
+    if strategy == "hybrid" and segment_ids is None:
         return (functools.partial(dilated_hybrid.hybrid, call, axes=seq_axis,
                                   lse_grad=lse_grad), operands, _unchanged)
     # "heads" runs branch by branch where it can (distributed.heads_by_branch), else

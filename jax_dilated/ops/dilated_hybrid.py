@@ -24,7 +24,7 @@ from jax_dilated.core import validation
 from jax_dilated.ops import distributed, head_parallel
 from jax_dilated.ops.dilated_programs import DilatedCall
 
-__all__ = ["hybrid", "head_order"]
+__all__ = ["hybrid", "head_order", "slice_order", "no_order_reason"]
 
 
 def head_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
@@ -50,6 +50,28 @@ def head_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
                      for u in c[d * len(c) // size_a:(d + 1) * len(c) // size_a]])
 
 
+def slice_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
+                size_a: int) -> np.ndarray | None:
+    """The order of the ``units`` kv units under which every one of the ``size_a``
+    slices runs one plan: as they are where the contiguous slices already do, else
+    :func:`head_order`; None where no order does."""
+    order = np.arange(units)
+    if len({k for k, _ in _variants(call, seq_len, num_heads, units, size_a, order)}) == 1:
+        return order
+    return head_order(call, seq_len=seq_len, num_heads=num_heads, units=units,
+                      size_a=size_a)
+
+
+def no_order_reason(axis, *, num_heads: int, units: int, size_a: int) -> str:
+    """Why hybrid cannot run a call for which :func:`slice_order` is None."""
+    return (f"strategy='hybrid' needs every device of its head-exchange axis {axis!r} to "
+            f"run the same plan (offsets, and in head_groups mode groups, at each of its "
+            f"{num_heads // size_a} heads), and no order of the {num_heads} heads (in "
+            f"{units} units of one kv head) deals them so over {size_a} devices: every "
+            f"set of heads with equal plans must divide by {size_a}. Use fewer devices "
+            f"on {axis!r}, or strategy='ring' / 'heads' over one axis.")
+
+
 def _permute_units(x, order, units: int):
     """``x`` [B, n, H, ...] with its heads in ``units`` blocks reordered by ``order``."""
     b, n, h = x.shape[:3]
@@ -69,20 +91,10 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
                          f"{size_a} devices of its head-exchange axis {a!r}.")
     seq_len = query.shape[1] * size_a * size_b
     units = hkv * head_parallel.kv_repeat(hkv, size_a)
-    heads = h // size_a
-    order = np.arange(units)
+    order = slice_order(call, seq_len=seq_len, num_heads=h, units=units, size_a=size_a)
+    if order is None:
+        raise ValueError(no_order_reason(a, num_heads=h, units=units, size_a=size_a))
     variants = _variants(call, seq_len, h, units, size_a, order)
-    if len({k for k, _ in variants}) > 1:
-        order = head_order(call, seq_len=seq_len, num_heads=h, units=units, size_a=size_a)
-        if order is None:
-            raise ValueError(
-                f"strategy='hybrid' needs every device of its head-exchange axis {a!r} "
-                f"to run the same plan (offsets, and in head_groups mode groups, at each "
-                f"of its {heads} heads), and no order of the {h} heads (in {units} units "
-                f"of one kv head) deals them so over {size_a} devices: every set of "
-                f"heads with equal plans must divide by {size_a}. Use fewer devices on "
-                f"{a!r}, or strategy='ring' / 'heads' over one axis.")
-        variants = _variants(call, seq_len, h, units, size_a, order)
     permuted = not np.array_equal(order, np.arange(units))
     k, v = key, value
     if units != hkv:  # each kv head repeated, so that the units divide by P_a

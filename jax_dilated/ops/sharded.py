@@ -13,6 +13,7 @@ Explicit axes (``jax.make_mesh`` makes Explicit ones).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -52,7 +53,7 @@ def _place(x, mesh, spec):
 
 
 def _hybrid_axes(mesh, seq_axis, batch_axis, head_axis) -> tuple[str, str] | None:
-    """``(a, b)`` for a ``seq_axis`` naming two mesh axes (``"hybrid"``), None for one;
+    """``(a, b)`` for a ``seq_axis`` naming two mesh axes, None for one;
     a ``ValueError`` naming the argument when they are not mesh axes, or the same."""
     validation.check_mesh_axes(mesh, seq_axis, batch_axis, head_axis)
     return tuple(seq_axis) if isinstance(seq_axis, (tuple, list)) else None
@@ -72,10 +73,12 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
         An ``fn`` that takes ``axis_name=`` but not ``seq_axis=`` (the old spelling)
         still gets the axis as ``axis_name=``, with a DeprecationWarning.
       mesh: a ``jax.sharding.Mesh``.
-      seq_axis: mesh axis to shard the sequence over, or two axes ``(a, b)`` for
-        ``strategy="hybrid"``: the sequence is sharded over both (``b`` major), heads
+      seq_axis: mesh axis to shard the sequence over, or two axes ``(a, b)``: with
+        ``strategy="hybrid"`` the sequence is sharded over both (``b`` major), heads
         are exchanged over ``a`` and the operation's ring runs over ``b``
-        (docs/semantics.md, section 8, "Hybrid").
+        (docs/semantics.md, section 8, "Hybrid"); with a one-axis strategy it runs over
+        the two as one axis (in the mesh's order); ``"auto"`` prices both hybrid
+        splits (heads over ``a``, or over ``b``) beside the one-axis strategies.
       batch_axis, head_axis: optional mesh axes to shard batch and heads over (heads
         and kv heads must both divide by the head axis size).
       layout: how the sequence is laid out over ``seq_axis`` (ring attention only;
@@ -91,9 +94,8 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
         ``seq_axis=(a, b)``: an all-to-all over ``a`` to ``H / P_a`` heads of a ring
         chunk, the operation's ring over ``b`` in ``layout``, and back; the library's
         operations (dilated attention runs it itself); needs the heads divisible by
-        ``P_a``) or ``"auto"`` (chosen per call
-        by the cost model of :func:`jax_dilated.explain_strategy`; with two axes,
-        ``"hybrid"``).
+        ``P_a``) or ``"auto"`` (chosen per call by the cost model of
+        :func:`jax_dilated.explain_strategy`).
         :func:`jax_dilated.dilated_attention` runs every strategy itself: it gets
         ``seq_axis=`` and the strategy as ``strategy=``, which may also be a tuple
         with one of ``"ring"``, ``"allgather"``, ``"heads"`` per branch (how each
@@ -129,16 +131,12 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
     if not callable(fn):
         raise TypeError(f"fn must be an attention function (e.g. jd.ring_attention), got "
                         f"{fn!r}.")
-    hybrid = _hybrid_axes(mesh, seq_axis, batch_axis, head_axis)
+    pair = _hybrid_axes(mesh, seq_axis, batch_axis, head_axis)
     layouts.check_layout(layout)
     strategy = strategies.check_sharded_strategy(strategy)
-    if hybrid is None and strategy == "hybrid":
+    if pair is None and strategy == "hybrid":
         raise ValueError(f"strategy='hybrid' needs two mesh axes, seq_axis=(a, b) (heads "
                          f"exchanged over a, a ring over b), got seq_axis={seq_axis!r}.")
-    if hybrid is not None and strategy not in ("hybrid", "auto"):
-        raise ValueError(f"seq_axis={seq_axis!r} names two mesh axes, which "
-                         f"strategy='hybrid' (or 'auto') runs, got strategy={strategy!r}; "
-                         f"for {strategy!r} name one axis.")
     op = strategies.describe(fn)
     axis_kw = _axis_keyword(fn)
     # Only the ring takes a layout; dilated attention shards contiguously.
@@ -148,16 +146,10 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             f"layout={layout!r} needs an operation that takes a layout (ring_attention); "
             f"{_name(fn)} shards the sequence contiguously: use layout='contiguous'."
         )
-    if hybrid is None:
-        num, seq_spec, sizes = mesh.shape[seq_axis], seq_axis, None
-    else:  # b major: after the all-to-all over a, ring chunk i_b is whole on device i_b
-        sizes = (mesh.shape[hybrid[0]], mesh.shape[hybrid[1]])
-        num, seq_spec = sizes[0] * sizes[1], (hybrid[1], hybrid[0])
-    qkv_spec = P(batch_axis, seq_spec, head_axis, None)
-    mask_spec = P(batch_axis, seq_spec)
-    # (output, lse) when fn is bound with return_lse=True, else the output
-    out_specs = (qkv_spec, P(batch_axis, seq_spec, head_axis)) if op.options.get(
-        "return_lse") else qkv_spec
+    # The one-axis strategies over a pair see its axes as one, in the mesh's order
+    # (the order in which JAX's collectives number the devices of several axes)
+    flat = seq_axis if pair is None else tuple(x for x in mesh.axis_names if x in pair)
+    num = math.prod(mesh.shape[x] for x in ((seq_axis,) if pair is None else pair))
 
     def run(query, key, value, *, kv_mask=None, segment_ids=None, sinks=None):
         # check the global shapes here: inside shard_map a mistake would be reported
@@ -172,11 +164,6 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             raise ValueError(
                 f"batch_axis={batch_axis!r} has {mesh.shape[batch_axis]} devices: the "
                 f"batch size must be divisible by it, got query {tuple(query.shape)}.")
-        if hybrid is None:
-            layouts.check_divisible(t, num, layout)
-        else:  # pieces over both axes, the layout over the ring's
-            layouts.check_divisible(t, num, "contiguous")
-            layouts.check_divisible(t, sizes[1], layout)
         validation.check_kv_mask(kv_mask, query.shape[0], key.shape[1])
         segment_ids = validation.check_segment_ids(segment_ids, query.shape, key.shape)
         packed = segment_ids is not None
@@ -194,24 +181,38 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
                 )
         heads_per_shard = h // mesh.shape[head_axis] if head_axis is not None else h
         heads_of = "" if head_axis is None else f" in each shard of head_axis={head_axis!r}"
-        if hybrid is not None:
-            why = strategies.hybrid_unservable(op, num_heads=heads_per_shard,
-                                               size_a=sizes[0], heads_of=heads_of)
-            if why:
-                raise ValueError(f"{why}.")
-            return compiled("hybrid", "contiguous", False, query, key, value, kv_mask,
-                            segment_ids, sinks)
-        chosen = strategy
         # a call with sinks: the strategies that rebuild the call cannot carry them
         # (strategies.servable), so the operation is described with them bound
         op_call = op if sinks is None else dataclasses.replace(
             op, options={**op.options, "sinks": True})
         kv_per_shard = hkv // mesh.shape[head_axis] if head_axis is not None else hkv
+        chosen, axes = strategy, flat
         if strategy == "auto":
+            sizes = None if pair is None else (mesh.shape[pair[0]], mesh.shape[pair[1]])
             chosen = strategies.choose(
                 op_call, batch=b, seq_len=t, num_heads=heads_per_shard,
                 num_kv_heads=kv_per_shard, head_dim=query.shape[-1], num_devices=num,
-                dtype=query.dtype, layout=layout, segment_ids=packed)[0]
+                dtype=query.dtype, layout=layout, segment_ids=packed, axis_sizes=sizes)[0]
+            if isinstance(chosen, tuple) and chosen[0] == "hybrid":
+                # heads over the axis whose size came first: the pair as given, or swapped
+                chosen, axes = "hybrid", (pair if chosen[1:] == sizes else pair[::-1])
+        elif strategy == "hybrid":
+            axes = pair
+        if chosen == "hybrid":
+            size_a, size_b = mesh.shape[axes[0]], mesh.shape[axes[1]]
+            why = strategies.hybrid_unservable(op, num_heads=heads_per_shard,
+                                               size_a=size_a, heads_of=heads_of,
+                                               seq_len=None if packed else t,
+                                               num_kv_heads=kv_per_shard,
+                                               axis=axes[0])
+            if why:
+                raise ValueError(f"{why}.")
+            # pieces over both axes, the layout over the ring's
+            layouts.check_divisible(t, num, "contiguous")
+            layouts.check_divisible(t, size_b, layout)
+            return compiled("hybrid", "contiguous", False, axes, query, key, value, kv_mask,
+                            segment_ids, sinks)
+        layouts.check_divisible(t, num, layout)
         strategies.require(
             op_call, chosen, num_heads=heads_per_shard, num_devices=num, layout=layout,
             seq_len=t, heads_of=heads_of, segment_ids=packed,
@@ -222,11 +223,21 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
         # it: striped needs the local length to split over the P devices.
         in_shard = lay == "zigzag" or (lay == "striped"
                                        and (query.shape[1] // num) % num == 0)
-        return compiled(chosen, lay, in_shard, query, key, value, kv_mask, segment_ids,
+        return compiled(chosen, lay, in_shard, axes, query, key, value, kv_mask, segment_ids,
                         sinks)
 
-    def program(chosen, lay, in_shard, query, key, value, kv_mask, segment_ids, sinks):
-        """The checked call: placement, ``shard_map`` and the way back."""
+    def program(chosen, lay, in_shard, axes, query, key, value, kv_mask, segment_ids, sinks):
+        """The checked call: placement, ``shard_map`` and the way back. ``axes``: the
+        sequence axis (a name, or a pair's axes as one) of a one-axis strategy, or the
+        pair ``(a, b)`` of ``"hybrid"`` (heads over ``a``, the ring over ``b``)."""
+        # hybrid: b major, so that after the all-to-all over a ring chunk i_b is whole
+        # on device i_b
+        seq_spec = (axes[1], axes[0]) if chosen == "hybrid" else axes
+        qkv_spec = P(batch_axis, seq_spec, head_axis, None)
+        mask_spec = P(batch_axis, seq_spec)
+        # (output, lse) when fn is bound with return_lse=True, else the output
+        out_specs = (qkv_spec, P(batch_axis, seq_spec, head_axis)) if op.options.get(
+            "return_lse") else qkv_spec
 
         def to(x, spec):
             if lay == "contiguous" or in_shard:
@@ -234,7 +245,7 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             # Permute the global sequence (a transient O(T) copy per device), with the
             # sequence unsharded: a gather along a sharded axis is ambiguous on
             # Explicit meshes.
-            whole = P(*(None if a == seq_axis else a for a in spec))
+            whole = P(*(None if a == seq_spec else a for a in spec))
             x = layouts.to_layout(_place(x, mesh, whole), num, lay)
             return _place(x, mesh, spec)
 
@@ -255,7 +266,7 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             sink = None if sinks is None else next(tokens)
             if in_shard:
                 q, k, v, mask, ids = (None if x is None else
-                                      layouts.shard_to_layout(x, seq_axis, num, lay)
+                                      layouts.shard_to_layout(x, axes, num, lay)
                                       for x in (q, k, v, mask, ids))
             # dilated attention runs every strategy itself (strategy=); the others'
             # strategies are the library's, around the operation
@@ -266,21 +277,22 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
                     extra["segment_ids"] = ids
                 if sink is not None:
                     extra["sinks"] = sink
-                out = fn(q, k, v, kv_mask=mask, **{axis_kw: seq_axis}, **layout_kw, **extra)
+                out = fn(q, k, v, kv_mask=mask, **{axis_kw: axes}, **layout_kw, **extra)
             elif chosen == "hybrid":
-                out = strategies.hybrid_local(op, q, k, v, mask, ids, sink, axes=hybrid,
-                                              sizes=sizes, layout=layout)
+                out = strategies.hybrid_local(
+                    op, q, k, v, mask, ids, sink, axes=axes, layout=layout,
+                    sizes=(mesh.shape[axes[0]], mesh.shape[axes[1]]))
             elif chosen == "heads":
-                out = strategies.heads_local(op, q, k, v, mask, ids, axis_name=seq_axis,
+                out = strategies.heads_local(op, q, k, v, mask, ids, axis_name=axes,
                                              num_devices=num)
             else:
-                out = strategies.allgather_local(op, q, k, v, mask, ids, axis_name=seq_axis,
+                out = strategies.allgather_local(op, q, k, v, mask, ids, axis_name=axes,
                                                  num_devices=num, layout=lay)
             if not in_shard:
                 return out
             if isinstance(out, tuple):  # (output, lse)
-                return tuple(layouts.shard_from_layout(x, seq_axis, num, lay) for x in out)
-            return layouts.shard_from_layout(out, seq_axis, num, lay)
+                return tuple(layouts.shard_from_layout(x, axes, num, lay) for x in out)
+            return layouts.shard_from_layout(out, axes, num, lay)
 
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs,
                             check_vma=True)(*args)
@@ -288,7 +300,7 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             return out
 
         def back(x, spec):  # back in token order, sharded like a contiguous result
-            whole = P(*(None if a == seq_axis else a for a in spec))
+            whole = P(*(None if a == seq_spec else a for a in spec))
             return _place(layouts.from_layout(_place(x, mesh, whole), num, lay), mesh, spec)
 
         if isinstance(out, tuple):
@@ -299,5 +311,5 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
     # primitive at a time on every shard (a dilated call on 32 tokens took 9 s per
     # call that way, against 0.3 s to compile it once). The checks stay outside, so
     # that their errors read as raised here; inside a user's jit it is all inlined.
-    compiled = jax.jit(program, static_argnums=(0, 1, 2))
+    compiled = jax.jit(program, static_argnums=(0, 1, 2, 3))
     return run

@@ -36,8 +36,10 @@ def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     per-branch mix of :func:`estimate` competes too; ``strategy`` is then its tuple.
     ``segment_ids``: the call has packed rows (only strategies that can serve them
     are considered; :func:`estimate`). ``axis_sizes = (P_a, P_b)``, ``P_a P_b =
-    num_devices``: ``"hybrid"`` over that two-axis split competes too
-    (:func:`~.hybrid.hybrid_cost`; its ``strategy`` is ``("hybrid", P_a, P_b)``).
+    num_devices``: ``"hybrid"`` over the two axes competes too, both ways: heads over
+    the first and the ring over the second (``"hybrid"``), and the other way round
+    (``"hybrid_swapped"``, where ``P_a != P_b``); their ``strategy`` is ``("hybrid",
+    heads axis size, ring axis size)`` (:func:`~.hybrid.hybrid_cost`).
     """
     op = op if isinstance(op, Operation) else describe(op)
     costs = estimate(op, batch=batch, seq_len=seq_len, num_heads=num_heads,
@@ -48,17 +50,22 @@ def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
         if axis_sizes[0] * axis_sizes[1] != num_devices:
             raise ValueError(f"axis_sizes={tuple(axis_sizes)} must multiply to "
                              f"num_devices={num_devices}.")
-        costs["hybrid"] = hybrid_cost(op, batch=batch, seq_len=seq_len,
-                                      num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                      head_dim=head_dim, sizes=tuple(axis_sizes),
-                                      dtype=dtype, layout=layout)
+        # both splits: heads over the first axis and the ring over the second, and
+        # the other way round
+        splits = {"hybrid": tuple(axis_sizes), "hybrid_swapped": tuple(axis_sizes)[::-1]}
+        for name, sizes in splits.items():
+            if name == "hybrid" or sizes != splits["hybrid"]:
+                costs[name] = hybrid_cost(op, batch=batch, seq_len=seq_len,
+                                          num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                          head_dim=head_dim, sizes=sizes, dtype=dtype,
+                                          layout=layout, segment_ids=segment_ids)
     pricing = pricing_for(op, platform, batch, seq_len, num_heads, head_dim)
     times = {s: pricing.of(c) for s, c in costs.items() if c.reason is None}
     if not times:
         raise ValueError("no strategy can serve this call: " + "; ".join(
             f"{s}: {c.reason}" for s, c in costs.items()))
     best = min(times.values())
-    order = ("ring", "heads", "per_branch", "hybrid", "allgather")
+    order = ("ring", "heads", "per_branch", "hybrid", "hybrid_swapped", "allgather")
     near = [s for s in order if s in times and times[s] <= 1.1 * best]
     key = min(near, key=lambda s: (costs[s].held_bytes, order.index(s)))
     c = costs[key]
@@ -122,7 +129,7 @@ def explain_strategy(fn: Callable[..., Any], query_shape: Sequence[int],
             state = "can serve" if c.reason is None else f"cannot serve: {c.reason}"
             if c.note:
                 state += f" ({c.note})"
-            if s == "hybrid":
+            if s.startswith("hybrid"):
                 s = f"hybrid {c.strategy[1]} x {c.strategy[2]}"
             elif not isinstance(c.strategy, str):
                 s = f"per-branch {c.strategy}"

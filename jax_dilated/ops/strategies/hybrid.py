@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dilated.core import layouts, validation
-from jax_dilated.ops import head_parallel
+from jax_dilated.ops import dilated_hybrid, head_parallel
+from jax_dilated.ops.dilated_programs import DilatedCall
 from jax_dilated.ops.block_sparse_plan import resolve_mask
 from jax_dilated.ops.strategies.cost import StrategyCost, estimate
 from jax_dilated.ops.strategies.operation import Operation
@@ -40,15 +41,27 @@ __all__ = ["hybrid_unservable", "hybrid_local", "hybrid_cost"]
 
 
 def hybrid_unservable(op: Operation, *, num_heads: int, size_a: int,
-                      heads_of: str = "") -> str | None:
+                      heads_of: str = "", seq_len: int | None = None,
+                      num_kv_heads: int | None = None, axis="a") -> str | None:
     """Why ``"hybrid"`` cannot run ``op`` with ``num_heads`` query heads and ``size_a``
-    devices on the head-exchange axis (None when it can)."""
+    devices on the head-exchange axis (None when it can). Dilated attention, given the
+    global ``seq_len`` and ``num_kv_heads``: also whether its heads can be dealt out
+    so that every slice runs one plan (:func:`.dilated_hybrid.slice_order`)."""
     if op.kind not in ("exact", "dilated", "block_sparse"):
         return (f"strategy='hybrid' runs the library's operations (ring_attention, "
                 f"dilated_attention, block_sparse_attention), got {op.name}")
     if num_heads % size_a:
         return (f"strategy='hybrid' needs num_heads ({num_heads}{heads_of}) divisible by "
                 f"the {size_a} devices of its head-exchange axis (the first of seq_axis)")
+    if op.kind == "dilated" and seq_len is not None:
+        # only the plans are read: no kernel or kernel arguments needed
+        call = DilatedCall(op.branches, op.options.get("mode", "longnet"),
+                           op.options.get("head_offsets", "modulo"), None, None, None)
+        units = num_kv_heads * head_parallel.kv_repeat(num_kv_heads, size_a)
+        if dilated_hybrid.slice_order(call, seq_len=seq_len, num_heads=num_heads,
+                                      units=units, size_a=size_a) is None:
+            return dilated_hybrid.no_order_reason(axis, num_heads=num_heads, units=units,
+                                                  size_a=size_a)
     return None
 
 
@@ -117,7 +130,7 @@ def _pattern_of_heads(options, num_heads: int, size_a: int, seq_len: int):
 
 def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
                 num_kv_heads: int, head_dim: int, sizes: tuple[int, int], dtype="float32",
-                layout: str = "contiguous") -> StrategyCost:
+                layout: str = "contiguous", segment_ids: bool = False) -> StrategyCost:
     """The per-device :class:`~.pricing.StrategyCost` of ``"hybrid"`` over ``sizes = (P_a,
     P_b)`` (forward and backward; :func:`~.cost.estimate`'s conventions: ``e`` bytes per
     element, ``n = T / (P_a P_b)``, ``Q = B n H D e`` and ``K' = B n H_kv R D e`` one
@@ -130,7 +143,8 @@ def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
     (:func:`~.cost.estimate`'s ``"ring"``: for exact attention ``(6 P_b - 2) K'`` in
     float32 with the XLA kernel's ring steps, whose forward sends the block ``P_b``
     times, overlapped), its work a ``1 / P_a`` slice of it. Forward only
-    (``forward_bytes``): half the exchange and the ring's forward.
+    (``forward_bytes``): half the exchange and the ring's forward. ``segment_ids``: the
+    call has packed rows (dilated attention then needs no plan shared by the slices).
     """
     size_a, size_b = sizes
     e = jnp.dtype(dtype).itemsize
@@ -138,7 +152,10 @@ def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
     rep = head_parallel.kv_repeat(num_kv_heads, size_a)
     q = batch * n * num_heads * head_dim * e
     k = batch * n * num_kv_heads * rep * head_dim * e
-    why = hybrid_unservable(op, num_heads=num_heads, size_a=size_a)
+    # packed rows run whole sequences of some heads: no plan to share between slices
+    why = hybrid_unservable(op, num_heads=num_heads, size_a=size_a,
+                            seq_len=None if segment_ids else seq_len,
+                            num_kv_heads=num_kv_heads)
     if why is None and num_heads % size_a == 0:
         ring = estimate(op, batch=batch, seq_len=seq_len, num_heads=num_heads // size_a,
                         num_kv_heads=max(1, num_kv_heads * rep // size_a),
