@@ -33,6 +33,7 @@ from benchmarks.harness import fmt_bytes, fmt_ms, int_list, str_list
 STRATEGIES = ("ring", "allgather", "heads")
 # dilated attention: the per-branch mix of the cost model, where it differs from all three
 MIX = "per_branch"
+HYBRID_OPS = ("exact", "dilated")  # --hybrid compiles these through each split
 COLUMNS = (*STRATEGIES, MIX)
 DEFAULTS = dict(seq_lens=(8192, 32768), kv_heads=(8, 2, 1), devices=8,
                 ops=("exact", "dilated", "block_sparse"))
@@ -57,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-timing", action="store_true", help="compile and report memory only")
     p.add_argument("--hybrid", type=str_list, default=(),
                    help="two-axis splits P_a x P_b of the devices (e.g. 2x4,4x2): exact "
-                        "attention also through strategy='hybrid' over each, in the same "
-                        "cells (docs/semantics.md, section 8)")
+                        "and dilated attention also through strategy='hybrid' over each, "
+                        "in the same cells (docs/semantics.md, section 8)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
             layout=layout, quiet=True)
     # per cell: one device, the strategies, the mix where there is one, auto, the timing
     steps = sum(5 + (MIX in costs) + (not args.no_timing) for _, costs, _ in picks.values())
-    steps += len(splits) * sum(o == "exact" for o, _, _ in cells)
+    steps += len(splits) * sum(o in HYBRID_OPS for o, _, _ in cells)
     progress = harness.Progress(steps, "strategies")
     rng = np.random.default_rng(args.seed)
     rows = []
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
         if MIX in costs:
             variants[MIX] = costs[MIX].strategy
         variants["auto"] = "auto"
-        if op_name == "exact":
+        if op_name in HYBRID_OPS:
             for pa, pb in splits:
                 variants[f"hybrid {pa}x{pb}"] = (pa, pb)
         for strategy, given in variants.items():
@@ -246,7 +247,7 @@ def print_summary(payload: dict) -> None:
               if s.startswith("hybrid") and "memory" in e]
     if hybrid:
         harness.print_table(
-            "hybrid splits beside the ring over all P (exact attention): per-device "
+            "hybrid splits beside the ring over all P: per-device "
             "compiled memory, bytes sent per device (fwd+bwd)",
             ["op", "n", "kv", "split", "mem", "sent", "ring mem", "ring sent"],
             [[r["op"], str(r["seq_len"]), str(r["kv_heads"]), s, fmt_bytes(e["memory"]["total"]),

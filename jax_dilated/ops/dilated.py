@@ -88,9 +88,9 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
         program over ``b`` on them (spanning segments ring over the devices of ``b``
         they span), and back (docs/semantics.md, section 8, "Hybrid"); with any other
         strategy two (or more) axes are one sequence axis, the first major (give them
-        in the mesh's order: JAX numbers their devices so). Packed rows run whole sequences of some heads under
-        every strategy (all-gathered under ``"allgather"``). Only ``"ring"`` without
-        ``seq_axis``.
+        in the mesh's order: JAX numbers their devices so). Packed rows run whole
+        sequences of some heads under every strategy (all-gathered under
+        ``"allgather"``). Only ``"ring"`` without ``seq_axis``.
       implementation: kernel; None chooses by device kind (on CPU the native kernel's
         forward for float32 calls where it builds, else ``"xla"``; README, "Backends").
       block_q, block_k: kernel block sizes (None: the kernel's defaults).
