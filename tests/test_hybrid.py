@@ -194,13 +194,19 @@ def test_hybrid_block_sparse_equals_one_device(shape):
     _check(got, want)
 
 
-def test_hybrid_block_sparse_refuses_per_head_patterns_that_differ():
-    q, k, v, *_ = _inputs(8, 2)
-    fn = functools.partial(jd.block_sparse_attention, block_size=8,
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
+def test_hybrid_block_sparse_per_head_patterns_that_differ(shape):
+    """A per-head pattern that differs between the head slices of a: each device's
+    slice as a traced mask (every block a lax.cond), equal to one device."""
+    q, k, v, g, mask, _ = _inputs(8, 2, seed=7)
+    fn = functools.partial(jd.block_sparse_attention, block_size=8, is_causal=True,
                            pattern=bp.RandomBlocks(density=0.4, seed=1, per_head=True))
-    attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), strategy="hybrid")
-    with pytest.raises(ValueError, match="per-head pattern"):
-        attn(q, k, v)
+    one = jd.sharded(fn, make_mesh((1,), ("s",)), seq_axis="s")
+    want = output_and_grads(lambda q, k, v: one(q, k, v, kv_mask=mask), q, k, v, g)
+    attn = jd.sharded(fn, _mesh(shape), seq_axis=("a", "b"), strategy="hybrid",
+                      layout="zigzag")
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    _check(got, want)
 
 
 def test_hybrid_layers_equal_one_device():

@@ -94,7 +94,7 @@ def hybrid_local(op: Operation, q, k, v, mask, segment_ids, sinks, *, axes: tupl
              if key not in ("seq_axis", "axis_name", "layout", "kv_mask", "segment_ids",
                             "sinks")}
     if op.kind == "block_sparse":
-        extra["pattern"] = _pattern_of_heads(extra, h, size_a, q.shape[1] * size_b)
+        extra["pattern"] = _pattern_of_heads(extra, h, a, size_a, q.shape[1] * size_b)
     if ids is not None:
         extra["segment_ids"] = ids
     if sinks is not None:
@@ -108,11 +108,13 @@ def hybrid_local(op: Operation, q, k, v, mask, segment_ids, sinks, *, axes: tupl
     return outs if isinstance(out, tuple) else outs[0]
 
 
-def _pattern_of_heads(options, num_heads: int, size_a: int, seq_len: int):
-    """Block-sparse attention's pattern for each device's ``H / P_a`` heads: the shared
-    mask as it is; a per-head mask cut to the heads, which must be the same on every
-    device of ``a`` (a static choice per device would put the ring over ``b`` inside a
-    per-device switch, whose collectives the other head slices never reach)."""
+def _pattern_of_heads(options, num_heads: int, axis_a, size_a: int, seq_len: int):
+    """Block-sparse attention's pattern for this device's ``H / P_a`` heads: the shared
+    mask as it is; a per-head mask cut to the heads, static where it is the same on
+    every device of ``a``, else this device's slice as a traced mask (the lists cannot
+    differ between devices: a static choice per device would put the ring over ``b``
+    inside a per-device switch, whose collectives the other head slices never reach;
+    a traced mask makes every block a ``lax.cond`` instead)."""
     bs = validation.check_positive_int("block_size", options["block_size"])
     nb = -(-seq_len // bs)
     mask = resolve_mask(options["pattern"], nb, nb, num_heads)
@@ -122,10 +124,8 @@ def _pattern_of_heads(options, num_heads: int, size_a: int, seq_len: int):
     slices = [np.asarray(mask[d * heads:(d + 1) * heads]) for d in range(size_a)]
     if isinstance(mask, np.ndarray) and all(np.array_equal(x, slices[0]) for x in slices):
         return slices[0]
-    raise ValueError(f"strategy='hybrid' needs block-sparse attention's per-head pattern "
-                     f"to be the same for every device's {heads} heads (of {num_heads}) on "
-                     f"its head-exchange axis; use a pattern shared by all heads, or "
-                     f"strategy='ring' / 'heads' over one axis.")
+    return jax.lax.dynamic_slice_in_dim(jnp.asarray(mask), jax.lax.axis_index(axis_a) * heads,
+                                        heads)
 
 
 def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
