@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _helpers import XLA_CPU_MEMORY
-from _mesh import devices as mesh_devices, make_mesh
+from _mesh import build_mesh, devices as mesh_devices, make_mesh
 
 import jax_dilated as jd
 from jax_dilated import block_patterns as bp
@@ -687,3 +687,33 @@ def test_sharded_is_compiled_when_called_eagerly():
     want = jax.jit(attn)(q, k, v)
     for out in outs:
         np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+def test_dilated_over_heads_is_a_deprecated_spelling_of_over_heads():
+    """``strategies.dilated_over_heads`` (renamed ``over_heads``, which now returns the
+    program for its caller to enter) still gives ``(out, lse)``, with a
+    DeprecationWarning: equal to dilated attention's own "heads" strategy."""
+    from jax.sharding import PartitionSpec as PS
+
+    from jax_dilated import ops
+    from jax_dilated.ops.dilated_programs import DilatedCall
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 64, 4, 8)).astype(np.float32) for _ in range(3))
+    cfg = dict(segment_lengths=(8, 16), dilation_rates=(1, 2))
+    call = DilatedCall.of(mode="longnet", head_offsets="modulo", head_dim=8, is_causal=False,
+                          **cfg)
+    spec = PS(None, "seq")
+    mesh = build_mesh((4,), ("seq",), "auto")
+
+    def old(q, k, v):
+        with pytest.warns(DeprecationWarning, match="over_heads"):
+            return ops.strategies.dilated_over_heads(call, q, k, v, None, None, None,
+                                                     axis_name="seq", num_devices=4)[0]
+
+    def new(q, k, v):
+        return jd.dilated_attention(q, k, v, seq_axis="seq", strategy="heads", **cfg)
+
+    got, want = (jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))(
+        q, k, v) for f in (old, new))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

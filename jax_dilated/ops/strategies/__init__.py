@@ -57,6 +57,7 @@ can serve it), :mod:`.heads`, :mod:`.allgather` and :mod:`.hybrid` (each strateg
 from __future__ import annotations
 
 # the head-parallel transforms are part of this package's public names
+from jax_dilated.core import validation
 from jax_dilated.ops.head_parallel import (gather_tokens, heads_to_seq, over_heads,
                                            seq_to_heads)
 from jax_dilated.ops.strategies.allgather import allgather_local
@@ -73,3 +74,14 @@ __all__ = ["STRATEGIES", "Operation", "describe", "accepts", "check_sharded_stra
            "heads_local", "allgather_local", "hybrid_local", "hybrid_unservable",
            "over_heads", "StrategyCost",
            "estimate", "choose", "explain_strategy"]
+
+
+def dilated_over_heads(call, q, k, v, mask, segment_ids, rng, **kw):
+    """Deprecated: ``(out, lse)`` of :func:`over_heads`, which returns the program, its
+    operands and the way back so that its caller enters the program itself."""
+    validation.warn_renamed("dilated_over_heads", "over_heads (returns (program, "
+                            "operands, back): back(*program(*operands)))",
+                            "jax_dilated.ops.strategies")
+    program, operands, back = over_heads(call, q, k, v, mask, rng, segment_ids=segment_ids,
+                                         **kw)
+    return back(*program(*operands))
