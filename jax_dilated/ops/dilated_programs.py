@@ -1,6 +1,7 @@
-"""Which program runs one-device dilated attention, and running it: the one dispatcher
-of every one-device path (unpacked calls, and each device's heads under the
-``"heads"`` strategy and packed rows over a mesh).
+"""A dilated call's plan, checked once (:class:`DilatedCall`, :meth:`DilatedCall.of`), and
+which program runs it on one device: the one dispatcher of every unpacked one-device
+path (calls without a mesh, and each device's heads under the ``"heads"`` strategy);
+packed rows have their own (:func:`jax_dilated.ops.dilated_packed.packed_attention`).
 
 Three programs compute the same ``(out, lse)`` (docs/semantics.md, section 2):
 
