@@ -132,10 +132,23 @@ def test_hybrid_dilated_head_groups_reorders_heads(kv_heads):
     _check(got, want)
 
 
+def test_hybrid_dilated_repeats_kv_heads_further_where_slices_need_it():
+    """Blocked offsets, 8 query heads and 2 kv heads on 2 x 4: rate 2 gives heads 0-3
+    offset 0 and 4-7 offset 1, and each kv head's 4 heads share one offset, so no order
+    of the 2 kv units evens the slices; with every kv head repeated per query head (8
+    units) each slice gets two of each: equal to one device."""
+    q, k, v, g, mask, _ = _inputs(8, 2, seed=8)
+    fn = functools.partial(jd.dilated_attention, head_offsets="blocked", is_causal=True,
+                           **DILATED)
+    want = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask), q, k, v, g)
+    attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), strategy="hybrid")
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    _check(got, want)
+
+
 @pytest.mark.parametrize("options,shape", [
     (dict(DILATED, mode="head_groups"), (2, 4)),   # 3 groups of 3, 3, 2 heads
     (dict(DILATED), (4, 2)),                       # 2 heads per device, rate 4
-    (dict(DILATED, head_offsets="blocked"), (2, 4)),
 ])
 def test_hybrid_dilated_refuses_plans_that_differ_by_device(options, shape):
     """Where the devices of a would run different plans (offsets or groups), the ring

@@ -50,26 +50,38 @@ def head_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
                      for u in c[d * len(c) // size_a:(d + 1) * len(c) // size_a]])
 
 
-def slice_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
-                size_a: int) -> np.ndarray | None:
-    """The order of the ``units`` kv units under which every one of the ``size_a``
-    slices runs one plan: as they are where the contiguous slices already do, else
-    :func:`head_order`; None where no order does."""
-    order = np.arange(units)
-    if len({k for k, _ in _variants(call, seq_len, num_heads, units, size_a, order)}) == 1:
-        return order
-    return head_order(call, seq_len=seq_len, num_heads=num_heads, units=units,
-                      size_a=size_a)
+def slice_order(call: DilatedCall, *, seq_len: int, num_heads: int, num_kv_heads: int,
+                size_a: int) -> tuple[int, np.ndarray] | None:
+    """``(units, order)``: the kv units (each kv head repeated ``units / num_kv_heads``
+    times; a unit is the query heads that read one copy) and their order under which
+    every one of the ``size_a`` slices runs one plan: the fewest units ``P_a`` allows
+    (:func:`~jax_dilated.ops.head_parallel.kv_repeat`), in place where the contiguous
+    slices already agree, else dealt out (:func:`head_order`); where no order of those
+    serves, more units (kv heads repeated further, up to one unit per query head),
+    whose classes of equal plans are finer. None where no count serves."""
+    base = num_kv_heads * head_parallel.kv_repeat(num_kv_heads, size_a)
+    for units in range(base, num_heads + 1, base):
+        if num_heads % units:
+            continue
+        order = np.arange(units)
+        if len({k for k, _ in _variants(call, seq_len, num_heads, units, size_a,
+                                        order)}) == 1:
+            return units, order
+        order = head_order(call, seq_len=seq_len, num_heads=num_heads, units=units,
+                           size_a=size_a)
+        if order is not None:
+            return units, order
+    return None
 
 
-def no_order_reason(axis, *, num_heads: int, units: int, size_a: int) -> str:
+def no_order_reason(axis, *, num_heads: int, size_a: int) -> str:
     """Why hybrid cannot run a call for which :func:`slice_order` is None."""
     return (f"strategy='hybrid' needs every device of its head-exchange axis {axis!r} to "
             f"run the same plan (offsets, and in head_groups mode groups, at each of its "
-            f"{num_heads // size_a} heads), and no order of the {num_heads} heads (in "
-            f"{units} units of one kv head) deals them so over {size_a} devices: every "
-            f"set of heads with equal plans must divide by {size_a}. Use fewer devices "
-            f"on {axis!r}, or strategy='ring' / 'heads' over one axis.")
+            f"{num_heads // size_a} heads), and no order of the {num_heads} heads deals "
+            f"them so over {size_a} devices (even with every kv head repeated per query "
+            f"head): every set of heads with equal plans must divide by {size_a}. Use "
+            f"fewer devices on {axis!r}, or strategy='ring' / 'heads' over one axis.")
 
 
 def _permute_units(x, order, units: int):
@@ -90,10 +102,10 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
         raise ValueError(f"strategy='hybrid' needs num_heads ({h}) divisible by the "
                          f"{size_a} devices of its head-exchange axis {a!r}.")
     seq_len = query.shape[1] * size_a * size_b
-    units = hkv * head_parallel.kv_repeat(hkv, size_a)
-    order = slice_order(call, seq_len=seq_len, num_heads=h, units=units, size_a=size_a)
-    if order is None:
-        raise ValueError(no_order_reason(a, num_heads=h, units=units, size_a=size_a))
+    found = slice_order(call, seq_len=seq_len, num_heads=h, num_kv_heads=hkv, size_a=size_a)
+    if found is None:
+        raise ValueError(no_order_reason(a, num_heads=h, size_a=size_a))
+    units, order = found
     variants = _variants(call, seq_len, h, units, size_a, order)
     permuted = not np.array_equal(order, np.arange(units))
     k, v = key, value

@@ -53,16 +53,21 @@ def hybrid_unservable(op: Operation, *, num_heads: int, size_a: int,
     if num_heads % size_a:
         return (f"strategy='hybrid' needs num_heads ({num_heads}{heads_of}) divisible by "
                 f"the {size_a} devices of its head-exchange axis (the first of seq_axis)")
-    if op.kind == "dilated" and seq_len is not None:
-        # only the plans are read: no kernel or kernel arguments needed
-        call = DilatedCall(op.branches, op.options.get("mode", "longnet"),
-                           op.options.get("head_offsets", "modulo"), None, None, None)
-        units = num_kv_heads * head_parallel.kv_repeat(num_kv_heads, size_a)
-        if dilated_hybrid.slice_order(call, seq_len=seq_len, num_heads=num_heads,
-                                      units=units, size_a=size_a) is None:
-            return dilated_hybrid.no_order_reason(axis, num_heads=num_heads, units=units,
-                                                  size_a=size_a)
+    if op.kind == "dilated" and seq_len is not None and _dilated_units(
+            op, seq_len, num_heads, num_kv_heads, size_a) is None:
+        return dilated_hybrid.no_order_reason(axis, num_heads=num_heads, size_a=size_a)
     return None
+
+
+def _dilated_units(op: Operation, seq_len: int, num_heads: int, num_kv_heads: int,
+                   size_a: int) -> int | None:
+    """The kv units hybrid dilated attention runs with (None: it cannot serve)."""
+    # only the plans are read: no kernel or kernel arguments needed
+    call = DilatedCall(op.branches, op.options.get("mode", "longnet"),
+                       op.options.get("head_offsets", "modulo"), None, None, None)
+    found = dilated_hybrid.slice_order(call, seq_len=seq_len, num_heads=num_heads,
+                                       num_kv_heads=num_kv_heads, size_a=size_a)
+    return None if found is None else found[0]
 
 
 def hybrid_local(op: Operation, q, k, v, mask, segment_ids, sinks, *, axes: tuple[str, str],
@@ -150,6 +155,10 @@ def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
     e = jnp.dtype(dtype).itemsize
     n = seq_len // (size_a * size_b)
     rep = head_parallel.kv_repeat(num_kv_heads, size_a)
+    if op.kind == "dilated" and not segment_ids and num_heads % size_a == 0:
+        # dilated slices that must share a plan may need kv heads repeated further
+        units = _dilated_units(op, seq_len, num_heads, num_kv_heads, size_a)
+        rep = rep if units is None else units // num_kv_heads
     q = batch * n * num_heads * head_dim * e
     k = batch * n * num_kv_heads * rep * head_dim * e
     # packed rows run whole sequences of some heads: no plan to share between slices
