@@ -260,15 +260,19 @@ def test_hybrid_returns_the_lse_and_auto_picks_it():
             assert np.max(np.abs(a[fin] - w[fin])) < 1e-10
 
 
-def _collectives(hlo: str):
-    """``[(op, replica groups)]`` of the program's all-to-alls and collective permutes."""
+def _collectives(hlo: str, mesh):
+    """``[(op, [{(i_a, i_b) of each device of a group}])]`` of the program's all-to-alls,
+    collective permutes (their source-target pairs) and all-gathers."""
+    position = {d.id: (i, j) for i, row in enumerate(mesh.devices) for j, d in enumerate(row)}
     out = []
     for line in hlo.splitlines():
         m = re.search(r"[\s)](all-to-all|collective-permute|all-gather)(?:-start)?\(", line)
         if m:
             groups = re.search(r"replica_groups=(\{[^=]*\}\})", line)
             pairs = re.search(r"source_target_pairs=(\{[^=]*\}\})", line)
-            out.append((m.group(1), (groups or pairs).group(1) if (groups or pairs) else ""))
+            text = (groups or pairs).group(1) if (groups or pairs) else ""
+            out.append((m.group(1), [{position[int(n)] for n in re.findall(r"\d+", g)}
+                                     for g in re.findall(r"\{([\d,]+)\}", text)]))
     return out
 
 
@@ -278,26 +282,21 @@ def test_hybrid_program_exchanges_over_a_and_rings_over_b(op):
     a), collective permutes among those of one a index (axis b), no all-gather of q,
     k or v, and no array of the global sequence length."""
     mesh = _mesh((2, 4))
-    ids = mesh.devices  # [a, b] -> device
     x = jax.ShapeDtypeStruct((B, T, 8, D), jnp.float32)
     fn = (functools.partial(jd.ring_attention, is_causal=True) if op == "exact" else
           functools.partial(jd.dilated_attention, is_causal=True, **DILATED))
     attn = jd.sharded(fn, mesh, seq_axis=("a", "b"), strategy="hybrid",
                       layout="zigzag" if op == "exact" else "contiguous")
     hlo = jax.jit(attn).lower(x, x, x).compile().as_text()
-    found = _collectives(hlo)
+    found = _collectives(hlo, mesh)
     ops = {op for op, _ in found}
     assert {"all-to-all", "collective-permute"} <= ops and "all-gather" not in ops, ops
-    position = {d.id: (i, j) for i, row in enumerate(ids) for j, d in enumerate(row)}
     for op, groups in found:
-        numbers = [tuple(int(n) for n in re.findall(r"\d+", g))
-                   for g in re.findall(r"\{([\d,]+)\}", groups)]
-        for group in numbers:
-            where = {position[n] for n in group}
+        for where in groups:
             if op == "all-to-all":  # one b index: the devices differ in a only
-                assert len({j for _, j in where}) == 1, (op, group)
+                assert len({j for _, j in where}) == 1, (op, where)
             else:  # a ring step: one a index
-                assert len({i for i, _ in where}) == 1, (op, group)
+                assert len({i for i, _ in where}) == 1, (op, where)
     shapes = re.findall(r"[fsu]\d+\[([\d,]+)\]", hlo)
     assert all(T not in [int(n) for n in s.split(",") if n] for s in shapes), "global length"
 
@@ -429,11 +428,14 @@ def test_auto_prices_both_hybrid_splits_and_runs_the_one_it_picks(monkeypatch, c
     q, k, v, g, mask, _ = _inputs(8, 2, seed=4)
     one = jd.sharded(fn, make_mesh((1,), ("s",)), seq_axis="s", layout=layout)
     want = output_and_grads(lambda q, k, v: one(q, k, v, kv_mask=mask), q, k, v, g)
-    attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), layout=layout, strategy="auto")
+    mesh = _mesh((2, 4))
+    attn = jd.sharded(fn, mesh, seq_axis=("a", "b"), layout=layout, strategy="auto")
     got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
     assert picked and picked[0] == (2, 4)
     _check(got, want)
-    # the swapped split exchanges heads over b: its all-to-alls run over b's 4 devices
+    # the swapped split exchanges heads over b: its all-to-alls among one a index's 4
     hlo = jax.jit(attn).lower(*(jnp.asarray(x) for x in (q, k, v))).compile().as_text()
-    groups = re.findall(r"all-to-all\([^\n]*replica_groups=\{(\{[^}]*\})", hlo)
-    assert groups and all(len(grp.strip("{}").split(",")) == 4 for grp in groups), groups
+    exchanges = [w for op, groups in _collectives(hlo, mesh) if op == "all-to-all"
+                 for w in groups]
+    assert exchanges and all(len(w) == 4 and len({i for i, _ in w}) == 1
+                             for w in exchanges), exchanges

@@ -24,7 +24,7 @@ from jax_dilated.core import validation
 from jax_dilated.ops import distributed, head_parallel
 from jax_dilated.ops.dilated_programs import DilatedCall
 
-__all__ = ["hybrid", "head_order", "slice_order", "no_order_reason"]
+__all__ = ["hybrid", "head_order", "slice_order", "heads_reason", "no_order_reason"]
 
 
 def head_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
@@ -74,6 +74,15 @@ def slice_order(call: DilatedCall, *, seq_len: int, num_heads: int, num_kv_heads
     return None
 
 
+def heads_reason(num_heads: int, size_a: int, axis, heads_of: str = "") -> str | None:
+    """Why ``num_heads`` query heads (``heads_of``: whose, in words) cannot be split over
+    the ``size_a`` devices of the head-exchange axis ``axis`` (None when they can)."""
+    if num_heads % size_a == 0:
+        return None
+    return (f"strategy='hybrid' needs num_heads ({num_heads}{heads_of}) divisible by the "
+            f"{size_a} devices of its head-exchange axis {axis!r}")
+
+
 def no_order_reason(axis, *, num_heads: int, size_a: int) -> str:
     """Why hybrid cannot run a call for which :func:`slice_order` is None."""
     return (f"strategy='hybrid' needs every device of its head-exchange axis {axis!r} to "
@@ -98,9 +107,9 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
     size_a = validation.axis_size(a, "dilated_attention(seq_axis=(a, b))")
     size_b = validation.axis_size(b, "dilated_attention(seq_axis=(a, b))")
     h, hkv = query.shape[2], key.shape[2]
-    if h % size_a:
-        raise ValueError(f"strategy='hybrid' needs num_heads ({h}) divisible by the "
-                         f"{size_a} devices of its head-exchange axis {a!r}.")
+    why = heads_reason(h, size_a, a)
+    if why:
+        raise ValueError(f"{why}.")
     seq_len = query.shape[1] * size_a * size_b
     found = slice_order(call, seq_len=seq_len, num_heads=h, num_kv_heads=hkv, size_a=size_a)
     if found is None:

@@ -50,9 +50,9 @@ def hybrid_unservable(op: Operation, *, num_heads: int, size_a: int,
     if op.kind not in ("exact", "dilated", "block_sparse"):
         return (f"strategy='hybrid' runs the library's operations (ring_attention, "
                 f"dilated_attention, block_sparse_attention), got {op.name}")
-    if num_heads % size_a:
-        return (f"strategy='hybrid' needs num_heads ({num_heads}{heads_of}) divisible by "
-                f"the {size_a} devices of its head-exchange axis (the first of seq_axis)")
+    why = dilated_hybrid.heads_reason(num_heads, size_a, axis, heads_of)
+    if why:
+        return why
     if op.kind == "dilated" and seq_len is not None and _dilated_units(
             op, seq_len, num_heads, num_kv_heads, size_a) is None:
         return dilated_hybrid.no_order_reason(axis, num_heads=num_heads, size_a=size_a)
@@ -155,17 +155,18 @@ def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
     e = jnp.dtype(dtype).itemsize
     n = seq_len // (size_a * size_b)
     rep = head_parallel.kv_repeat(num_kv_heads, size_a)
-    if op.kind == "dilated" and not segment_ids and num_heads % size_a == 0:
-        # dilated slices that must share a plan may need kv heads repeated further
+    why = hybrid_unservable(op, num_heads=num_heads, size_a=size_a)
+    # dilated head slices must share a plan, which may need kv heads repeated further
+    # (packed rows run whole sequences of some heads: no plan to share)
+    if why is None and op.kind == "dilated" and not segment_ids:
         units = _dilated_units(op, seq_len, num_heads, num_kv_heads, size_a)
-        rep = rep if units is None else units // num_kv_heads
+        if units is None:
+            why = dilated_hybrid.no_order_reason("a", num_heads=num_heads, size_a=size_a)
+        else:
+            rep = units // num_kv_heads
     q = batch * n * num_heads * head_dim * e
     k = batch * n * num_kv_heads * rep * head_dim * e
-    # packed rows run whole sequences of some heads: no plan to share between slices
-    why = hybrid_unservable(op, num_heads=num_heads, size_a=size_a,
-                            seq_len=None if segment_ids else seq_len,
-                            num_kv_heads=num_kv_heads)
-    if why is None and num_heads % size_a == 0:
+    if why is None:
         ring = estimate(op, batch=batch, seq_len=seq_len, num_heads=num_heads // size_a,
                         num_kv_heads=max(1, num_kv_heads * rep // size_a),
                         head_dim=head_dim, num_devices=size_b, dtype=dtype,
