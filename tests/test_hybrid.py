@@ -387,16 +387,24 @@ PAIR_OPS = {
 }
 
 
+def _reference(op, mask):
+    """Exact: the dense float64 softmax; dilated: the one-device call (itself checked
+    against the PyTorch reference, tests/test_parity.py)."""
+    if op == "exact":
+        return lambda q, k, v: _dense(q, k, v, mask, True)
+    return lambda q, k, v: PAIR_OPS[op][0](q, k, v, kv_mask=mask)
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "heads", "auto"])
 @pytest.mark.parametrize("op", ["exact", "dilated"])
 def test_one_axis_strategies_over_a_pair_equal_one_device(op, strategy):
     """A pair with a one-axis strategy runs it over the two axes as one (in the mesh's
     order), and "auto" picks among those and both hybrid splits: forward and gradients
-    equal one device in float64, 8 query heads, 2 kv heads, a padding mask."""
+    equal a dense float64 softmax (exact) or one device (dilated), 8 query heads, 2 kv
+    heads, a padding mask."""
     fn, layout = PAIR_OPS[op]
     q, k, v, g, mask, _ = _inputs(8, 2, seed=3)
-    one = jd.sharded(fn, make_mesh((1,), ("s",)), seq_axis="s", layout=layout)
-    want = output_and_grads(lambda q, k, v: one(q, k, v, kv_mask=mask), q, k, v, g)
+    want = output_and_grads(_reference(op, mask), q, k, v, g)
     attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), layout=layout,
                       strategy=strategy)
     got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
@@ -426,8 +434,7 @@ def test_auto_prices_both_hybrid_splits_and_runs_the_one_it_picks(monkeypatch, c
 
     monkeypatch.setattr(strategies, "choose", swapped)
     q, k, v, g, mask, _ = _inputs(8, 2, seed=4)
-    one = jd.sharded(fn, make_mesh((1,), ("s",)), seq_axis="s", layout=layout)
-    want = output_and_grads(lambda q, k, v: one(q, k, v, kv_mask=mask), q, k, v, g)
+    want = output_and_grads(_reference("exact", mask), q, k, v, g)
     mesh = _mesh((2, 4))
     attn = jd.sharded(fn, mesh, seq_axis=("a", "b"), layout=layout, strategy="auto")
     got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
