@@ -146,16 +146,82 @@ def test_hybrid_dilated_repeats_kv_heads_further_where_slices_need_it():
     _check(got, want)
 
 
-@pytest.mark.parametrize("options,shape", [
-    (dict(DILATED, mode="head_groups"), (2, 4)),   # 3 groups of 3, 3, 2 heads
-    (dict(DILATED), (4, 2)),                       # 2 heads per device, rate 4
-])
-def test_hybrid_dilated_refuses_plans_that_differ_by_device(options, shape):
-    """Where the devices of a would run different plans (offsets or groups), the ring
-    over b would sit in a per-device switch: a ValueError says what would serve."""
+@pytest.mark.parametrize("kv_heads", [2, 8])
+@pytest.mark.parametrize("rule", ["modulo", "blocked"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_hybrid_dilated_slices_with_their_own_offsets(kv_heads, rule, causal):
+    """Longnet rates 1 / 2 / 4 with 8 heads on 4 x 2: each device of a holds 2 heads,
+    and rate 4's offsets differ between the 4 slices under either rule, with no order
+    of the heads that evens them out. Each device runs its own offsets (the spanning
+    branch gathers at traced offsets around one ring, the local rate-2 branch is a
+    switch): equal to one device, forward and gradients, with a padding mask."""
+    q, k, v, g, mask, _ = _inputs(8, kv_heads, seed=11)
+    fn = functools.partial(jd.dilated_attention, head_offsets=rule, is_causal=causal,
+                           **DILATED)
+    want = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask), q, k, v, g)
+    attn = jd.sharded(fn, _mesh((4, 2)), seq_axis=("a", "b"), strategy="hybrid")
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    _check(got, want)
+
+
+def test_hybrid_dilated_slices_keep_collectives_out_of_switches():
+    """Blocked offsets on 4 x 2: the local rate-2 branch's offsets differ between the
+    slices of a (heads 0-3 offset 0, 4-7 offset 1), so it runs in a per-device switch
+    (the program holds more conditionals than with modulo offsets, where the local
+    branches agree); no conditional holds a collective (the ring over b or the
+    exchange over a): a collective that some devices never reach would hang them."""
+    mesh = _mesh((4, 2))
+    x = jax.ShapeDtypeStruct((B, T, 8, D), jnp.float32)
+
+    def computations(rule):
+        attn = jd.sharded(functools.partial(jd.dilated_attention, is_causal=True,
+                                            head_offsets=rule, **DILATED),
+                          mesh, seq_axis=("a", "b"), strategy="hybrid")
+        return _computations(jax.jit(attn).lower(x, x, x).as_text(dialect="hlo"))
+
+    def switched(bodies):  # every computation a conditional calls, transitively
+        todo = [c for body in bodies.values()
+                for group in re.findall(r"branch_computations=\{([^}]*)\}", body)
+                for c in re.findall(r"[\w.\-]+", group)]
+        inside = set()
+        while todo:
+            c = todo.pop()
+            if c not in inside:
+                inside.add(c)
+                todo.extend(set(re.findall(r"[\w.\-]+", bodies[c])) & bodies.keys())
+        return inside
+
+    bodies = computations("blocked")
+    count = lambda b: sum(body.count(" conditional(") for body in b.values())  # noqa: E731
+    assert count(bodies) > count(computations("modulo"))
+    inside = switched(bodies)
+    outside = "".join(body for c, body in bodies.items() if c not in inside)
+    assert "collective-permute" in outside and "all-to-all" in outside
+    for c in inside:
+        assert not re.search(r"collective-permute|all-to-all|all-gather", bodies[c]), c
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    """``{name: body}`` of the computations of a text HLO module."""
+    out, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            name = head.group(1)
+            out[name] = ""
+        elif line.startswith("}"):
+            name = None
+        elif name:
+            out[name] += line + "\n"
+    return out
+
+
+def test_hybrid_dilated_head_groups_refuses_slices_with_different_groups():
+    """head_groups mode, 3 groups of 3, 3, 2 heads on 2 x 4: the slices would run
+    different branches, so different rings over b; a ValueError says what serves."""
     q, k, v, *_ = _inputs(8, 2)
-    attn = jd.sharded(functools.partial(jd.dilated_attention, **options), _mesh(shape),
-                      seq_axis=("a", "b"), strategy="hybrid")
+    attn = jd.sharded(functools.partial(jd.dilated_attention, mode="head_groups", **DILATED),
+                      _mesh((2, 4)), seq_axis=("a", "b"), strategy="hybrid")
     with pytest.raises(ValueError, match="every set of heads with equal plans"):
         attn(q, k, v)
 
@@ -372,10 +438,10 @@ def test_hybrid_errors_name_the_argument():
         jd.dilated_attention(x, x, x, segment_lengths=(8,), dilation_rates=(1,),
                              strategy="hybrid")
     with pytest.raises(ValueError, match="no order of the 8 heads"):
-        # 4 x 2, 8 heads of 8 kv heads: rate 4's offsets differ between the 4 slices
+        # 4 x 2, head_groups: 3 groups of 3, 3, 2 heads cannot be dealt out evenly
         jd.sharded(functools.partial(jd.dilated_attention, segment_lengths=(16, 64, 128),
-                                     dilation_rates=(1, 2, 4)), mesh, seq_axis=("a", "b"),
-                   strategy="hybrid")(*(jnp.zeros((1, 128, 8, 8)),) * 3)
+                                     dilation_rates=(1, 2, 4), mode="head_groups"), mesh,
+                   seq_axis=("a", "b"), strategy="hybrid")(*(jnp.zeros((1, 128, 8, 8)),) * 3)
 
 
 # ---------------------------------------------- one-axis strategies and "auto" on a pair

@@ -26,7 +26,9 @@ def gather_dilated(x, branch: branch_plans.Branch, offsets: np.ndarray, heads: n
     Args:
       x: [B, T, Hx, ...] (per-head data, e.g. queries, or a [B, T, Hx] mask).
       branch: the resolved branch (``w`` effective, ``r``).
-      offsets, heads: [Hs] static offset and head index of each output head.
+      offsets, heads: [Hs] offset and head index of each output head, static; the
+        offsets may be traced where they differ between the devices that run one
+        program (hybrid dilated attention's head slices, ops/dilated_hybrid.py).
 
     Returns:
       [B * S, ceil(w / r), Hs, ...] with ``S`` segments; token ``a`` of segment ``s``
@@ -38,6 +40,9 @@ def gather_dilated(x, branch: branch_plans.Branch, offsets: np.ndarray, heads: n
     s = branch.num_segments(t)
     x = _pad_segments(pad_axis(x, 1, s * w), s, w, wp)
     x = x.reshape(b, s, wp // r, r * hx, *x.shape[3:])
+    if isinstance(offsets, jax.Array):  # traced: they differ between devices
+        x = jnp.take(x, offsets * hx + jnp.asarray(heads), axis=3)
+        return x.reshape(b * s, wp // r, len(heads), *x.shape[4:])
     flat = np.asarray(offsets) * hx + np.asarray(heads)
     if np.array_equal(flat, np.arange(flat[0], flat[0] + len(flat))):
         # one run of columns (a head group at one offset, or everything): a slice,
@@ -71,7 +76,8 @@ def scatter_dilated(y, branch: branch_plans.Branch, offsets: np.ndarray, batch: 
     head_and_rest = y.shape[2:]  # (Hs, ...)
     y = y.reshape(batch, s, wp // r, *head_and_rest)
     if r > 1:
-        selected = np.arange(r)[:, None] == np.asarray(offsets)[None, :]  # [r, Hs]
+        xp = jnp if isinstance(offsets, jax.Array) else np  # traced offsets, or static
+        selected = xp.arange(r)[:, None] == xp.asarray(offsets)[None, :]  # [r, Hs]
         selected = selected.reshape((1, 1, 1) + selected.shape + (1,) * (len(head_and_rest) - 1))
         if np.ndim(fill):
             fill = _pad_segments(fill, s, w, wp)

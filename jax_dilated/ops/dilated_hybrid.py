@@ -6,15 +6,26 @@ whose segments span devices rings over the devices of ``b`` it spans), and back.
 
 The ring over ``b`` must be one program on every device of ``a``: a per-device choice
 (``lax.switch``) would hold collectives that the devices of the other head slices
-never reach. So every head slice must run the same plan (the same offsets, and in
+never reach. So every head slice should run the same plan (the same offsets, and in
 head_groups mode the same groups, at every local head). Where the contiguous slices
 differ, the heads are first put in an order that deals each class of heads with equal
 plans (in units of the heads that read one kv head) evenly over ``a``
-(:func:`head_order`), and put back afterwards; where no order can, the call is
-refused with the reason.
+(:func:`head_order`), and put back afterwards. Where no order can:
+
+* in longnet mode, where every head runs every branch and the slices differ by their
+  offsets alone, each device runs its own offsets (:func:`_traced_plans`): a
+  spanning branch gathers and scatters its dilated rows at traced offsets around one
+  ring (in dilated coordinates the causal rule does not depend on the offset), and
+  the local branches, which hold no collectives, run as a ``lax.switch`` over the
+  slices' plans;
+* in head_groups mode, where the slices would run different branches (and so
+  different rings), the call is refused with the reason.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +69,9 @@ def slice_order(call: DilatedCall, *, seq_len: int, num_heads: int, num_kv_heads
     (:func:`~jax_dilated.ops.head_parallel.kv_repeat`), in place where the contiguous
     slices already agree, else dealt out (:func:`head_order`); where no order of those
     serves, more units (kv heads repeated further, up to one unit per query head),
-    whose classes of equal plans are finer. None where no count serves."""
+    whose classes of equal plans are finer. Where none serves in longnet mode: the
+    fewest units in place, the slices then running their own offsets (module
+    docstring). None where nothing serves (head_groups mode)."""
     base = num_kv_heads * head_parallel.kv_repeat(num_kv_heads, size_a)
     for units in range(base, num_heads + 1, base):
         if num_heads % units:
@@ -71,7 +84,7 @@ def slice_order(call: DilatedCall, *, seq_len: int, num_heads: int, num_kv_heads
                            size_a=size_a)
         if order is not None:
             return units, order
-    return None
+    return (base, np.arange(base)) if call.mode == "longnet" else None
 
 
 def heads_reason(num_heads: int, size_a: int, axis, heads_of: str = "") -> str | None:
@@ -85,12 +98,13 @@ def heads_reason(num_heads: int, size_a: int, axis, heads_of: str = "") -> str |
 
 def no_order_reason(axis, *, num_heads: int, size_a: int) -> str:
     """Why hybrid cannot run a call for which :func:`slice_order` is None."""
-    return (f"strategy='hybrid' needs every device of its head-exchange axis {axis!r} to "
-            f"run the same plan (offsets, and in head_groups mode groups, at each of its "
-            f"{num_heads // size_a} heads), and no order of the {num_heads} heads deals "
+    return (f"strategy='hybrid' in head_groups mode needs every device of its "
+            f"head-exchange axis {axis!r} to run the same groups at each of its "
+            f"{num_heads // size_a} heads, and no order of the {num_heads} heads deals "
             f"them so over {size_a} devices (even with every kv head repeated per query "
             f"head): every set of heads with equal plans must divide by {size_a}. Use "
-            f"fewer devices on {axis!r}, or strategy='ring' / 'heads' over one axis.")
+            f"fewer devices on {axis!r}, mode='longnet', or strategy='ring' / 'heads' "
+            f"over one axis.")
 
 
 def _permute_units(x, order, units: int):
@@ -115,7 +129,7 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
     if found is None:
         raise ValueError(no_order_reason(a, num_heads=h, size_a=size_a))
     units, order = found
-    variants = _variants(call, seq_len, h, units, size_a, order)
+    per_slice = [plans for _, plans in _variants(call, seq_len, h, units, size_a, order)]
     permuted = not np.array_equal(order, np.arange(units))
     k, v = key, value
     if units != hkv:  # each kv head repeated, so that the units divide by P_a
@@ -126,7 +140,11 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
     q, k, v, mask, _ = head_parallel.to_heads(q, k, v, kv_mask, None, a, size_a)
     if rng is not None:  # every head slice draws its own masks
         rng = jax.random.fold_in(rng, jax.lax.axis_index(a))
-    plans = variants[0][1]
+    plans, local_variants = per_slice[0], None
+    if any(head_parallel.plan_key(p) != head_parallel.plan_key(plans) for p in per_slice):
+        # longnet: every slice its own offsets (module docstring)
+        plans = _traced_plans(per_slice, jax.lax.axis_index(a))
+        local_variants = (a, per_slice)
     sharded_branches = distributed.shard_branches(call.branches, local_len=q.shape[1],
                                                   num_devices=size_b)
     resolved = [p.branch for p in call.plans(seq_len=seq_len, num_heads=h,
@@ -139,7 +157,8 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
         i += 1
     out, lse = distributed.sharded_dilated(
         plans, kept, q, k, v, mask, rng, args=call.args, mode=call.mode, axis_name=b,
-        num_devices=size_b, kernel=call.kernel, lse_grad=lse_grad)
+        num_devices=size_b, kernel=call.kernel, lse_grad=lse_grad,
+        local_variants=local_variants)
     if call.mode == "head_groups" and len(plans) != len(call.branches):
         # divided by the branches of these heads' groups, not by all of them
         out = (out * (len(plans) / len(call.branches))).astype(q.dtype)
@@ -161,4 +180,26 @@ def _variants(call, seq_len: int, num_heads: int, units: int, size_a: int, order
                                          global_heads[d * heads:(d + 1) * heads], local_kv,
                                          call.mode, call.head_offsets)
         out.append((head_parallel.plan_key(plans), plans))
+    return out
+
+
+def _traced_plans(per_slice, mine):
+    """Every branch's plan on this device's slice of heads, given each slice's plans
+    (``per_slice[j]``, longnet mode: the same branches and heads, offsets that differ)
+    and the index ``mine`` (traced) of this device's: static where the slices agree,
+    else with the offsets (and the gathered kv heads' offsets) picked by ``mine``. The
+    kv heads are grouped as every slice allows (the largest group dividing each
+    slice's own, :func:`~jax_dilated.core.branch_plans.kv_head_plan`)."""
+    out = []
+    for plans in zip(*per_slice):  # one branch, every slice's plan
+        first = plans[0]
+        if all(np.array_equal(p.offsets, first.offsets) for p in plans):
+            out.append(first)
+            continue
+        group = math.gcd(*(p.kv_group for p in plans))
+        offsets = jnp.asarray(np.stack([p.offsets for p in plans]))[mine]
+        heads = np.arange(0, len(first.query_heads), group)  # the first of each group
+        out.append(dataclasses.replace(
+            first, offsets=offsets, kv_offsets=offsets[::group],
+            kv_heads=first.kv_heads[heads // first.kv_group], kv_group=group))
     return out

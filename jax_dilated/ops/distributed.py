@@ -74,7 +74,7 @@ import jax
 from jax_dilated.backends import KernelArgs
 from jax_dilated.core import branch_plans, dilation, softmax
 from jax_dilated.core.branches import is_window
-from jax_dilated.ops import branch_combine, dilated_local, dilated_window
+from jax_dilated.ops import branch_combine, dilated_local, dilated_window, head_parallel
 from jax_dilated.ops.branch_groups import Group, HeadExchange, gathered, head_exchanged
 from jax_dilated.ops.ring import RingConfig, ring_partials
 
@@ -229,12 +229,20 @@ def branch_strategies(strategy, plans, sharded_branches) -> tuple[str, ...]:
 
 def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, dropout_rng, *,
                     args: KernelArgs, mode: str, axis_name, num_devices: int, kernel,
-                    strategies=None, lse_grad=True):
+                    strategies=None, lse_grad=True, local_variants=None):
     """``(out, lse)`` of dilated attention for this device's queries (inside shard_map;
     arguments as in :func:`branch_partials`, ``mode`` the call's). ``lse_grad``
     False: the caller does not differentiate through ``lse``; in head_groups mode,
     where each head's lse is its branch's, the branches' calls then need no lse
     cotangent (cuDNN runs its own backward).
+
+    ``local_variants``: None, or ``(axis, per_slice)`` where the devices of another
+    mesh axis ``axis`` run heads with different offsets (hybrid dilated attention's
+    head slices, :mod:`jax_dilated.ops.dilated_hybrid`): ``per_slice[j]`` is every
+    branch's plan on device ``j`` of ``axis``. The local branches then run as a
+    ``lax.switch`` over the slices' distinct streamed programs (they hold no
+    collectives), and ``plans`` gives the spanning branches with their offsets traced
+    (the ring over ``axis_name`` is the same program for every offset).
 
     With the blockwise XLA kernel, the local branches (not sliding windows) run
     together as the one-device streamed program on the shard
@@ -261,19 +269,30 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, dropout
         # its own masks, as the per-branch local calls below do
         rng = None if dropout_rng is None else jax.random.fold_in(
             jax.random.fold_in(dropout_rng, len(plans)), jax.lax.axis_index(axis_name))
-        # a spanning branch: the shard is one segment of it (its cut), dilated locally
-        streamed_plans = [dataclasses.replace(plans[i], branch=sharded_branches[i].cut)
-                          for i in streamed]
-        kernels = [kernel if sharded_branches[i].is_local else HeadExchange(
+        kernels = tuple(kernel if sharded_branches[i].is_local else HeadExchange(
             Group(axis_name, num_devices, sharded_branches[i].ring_size, kernel, args))
-            for i in streamed]
-        # chunked even on a kernel with a fused program: the strategies' cost model
-        # (ops/strategies/cost.py) prices every strategy's local branches as this
-        # program, and a head exchange cannot run inside a fused call
-        partial = dilated_local.attend(
-            dilated_local.StreamedCall(kernel, args, tuple(streamed_plans), mode, len(plans),
-                                       branch_kernels=tuple(kernels)),
-            query, key, value, kv_mask, rng)
+            for i in streamed)
+
+        def streamed_partial(plans):
+            # a spanning branch: the shard is one segment of it (its cut), dilated locally
+            cut = tuple(dataclasses.replace(plans[i], branch=sharded_branches[i].cut)
+                        for i in streamed)
+            # chunked even on a kernel with a fused program: the strategies' cost model
+            # (ops/strategies/cost.py) prices every strategy's local branches as this
+            # program, and a head exchange cannot run inside a fused call
+            return dilated_local.attend(
+                dilated_local.StreamedCall(kernel, args, cut, mode, len(plans),
+                                           branch_kernels=kernels),
+                query, key, value, kv_mask, rng)
+
+        if local_variants is None:
+            partial = streamed_partial(plans)
+        else:  # a switch may hold no collectives: local branches only
+            assert all(sharded_branches[i].is_local for i in streamed)
+            axis, per_slice = local_variants
+            partial = head_parallel.by_device(
+                axis, [(head_parallel.plan_key([v[i] for i in streamed]), v)
+                       for v in per_slice], streamed_partial)
     run = functools.partial(branch_partials, plans, sharded_branches, query, key, value,
                             kv_mask, args, axis_name=axis_name, num_devices=num_devices,
                             kernel=kernel, dropout_rng=dropout_rng,
