@@ -164,18 +164,20 @@ def test_hybrid_dilated_slices_with_their_own_offsets(kv_heads, rule, causal):
     _check(got, want)
 
 
-def test_hybrid_dilated_slices_keep_collectives_out_of_switches():
-    """Blocked offsets on 4 x 2: the local rate-2 branch's offsets differ between the
-    slices of a (heads 0-3 offset 0, 4-7 offset 1), so it runs in a per-device switch
-    (the program holds more conditionals than with modulo offsets, where the local
-    branches agree); no conditional holds a collective (the ring over b or the
+@pytest.mark.parametrize("mode", ["longnet", "head_groups"])
+def test_hybrid_dilated_slices_keep_collectives_out_of_switches(mode):
+    """On 4 x 2 the local branches differ between the slices of a, so they run in a
+    per-device switch: longnet with blocked offsets (the rate-2 branch: heads 0-3
+    offset 0, 4-7 offset 1), head_groups with 3 groups of 3, 3, 2 heads. The program
+    holds more conditionals than with modulo offsets in longnet mode, where the local
+    branches agree; no conditional holds a collective (the ring over b or the
     exchange over a): a collective that some devices never reach would hang them."""
     mesh = _mesh((4, 2))
     x = jax.ShapeDtypeStruct((B, T, 8, D), jnp.float32)
 
-    def computations(rule):
+    def computations(**options):
         attn = jd.sharded(functools.partial(jd.dilated_attention, is_causal=True,
-                                            head_offsets=rule, **DILATED),
+                                            **options, **DILATED),
                           mesh, seq_axis=("a", "b"), strategy="hybrid")
         return _computations(jax.jit(attn).lower(x, x, x).as_text(dialect="hlo"))
 
@@ -191,9 +193,10 @@ def test_hybrid_dilated_slices_keep_collectives_out_of_switches():
                 todo.extend(set(re.findall(r"[\w.\-]+", bodies[c])) & bodies.keys())
         return inside
 
-    bodies = computations("blocked")
+    bodies = (computations(head_offsets="blocked") if mode == "longnet" else
+              computations(mode="head_groups"))
     count = lambda b: sum(body.count(" conditional(") for body in b.values())  # noqa: E731
-    assert count(bodies) > count(computations("modulo"))
+    assert count(bodies) > count(computations(head_offsets="modulo"))
     inside = switched(bodies)
     outside = "".join(body for c, body in bodies.items() if c not in inside)
     assert "collective-permute" in outside and "all-to-all" in outside
@@ -216,14 +219,25 @@ def _computations(hlo: str) -> dict[str, str]:
     return out
 
 
-def test_hybrid_dilated_head_groups_refuses_slices_with_different_groups():
-    """head_groups mode, 3 groups of 3, 3, 2 heads on 2 x 4: the slices would run
-    different branches, so different rings over b; a ValueError says what serves."""
-    q, k, v, *_ = _inputs(8, 2)
-    attn = jd.sharded(functools.partial(jd.dilated_attention, mode="head_groups", **DILATED),
-                      _mesh((2, 4)), seq_axis=("a", "b"), strategy="hybrid")
-    with pytest.raises(ValueError, match="every set of heads with equal plans"):
-        attn(q, k, v)
+@pytest.mark.parametrize("options,shape,kv_heads", [
+    (dict(DILATED, is_causal=True), (2, 4), 2),     # groups of 3, 3, 2 heads; 4 per slice
+    (dict(DILATED, is_causal=False), (4, 2), 8),    # 2 per slice: 1 or 2 groups each
+    (dict(segment_lengths=(jd.SlidingWindow(7), 32, 128), dilation_rates=(1, 2, 4),
+          is_causal=True), (4, 2), 2),                # the window spans every device
+    (dict(segment_lengths=(16, 32, 64, 128, 128), dilation_rates=(1, 2, 2, 4, 8),
+          is_causal=True), (2, 4), 4),                # 5 groups: 2, 2, 2, 1, 1 heads
+], ids=["3-groups-2x4", "3-groups-4x2", "window-4x2", "5-groups-2x4"])
+def test_hybrid_dilated_head_groups_slices_with_different_groups(options, shape, kv_heads):
+    """head_groups with groups that no order deals evenly over a: the slices run
+    different branches. Each device runs its local branches (a switch) and every
+    branch that spans devices on padded head slots of one ring over b: equal to one
+    device, forward and gradients, with a padding mask."""
+    q, k, v, g, mask, _ = _inputs(8, kv_heads, seed=12)
+    fn = functools.partial(jd.dilated_attention, mode="head_groups", **options)
+    want = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask), q, k, v, g)
+    attn = jd.sharded(fn, _mesh(shape), seq_axis=("a", "b"), strategy="hybrid")
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
+    _check(got, want)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
@@ -437,11 +451,6 @@ def test_hybrid_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"seq_axis must name .* two as \(a, b\)"):
         jd.dilated_attention(x, x, x, segment_lengths=(8,), dilation_rates=(1,),
                              strategy="hybrid")
-    with pytest.raises(ValueError, match="no order of the 8 heads"):
-        # 4 x 2, head_groups: 3 groups of 3, 3, 2 heads cannot be dealt out evenly
-        jd.sharded(functools.partial(jd.dilated_attention, segment_lengths=(16, 64, 128),
-                                     dilation_rates=(1, 2, 4), mode="head_groups"), mesh,
-                   seq_axis=("a", "b"), strategy="hybrid")(*(jnp.zeros((1, 128, 8, 8)),) * 3)
 
 
 # ---------------------------------------------- one-axis strategies and "auto" on a pair

@@ -18,8 +18,12 @@ plans (in units of the heads that read one kv head) evenly over ``a``
   ring (in dilated coordinates the causal rule does not depend on the offset), and
   the local branches, which hold no collectives, run as a ``lax.switch`` over the
   slices' plans;
-* in head_groups mode, where the slices would run different branches (and so
-  different rings), the call is refused with the reason.
+* in head_groups mode, where the slices run different branches (and so would run
+  different rings), every device runs each branch that spans devices (or is a
+  sliding window) in one ring over ``b``, on as many head *slots* as the slice with
+  the most of its heads holds, filled with its own heads of the branch (traced
+  indices) and padded, the padding's results dropped (:func:`_slotted`); the local
+  branches run as a ``lax.switch``, as above.
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dilated.core import validation
-from jax_dilated.ops import distributed, head_parallel
+from jax_dilated.core import softmax, validation
+from jax_dilated.ops import dilated_window, distributed, head_parallel
 from jax_dilated.ops.dilated_programs import DilatedCall
 
-__all__ = ["hybrid", "head_order", "slice_order", "heads_reason", "no_order_reason"]
+__all__ = ["hybrid", "head_order", "slice_order", "heads_reason"]
 
 
 def head_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
@@ -62,29 +66,28 @@ def head_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
 
 
 def slice_order(call: DilatedCall, *, seq_len: int, num_heads: int, num_kv_heads: int,
-                size_a: int) -> tuple[int, np.ndarray] | None:
+                size_a: int) -> tuple[int, np.ndarray]:
     """``(units, order)``: the kv units (each kv head repeated ``units / num_kv_heads``
     times; a unit is the query heads that read one copy) and their order under which
     every one of the ``size_a`` slices runs one plan: the fewest units ``P_a`` allows
     (:func:`~jax_dilated.ops.head_parallel.kv_repeat`), in place where the contiguous
     slices already agree, else dealt out (:func:`head_order`); where no order of those
     serves, more units (kv heads repeated further, up to one unit per query head),
-    whose classes of equal plans are finer. Where none serves in longnet mode: the
-    fewest units in place, the slices then running their own offsets (module
-    docstring). None where nothing serves (head_groups mode)."""
+    whose classes of equal plans are finer. Where none serves: the fewest units in
+    place, every slice then running its own plan (module docstring)."""
     base = num_kv_heads * head_parallel.kv_repeat(num_kv_heads, size_a)
     for units in range(base, num_heads + 1, base):
         if num_heads % units:
             continue
         order = np.arange(units)
-        if len({k for k, _ in _variants(call, seq_len, num_heads, units, size_a,
-                                        order)}) == 1:
+        if len({_key(p) for p in _slice_plans(call, seq_len, num_heads, units, size_a,
+                                              order)}) == 1:
             return units, order
         order = head_order(call, seq_len=seq_len, num_heads=num_heads, units=units,
                            size_a=size_a)
         if order is not None:
             return units, order
-    return (base, np.arange(base)) if call.mode == "longnet" else None
+    return base, np.arange(base)
 
 
 def heads_reason(num_heads: int, size_a: int, axis, heads_of: str = "") -> str | None:
@@ -94,17 +97,6 @@ def heads_reason(num_heads: int, size_a: int, axis, heads_of: str = "") -> str |
         return None
     return (f"strategy='hybrid' needs num_heads ({num_heads}{heads_of}) divisible by the "
             f"{size_a} devices of its head-exchange axis {axis!r}")
-
-
-def no_order_reason(axis, *, num_heads: int, size_a: int) -> str:
-    """Why hybrid cannot run a call for which :func:`slice_order` is None."""
-    return (f"strategy='hybrid' in head_groups mode needs every device of its "
-            f"head-exchange axis {axis!r} to run the same groups at each of its "
-            f"{num_heads // size_a} heads, and no order of the {num_heads} heads deals "
-            f"them so over {size_a} devices (even with every kv head repeated per query "
-            f"head): every set of heads with equal plans must divide by {size_a}. Use "
-            f"fewer devices on {axis!r}, mode='longnet', or strategy='ring' / 'heads' "
-            f"over one axis.")
 
 
 def _permute_units(x, order, units: int):
@@ -125,11 +117,9 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
     if why:
         raise ValueError(f"{why}.")
     seq_len = query.shape[1] * size_a * size_b
-    found = slice_order(call, seq_len=seq_len, num_heads=h, num_kv_heads=hkv, size_a=size_a)
-    if found is None:
-        raise ValueError(no_order_reason(a, num_heads=h, size_a=size_a))
-    units, order = found
-    per_slice = [plans for _, plans in _variants(call, seq_len, h, units, size_a, order)]
+    units, order = slice_order(call, seq_len=seq_len, num_heads=h, num_kv_heads=hkv,
+                               size_a=size_a)
+    per_slice = _slice_plans(call, seq_len, h, units, size_a, order)
     permuted = not np.array_equal(order, np.arange(units))
     k, v = key, value
     if units != hkv:  # each kv head repeated, so that the units divide by P_a
@@ -140,28 +130,16 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
     q, k, v, mask, _ = head_parallel.to_heads(q, k, v, kv_mask, None, a, size_a)
     if rng is not None:  # every head slice draws its own masks
         rng = jax.random.fold_in(rng, jax.lax.axis_index(a))
-    plans, local_variants = per_slice[0], None
-    if any(head_parallel.plan_key(p) != head_parallel.plan_key(plans) for p in per_slice):
-        # longnet: every slice its own offsets (module docstring)
-        plans = _traced_plans(per_slice, jax.lax.axis_index(a))
-        local_variants = (a, per_slice)
-    sharded_branches = distributed.shard_branches(call.branches, local_len=q.shape[1],
-                                                  num_devices=size_b)
-    resolved = [p.branch for p in call.plans(seq_len=seq_len, num_heads=h,
-                                             num_kv_heads=h)]
-    kept, i = [], 0  # the branches these heads run (head_groups: their groups'), in order
-    for plan in plans:
-        while resolved[i] != plan.branch:
-            i += 1
-        kept.append(sharded_branches[i])
-        i += 1
-    out, lse = distributed.sharded_dilated(
-        plans, kept, q, k, v, mask, rng, args=call.args, mode=call.mode, axis_name=b,
-        num_devices=size_b, kernel=call.kernel, lse_grad=lse_grad,
-        local_variants=local_variants)
-    if call.mode == "head_groups" and len(plans) != len(call.branches):
-        # divided by the branches of these heads' groups, not by all of them
-        out = (out * (len(plans) / len(call.branches))).astype(q.dtype)
+    sharded = distributed.shard_branches(call.branches, local_len=q.shape[1],
+                                         num_devices=size_b)
+    ring = _Ring(call, b, size_b, lse_grad)
+    if all(_key(p) == _key(per_slice[0]) for p in per_slice):
+        out, lse = ring.branches(per_slice[0], sharded, q, k, v, mask, rng)
+    elif call.mode == "longnet":  # every slice its own offsets (module docstring)
+        out, lse = ring.run(_traced_plans(per_slice, jax.lax.axis_index(a)), sharded, q, k,
+                            v, mask, rng, local_variants=(a, per_slice))
+    else:  # head_groups: every slice its own branches (module docstring)
+        out, lse = _slotted(ring, per_slice, sharded, q, k, v, mask, rng, a)
     out, lse = head_parallel.heads_to_seq(out, a), head_parallel.heads_to_seq(lse, a)
     if permuted:
         back = np.argsort(order)
@@ -169,18 +147,121 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
     return out, lse
 
 
-def _variants(call, seq_len: int, num_heads: int, units: int, size_a: int, order):
-    """``[(plan key, plans)]`` of each slice of ``a`` with the units in ``order``."""
+def _key(plans):
+    """What makes two slices' plans (one entry per branch, None where absent) equal."""
+    return tuple(None if p is None else head_parallel.plan_key([p]) for p in plans)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Distributed dilated attention of the exchanged heads over ``axis`` (``b``)."""
+
+    call: DilatedCall
+    axis: str
+    size: int
+    lse_grad: bool
+
+    def run(self, plans, sharded, q, k, v, mask, rng, local_variants=None):
+        """:func:`~jax_dilated.ops.distributed.sharded_dilated` of ``plans``."""
+        return distributed.sharded_dilated(
+            plans, sharded, q, k, v, mask, rng, args=self.call.args, mode=self.call.mode,
+            axis_name=self.axis, num_devices=self.size, kernel=self.call.kernel,
+            lse_grad=self.lse_grad, local_variants=local_variants)
+
+    def branches(self, plans, sharded, q, k, v, mask, rng):
+        """``(out, lse)`` of the branches ``plans`` gives (one entry per branch, None
+        where these heads run none of it: head_groups); in head_groups mode divided
+        by all the call's branches, not by those run here."""
+        mine = [i for i, p in enumerate(plans) if p is not None]
+        if not mine:  # head_groups: none of these heads runs one of these branches
+            return (jnp.zeros_like(q),  # (like q: varying over the mesh as q is)
+                    jnp.full_like(q[..., 0], -jnp.inf, softmax.stats_dtype(q.dtype)))
+        out, lse = self.run([plans[i] for i in mine], [sharded[i] for i in mine], q, k, v,
+                            mask, rng)
+        if self.call.mode == "head_groups" and len(mine) != len(self.call.branches):
+            out = (out * (len(mine) / len(self.call.branches))).astype(q.dtype)
+        return out, lse
+
+    def slots(self, plan, sb, q, k, v, mask, rng):
+        """``(o, lse)`` of one branch whose heads ``q`` holds (a sliding window's
+        windowed ring, or a ring of the devices a segment spans)."""
+        if plan.branch.window is not None:
+            o, lse, _ = dilated_window.ring_partial(
+                self.call.args, plan, q, k, v, mask, rng, axis_name=self.axis,
+                num_devices=self.size, kernel=self.call.kernel, lse_grad=self.lse_grad)
+        else:
+            (o, lse, _), = distributed.branch_partials(
+                [plan], [sb], q, k, v, mask, self.call.args, axis_name=self.axis,
+                num_devices=self.size, kernel=self.call.kernel, dropout_rng=rng,
+                lse_grad=self.lse_grad)
+        return o, lse
+
+
+def _slotted(ring: _Ring, per_slice, sharded, q, k, v, mask, rng, axis_a):
+    """head_groups where the slices of ``axis_a`` hold different groups: ``(out,
+    lse)`` of this device's heads.
+
+    The local branches (no collectives) run as a ``lax.switch`` over the slices' own
+    plans. A branch whose segments span devices (or a sliding window) runs as one
+    ring over ``b`` on every device, on as many head *slots* as the slice with the
+    most of its heads holds: each device fills them with its heads of the branch
+    (traced indices) and pads the rest, whose results are dropped. The padding is
+    work thrown away, the price of one program for every slice."""
+    local = [i for i, sb in enumerate(sharded) if sb.is_local and sb.cut.window is None]
+    out, lse = head_parallel.by_device(
+        axis_a, [(_key([p[i] for i in local]),
+                  [p[i] if i in local else None for i in range(len(p))]) for p in per_slice],
+        lambda plans: ring.branches(plans, sharded, q, k, v, mask, rng))
+    mine = jax.lax.axis_index(axis_a)
+    stats = softmax.stats_dtype(q.dtype)
+    out = out.astype(stats)
+    for i in range(len(sharded)):
+        slices = [p[i] for p in per_slice]
+        slots = max(0 if p is None else len(p.query_heads) for p in slices)
+        if i in local or not slots:
+            continue
+        heads, kv_heads, slot_of = (
+            jnp.asarray(np.stack(t))[mine]
+            for t in zip(*(_slot_tables(p, slots, q.shape[2]) for p in slices)))
+        first = next(p for p in slices if p is not None)
+        offset = np.full(slots, first.offsets[0])  # a group's heads share one offset
+        plan = dataclasses.replace(first, query_heads=np.arange(slots), offsets=offset,
+                                   kv_offsets=offset, kv_heads=np.arange(slots), kv_group=1)
+        o_i, lse_i = ring.slots(plan, sharded[i], jnp.take(q, heads, axis=2),
+                                jnp.take(k, kv_heads, axis=2), jnp.take(v, kv_heads, axis=2),
+                                mask, None if rng is None else jax.random.fold_in(rng, i))
+        held, take = slot_of >= 0, jnp.maximum(slot_of, 0)  # the heads it writes
+        o_i = jnp.take(o_i.astype(stats), take, axis=2) / len(ring.call.branches)
+        out = jnp.where(held[:, None], o_i, out)
+        lse = jnp.where(held, jnp.take(lse_i.astype(lse.dtype), take, axis=2), lse)
+    return out.astype(q.dtype), lse
+
+
+def _slot_tables(plan, slots: int, num_heads: int):
+    """One slice's ``(heads [slots], kv heads [slots], slot of each head [H_local])`` of
+    a branch (``plan``: its heads there, or None): padded slots read head 0 (their
+    results are dropped), a head the branch does not run has slot -1."""
+    heads = np.zeros(slots, np.int32)
+    kv_heads = np.zeros(slots, np.int32)
+    slot_of = np.full(num_heads, -1, np.int32)
+    if plan is not None:
+        n = len(plan.query_heads)
+        heads[:n] = plan.query_heads
+        kv_heads[:n] = plan.kv_heads[np.arange(n) // plan.kv_group]
+        slot_of[plan.query_heads] = np.arange(n)
+    return heads, kv_heads, slot_of
+
+
+def _slice_plans(call, seq_len: int, num_heads: int, units: int, size_a: int, order):
+    """Every slice of ``a``'s plans (one entry per branch, None where none of its heads
+    runs the branch) with the units in ``order``."""
     per, heads = num_heads // units, num_heads // size_a
     global_heads = (order[:, None] * per + np.arange(per)[None, :]).reshape(-1)
     local_kv = units // size_a
-    out = []
-    for d in range(size_a):
-        plans = head_parallel.head_plans(call.branches, seq_len, num_heads,
-                                         global_heads[d * heads:(d + 1) * heads], local_kv,
-                                         call.mode, call.head_offsets)
-        out.append((head_parallel.plan_key(plans), plans))
-    return out
+    return [head_parallel.head_plans(call.branches, seq_len, num_heads,
+                                     global_heads[d * heads:(d + 1) * heads], local_kv,
+                                     call.mode, call.head_offsets, keep_empty=True)
+            for d in range(size_a)]
 
 
 def _traced_plans(per_slice, mine):

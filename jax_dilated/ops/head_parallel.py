@@ -78,11 +78,13 @@ def kernel_args(options, head_dim: int) -> KernelArgs:
 
 
 def head_plans(branches, seq_len: int, num_heads: int, heads, local_kv: int, mode: str,
-                rule: str):
+                rule: str, keep_empty: bool = False):
     """The branch plans of the query heads ``heads`` (global indices, ascending; local
     head ``i`` is global head ``heads[i]``, repeats allowed), numbered locally but with
     their *global* offsets (and head groups); ``local_kv`` kv heads held locally, local
-    query head ``i`` reading kv head ``i // (len(heads) / local_kv)``."""
+    query head ``i`` reading kv head ``i // (len(heads) / local_kv)``. A branch none
+    of ``heads`` runs (head_groups) is left out, or with ``keep_empty`` given as None
+    (one entry per branch)."""
     full = branch_plans.plan_branches(branches, seq_len=seq_len, num_heads=num_heads,
                                       num_kv_heads=num_heads, mode=mode,
                                       offsets_rule=rule)
@@ -93,6 +95,8 @@ def head_plans(branches, seq_len: int, num_heads: int, heads, local_kv: int, mod
         mine = np.array([i for i, j in enumerate(heads.tolist()) if j in offset_of],
                         np.int64)
         if not mine.size:
+            if keep_empty:
+                plans.append(None)
             continue
         offsets = np.array([offset_of[j] for j in heads[mine].tolist()], np.int64)
         kv_offsets, kv_heads, group = branch_plans.kv_head_plan(mine, offsets, len(heads),

@@ -202,8 +202,6 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             size_a, size_b = mesh.shape[axes[0]], mesh.shape[axes[1]]
             why = strategies.hybrid_unservable(op, num_heads=heads_per_shard,
                                                size_a=size_a, heads_of=heads_of,
-                                               seq_len=None if packed else t,
-                                               num_kv_heads=kv_per_shard,
                                                axis=axes[0])
             if why:
                 raise ValueError(f"{why}.")

@@ -41,33 +41,24 @@ __all__ = ["hybrid_unservable", "hybrid_local", "hybrid_cost"]
 
 
 def hybrid_unservable(op: Operation, *, num_heads: int, size_a: int,
-                      heads_of: str = "", seq_len: int | None = None,
-                      num_kv_heads: int | None = None, axis="a") -> str | None:
+                      heads_of: str = "", axis="a") -> str | None:
     """Why ``"hybrid"`` cannot run ``op`` with ``num_heads`` query heads and ``size_a``
-    devices on the head-exchange axis (None when it can). Dilated attention, given the
-    global ``seq_len`` and ``num_kv_heads``: also whether its heads can be dealt out
-    so that every slice runs one plan (:func:`.dilated_hybrid.slice_order`)."""
+    devices on the head-exchange axis (None when it can)."""
     if op.kind not in ("exact", "dilated", "block_sparse"):
         return (f"strategy='hybrid' runs the library's operations (ring_attention, "
                 f"dilated_attention, block_sparse_attention), got {op.name}")
-    why = dilated_hybrid.heads_reason(num_heads, size_a, axis, heads_of)
-    if why:
-        return why
-    if op.kind == "dilated" and seq_len is not None and _dilated_units(
-            op, seq_len, num_heads, num_kv_heads, size_a) is None:
-        return dilated_hybrid.no_order_reason(axis, num_heads=num_heads, size_a=size_a)
-    return None
+    return dilated_hybrid.heads_reason(num_heads, size_a, axis, heads_of)
 
 
 def _dilated_units(op: Operation, seq_len: int, num_heads: int, num_kv_heads: int,
-                   size_a: int) -> int | None:
-    """The kv units hybrid dilated attention runs with (None: it cannot serve)."""
+                   size_a: int) -> int:
+    """The kv units hybrid dilated attention runs with
+    (:func:`.dilated_hybrid.slice_order`)."""
     # only the plans are read: no kernel or kernel arguments needed
     call = DilatedCall(op.branches, op.options.get("mode", "longnet"),
                        op.options.get("head_offsets", "modulo"), None, None, None)
-    found = dilated_hybrid.slice_order(call, seq_len=seq_len, num_heads=num_heads,
-                                       num_kv_heads=num_kv_heads, size_a=size_a)
-    return None if found is None else found[0]
+    return dilated_hybrid.slice_order(call, seq_len=seq_len, num_heads=num_heads,
+                                      num_kv_heads=num_kv_heads, size_a=size_a)[0]
 
 
 def hybrid_local(op: Operation, q, k, v, mask, segment_ids, sinks, *, axes: tuple[str, str],
@@ -156,14 +147,10 @@ def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
     n = seq_len // (size_a * size_b)
     rep = head_parallel.kv_repeat(num_kv_heads, size_a)
     why = hybrid_unservable(op, num_heads=num_heads, size_a=size_a)
-    # dilated head slices must share a plan, which may need kv heads repeated further
+    # dilated head slices should share a plan, which may need kv heads repeated further
     # (packed rows run whole sequences of some heads: no plan to share)
     if why is None and op.kind == "dilated" and not segment_ids:
-        units = _dilated_units(op, seq_len, num_heads, num_kv_heads, size_a)
-        if units is None:
-            why = dilated_hybrid.no_order_reason("a", num_heads=num_heads, size_a=size_a)
-        else:
-            rep = units // num_kv_heads
+        rep = _dilated_units(op, seq_len, num_heads, num_kv_heads, size_a) // num_kv_heads
     q = batch * n * num_heads * head_dim * e
     k = batch * n * num_kv_heads * rep * head_dim * e
     if why is None:
