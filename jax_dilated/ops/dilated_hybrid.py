@@ -29,6 +29,7 @@ plans (in units of the heads that read one kv head) evenly over ``a``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -132,14 +133,18 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
         rng = jax.random.fold_in(rng, jax.lax.axis_index(a))
     sharded = distributed.shard_branches(call.branches, local_len=q.shape[1],
                                          num_devices=size_b)
-    ring = _Ring(call, b, size_b, lse_grad)
+    run = functools.partial(distributed.sharded_dilated, args=call.args, mode=call.mode,
+                            axis_name=b, num_devices=size_b, kernel=call.kernel,
+                            lse_grad=lse_grad)
     if all(_key(p) == _key(per_slice[0]) for p in per_slice):
-        out, lse = ring.branches(per_slice[0], sharded, q, k, v, mask, rng)
+        plans, kept = _present(per_slice[0], sharded)
+        out, lse = run(plans, kept, q, k, v, mask, rng)
+        out = _of_all_branches(out, len(plans), call)
     elif call.mode == "longnet":  # every slice its own offsets (module docstring)
-        out, lse = ring.run(_traced_plans(per_slice, jax.lax.axis_index(a)), sharded, q, k,
-                            v, mask, rng, local_variants=(a, per_slice))
+        out, lse = run(_traced_plans(per_slice, jax.lax.axis_index(a)), sharded, q, k, v,
+                       mask, rng, local_variants=(a, per_slice))
     else:  # head_groups: every slice its own branches (module docstring)
-        out, lse = _slotted(ring, per_slice, sharded, q, k, v, mask, rng, a)
+        out, lse = _slotted(call, run, per_slice, sharded, q, k, v, mask, rng, a)
     out, lse = head_parallel.heads_to_seq(out, a), head_parallel.heads_to_seq(lse, a)
     if permuted:
         back = np.argsort(order)
@@ -152,54 +157,24 @@ def _key(plans):
     return tuple(None if p is None else head_parallel.plan_key([p]) for p in plans)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Ring:
-    """Distributed dilated attention of the exchanged heads over ``axis`` (``b``)."""
-
-    call: DilatedCall
-    axis: str
-    size: int
-    lse_grad: bool
-
-    def run(self, plans, sharded, q, k, v, mask, rng, local_variants=None):
-        """:func:`~jax_dilated.ops.distributed.sharded_dilated` of ``plans``."""
-        return distributed.sharded_dilated(
-            plans, sharded, q, k, v, mask, rng, args=self.call.args, mode=self.call.mode,
-            axis_name=self.axis, num_devices=self.size, kernel=self.call.kernel,
-            lse_grad=self.lse_grad, local_variants=local_variants)
-
-    def branches(self, plans, sharded, q, k, v, mask, rng):
-        """``(out, lse)`` of the branches ``plans`` gives (one entry per branch, None
-        where these heads run none of it: head_groups); in head_groups mode divided
-        by all the call's branches, not by those run here."""
-        mine = [i for i, p in enumerate(plans) if p is not None]
-        if not mine:  # head_groups: none of these heads runs one of these branches
-            return (jnp.zeros_like(q),  # (like q: varying over the mesh as q is)
-                    jnp.full_like(q[..., 0], -jnp.inf, softmax.stats_dtype(q.dtype)))
-        out, lse = self.run([plans[i] for i in mine], [sharded[i] for i in mine], q, k, v,
-                            mask, rng)
-        if self.call.mode == "head_groups" and len(mine) != len(self.call.branches):
-            out = (out * (len(mine) / len(self.call.branches))).astype(q.dtype)
-        return out, lse
-
-    def slots(self, plan, sb, q, k, v, mask, rng):
-        """``(o, lse)`` of one branch whose heads ``q`` holds (a sliding window's
-        windowed ring, or a ring of the devices a segment spans)."""
-        if plan.branch.window is not None:
-            o, lse, _ = dilated_window.ring_partial(
-                self.call.args, plan, q, k, v, mask, rng, axis_name=self.axis,
-                num_devices=self.size, kernel=self.call.kernel, lse_grad=self.lse_grad)
-        else:
-            (o, lse, _), = distributed.branch_partials(
-                [plan], [sb], q, k, v, mask, self.call.args, axis_name=self.axis,
-                num_devices=self.size, kernel=self.call.kernel, dropout_rng=rng,
-                lse_grad=self.lse_grad)
-        return o, lse
+def _present(plans, sharded):
+    """The plans (one entry per branch, None where these heads run none of it:
+    head_groups) and :func:`~.distributed.shard_branches` of the branches run."""
+    mine = [i for i, p in enumerate(plans) if p is not None]
+    return [plans[i] for i in mine], [sharded[i] for i in mine]
 
 
-def _slotted(ring: _Ring, per_slice, sharded, q, k, v, mask, rng, axis_a):
+def _of_all_branches(out, ran: int, call: DilatedCall):
+    """head_groups: ``out`` of ``ran`` of the call's branches, divided by all of them."""
+    if call.mode != "head_groups" or ran == len(call.branches):
+        return out
+    return (out * (ran / len(call.branches))).astype(out.dtype)
+
+
+def _slotted(call: DilatedCall, run, per_slice, sharded, q, k, v, mask, rng, axis_a):
     """head_groups where the slices of ``axis_a`` hold different groups: ``(out,
-    lse)`` of this device's heads.
+    lse)`` of this device's heads (``run``: ``sharded_dilated`` over ``b``, its
+    keywords given).
 
     The local branches (no collectives) run as a ``lax.switch`` over the slices' own
     plans. A branch whose segments span devices (or a sliding window) runs as one
@@ -207,15 +182,27 @@ def _slotted(ring: _Ring, per_slice, sharded, q, k, v, mask, rng, axis_a):
     most of its heads holds: each device fills them with its heads of the branch
     (traced indices) and pads the rest, whose results are dropped. The padding is
     work thrown away, the price of one program for every slice."""
+    num_branches = len(call.branches)
+    ring = {key: run.keywords[key] for key in ("axis_name", "num_devices", "kernel",
+                                                "lse_grad")}
     local = [i for i, sb in enumerate(sharded) if sb.is_local and sb.cut.window is None]
+
+    def local_branches(plans):
+        plans, kept = _present(plans, sharded)
+        if not plans:  # none of these heads runs a local branch
+            return (jnp.zeros_like(q),  # (like q: varying over the mesh as q is)
+                    jnp.full_like(q[..., 0], -jnp.inf, softmax.stats_dtype(q.dtype)))
+        out, lse = run(plans, kept, q, k, v, mask, rng)
+        return (out * (len(plans) / num_branches)).astype(q.dtype), lse
+
     out, lse = head_parallel.by_device(
         axis_a, [(_key([p[i] for i in local]),
-                  [p[i] if i in local else None for i in range(len(p))]) for p in per_slice],
-        lambda plans: ring.branches(plans, sharded, q, k, v, mask, rng))
+                  [p[i] if i in local else None for i in range(num_branches)])
+                 for p in per_slice], local_branches)
     mine = jax.lax.axis_index(axis_a)
     stats = softmax.stats_dtype(q.dtype)
     out = out.astype(stats)
-    for i in range(len(sharded)):
+    for i in range(num_branches):
         slices = [p[i] for p in per_slice]
         slots = max(0 if p is None else len(p.query_heads) for p in slices)
         if i in local or not slots:
@@ -227,11 +214,18 @@ def _slotted(ring: _Ring, per_slice, sharded, q, k, v, mask, rng, axis_a):
         offset = np.full(slots, first.offsets[0])  # a group's heads share one offset
         plan = dataclasses.replace(first, query_heads=np.arange(slots), offsets=offset,
                                    kv_offsets=offset, kv_heads=np.arange(slots), kv_group=1)
-        o_i, lse_i = ring.slots(plan, sharded[i], jnp.take(q, heads, axis=2),
-                                jnp.take(k, kv_heads, axis=2), jnp.take(v, kv_heads, axis=2),
-                                mask, None if rng is None else jax.random.fold_in(rng, i))
+        qs, ks, vs = (jnp.take(x, t, axis=2) for x, t in ((q, heads), (k, kv_heads),
+                                                           (v, kv_heads)))
+        branch_rng = None if rng is None else jax.random.fold_in(rng, i)
+        if first.branch.window is not None:
+            o_i, lse_i, _ = dilated_window.ring_partial(call.args, plan, qs, ks, vs, mask,
+                                                        branch_rng, **ring)
+        else:
+            (o_i, lse_i, _), = distributed.branch_partials(
+                [plan], [sharded[i]], qs, ks, vs, mask, call.args, dropout_rng=branch_rng,
+                **ring)
         held, take = slot_of >= 0, jnp.maximum(slot_of, 0)  # the heads it writes
-        o_i = jnp.take(o_i.astype(stats), take, axis=2) / len(ring.call.branches)
+        o_i = jnp.take(o_i.astype(stats), take, axis=2) / num_branches
         out = jnp.where(held[:, None], o_i, out)
         lse = jnp.where(held, jnp.take(lse_i.astype(lse.dtype), take, axis=2), lse)
     return out.astype(q.dtype), lse

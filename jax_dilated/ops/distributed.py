@@ -273,26 +273,27 @@ def sharded_dilated(plans, sharded_branches, query, key, value, kv_mask, dropout
             Group(axis_name, num_devices, sharded_branches[i].ring_size, kernel, args))
             for i in streamed)
 
-        def streamed_partial(plans):
+        def streamed_call(plans):
             # a spanning branch: the shard is one segment of it (its cut), dilated locally
             cut = tuple(dataclasses.replace(plans[i], branch=sharded_branches[i].cut)
                         for i in streamed)
             # chunked even on a kernel with a fused program: the strategies' cost model
             # (ops/strategies/cost.py) prices every strategy's local branches as this
             # program, and a head exchange cannot run inside a fused call
-            return dilated_local.attend(
-                dilated_local.StreamedCall(kernel, args, cut, mode, len(plans),
-                                           branch_kernels=kernels),
-                query, key, value, kv_mask, rng)
+            return dilated_local.StreamedCall(kernel, args, cut, mode, len(plans),
+                                              branch_kernels=kernels)
 
         if local_variants is None:
-            partial = streamed_partial(plans)
+            partial = dilated_local.attend(streamed_call(plans), query, key, value, kv_mask,
+                                           rng)
         else:  # a switch may hold no collectives: local branches only
             assert all(sharded_branches[i].is_local for i in streamed)
             axis, per_slice = local_variants
             partial = head_parallel.by_device(
                 axis, [(head_parallel.plan_key([v[i] for i in streamed]), v)
-                       for v in per_slice], streamed_partial)
+                       for v in per_slice],
+                lambda v: dilated_local.attend(streamed_call(v), query, key, value, kv_mask,
+                                               rng))
     run = functools.partial(branch_partials, plans, sharded_branches, query, key, value,
                             kv_mask, args, axis_name=axis_name, num_devices=num_devices,
                             kernel=kernel, dropout_rng=dropout_rng,
