@@ -239,6 +239,28 @@ def test_hybrid_dilated_head_groups_slices_with_different_groups(options, shape,
     _check(got, want)
 
 
+def test_cost_model_prices_the_padded_head_slots():
+    """head_groups 3 / 3 / 2 on 4 x 2, 128 tokens: the branch (128, 4) spans the ring's
+    2 devices and only the last slice holds its 2 heads, so every slice computes 2 head
+    slots: 8 heads' work for 2. Weighted by the branches' flops (2048, 2048, 1024 per
+    head, non-causal) the hybrid's work is (3 * 2048 + 3 * 2048 + 8 * 1024) / (3 * 2048
+    + 3 * 2048 + 2 * 1024) of its heads' own; longnet pads nothing."""
+    from jax_dilated.ops.strategies.hybrid import _padded_work, hybrid_cost
+    from jax_dilated.ops.strategies.operation import describe
+    shapes = dict(batch=2, seq_len=T, num_heads=8, num_kv_heads=2, head_dim=D)
+    groups = describe(functools.partial(jd.dilated_attention, mode="head_groups", **DILATED))
+    longnet = describe(functools.partial(jd.dilated_attention, **DILATED))
+    assert _padded_work(groups, sizes=(4, 2), **shapes) == pytest.approx(20480 / 14336)
+    assert _padded_work(longnet, sizes=(4, 2), **shapes) == 1.0
+    # 2 x 4: slices of 4 heads; (64, 2) spans 2 devices, 1 and 2 heads; (128, 4) 4, 0 and 2
+    assert _padded_work(groups, sizes=(2, 4), **shapes) == pytest.approx(18432 / 14336)
+    even = describe(functools.partial(jd.dilated_attention, segment_lengths=(32, 128),
+                                      dilation_rates=(1, 4), mode="head_groups"))
+    assert _padded_work(even, sizes=(2, 4), **shapes) == 1.0  # an order deals 2 groups of 4
+    padded = hybrid_cost(groups, sizes=(4, 2), **shapes)
+    assert padded.reason is None and padded.work > 0
+
+
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
 def test_hybrid_dilated_packed_rows_equal_one_device(shape):
     """Packed rows (ids reused after another document) under "hybrid": whole sequences

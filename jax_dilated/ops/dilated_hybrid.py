@@ -40,7 +40,7 @@ from jax_dilated.core import softmax, validation
 from jax_dilated.ops import dilated_window, distributed, head_parallel
 from jax_dilated.ops.dilated_programs import DilatedCall
 
-__all__ = ["hybrid", "head_order", "slice_order", "heads_reason"]
+__all__ = ["hybrid", "head_order", "slice_order", "computed_heads", "heads_reason"]
 
 
 def head_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
@@ -89,6 +89,26 @@ def slice_order(call: DilatedCall, *, seq_len: int, num_heads: int, num_kv_heads
         if order is not None:
             return units, order
     return base, np.arange(base)
+
+
+def computed_heads(call: DilatedCall, *, seq_len: int, num_heads: int, num_kv_heads: int,
+                   size_a: int, size_b: int) -> list[tuple[int, int]]:
+    """Per branch, ``(heads, computed)``: the query heads that run it, and the heads
+    hybrid computes for it over the ``size_a`` slices, more where head_groups slices
+    pad a branch that spans the ``size_b`` devices of the ring (:func:`_slotted`)."""
+    units, order = slice_order(call, seq_len=seq_len, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, size_a=size_a)
+    per_slice = _slice_plans(call, seq_len, num_heads, units, size_a, order)
+    slotted = call.mode == "head_groups" and any(
+        _key(p) != _key(per_slice[0]) for p in per_slice)
+    sharded = distributed.shard_branches(call.branches, local_len=seq_len // size_b,
+                                         num_devices=size_b)
+    out = []
+    for i, sb in enumerate(sharded):
+        counts = [0 if p[i] is None else len(p[i].query_heads) for p in per_slice]
+        pads = slotted and not (sb.is_local and sb.cut.window is None)
+        out.append((sum(counts), max(counts) * size_a if pads else sum(counts)))
+    return out
 
 
 def heads_reason(num_heads: int, size_a: int, axis, heads_of: str = "") -> str | None:

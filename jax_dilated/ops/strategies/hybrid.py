@@ -35,6 +35,7 @@ from jax_dilated.ops import dilated_hybrid, head_parallel
 from jax_dilated.ops.dilated_programs import DilatedCall
 from jax_dilated.ops.block_sparse_plan import resolve_mask
 from jax_dilated.ops.strategies.cost import StrategyCost, estimate
+from jax_dilated.ops.strategies.pricing import _branch_flops
 from jax_dilated.ops.strategies.operation import Operation
 
 __all__ = ["hybrid_unservable", "hybrid_local", "hybrid_cost"]
@@ -50,15 +51,24 @@ def hybrid_unservable(op: Operation, *, num_heads: int, size_a: int,
     return dilated_hybrid.heads_reason(num_heads, size_a, axis, heads_of)
 
 
-def _dilated_units(op: Operation, seq_len: int, num_heads: int, num_kv_heads: int,
-                   size_a: int) -> int:
-    """The kv units hybrid dilated attention runs with
-    (:func:`.dilated_hybrid.slice_order`)."""
-    # only the plans are read: no kernel or kernel arguments needed
-    call = DilatedCall(op.branches, op.options.get("mode", "longnet"),
+def _plans_of(op: Operation) -> DilatedCall:
+    """A dilated operation's call as far as its plans go (no kernel or its arguments:
+    only the plans are read)."""
+    return DilatedCall(op.branches, op.options.get("mode", "longnet"),
                        op.options.get("head_offsets", "modulo"), None, None, None)
-    return dilated_hybrid.slice_order(call, seq_len=seq_len, num_heads=num_heads,
-                                      num_kv_heads=num_kv_heads, size_a=size_a)[0]
+
+
+def _padded_work(op: Operation, *, batch: int, seq_len: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, sizes: tuple[int, int]) -> float:
+    """Hybrid dilated attention's work over its heads' own (1 unless head_groups slices
+    pad a spanning branch's heads, :func:`.dilated_hybrid.computed_heads`), each
+    branch weighted by its flops."""
+    heads = dilated_hybrid.computed_heads(
+        _plans_of(op), seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        size_a=sizes[0], size_b=sizes[1])
+    flops = _branch_flops(op, batch, seq_len, num_heads, head_dim)  # all heads each
+    own = sum(f * mine for f, (mine, _) in zip(flops, heads))
+    return sum(f * computed for f, (_, computed) in zip(flops, heads)) / max(own, 1.0)
 
 
 def hybrid_local(op: Operation, q, k, v, mask, segment_ids, sinks, *, axes: tuple[str, str],
@@ -138,7 +148,8 @@ def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
     operation's ring over ``P_b`` devices on ``H / P_a`` heads of the whole sequence
     (:func:`~.cost.estimate`'s ``"ring"``: for exact attention ``(6 P_b - 2) K'`` in
     float32 with the XLA kernel's ring steps, whose forward sends the block ``P_b``
-    times, overlapped), its work a ``1 / P_a`` slice of it. Forward only
+    times, overlapped), its work a ``1 / P_a`` slice of it (more where head_groups
+    slices pad the heads of a spanning branch, :func:`_padded_work`). Forward only
     (``forward_bytes``): half the exchange and the ring's forward. ``segment_ids``: the
     call has packed rows (dilated attention then needs no plan shared by the slices).
     """
@@ -150,20 +161,32 @@ def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
     # dilated head slices should share a plan, which may need kv heads repeated further
     # (packed rows run whole sequences of some heads: no plan to share)
     if why is None and op.kind == "dilated" and not segment_ids:
-        rep = _dilated_units(op, seq_len, num_heads, num_kv_heads, size_a) // num_kv_heads
+        rep = dilated_hybrid.slice_order(_plans_of(op), seq_len=seq_len, num_heads=num_heads,
+                                         num_kv_heads=num_kv_heads,
+                                         size_a=size_a)[0] // num_kv_heads
     q = batch * n * num_heads * head_dim * e
     k = batch * n * num_kv_heads * rep * head_dim * e
+    # the ring over b of this device's H / P_a heads; in head_groups mode, whose slices
+    # hold different groups (and may hold fewer heads than branches), a 1 / P_a share
+    # of the ring of all heads
+    groups = op.kind == "dilated" and op.options.get("mode") == "head_groups"
+    slices = size_a if groups else 1
     if why is None:
-        ring = estimate(op, batch=batch, seq_len=seq_len, num_heads=num_heads // size_a,
-                        num_kv_heads=max(1, num_kv_heads * rep // size_a),
+        ring = estimate(op, batch=batch, seq_len=seq_len,
+                        num_heads=num_heads * slices // size_a,
+                        num_kv_heads=max(1, num_kv_heads * rep * slices // size_a),
                         head_dim=head_dim, num_devices=size_b, dtype=dtype,
                         layout=layout)["ring"]
         why = ring.reason
     else:
         ring = StrategyCost("ring", 0.0, 0.0, True, 1.0)
+    share = 1.0 / size_a  # of the ring's work, times the padding of head_groups slices
+    if why is None and op.kind == "dilated" and not segment_ids:
+        share *= _padded_work(op, batch=batch, seq_len=seq_len, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, head_dim=head_dim, sizes=sizes)
     exchanged = 2 * (size_a - 1) / size_a * (2 * q + 2 * k)
-    return StrategyCost(("hybrid", size_a, size_b), exchanged + ring.sent_bytes,
-                        ring.held_bytes + 2 * (2 * q + 2 * k), False, ring.work / size_a,
-                        why, small_work=ring.small_work / size_a,
-                        overlapped_bytes=ring.overlappable,
-                        forward_bytes=exchanged / 2 + (ring.forward_bytes or 0.0))
+    return StrategyCost(("hybrid", size_a, size_b), exchanged + ring.sent_bytes / slices,
+                        ring.held_bytes / slices + 2 * (2 * q + 2 * k), False,
+                        ring.work * share, why, small_work=ring.small_work * share,
+                        overlapped_bytes=ring.overlappable / slices,
+                        forward_bytes=exchanged / 2 + (ring.forward_bytes or 0.0) / slices)
