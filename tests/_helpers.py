@@ -3,6 +3,9 @@ the marker of the compiled-memory tests (XLA:CPU only)."""
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,3 +93,32 @@ def output_and_grads(f, q, k, v, g):
 
     (dq, dk, dv), out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return [np.asarray(x, np.float64) for x in (out, dq, dk, dv)]
+
+
+def replica_groups(line: str, num_devices: int) -> list[list[int]]:
+    """The replica groups of the collective on ``line`` of a text HLO program: explicit
+    ``{{0,1},{2,3}}``, the iota form ``[G,S]<=[dims]T(perm)``, the mesh-axes form of
+    newer XLA ``mesh['a'=2,'b'=4] {'a'}`` (the devices, numbered in mesh order, that
+    differ only along the axes named), or none (all devices in one group)."""
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if explicit:
+        groups = [[int(x) for x in g.split(",") if x]
+                  for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
+        return [g for g in groups if g] or [list(range(num_devices))]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
+                     line)
+    if iota:
+        dims = [int(x) for x in iota.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(4):
+            ids = ids.transpose([int(x) for x in iota.group(4).split(",")])
+        return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if mesh:
+        axes = re.findall(r"'?(\w+)'?=(\d+)", mesh.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        inner = [names.index(a) for a in re.findall(r"'?(\w+)'?", mesh.group(2))]
+        outer = [i for i in range(len(names)) if i not in inner]
+        ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(outer + inner)
+        return ids.reshape(-1, math.prod(sizes[i] for i in inner)).tolist()
+    return [list(range(num_devices))]

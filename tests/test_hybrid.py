@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import XLA_CPU_MEMORY, output_and_grads
+from _helpers import XLA_CPU_MEMORY, output_and_grads, replica_groups
 from _mesh import build_mesh, make_mesh
 
 import jax_dilated as jd
@@ -369,11 +369,11 @@ def _collectives(hlo: str, mesh):
     for line in hlo.splitlines():
         m = re.search(r"[\s)](all-to-all|collective-permute|all-gather)(?:-start)?\(", line)
         if m:
-            groups = re.search(r"replica_groups=(\{[^=]*\}\})", line)
             pairs = re.search(r"source_target_pairs=(\{[^=]*\}\})", line)
-            text = (groups or pairs).group(1) if (groups or pairs) else ""
-            out.append((m.group(1), [{position[int(n)] for n in re.findall(r"\d+", g)}
-                                     for g in re.findall(r"\{([\d,]+)\}", text)]))
+            groups = ([[int(n) for n in re.findall(r"\d+", g)]
+                       for g in re.findall(r"\{([\d,]+)\}", pairs.group(1))] if pairs
+                      else replica_groups(line, mesh.devices.size))
+            out.append((m.group(1), [{position[n] for n in g} for g in groups]))
     return out
 
 

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import replica_groups
 from _mesh import build_mesh, make_mesh
 
 import jax_dilated as jd
@@ -102,25 +103,6 @@ def _computations(hlo: str):
     return comps, entry
 
 
-def _groups(line: str, num_devices: int) -> list[list[int]]:
-    """The replica groups of a collective: explicit ``{{0,1},{2,3}}``, the iota form
-    ``[G,S]<=[dims]T(perm)``, or none (all devices in one group)."""
-    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
-    if explicit:
-        groups = [[int(x) for x in g.split(",") if x]
-                  for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
-        return [g for g in groups if g] or [list(range(num_devices))]
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
-                     line)
-    if iota:
-        dims = [int(x) for x in iota.group(3).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if iota.group(4):
-            ids = ids.transpose([int(x) for x in iota.group(4).split(",")])
-        return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
-    return [list(range(num_devices))]
-
-
 def _sent(line: str, kind: str, num_devices: int) -> np.ndarray:
     """Bytes each device sends in one execution of the collective on ``line``."""
     result = line.split(" = ", 1)[1]
@@ -134,7 +116,7 @@ def _sent(line: str, kind: str, num_devices: int) -> np.ndarray:
         return out
     share = {"all-to-all": lambda g: (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
              "reduce-scatter": lambda g: g - 1, "all-reduce": lambda g: 2 * (g - 1) / g}
-    for group in _groups(line, num_devices):
+    for group in replica_groups(line, num_devices):
         out[group] += share[kind](len(group)) * size
     return out
 
@@ -146,6 +128,11 @@ def _derived_trip_count(comps, condition: str) -> int:
     lines = comps[condition]
     root = next(x for x in lines if x.startswith("ROOT"))
     m = re.search(r"compare\(%([\w.\-]+), %([\w.\-]+)\), direction=LT", root)
+    fused = re.search(r"fusion\(%([\w.\-]+), %([\w.\-]+)\).*calls=%([\w.\-]+)", root)
+    if m is None and fused:  # newer XLA wraps the compare in a fusion of its own
+        inner = next(x for x in comps[fused.group(3)] if x.startswith("ROOT"))
+        m = fused if re.search(r"compare\(%param_0[\w.]*, %param_1[\w.]*\), "
+                               r"direction=LT", inner) else None
     assert m, f"loop condition not of the form i < N: {root}"
     const = next(x for x in lines if x.startswith(f"%{m.group(2)} = "))
     return int(re.search(r"constant\((\d+)\)", const).group(1))
