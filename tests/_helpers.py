@@ -122,3 +122,20 @@ def replica_groups(line: str, num_devices: int) -> list[list[int]]:
         ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(outer + inner)
         return ids.reshape(-1, math.prod(sizes[i] for i in inner)).tolist()
     return [list(range(num_devices))]
+
+
+def hlo_computations(hlo: str):
+    """``({name: [instruction lines]}, entry name)`` of an HLO module's text (names with
+    or without the ``%`` the compiled text gives them)."""
+    comps, cur, entry = {}, None, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?(\S+) .*\{\s*$", line)
+        if head:
+            cur = head.group(2)
+            comps[cur] = []
+            entry = cur if head.group(1) else entry
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None and line.strip():
+            comps[cur].append(line.strip())
+    return comps, entry

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import XLA_CPU_MEMORY, output_and_grads, replica_groups
+from _helpers import XLA_CPU_MEMORY, hlo_computations, output_and_grads, replica_groups
 from _mesh import build_mesh, make_mesh
 
 import jax_dilated as jd
@@ -178,7 +178,8 @@ def test_hybrid_dilated_slices_keep_collectives_out_of_switches(mode):
         attn = jd.sharded(functools.partial(jd.dilated_attention, is_causal=True,
                                             **options, **DILATED),
                           mesh, seq_axis=("a", "b"), strategy="hybrid")
-        return _computations(jax.jit(attn).lower(x, x, x).as_text(dialect="hlo"))
+        comps, _ = hlo_computations(jax.jit(attn).lower(x, x, x).as_text(dialect="hlo"))
+        return {name: "\n".join(lines) for name, lines in comps.items()}
 
     def switched(bodies):  # every computation a conditional calls, transitively
         todo = [c for body in bodies.values()
@@ -201,21 +202,6 @@ def test_hybrid_dilated_slices_keep_collectives_out_of_switches(mode):
     assert "collective-permute" in outside and "all-to-all" in outside
     for c in inside:
         assert not re.search(r"collective-permute|all-to-all|all-gather", bodies[c]), c
-
-
-def _computations(hlo: str) -> dict[str, str]:
-    """``{name: body}`` of the computations of a text HLO module."""
-    out, name = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head:
-            name = head.group(1)
-            out[name] = ""
-        elif line.startswith("}"):
-            name = None
-        elif name:
-            out[name] += line + "\n"
-    return out
 
 
 @pytest.mark.parametrize("options,shape,kv_heads", [

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import replica_groups
+from _helpers import hlo_computations, replica_groups
 from _mesh import build_mesh, make_mesh
 
 import jax_dilated as jd
@@ -87,22 +87,6 @@ def _bytes(shapes: str) -> int:
                for t, dims in re.findall(r"\b(pred|bf16|[fsu]\d+)\[([\d,]*)\]", shapes))
 
 
-def _computations(hlo: str):
-    """``({name: [instruction lines]}, entry name)`` of an HLO module's text."""
-    comps, cur, entry = {}, None, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(ENTRY )?%(\S+) .*\{\s*$", line)
-        if head:
-            cur = head.group(2)
-            comps[cur] = []
-            entry = cur if head.group(1) else entry
-        elif line.startswith("}"):
-            cur = None
-        elif cur is not None and line.strip():
-            comps[cur].append(line.strip())
-    return comps, entry
-
-
 def _sent(line: str, kind: str, num_devices: int) -> np.ndarray:
     """Bytes each device sends in one execution of the collective on ``line``."""
     result = line.split(" = ", 1)[1]
@@ -140,7 +124,7 @@ def _derived_trip_count(comps, condition: str) -> int:
 
 def _loops(hlo: str):
     """``[(known_trip_count or None, derived trip count)]`` of every while loop."""
-    comps, _ = _computations(hlo)
+    comps, _ = hlo_computations(hlo)
     out = []
     for lines in comps.values():
         for line in lines:
@@ -154,7 +138,7 @@ def _loops(hlo: str):
 def sent_per_device(hlo: str, num_devices: int = P) -> float:
     """Bytes the busiest device sends in one run of the compiled program ``hlo``
     (module docstring)."""
-    comps, entry = _computations(hlo)
+    comps, entry = hlo_computations(hlo)
     total = np.zeros(num_devices)
 
     def walk(name, times, conditional):
