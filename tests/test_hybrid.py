@@ -43,6 +43,32 @@ def _dense(q, k, v, mask, causal):
     return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(jnp.isnan(p), 0.0, p), v)
 
 
+def _dilated_references(options, q, k, v, g, mask):
+    """What hybrid dilated attention with ``options`` must equal, each ``[out, dq, dk,
+    dv]`` of ``sum(g * out)`` in float64: one device (the issue's parity), and where
+    PyTorch is installed its reference of the mathematics (dense masks,
+    tests/torch_reference/dilated.py), independent of the library."""
+    one = functools.partial(jd.dilated_attention, **options)
+    refs = [output_and_grads(lambda q, k, v: one(q, k, v, kv_mask=mask), q, k, v, g)]
+    try:
+        import torch
+    except ImportError:  # the Python 3.12 leg of CI: one device only
+        return refs
+    from _helpers import as_np, to_torch
+    from torch_reference.dilated import dilated_attention_full
+    causal = options.get("is_causal", False)
+    branches = [("window", *w.resolve(causal)) if isinstance(w, jd.SlidingWindow)
+                else ("segment", w, r)
+                for w, r in zip(options["segment_lengths"], options["dilation_rates"])]
+    tq, tk, tv = (to_torch(x, requires_grad=True) for x in (q, k, v))
+    out = dilated_attention_full(
+        tq, tk, tv, branches=branches, mode=options.get("mode", "longnet"),
+        head_offsets=options.get("head_offsets", "modulo"), is_causal=causal,
+        kv_mask=torch.as_tensor(mask), logit_soft_cap=options.get("logit_soft_cap"))
+    (to_torch(g) * out).sum().backward()
+    return refs + [[as_np(out)] + [as_np(x.grad) for x in (tq, tk, tv)]]
+
+
 def _check(got, want, tol=1e-10):
     for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
         err = np.max(np.abs(a - w)) / max(np.max(np.abs(w)), 1.0)
@@ -153,14 +179,15 @@ def test_hybrid_dilated_slices_with_their_own_offsets(kv_heads, rule, causal):
     and rate 4's offsets differ between the 4 slices under either rule, with no order
     of the heads that evens them out. Each device runs its own offsets (the spanning
     branch gathers at traced offsets around one ring, the local rate-2 branch is a
-    switch): equal to one device, forward and gradients, with a padding mask."""
+    switch): equal to one device and to the PyTorch reference, forward and gradients,
+    with a padding mask."""
     q, k, v, g, mask, _ = _inputs(8, kv_heads, seed=11)
-    fn = functools.partial(jd.dilated_attention, head_offsets=rule, is_causal=causal,
-                           **DILATED)
-    want = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask), q, k, v, g)
-    attn = jd.sharded(fn, _mesh((4, 2)), seq_axis=("a", "b"), strategy="hybrid")
+    options = dict(DILATED, head_offsets=rule, is_causal=causal)
+    attn = jd.sharded(functools.partial(jd.dilated_attention, **options), _mesh((4, 2)),
+                      seq_axis=("a", "b"), strategy="hybrid")
     got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
-    _check(got, want)
+    for want in _dilated_references(options, q, k, v, g, mask):
+        _check(got, want)
 
 
 @pytest.mark.parametrize("mode", ["longnet", "head_groups"])
@@ -216,13 +243,14 @@ def test_hybrid_dilated_head_groups_slices_with_different_groups(options, shape,
     """head_groups with groups that no order deals evenly over a: the slices run
     different branches. Each device runs its local branches (a switch) and every
     branch that spans devices on padded head slots of one ring over b: equal to one
-    device, forward and gradients, with a padding mask."""
+    device and to the PyTorch reference, forward and gradients, with a padding mask."""
     q, k, v, g, mask, _ = _inputs(8, kv_heads, seed=12)
-    fn = functools.partial(jd.dilated_attention, mode="head_groups", **options)
-    want = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask), q, k, v, g)
-    attn = jd.sharded(fn, _mesh(shape), seq_axis=("a", "b"), strategy="hybrid")
+    options = dict(options, mode="head_groups")
+    attn = jd.sharded(functools.partial(jd.dilated_attention, **options), _mesh(shape),
+                      seq_axis=("a", "b"), strategy="hybrid")
     got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
-    _check(got, want)
+    for want in _dilated_references(options, q, k, v, g, mask):
+        _check(got, want)
 
 
 def test_cost_model_prices_the_padded_head_slots():
@@ -231,19 +259,26 @@ def test_cost_model_prices_the_padded_head_slots():
     slots: 8 heads' work for 2. Weighted by the branches' flops (2048, 2048, 1024 per
     head, non-causal) the hybrid's work is (3 * 2048 + 3 * 2048 + 8 * 1024) / (3 * 2048
     + 3 * 2048 + 2 * 1024) of its heads' own; longnet pads nothing."""
+    from jax_dilated.ops.dilated_hybrid import slice_order
     from jax_dilated.ops.strategies.hybrid import _padded_work, hybrid_cost
-    from jax_dilated.ops.strategies.operation import describe
-    shapes = dict(batch=2, seq_len=T, num_heads=8, num_kv_heads=2, head_dim=D)
-    groups = describe(functools.partial(jd.dilated_attention, mode="head_groups", **DILATED))
-    longnet = describe(functools.partial(jd.dilated_attention, **DILATED))
-    assert _padded_work(groups, sizes=(4, 2), **shapes) == pytest.approx(20480 / 14336)
-    assert _padded_work(longnet, sizes=(4, 2), **shapes) == 1.0
+    from jax_dilated.ops.strategies.operation import describe, dilated_call
+    shapes = dict(batch=2, seq_len=T, num_heads=8, head_dim=D)
+
+    def padded_work(fn, sizes):
+        op = describe(fn)
+        slices = slice_order(dilated_call(op), seq_len=T, num_heads=8, num_kv_heads=2,
+                             size_a=sizes[0])
+        return _padded_work(op, slices, size_b=sizes[1], **shapes)
+
+    groups = functools.partial(jd.dilated_attention, mode="head_groups", **DILATED)
+    assert padded_work(groups, (4, 2)) == pytest.approx(20480 / 14336)
+    assert padded_work(functools.partial(jd.dilated_attention, **DILATED), (4, 2)) == 1.0
     # 2 x 4: slices of 4 heads; (64, 2) spans 2 devices, 1 and 2 heads; (128, 4) 4, 0 and 2
-    assert _padded_work(groups, sizes=(2, 4), **shapes) == pytest.approx(18432 / 14336)
-    even = describe(functools.partial(jd.dilated_attention, segment_lengths=(32, 128),
-                                      dilation_rates=(1, 4), mode="head_groups"))
-    assert _padded_work(even, sizes=(2, 4), **shapes) == 1.0  # an order deals 2 groups of 4
-    padded = hybrid_cost(groups, sizes=(4, 2), **shapes)
+    assert padded_work(groups, (2, 4)) == pytest.approx(18432 / 14336)
+    even = functools.partial(jd.dilated_attention, segment_lengths=(32, 128),
+                             dilation_rates=(1, 4), mode="head_groups")
+    assert padded_work(even, (2, 4)) == 1.0  # an order deals 2 groups of 4
+    padded = hybrid_cost(describe(groups), sizes=(4, 2), num_kv_heads=2, **shapes)
     assert padded.reason is None and padded.work > 0
 
 

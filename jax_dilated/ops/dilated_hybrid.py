@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,8 @@ from jax_dilated.core import softmax, validation
 from jax_dilated.ops import dilated_window, distributed, head_parallel
 from jax_dilated.ops.dilated_programs import DilatedCall
 
-__all__ = ["hybrid", "head_order", "slice_order", "computed_heads", "heads_reason"]
+__all__ = ["hybrid", "head_order", "Slices", "slice_order", "computed_heads",
+           "heads_reason"]
 
 
 def head_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
@@ -66,48 +68,63 @@ def head_order(call: DilatedCall, *, seq_len: int, num_heads: int, units: int,
                      for u in c[d * len(c) // size_a:(d + 1) * len(c) // size_a]])
 
 
+class Slices(NamedTuple):
+    """How hybrid deals a call's heads over the ``P_a`` devices of ``a``
+    (:func:`slice_order`): ``units`` kv units (each kv head repeated ``units /
+    num_kv_heads`` times; a unit is the query heads that read one copy), their
+    ``order``, and each slice's ``plans`` (one entry per branch, None where none of
+    its heads runs the branch)."""
+
+    units: int
+    order: np.ndarray
+    plans: list
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every slice runs the same plan (one program for all)."""
+        return len({_key(p) for p in self.plans}) == 1
+
+
 def slice_order(call: DilatedCall, *, seq_len: int, num_heads: int, num_kv_heads: int,
-                size_a: int) -> tuple[int, np.ndarray]:
-    """``(units, order)``: the kv units (each kv head repeated ``units / num_kv_heads``
-    times; a unit is the query heads that read one copy) and their order under which
-    every one of the ``size_a`` slices runs one plan: the fewest units ``P_a`` allows
+                size_a: int) -> Slices:
+    """The :class:`Slices` under which every one of the ``size_a`` slices runs one
+    plan: the fewest units ``P_a`` allows
     (:func:`~jax_dilated.ops.head_parallel.kv_repeat`), in place where the contiguous
     slices already agree, else dealt out (:func:`head_order`); where no order of those
     serves, more units (kv heads repeated further, up to one unit per query head),
     whose classes of equal plans are finer. Where none serves: the fewest units in
     place, every slice then running its own plan (module docstring)."""
+    def dealt(units, order):
+        return Slices(units, order, _slice_plans(call, seq_len, num_heads, units, size_a,
+                                                 order))
+
     base = num_kv_heads * head_parallel.kv_repeat(num_kv_heads, size_a)
     for units in range(base, num_heads + 1, base):
         if num_heads % units:
             continue
-        order = np.arange(units)
-        if len({_key(p) for p in _slice_plans(call, seq_len, num_heads, units, size_a,
-                                              order)}) == 1:
-            return units, order
+        found = dealt(units, np.arange(units))
+        if found.uniform:
+            return found
         order = head_order(call, seq_len=seq_len, num_heads=num_heads, units=units,
                            size_a=size_a)
         if order is not None:
-            return units, order
-    return base, np.arange(base)
+            return dealt(units, order)
+    return dealt(base, np.arange(base))
 
 
-def computed_heads(call: DilatedCall, *, seq_len: int, num_heads: int, num_kv_heads: int,
-                   size_a: int, size_b: int) -> list[tuple[int, int]]:
+def computed_heads(call: DilatedCall, slices: Slices, *, seq_len: int,
+                   size_b: int) -> list[tuple[int, int]]:
     """Per branch, ``(heads, computed)``: the query heads that run it, and the heads
-    hybrid computes for it over the ``size_a`` slices, more where head_groups slices
+    hybrid computes for it over the slices of ``slices``, more where head_groups slices
     pad a branch that spans the ``size_b`` devices of the ring (:func:`_slotted`)."""
-    units, order = slice_order(call, seq_len=seq_len, num_heads=num_heads,
-                               num_kv_heads=num_kv_heads, size_a=size_a)
-    per_slice = _slice_plans(call, seq_len, num_heads, units, size_a, order)
-    slotted = call.mode == "head_groups" and any(
-        _key(p) != _key(per_slice[0]) for p in per_slice)
+    slotted = call.mode == "head_groups" and not slices.uniform
     sharded = distributed.shard_branches(call.branches, local_len=seq_len // size_b,
                                          num_devices=size_b)
     out = []
     for i, sb in enumerate(sharded):
-        counts = [0 if p[i] is None else len(p[i].query_heads) for p in per_slice]
+        counts = [0 if p[i] is None else len(p[i].query_heads) for p in slices.plans]
         pads = slotted and not (sb.is_local and sb.cut.window is None)
-        out.append((sum(counts), max(counts) * size_a if pads else sum(counts)))
+        out.append((sum(counts), max(counts) * len(slices.plans) if pads else sum(counts)))
     return out
 
 
@@ -138,9 +155,9 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
     if why:
         raise ValueError(f"{why}.")
     seq_len = query.shape[1] * size_a * size_b
-    units, order = slice_order(call, seq_len=seq_len, num_heads=h, num_kv_heads=hkv,
-                               size_a=size_a)
-    per_slice = _slice_plans(call, seq_len, h, units, size_a, order)
+    slices = slice_order(call, seq_len=seq_len, num_heads=h, num_kv_heads=hkv,
+                         size_a=size_a)
+    units, order, per_slice = slices
     permuted = not np.array_equal(order, np.arange(units))
     k, v = key, value
     if units != hkv:  # each kv head repeated, so that the units divide by P_a
@@ -156,7 +173,7 @@ def hybrid(call: DilatedCall, query, key, value, kv_mask, rng, axes, lse_grad: b
     run = functools.partial(distributed.sharded_dilated, args=call.args, mode=call.mode,
                             axis_name=b, num_devices=size_b, kernel=call.kernel,
                             lse_grad=lse_grad)
-    if all(_key(p) == _key(per_slice[0]) for p in per_slice):
+    if slices.uniform:
         plans, kept = _present(per_slice[0], sharded)
         out, lse = run(plans, kept, q, k, v, mask, rng)
         out = _of_all_branches(out, len(plans), call)
@@ -213,7 +230,7 @@ def _slotted(call: DilatedCall, run, per_slice, sharded, q, k, v, mask, rng, axi
             return (jnp.zeros_like(q),  # (like q: varying over the mesh as q is)
                     jnp.full_like(q[..., 0], -jnp.inf, softmax.stats_dtype(q.dtype)))
         out, lse = run(plans, kept, q, k, v, mask, rng)
-        return (out * (len(plans) / num_branches)).astype(q.dtype), lse
+        return _of_all_branches(out, len(plans), call), lse
 
     out, lse = head_parallel.by_device(
         axis_a, [(_key([p[i] for i in local]),

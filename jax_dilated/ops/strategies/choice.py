@@ -50,15 +50,17 @@ def choose(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
         if axis_sizes[0] * axis_sizes[1] != num_devices:
             raise ValueError(f"axis_sizes={tuple(axis_sizes)} must multiply to "
                              f"num_devices={num_devices}.")
-        # both splits: heads over the first axis and the ring over the second, and
-        # the other way round
-        splits = {"hybrid": tuple(axis_sizes), "hybrid_swapped": tuple(axis_sizes)[::-1]}
-        for name, sizes in splits.items():
-            if name == "hybrid" or sizes != splits["hybrid"]:
-                costs[name] = hybrid_cost(op, batch=batch, seq_len=seq_len,
-                                          num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                          head_dim=head_dim, sizes=sizes, dtype=dtype,
-                                          layout=layout, segment_ids=segment_ids)
+        # heads over the first axis and the ring over the second, and the other way
+        # round where that differs
+        sizes = tuple(axis_sizes)
+        splits = {"hybrid": sizes, "hybrid_swapped": sizes[::-1]}
+        if sizes[0] == sizes[1]:
+            del splits["hybrid_swapped"]
+        for name, split in splits.items():
+            costs[name] = hybrid_cost(op, batch=batch, seq_len=seq_len, num_heads=num_heads,
+                                      num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                      sizes=split, dtype=dtype, layout=layout,
+                                      segment_ids=segment_ids)
     pricing = pricing_for(op, platform, batch, seq_len, num_heads, head_dim)
     times = {s: pricing.of(c) for s, c in costs.items() if c.reason is None}
     if not times:

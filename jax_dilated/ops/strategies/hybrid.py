@@ -32,11 +32,10 @@ import numpy as np
 
 from jax_dilated.core import layouts, validation
 from jax_dilated.ops import dilated_hybrid, head_parallel
-from jax_dilated.ops.dilated_programs import DilatedCall
 from jax_dilated.ops.block_sparse_plan import resolve_mask
 from jax_dilated.ops.strategies.cost import StrategyCost, estimate
 from jax_dilated.ops.strategies.pricing import _branch_flops
-from jax_dilated.ops.strategies.operation import Operation
+from jax_dilated.ops.strategies.operation import Operation, dilated_call
 
 __all__ = ["hybrid_unservable", "hybrid_local", "hybrid_cost"]
 
@@ -51,21 +50,13 @@ def hybrid_unservable(op: Operation, *, num_heads: int, size_a: int,
     return dilated_hybrid.heads_reason(num_heads, size_a, axis, heads_of)
 
 
-def _plans_of(op: Operation) -> DilatedCall:
-    """A dilated operation's call as far as its plans go (no kernel or its arguments:
-    only the plans are read)."""
-    return DilatedCall(op.branches, op.options.get("mode", "longnet"),
-                       op.options.get("head_offsets", "modulo"), None, None, None)
-
-
-def _padded_work(op: Operation, *, batch: int, seq_len: int, num_heads: int,
-                 num_kv_heads: int, head_dim: int, sizes: tuple[int, int]) -> float:
+def _padded_work(op: Operation, slices: dilated_hybrid.Slices, *, batch: int,
+                 seq_len: int, num_heads: int, head_dim: int, size_b: int) -> float:
     """Hybrid dilated attention's work over its heads' own (1 unless head_groups slices
     pad a spanning branch's heads, :func:`.dilated_hybrid.computed_heads`), each
     branch weighted by its flops."""
-    heads = dilated_hybrid.computed_heads(
-        _plans_of(op), seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        size_a=sizes[0], size_b=sizes[1])
+    heads = dilated_hybrid.computed_heads(dilated_call(op), slices, seq_len=seq_len,
+                                          size_b=size_b)
     flops = _branch_flops(op, batch, seq_len, num_heads, head_dim)  # all heads each
     own = sum(f * mine for f, (mine, _) in zip(flops, heads))
     return sum(f * computed for f, (_, computed) in zip(flops, heads)) / max(own, 1.0)
@@ -160,33 +151,35 @@ def hybrid_cost(op: Operation, *, batch: int, seq_len: int, num_heads: int,
     why = hybrid_unservable(op, num_heads=num_heads, size_a=size_a)
     # dilated head slices should share a plan, which may need kv heads repeated further
     # (packed rows run whole sequences of some heads: no plan to share)
+    dealt = None
     if why is None and op.kind == "dilated" and not segment_ids:
-        rep = dilated_hybrid.slice_order(_plans_of(op), seq_len=seq_len, num_heads=num_heads,
-                                         num_kv_heads=num_kv_heads,
-                                         size_a=size_a)[0] // num_kv_heads
+        dealt = dilated_hybrid.slice_order(dilated_call(op), seq_len=seq_len,
+                                           num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                           size_a=size_a)
+        rep = dealt.units // num_kv_heads
     q = batch * n * num_heads * head_dim * e
     k = batch * n * num_kv_heads * rep * head_dim * e
     # the ring over b of this device's H / P_a heads; in head_groups mode, whose slices
     # hold different groups (and may hold fewer heads than branches), a 1 / P_a share
     # of the ring of all heads
     groups = op.kind == "dilated" and op.options.get("mode") == "head_groups"
-    slices = size_a if groups else 1
+    covered = size_a if groups else 1  # slices of heads the ring's estimate covers
     if why is None:
         ring = estimate(op, batch=batch, seq_len=seq_len,
-                        num_heads=num_heads * slices // size_a,
-                        num_kv_heads=max(1, num_kv_heads * rep * slices // size_a),
+                        num_heads=num_heads * covered // size_a,
+                        num_kv_heads=max(1, num_kv_heads * rep * covered // size_a),
                         head_dim=head_dim, num_devices=size_b, dtype=dtype,
                         layout=layout)["ring"]
         why = ring.reason
     else:
         ring = StrategyCost("ring", 0.0, 0.0, True, 1.0)
     share = 1.0 / size_a  # of the ring's work, times the padding of head_groups slices
-    if why is None and op.kind == "dilated" and not segment_ids:
-        share *= _padded_work(op, batch=batch, seq_len=seq_len, num_heads=num_heads,
-                              num_kv_heads=num_kv_heads, head_dim=head_dim, sizes=sizes)
+    if why is None and dealt is not None:
+        share *= _padded_work(op, dealt, batch=batch, seq_len=seq_len, num_heads=num_heads,
+                              head_dim=head_dim, size_b=size_b)
     exchanged = 2 * (size_a - 1) / size_a * (2 * q + 2 * k)
-    return StrategyCost(("hybrid", size_a, size_b), exchanged + ring.sent_bytes / slices,
-                        ring.held_bytes / slices + 2 * (2 * q + 2 * k), False,
+    return StrategyCost(("hybrid", size_a, size_b), exchanged + ring.sent_bytes / covered,
+                        ring.held_bytes / covered + 2 * (2 * q + 2 * k), False,
                         ring.work * share, why, small_work=ring.small_work * share,
-                        overlapped_bytes=ring.overlappable / slices,
-                        forward_bytes=exchanged / 2 + (ring.forward_bytes or 0.0) / slices)
+                        overlapped_bytes=ring.overlappable / covered,
+                        forward_bytes=exchanged / 2 + (ring.forward_bytes or 0.0) / covered)

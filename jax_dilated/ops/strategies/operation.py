@@ -18,6 +18,7 @@ from jax_dilated.ops import block_sparse as block_sparse_ops
 from jax_dilated.ops import dilated as dilated_ops
 from jax_dilated.ops import distributed, head_parallel
 from jax_dilated.ops.block_sparse_plan import ring_blocks
+from jax_dilated.ops.dilated_programs import DilatedCall
 from jax_dilated.ops.ring import ring_attention
 
 __all__ = ["STRATEGIES", "Operation", "describe", "accepts", "check_sharded_strategy",
@@ -137,14 +138,18 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
     return why
 
 
+def dilated_call(op: Operation) -> DilatedCall:
+    """A dilated ``op``'s call as far as its plans go (branches, mode, head offsets;
+    no kernel or kernel arguments: the cost model reads the plans only)."""
+    return DilatedCall(op.branches, op.options.get("mode", "longnet"),
+                       op.options.get("head_offsets", "modulo"), None, None, None)
+
+
 def plans_of(op: Operation, *, seq_len: int, num_heads: int, num_kv_heads: int):
     """``(branches, plans)`` of a dilated ``op`` for these shapes (its own validation
     errors propagate)."""
-    plans = branch_plans.plan_branches(
-        op.branches, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        mode=op.options.get("mode", "longnet"),
-        offsets_rule=op.options.get("head_offsets", "modulo"))
-    return op.branches, plans
+    return op.branches, dilated_call(op).plans(seq_len=seq_len, num_heads=num_heads,
+                                               num_kv_heads=num_kv_heads)
 
 
 def _dilated_heads_by_branch(op: Operation, seq_len: int, num_heads: int,
@@ -230,10 +235,8 @@ def _require_per_branch(op, strategy, *, num_heads, num_kv_heads, num_devices, l
     if layout != "contiguous":
         raise ValueError(f"dilated attention shards the sequence contiguously, got "
                          f"layout={layout!r}.")
-    plans = branch_plans.plan_branches(
-        branches, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        mode=op.options.get("mode", "longnet"),
-        offsets_rule=op.options.get("head_offsets", "modulo"))
+    _, plans = plans_of(op, seq_len=seq_len, num_heads=num_heads,
+                        num_kv_heads=num_kv_heads)
     sbs = distributed.shard_branches(branches, local_len=seq_len // num_devices,
                                      num_devices=num_devices)
     distributed.branch_strategies(strategy, plans, sbs)
