@@ -33,7 +33,7 @@ __all__ = [
     "nested_order",
 ]
 
-MODES = get_args(Mode)  # ("longnet", "head_groups")
+MODES = get_args(Mode)  # ("longnet", "head_groups", "torchscale")
 HEAD_OFFSETS = get_args(HeadOffsets)  # ("modulo", "blocked")
 
 
@@ -241,10 +241,13 @@ def check_mode(mode, head_offsets) -> None:
 
 def plan_branches(branches, *, seq_len: int, num_heads: int, num_kv_heads: int,
                   mode: Mode, offsets_rule: HeadOffsets) -> list[BranchPlan]:
-    """Static plan of every branch for ``mode`` (see docs/semantics.md, section 2)."""
+    """Static plan of every branch for ``mode`` (see docs/semantics.md, section 2).
+    ``"torchscale"`` plans as ``"longnet"`` (every head every branch): the plans of
+    its branches on the unpadded sequence, which the cost model prices (it runs each
+    branch on its padded sequence: :mod:`jax_dilated.ops.dilated_torchscale`)."""
     # mode and offsets_rule were checked with the call (check_mode)
     plans = []
-    if mode == "longnet":
+    if mode in ("longnet", "torchscale"):
         heads_of = [np.arange(num_heads)] * len(branches)
         offsets_of = [head_offsets(num_heads, r, offsets_rule) for _, r in branches]
     else:

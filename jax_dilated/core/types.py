@@ -28,7 +28,7 @@ __all__ = ["Array", "ArrayLike", "DTypeLike", "Mode", "HeadOffsets", "Layout",
 Array = jax.Array
 
 # how the branches of dilated attention share the heads (docs/semantics.md, section 2)
-Mode = Literal["longnet", "head_groups"]
+Mode = Literal["longnet", "head_groups", "torchscale"]
 # longnet's offset rule: head j takes offset j mod r, or floor(j / ceil(H / r))
 HeadOffsets = Literal["modulo", "blocked"]
 # how a sequence sharded over P devices is laid out (ring attention)

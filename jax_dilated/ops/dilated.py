@@ -20,11 +20,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import numpy as np
+
 from jax_dilated.core import softmax, validation
 from jax_dilated.core.documents import document_ids
 from jax_dilated.core.types import (Array, ArrayLike, BranchStrategy, DilatedStrategy,
                                     HeadOffsets, Implementation, Mode, SegmentLengths)
-from jax_dilated.ops import dilated_hybrid, dilated_packed, distributed, head_parallel
+from jax_dilated.ops import (dilated_hybrid, dilated_packed, dilated_torchscale, distributed,
+                             head_parallel)
 from jax_dilated.ops.dilated_programs import DilatedCall, one_device
 
 __all__ = ["dilated_attention", "STRATEGIES"]
@@ -46,6 +49,7 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
                       max_documents: int | None = None, axis_name: str | None = None,
                       logit_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                       strategy: DilatedStrategy | Sequence[BranchStrategy] = "ring",
+                      valid_length: int | None = None,
                       ) -> Array | tuple[Array, Array]:
     """LongNet dilated attention, on one device or with the sequence sharded over a mesh axis.
 
@@ -57,10 +61,16 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
       dilation_rates: dilation rate ``r_i`` of every branch (any positive int: a whole
         segment selects ``ceil((w_i - o) / r_i)`` positions at offset ``o``).
       mode: ``"longnet"`` (every head runs every branch; branches mixed by their
-        softmax denominators) or ``"head_groups"`` (branch ``i`` on head group
-        ``i``, output divided by the number of branches).
+        softmax denominators), ``"head_groups"`` (branch ``i`` on head group
+        ``i``, output divided by the number of branches) or ``"torchscale"``
+        (what torchscale's LongNet computes, for its checkpoints such as
+        Prov-GigaPath's: zero-padded segments inside every softmax, shifted outputs
+        where a rate does not divide its segment, branch weights without gradient;
+        docs/semantics.md, section 2). torchscale has no padding mask, windows,
+        soft-cap, sinks or packed rows, and returns no lse: those options are refused;
+        over a mesh it exchanges heads (``strategy="heads"``, or ``"allgather"``).
       head_offsets: longnet offset rule, ``"modulo"`` (``j mod r``) or ``"blocked"``
-        (``floor(j / ceil(H / r))``).
+        (``floor(j / ceil(H / r))``); torchscale always uses its own, ``"blocked"``.
       is_causal: key ``t`` is visible to query ``p`` only if ``t <= p``.
       scale: logit scale; default ``1 / sqrt(head_dim)``.
       kv_mask: bool [batch, seq], True where a key may be attended to.
@@ -103,6 +113,11 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
         the output there is that branch's softmax output divided by the number of
         branches, so ``(out, lse)`` is *not* a mergeable partial.
       axis_name: deprecated spelling of ``seq_axis`` (DeprecationWarning).
+      valid_length: ``mode="torchscale"`` only (a static int): the sequence is its
+        first ``valid_length`` tokens (of the global sequence, with ``seq_axis``), the
+        rest padding that outputs zeros, so that a sequence padded to divide the
+        devices computes what the unpadded one computes (torchscale's segments
+        depend on the length).
 
     Returns:
       [batch, seq, num_heads, head_dim] in the dtype of ``query`` (with
@@ -187,10 +202,21 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     flat_axis = seq_axis[::-1] if hybrid else seq_axis
     num_devices = 1 if seq_axis is None else validation.axis_size(
         flat_axis, "dilated_attention(seq_axis=...)")
+    rng = dropout_rng if dropout_rate > 0.0 else None
+    if call.mode == "torchscale":
+        return _torchscale(call, query, key, value, rng, seq_axis=flat_axis,
+                           num_devices=num_devices, strategy=strategy,
+                           valid_length=valid_length,
+                           unsupported={"kv_mask": kv_mask, "segment_ids": segment_ids,
+                                        "sinks": sinks,
+                                        "return_lse": True if return_lse else None})
+    if valid_length is not None:
+        raise ValueError(f'valid_length applies to mode="torchscale" only (its segments '
+                         f'depend on the sequence length), got valid_length={valid_length!r} '
+                         f'with mode={call.mode!r}; use kv_mask to mark padding.')
     plans = call.plans(seq_len=t * num_devices, num_heads=h, num_kv_heads=hkv)
     segment_ids = document_ids(validation.check_segment_ids(segment_ids, query.shape, key.shape),
                                axis_name=flat_axis, num_devices=num_devices)
-    rng = dropout_rng if dropout_rate > 0.0 else None
     # sinks join once, on the combined denominator (docs/semantics.md, s. 2): inside
     # the one-device program (which folds them into its backward), after the others
     if seq_axis is None and segment_ids is None:
@@ -211,6 +237,43 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
         o, lse = back(*program(*operands))
     o, lse = softmax.sinks_on_output(o, lse, sinks)
     return (o, lse) if return_lse else o
+
+
+def _torchscale(call: DilatedCall, query, key, value, rng, *, seq_axis, num_devices: int,
+                strategy, valid_length, unsupported: dict):
+    """``mode="torchscale"`` (:mod:`jax_dilated.ops.dilated_torchscale`): on one
+    device, or over ``seq_axis`` as the whole sequence of some heads per device."""
+    for name, value_given in unsupported.items():
+        if value_given is not None:
+            raise ValueError(f'mode="torchscale" computes torchscale\'s attention, which has '
+                             f'no {name} (torchscale ignores key padding masks on this path); '
+                             f'use mode="longnet" for {name}=.')
+    total = query.shape[1] * num_devices
+    if valid_length is not None:
+        if (isinstance(valid_length, bool)
+                or not isinstance(valid_length, (int, np.integer))
+                or not 1 <= valid_length <= total):
+            raise ValueError(f"valid_length must be an int in [1, {total}] (the sequence "
+                             f"length), got {valid_length!r}.")
+        valid_length = None if valid_length == total else int(valid_length)
+    if seq_axis is None:
+        return dilated_torchscale.attend(call, query, key, value, rng,
+                                         valid_length=valid_length)[0]
+    if strategy not in ("heads", "allgather"):
+        raise ValueError(
+            f'mode="torchscale" runs over a mesh as the whole sequence of some heads per '
+            f"device (strategy='heads', or 'allgather' where the heads do not divide by "
+            f"the devices): its padded segments and shifted outputs are laid out over "
+            f"the whole sequence, got strategy={strategy!r}.")
+    why = head_parallel.heads_unservable(query.shape[2], num_devices)
+    if strategy == "heads" and why:
+        raise ValueError(f"{why} ({seq_axis!r}); use strategy='allgather'.")
+    program, operands, back = head_parallel.over_heads(
+        call, query, key, value, None, rng, axis_name=seq_axis, num_devices=num_devices,
+        gather=strategy == "allgather",
+        program=functools.partial(dilated_torchscale.device_program, call,
+                                  num_heads=query.shape[2], valid_length=valid_length))
+    return back(*program(*operands))[0]
 
 
 def _mesh_program(call: DilatedCall, plans, query, key, value, kv_mask, rng, segment_ids,

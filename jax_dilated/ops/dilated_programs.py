@@ -74,6 +74,10 @@ class DilatedCall:
         ``dropout_rate`` is checked (with its key) by the caller."""
         branches = branch_plans.validate_branches(segment_lengths, dilation_rates)
         branch_plans.check_mode(mode, head_offsets)
+        if mode == "torchscale":
+            # torchscale's own offset rule; its computation has no windows or soft-cap
+            head_offsets = "blocked"
+            _check_torchscale_options(branches, logit_soft_cap, max_documents)
         is_causal = validation.check_flag("is_causal", is_causal)
         for w, _ in branches:  # an explicit right > 0 with causal attention is an error
             if is_window(w):
@@ -92,6 +96,19 @@ class DilatedCall:
         return branch_plans.plan_branches(self.branches, seq_len=seq_len,
                                           num_heads=num_heads, num_kv_heads=num_kv_heads,
                                           mode=self.mode, offsets_rule=self.head_offsets)
+
+
+def _check_torchscale_options(branches, logit_soft_cap, max_documents) -> None:
+    """``mode="torchscale"`` computes what torchscale computes, which has no
+    sliding-window branch, soft-cap or packed rows: a ``ValueError`` naming the option."""
+    for (w, _), i in zip(branches, range(len(branches))):
+        if is_window(w):
+            raise ValueError(f'mode="torchscale" has no sliding-window branches, got {w!r} '
+                             f'(segment_lengths[{i}]); use mode="longnet".')
+    for name, value in (("logit_soft_cap", logit_soft_cap), ("max_documents", max_documents)):
+        if value is not None:
+            raise ValueError(f'mode="torchscale" computes torchscale\'s attention, which has '
+                             f'no {name}, got {name}={value!r}; use mode="longnet".')
 
 
 def choose_program(kernel, args, plans, mode: str, query, key, kv_mask, rng) -> tuple[str, str]:

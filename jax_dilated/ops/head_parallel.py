@@ -150,7 +150,7 @@ def to_heads(q, k, v, mask, segment_ids, axis_name: str, num_devices: int):
 
 def over_heads(call: DilatedCall, q, k, v, mask, rng, *, segment_ids=None,
                        axis_name: str, num_devices: int, gather: bool = False,
-                       lse_grad: bool = True):
+                       lse_grad: bool = True, program=None):
     """Dilated attention, the sequence sharded contiguously over ``axis_name`` (inside
     ``shard_map``), run as single-device programs on the whole sequence of some heads:
     ``(program, operands, back)``, whose ``back(*program(*operands))`` is ``(out [B,
@@ -177,7 +177,11 @@ def over_heads(call: DilatedCall, q, k, v, mask, rng, *, segment_ids=None,
     ``call``: the validated call (:class:`~jax_dilated.ops.dilated_programs.DilatedCall`);
     ``rng``: the call's dropout key or None (each device folds in its index);
     ``lse_grad``: False when the caller does not differentiate through ``lse``
-    (:func:`jax_dilated.ops.dilated_programs.one_device`).
+    (:func:`jax_dilated.ops.dilated_programs.one_device`); ``program``: None (the
+    call's one-device or packed program), or ``program(heads) -> (key, fn)``, the
+    program ``fn(q, k, v, mask, rng) -> (out, lse)`` of a device that runs the
+    global ``heads`` (devices with equal keys share one), for a mode with a program
+    of its own (torchscale's, :func:`jax_dilated.ops.dilated_torchscale.device_program`).
     """
     p, h = num_devices, q.shape[2]
     whole = not gather and h % p == 0
@@ -200,10 +204,15 @@ def over_heads(call: DilatedCall, q, k, v, mask, rng, *, segment_ids=None,
     t = q.shape[1]
     variants = []
     for heads in table:
+        if program is not None:
+            variants.append(program(heads))
+            continue
         plans = head_plans(call.branches, t, h, heads, hkv, call.mode, call.head_offsets)
         variants.append((plan_key(plans), plans))
     distinct, index = distinct_variants(variants)
-    if ids is None:
+    if program is not None:
+        programs = distinct
+    elif ids is None:
         programs = [functools.partial(one_device, call.kernel, call.args, plans, call.mode,
                                       lse_grad=lse_grad) for plans in distinct]
     else:
@@ -212,12 +221,13 @@ def over_heads(call: DilatedCall, q, k, v, mask, rng, *, segment_ids=None,
                                       max_documents=call.max_documents)
                     for plans in distinct]
     which = None if len(distinct) == 1 else device_choice(axis_name, index)
-    program = (programs[0] if which is None
+    entered = (programs[0] if which is None
                else functools.partial(jax.lax.switch, which, programs))
     # head_groups: a device's heads in fewer groups than there are branches: its
     # output is divided by the number of all branches, not of its own
-    ratio = [len(plans) / len(call.branches) for plans in distinct]
     scale = None
+    ratio = [len(plans) / len(call.branches) for plans in distinct] if (
+        call.mode == "head_groups") else None
     if call.mode == "head_groups" and ratio != [1.0] * len(ratio):
         scale = ratio[0] if which is None else jnp.asarray(ratio)[which]
 
@@ -228,4 +238,4 @@ def over_heads(call: DilatedCall, q, k, v, mask, rng, *, segment_ids=None,
         # gathered: [B, T, c] per device -> [B, n, P c]: the first H are the heads
         return (out, lse) if whole else (out[:, :, :h], lse[:, :, :h])
 
-    return program, (q, k, v, mask, rng), back
+    return entered, (q, k, v, mask, rng), back

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jax_dilated.backends import selection
 from jax_dilated.backends.xla.layout import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 from jax_dilated.ops import distributed, head_parallel
-from jax_dilated.ops.strategies.operation import Operation, describe, plans_of, servable
+from jax_dilated.ops.strategies.operation import (Operation, describe, plans_of, servable,
+                                                  torchscale)
 from jax_dilated.ops.strategies.pricing import (_PRICED_GPU, StrategyCost,
                                                 _branch_flops, _causal_share, _Pricing,
                                                 _ring_keeps_block, _ring_sent)
@@ -100,7 +101,8 @@ def estimate(op, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
     grads_held = 2 * qshard + 2 * kshard  # dq, do, dk, dv
     out = {}
 
-    packed = segment_ids and op.kind == "dilated"
+    # packed rows and torchscale run whole sequences of some heads (over_heads)
+    packed = (segment_ids and op.kind == "dilated") or torchscale(op)
     if packed:
         c = -(-h // p)
         out_shard = qshard * p * c / h  # one device's rows of the P c heads computed

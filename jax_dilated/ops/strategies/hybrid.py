@@ -35,7 +35,8 @@ from jax_dilated.ops import dilated_hybrid, head_parallel
 from jax_dilated.ops.block_sparse_plan import resolve_mask
 from jax_dilated.ops.strategies.cost import StrategyCost, estimate
 from jax_dilated.ops.strategies.pricing import _branch_flops
-from jax_dilated.ops.strategies.operation import Operation, dilated_call
+from jax_dilated.ops.strategies.operation import (TORCHSCALE_RING, Operation, dilated_call,
+                                                  torchscale)
 
 __all__ = ["hybrid_unservable", "hybrid_local", "hybrid_cost"]
 
@@ -47,6 +48,8 @@ def hybrid_unservable(op: Operation, *, num_heads: int, size_a: int,
     if op.kind not in ("exact", "dilated", "block_sparse"):
         return (f"strategy='hybrid' runs the library's operations (ring_attention, "
                 f"dilated_attention, block_sparse_attention), got {op.name}")
+    if torchscale(op):
+        return f"strategy='hybrid' rings over its second axis, and {TORCHSCALE_RING}"
     return dilated_hybrid.heads_reason(num_heads, size_a, axis, heads_of)
 
 

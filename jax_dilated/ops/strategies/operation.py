@@ -22,7 +22,7 @@ from jax_dilated.ops.dilated_programs import DilatedCall
 from jax_dilated.ops.ring import ring_attention
 
 __all__ = ["STRATEGIES", "Operation", "describe", "accepts", "check_sharded_strategy",
-           "servable", "require", "plans_of"]
+           "servable", "require", "plans_of", "torchscale"]
 
 STRATEGIES = ("ring", "allgather", "heads", "hybrid", "auto")
 
@@ -93,7 +93,11 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
     """
     why = {"ring": None, "allgather": None, "heads": None}
     why["heads"] = head_parallel.heads_unservable(num_heads, num_devices, heads_of)
-    if (why["heads"] and op.kind == "dilated" and not segment_ids and seq_len is not None
+    # torchscale's dilated attention runs whole sequences of some heads, as packed rows do
+    whole = segment_ids or torchscale(op)
+    if torchscale(op):
+        why["ring"] = TORCHSCALE_RING
+    if (why["heads"] and op.kind == "dilated" and not whole and seq_len is not None
             and layout == "contiguous"
             and _dilated_heads_by_branch(op, seq_len, num_heads, num_devices)):
         why["heads"] = None  # it runs branch by branch (distributed.heads_by_branch)
@@ -111,8 +115,8 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
     elif op.kind == "block_sparse" and layout == "striped":
         sequence = ("block-sparse attention needs shards made of whole blocks, got "
                     "layout='striped'")
-    elif seq_len is not None and op.kind == "dilated" and segment_ids:
-        pass  # packed rows: every strategy runs whole sequences (over_heads)
+    elif seq_len is not None and op.kind == "dilated" and whole:
+        pass  # packed rows, torchscale: every strategy runs whole sequences (over_heads)
     elif seq_len is not None and op.kind in ("dilated", "block_sparse"):
         try:
             n = seq_len // num_devices
@@ -136,6 +140,16 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
                                 "log-sum-exp of return_lse=True (the operation's own "
                                 "ring does)")
     return why
+
+
+TORCHSCALE_RING = ("mode='torchscale' runs over a mesh as the whole sequence of some heads "
+                   "per device ('heads', or 'allgather'): its padded segments and shifted "
+                   "outputs are laid out over the whole sequence")
+
+
+def torchscale(op: Operation) -> bool:
+    """Whether ``op`` is dilated attention in ``mode="torchscale"``."""
+    return op.kind == "dilated" and op.options.get("mode") == "torchscale"
 
 
 def dilated_call(op: Operation) -> DilatedCall:
@@ -230,6 +244,8 @@ def _require_per_branch(op, strategy, *, num_heads, num_kv_heads, num_devices, l
                          f"{op.name}; use one of {STRATEGIES}.")
     branches = op.branches
     distributed.check_branch_strategy(strategy, len(branches))
+    if torchscale(op):
+        raise ValueError(f"a per-branch strategy {strategy!r}: {TORCHSCALE_RING}.")
     if segment_ids or seq_len is None:
         return  # packed rows run whole sequences of some heads under every strategy
     if layout != "contiguous":

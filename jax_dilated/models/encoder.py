@@ -1,0 +1,566 @@
+"""torchscale's LongNet encoder (Flax NNX), loadable from its PyTorch weights.
+
+``LongNetEncoder(config, rngs=...)`` maps a sequence of embeddings [batch, seq, D] to
+torchscale's ``encoder_out`` [batch, seq, D]. It is torchscale's ``Encoder`` with
+Sub-LN (``subln=True``: pre-LayerNorm blocks, ``normalize_before=True``, no
+DeepNorm), the architecture of LongNet's encoder and of Prov-GigaPath's slide encoder
+(:mod:`jax_dilated.models.slide`). With ``x`` the input:
+
+    x = dropout(x)                                           # states[0]
+    per layer (i = 0 .. num_layers - 1):
+        a = out_proj(inner_attn_ln(dilated(q_proj h, k_proj h, v_proj h)))
+                                                  where h = self_attn_layer_norm(x)
+        h = x + drop_path_i(dropout(a))
+        f = fc2(ffn_layernorm(activation_dropout(gelu(fc1(final_layer_norm(h))))))
+        x = h + drop_path_i(dropout(f))                      # states[i + 1]
+    encoder_out = layer_norm(x)
+
+``dilated`` is :func:`jax_dilated.dilated_attention` with the config's branches, in
+``mode="torchscale"`` by default (what the published weights were trained with:
+zero-padded segments inside the softmax, shifted outputs, branch weights without
+gradient; docs/semantics.md, section 2). GELU is the exact (erf) one, computed in
+float32 at least, as torchscale does (``activation_fn(x.float())``). Every LayerNorm
+has ``config.layer_norm_eps`` (torchscale: 1e-5); every projection has a bias.
+``drop_path_i`` is stochastic depth per sample at rate
+``linspace(0, drop_path_rate, num_layers)[i]`` (kept samples scaled by
+``1 / (1 - rate)``).
+
+Parameters keep torchscale's names and one parameter per checkpoint entry (no fused
+q/k/v), so :meth:`LongNetEncoder.from_torch_state_dict` maps a torchscale state dict
+one to one (``.weight`` of a Linear is the transposed ``kernel``, ``.weight`` of a
+LayerNorm its ``scale``) and :meth:`LongNetEncoder.to_state_dict` gives it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_dilated.backends.registry import IMPLEMENTATIONS
+from jax_dilated.core import branch_plans, validation
+from jax_dilated.core.branches import is_window
+from jax_dilated.core.types import Array, ArrayLike, DTypeLike, Implementation, Mode
+from jax_dilated.layers import nnx_rngs
+from jax_dilated.ops.dilated import dilated_attention
+
+__all__ = ["LongNetEncoderConfig", "LongNetEncoder"]
+
+# the attention modes the encoder runs ("torchscale": what its checkpoints expect)
+ENCODER_MODES = ("longnet", "head_groups", "torchscale")
+
+
+def _meta(*axes):
+    """Logical sharding names of a parameter (annotated, not placed; see jd.nnx)."""
+    return {"out_sharding": axes, "eager_sharding": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class LongNetEncoderConfig:
+    """Hyper-parameters of :class:`LongNetEncoder` (validated on creation).
+
+    Attributes:
+      embed_dim: model width ``D`` (divisible by ``num_heads``).
+      num_layers: number of encoder layers (torchscale's ``encoder_layers``).
+      num_heads: attention heads ``H`` (``encoder_attention_heads``).
+      ffn_dim: hidden width ``F`` of the feed-forward (``encoder_ffn_embed_dim``).
+      segment_lengths, dilation_rates: the dilated attention's branches (ints;
+        torchscale's ``segment_length`` and ``dilated_ratio``).
+      mode: ``"torchscale"`` (default: torchscale's arithmetic, which its
+        checkpoints were trained with), ``"longnet"`` (exact LongNet, with
+        torchscale's ``"blocked"`` head offsets) or ``"head_groups"``; see
+        :func:`jax_dilated.dilated_attention`.
+      dropout_rate: dropout on the input embeddings and on both residual branches
+        (torchscale's ``dropout``).
+      drop_path_rate: stochastic depth of the last layer; layer ``i`` uses
+        ``linspace(0, drop_path_rate, num_layers)[i]``.
+      attention_dropout_rate: dropout on the attention probabilities.
+      activation_dropout_rate: dropout after the GELU.
+      layer_norm_eps: epsilon of every LayerNorm (torchscale: 1e-5).
+      is_causal: causal attention (torchscale's encoder is not causal).
+      dtype: computation dtype (None: that of the parameters). With ``bfloat16`` or
+        ``float16`` the projections, the attention and the feed-forward run in it,
+        while the LayerNorms, the GELU, the softmax statistics and the residual
+        stream stay float32, as under ``torch.autocast``.
+      param_dtype: dtype of the parameters.
+      implementation: attention kernel (None: chosen by device kind).
+
+    Example:
+      >>> import jax_dilated as jd
+      >>> cfg = jd.models.LongNetEncoderConfig(embed_dim=32, num_layers=2, num_heads=4,
+      ...     ffn_dim=64, segment_lengths=(16, 32), dilation_rates=(1, 2))
+      >>> cfg.head_dim, cfg.drop_path_rates
+      (8, (0.0, 0.0))
+    """
+
+    embed_dim: int
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    mode: Mode = "torchscale"
+    dropout_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    activation_dropout_rate: float = 0.0
+    layer_norm_eps: float = 1e-5
+    is_causal: bool = False
+    dtype: DTypeLike | None = None
+    param_dtype: DTypeLike = jnp.float32
+    implementation: Implementation | None = None
+
+    def __post_init__(self):
+        where = type(self).__name__
+        for name in ("embed_dim", "num_layers", "num_heads", "ffn_dim"):
+            validation.check_positive_int(f"{where}.{name}", getattr(self, name))
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"{where}.embed_dim ({self.embed_dim}) must be divisible by "
+                             f"num_heads ({self.num_heads}).")
+        if isinstance(self.segment_lengths, (list, tuple)) and any(
+                is_window(w) for w in self.segment_lengths):
+            raise ValueError(f"{where}.segment_lengths must hold ints (torchscale's "
+                             f"segments), got {self.segment_lengths!r}.")
+        try:
+            branches = branch_plans.validate_branches(self.segment_lengths,
+                                                      self.dilation_rates)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{where}.{err}") from None
+        object.__setattr__(self, "segment_lengths", tuple(w for w, _ in branches))
+        object.__setattr__(self, "dilation_rates", tuple(r for _, r in branches))
+        if self.mode not in ENCODER_MODES:
+            raise ValueError(f"{where}.mode must be one of {ENCODER_MODES}, got {self.mode!r}.")
+        if self.mode == "head_groups":  # each branch needs a head group of its own
+            try:
+                branch_plans.head_groups(self.num_heads, len(branches))
+            except ValueError as err:
+                raise ValueError(f"{where}.num_heads with mode='head_groups': {err}") from None
+        for name in ("dropout_rate", "drop_path_rate", "attention_dropout_rate",
+                     "activation_dropout_rate"):
+            validation.check_dropout_rate(getattr(self, name), f"{where}.{name}")
+        validation.check_positive_float(f"{where}.layer_norm_eps", self.layer_norm_eps)
+        validation.check_flag(f"{where}.is_causal", self.is_causal)
+        for name in ("dtype", "param_dtype"):
+            dtype = getattr(self, name)
+            if dtype is None and name == "dtype":
+                continue
+            if not validation.is_floating_dtype(dtype):
+                raise TypeError(f"{where}.{name} must be a floating dtype"
+                                f"{' or None' if name == 'dtype' else ''}, got {dtype!r}.")
+        if self.implementation not in (None,) + IMPLEMENTATIONS:
+            raise ValueError(f"{where}.implementation must be one of "
+                             f"{(None,) + IMPLEMENTATIONS}, got {self.implementation!r}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def drop_path_rates(self) -> tuple[float, ...]:
+        """The stochastic-depth rate of every layer (torchscale's
+        ``np.linspace(0, drop_path_rate, num_layers)``)."""
+        return tuple(float(p) for p in np.linspace(0.0, self.drop_path_rate, self.num_layers))
+
+    def replace(self, **changes) -> "LongNetEncoderConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ------------------------------------------------------------------------ modules
+
+
+def _torch_linear_init(fan_in: int, gain: float):
+    """torch.nn.Linear's default initialisation, ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``
+    for weight and bias alike, times ``gain``."""
+    bound = gain / math.sqrt(fan_in)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+    return init
+
+
+def _linear(cfg: LongNetEncoderConfig, n_in: int, n_out: int, axes, *, gain: float,
+            rngs: nnx.Rngs) -> nnx.Linear:
+    init = _torch_linear_init(n_in, gain)
+    return nnx.Linear(n_in, n_out, use_bias=True, dtype=cfg.dtype,
+                      param_dtype=cfg.param_dtype, kernel_init=init, bias_init=init,
+                      kernel_metadata=_meta(*axes), bias_metadata=_meta(axes[1]), rngs=rngs)
+
+
+def _layer_norm(cfg: LongNetEncoderConfig, n: int, axis: str, rngs: nnx.Rngs,
+                eps: float | None = None) -> nnx.LayerNorm:
+    # dtype=None: computed in the promotion of the input and float32 parameters
+    # (float32 for a bfloat16 input, as torch.autocast runs layer_norm), two-pass
+    # variance as torch computes it
+    return nnx.LayerNorm(n, epsilon=cfg.layer_norm_eps if eps is None else eps, dtype=None,
+                         param_dtype=cfg.param_dtype, use_fast_variance=False,
+                         scale_metadata=_meta(axis), bias_metadata=_meta(axis), rngs=rngs)
+
+
+class _DropPath(nnx.Module):
+    """Stochastic depth per sample: ``x * keep / (1 - rate)`` with ``keep`` one
+    Bernoulli(1 - rate) draw per batch row (timm's ``drop_path``)."""
+
+    def __init__(self, rate: float, rngs: nnx.Rngs):
+        self.rate = rate
+        self.rngs = nnx_rngs.fork_dropout_rngs(rngs, rate)
+
+    def __call__(self, x, *, deterministic: bool):
+        if deterministic or self.rate == 0.0:
+            return x
+        keep_prob = 1.0 - self.rate
+        keep = jax.random.bernoulli(self.rngs(), keep_prob, (x.shape[0],) + (1,) * (x.ndim - 1))
+        return x * (keep.astype(x.dtype) / jnp.asarray(keep_prob, x.dtype))
+
+
+class _SelfAttention(nnx.Module):
+    """torchscale's ``DilatedAttention`` module with Sub-LN: ``[B, L, D] -> [B, L, D]``,
+    ``out_proj(inner_attn_ln(attend(q_proj x, k_proj x, v_proj x)))``."""
+
+    def __init__(self, cfg: LongNetEncoderConfig, rngs: nnx.Rngs):
+        d, gamma = cfg.embed_dim, _subln_gain(cfg)
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.dropout_rate = cfg.attention_dropout_rate
+        self.k_proj = _linear(cfg, d, d, ("embed", "heads"), gain=1.0, rngs=rngs)
+        self.v_proj = _linear(cfg, d, d, ("embed", "heads"), gain=gamma, rngs=rngs)
+        self.q_proj = _linear(cfg, d, d, ("embed", "heads"), gain=1.0, rngs=rngs)
+        self.out_proj = _linear(cfg, d, d, ("heads", "embed"), gain=gamma, rngs=rngs)
+        self.inner_attn_ln = _layer_norm(cfg, d, "heads", rngs)
+        self.rngs = nnx_rngs.fork_dropout_rngs(rngs, self.dropout_rate)
+
+    def __call__(self, x, *, attend, deterministic: bool):
+        b, t, d = x.shape
+        heads = (b, t, self.num_heads, self.head_dim)
+        q = self.q_proj(x).reshape(heads)
+        k = self.k_proj(x).reshape(heads)
+        v = self.v_proj(x).reshape(heads)
+        key = None if deterministic or self.dropout_rate == 0.0 else self.rngs()
+        o = attend(q, k, v, dropout_rng=key)  # [B, L, H, d]
+        return self.out_proj(self.inner_attn_ln(o.reshape(b, t, d)))
+
+
+class _FeedForward(nnx.Module):
+    """``fc2(ffn_layernorm(activation_dropout(gelu(fc1 x))))`` then dropout."""
+
+    def __init__(self, cfg: LongNetEncoderConfig, rngs: nnx.Rngs):
+        d, f, gamma = cfg.embed_dim, cfg.ffn_dim, _subln_gain(cfg)
+        self.fc1 = _linear(cfg, d, f, ("embed", "mlp"), gain=gamma, rngs=rngs)
+        self.fc2 = _linear(cfg, f, d, ("mlp", "embed"), gain=gamma, rngs=rngs)
+        self.ffn_layernorm = _layer_norm(cfg, f, "mlp", rngs)
+        self.activation_dropout_module = nnx.Dropout(cfg.activation_dropout_rate, rngs=rngs)
+        self.dropout_module = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+
+    def __call__(self, x, *, deterministic: bool):
+        h = self.fc1(x)
+        # exact GELU in float32 at least (torchscale: activation_fn(x.float()).type_as(x))
+        h = jax.nn.gelu(h.astype(jnp.promote_types(h.dtype, jnp.float32)),
+                        approximate=False).astype(h.dtype)
+        h = self.activation_dropout_module(h, deterministic=deterministic)
+        h = self.fc2(self.ffn_layernorm(h))
+        return self.dropout_module(h, deterministic=deterministic)
+
+
+class _EncoderLayer(nnx.Module):
+    """One Sub-LN encoder layer ``[B, L, D] -> [B, L, D]`` (the module docstring)."""
+
+    def __init__(self, cfg: LongNetEncoderConfig, depth: int, rngs: nnx.Rngs):
+        self.self_attn = _SelfAttention(cfg, rngs)
+        self.self_attn_layer_norm = _layer_norm(cfg, cfg.embed_dim, "embed", rngs)
+        self.dropout_module = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+        self.drop_path = _DropPath(cfg.drop_path_rates[depth], rngs)
+        self.ffn = _FeedForward(cfg, rngs)
+        self.final_layer_norm = _layer_norm(cfg, cfg.embed_dim, "embed", rngs)
+
+    def __call__(self, x, *, attend, deterministic: bool):
+        a = self.self_attn(self.self_attn_layer_norm(x), attend=attend,
+                           deterministic=deterministic)
+        a = self.dropout_module(a, deterministic=deterministic)
+        h = x + self.drop_path(a, deterministic=deterministic)
+        f = self.ffn(self.final_layer_norm(h), deterministic=deterministic)
+        return h + self.drop_path(f, deterministic=deterministic)
+
+
+def _subln_gain(cfg: LongNetEncoderConfig) -> float:
+    """torchscale's Sub-LN initialisation gain of v_proj, out_proj, fc1 and fc2."""
+    return math.sqrt(math.log(2 * cfg.num_layers))
+
+
+# ------------------------------------------------------------- torch state dicts
+
+
+def _torch_layout(module: nnx.Module) -> dict[str, tuple[tuple, bool]]:
+    """``{torch name: (nnx path, transposed)}`` of every parameter of ``module``.
+
+    A path's last element is renamed: ``kernel`` (a Linear's, [in, out]) is the
+    transposed ``weight`` ([out, in]), a LayerNorm's ``scale`` is ``weight``; other
+    names (``bias``, ``cls_token``) stay. Integer path elements (layer indices) print
+    as they are: ``layers.3.self_attn.q_proj.weight``.
+    """
+    out = {}
+    for path, _ in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        last = {"kernel": "weight", "scale": "weight"}.get(path[-1], path[-1])
+        name = ".".join(str(p) for p in path[:-1] + (last,))
+        out[name] = (tuple(path), path[-1] == "kernel")
+    return out
+
+
+def _is_torch_tensor(value) -> bool:
+    return type(value).__module__.split(".")[0] == "torch" and hasattr(value, "detach")
+
+
+def to_numpy(value, name: str) -> np.ndarray:
+    """A state-dict entry as a NumPy array: a torch tensor (torch imported only then;
+    bfloat16 / float16 tensors widened to float32, which holds them exactly), a NumPy
+    or JAX array, or anything ``np.asarray`` takes. ``TypeError`` naming the entry
+    when it is not a floating array."""
+    if _is_torch_tensor(value):
+        import torch  # noqa: F401 (only ever reached with a tensor in hand)
+        tensor = value.detach().cpu()
+        if tensor.dtype in (torch.bfloat16, torch.float16):
+            tensor = tensor.float()
+        array = tensor.numpy()
+    else:
+        try:
+            array = np.asarray(value)
+        except Exception as err:  # noqa: BLE001 (reported with the entry's name)
+            raise TypeError(f"state_dict[{name!r}] is not an array ({type(value).__name__}: "
+                            f"{err}).") from None
+    if not (np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16):
+        raise TypeError(f"state_dict[{name!r}] must be a floating array, got dtype "
+                        f"{array.dtype} ({type(value).__name__}).")
+    return array
+
+
+def _shown(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+
+
+def check_state_dict(state_dict, expected: dict[str, tuple[int, ...]], *, what: str
+                     ) -> dict[str, np.ndarray]:
+    """``state_dict`` as ``{name: np.ndarray}`` after checking it holds exactly the
+    ``expected`` names with their shapes.
+
+    Raises:
+      TypeError: ``state_dict`` is not a mapping, or an entry is not a floating array.
+      ValueError: listing by name every missing entry, every unexpected one and every
+        one of another shape (with both shapes), all at once.
+    """
+    if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
+        raise TypeError(f"state_dict must be a mapping of parameter names to arrays, got "
+                        f"{type(state_dict).__name__}.")
+    names = [str(k) for k in state_dict.keys()]
+    missing = [n for n in expected if n not in state_dict]
+    unexpected = [n for n in names if n not in expected]
+    arrays, misshaped = {}, []
+    for name in expected:
+        if name in state_dict:
+            arrays[name] = to_numpy(state_dict[name], name)
+            if tuple(arrays[name].shape) != tuple(expected[name]):
+                misshaped.append(f"{name} (expected {tuple(expected[name])}, got "
+                                 f"{tuple(arrays[name].shape)})")
+    problems = []
+    if missing:
+        problems.append(f"missing: {_shown(missing)}")
+    if unexpected:
+        problems.append(f"unexpected: {_shown(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped: {_shown(misshaped)}")
+    if problems:
+        raise ValueError(f"state_dict does not match {what}: " + "; ".join(problems) + ".")
+    return arrays
+
+
+def expected_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
+    """``{torch name: torch shape}`` of every parameter of ``module``."""
+    params = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
+    out = {}
+    for name, (path, transposed) in _torch_layout(module).items():
+        shape = tuple(params[path][...].shape)
+        out[name] = shape[::-1] if transposed else shape
+    return out
+
+
+def load_arrays(module: nnx.Module, arrays: dict[str, np.ndarray]) -> None:
+    """Set every parameter of ``module`` from its torch-named, torch-shaped entry of
+    ``arrays`` (checked beforehand), cast to the parameter's dtype."""
+    state = nnx.state(module, nnx.Param)
+    params = dict(nnx.to_flat_state(state))
+    for name, (path, transposed) in _torch_layout(module).items():
+        var = params[path]
+        value = arrays[name].T if transposed else arrays[name]
+        var[...] = jnp.asarray(np.ascontiguousarray(value), var[...].dtype)
+    nnx.update(module, state)
+
+
+def state_dict_of(module: nnx.Module) -> dict[str, np.ndarray]:
+    """Every parameter of ``module`` as a NumPy array under its torch name and shape."""
+    params = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
+    out = {}
+    for name, (path, transposed) in _torch_layout(module).items():
+        value = np.asarray(params[path][...])
+        out[name] = np.ascontiguousarray(value.T if transposed else value)
+    return out
+
+
+# ------------------------------------------------------------------------ encoder
+
+
+class LongNetEncoder(nnx.Module):
+    """torchscale's LongNet encoder (Sub-LN, pre-LayerNorm, final LayerNorm), Flax NNX.
+
+    Args:
+      config: a :class:`LongNetEncoderConfig`.
+      rngs: ``nnx.Rngs`` (``params`` for initialisation, ``dropout`` for dropout,
+        attention dropout and drop-path).
+      mesh, seq_axis: sequence parallelism over a mesh axis (or a pair); stored for
+        the attention (:meth:`_attention`).
+
+    Call: ``enc(x [B, L, D], *, return_states=False, deterministic=True)``:
+    torchscale's ``encoder_out`` [B, L, D], or with ``return_states=True`` the pair
+    ``(encoder_out, states)`` with the ``num_layers + 1`` states [B, L, D] of
+    torchscale's ``encoder_states`` (``states[0]`` the input after the input dropout,
+    ``states[i + 1]`` layer ``i``'s output, none of them through the final
+    LayerNorm). ``deterministic=False`` applies the dropouts and drop-path with keys
+    from the ``dropout`` stream of ``rngs``.
+
+    Dtypes: the residual stream, the states and the output are in the promotion of
+    the input's dtype and ``param_dtype`` (float32 for float32 parameters, whatever
+    ``config.dtype``; float64 for a float64 model); the LayerNorms and the GELU compute
+    in it (at least float32) and the projections, the attention and the feed-forward's
+    matrix products in ``config.dtype`` (the attention's softmax statistics in float32
+    at least), as ``torch.autocast`` runs torchscale.
+
+    Parameters (torchscale's names, ``.weight`` of a Linear being the transposed
+    ``kernel``, of a LayerNorm its ``scale``): ``layers[i].self_attn.{q,k,v,out}_proj``
+    (kernel [D, D], bias [D]), ``layers[i].self_attn.inner_attn_ln``,
+    ``layers[i].self_attn_layer_norm``, ``layers[i].ffn.fc1`` ([D, F]),
+    ``layers[i].ffn.ffn_layernorm`` ([F]), ``layers[i].ffn.fc2`` ([F, D]),
+    ``layers[i].final_layer_norm``, ``layer_norm``. Initialised as torchscale
+    initialises them: torch's default ``nn.Linear`` initialisation with
+    ``v_proj``, ``out_proj``, ``fc1`` and ``fc2`` (weights and biases) scaled by
+    ``sqrt(log(2 num_layers))`` (Sub-LN), LayerNorms at scale 1 and bias 0.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jax_dilated as jd
+      >>> from flax import nnx
+      >>> cfg = jd.models.LongNetEncoderConfig(embed_dim=32, num_layers=2, num_heads=4,
+      ...     ffn_dim=64, segment_lengths=(16, 32), dilation_rates=(1, 2))
+      >>> enc = jd.models.LongNetEncoder(cfg, rngs=nnx.Rngs(0))
+      >>> x = jax.random.normal(jax.random.key(0), (1, 40, 32), jnp.float32)
+      >>> out, states = enc(x, return_states=True)
+      >>> out.shape, len(states)
+      ((1, 40, 32), 3)
+    """
+
+    def __init__(self, config: LongNetEncoderConfig, *, rngs: nnx.Rngs,
+                 mesh: jax.sharding.Mesh | None = None,
+                 seq_axis: str | tuple[str, str] | None = None):
+        if not isinstance(config, LongNetEncoderConfig):
+            raise TypeError(f"config must be a LongNetEncoderConfig, got "
+                            f"{type(config).__name__}.")
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}.")
+        validation.check_mesh_axes(mesh, seq_axis)
+        self.config = config
+        self.mesh = mesh
+        self.seq_axis = tuple(seq_axis) if isinstance(seq_axis, list) else seq_axis
+        self.dropout_module = nnx.Dropout(config.dropout_rate, rngs=rngs)
+        self.layers = nnx.List([_EncoderLayer(config, i, rngs)
+                                for i in range(config.num_layers)])
+        self.layer_norm = _layer_norm(config, config.embed_dim, "embed", rngs)
+
+    # ------------------------------------------------------------------ forward
+
+    def __call__(self, x: ArrayLike, *, return_states: bool = False,
+                 deterministic: bool = True) -> Array | tuple[Array, list[Array]]:
+        """``x`` [B, L, D] -> ``encoder_out`` [B, L, D], or ``(encoder_out, states)``
+        with ``return_states`` (see the class docstring)."""
+        validation.check_flag("return_states", return_states)
+        validation.check_flag("deterministic", deterministic)
+        cfg = self.config
+        if (getattr(x, "ndim", None) != 3 or not jnp.issubdtype(x.dtype, jnp.floating)
+                or x.shape[-1] != cfg.embed_dim or 0 in x.shape):
+            raise ValueError(
+                f"x must be a floating array [batch, seq, embed_dim={cfg.embed_dim}] with "
+                f"no empty dimension, got {getattr(x, 'dtype', type(x).__name__)} "
+                f"{tuple(getattr(x, 'shape', ()))}.")
+        x = jnp.asarray(x)
+        x = x.astype(jnp.promote_types(x.dtype, cfg.param_dtype))
+        x = self.dropout_module(x, deterministic=deterministic)
+        states = [x]
+        for layer in self.layers:
+            x = layer(x, attend=self._attention, deterministic=deterministic)
+            states.append(x)
+        out = self.layer_norm(x)
+        return (out, states) if return_states else out
+
+    def _attention(self, q: Array, k: Array, v: Array, *,
+                   dropout_rng: Array | None = None) -> Array:
+        """The dilated attention of every layer: q, k, v [B, L, H, d] -> [B, L, H, d]
+        (attention dropout at ``config.attention_dropout_rate`` when a key is given)."""
+        cfg = self.config
+        if self.mesh is not None:
+            raise NotImplementedError(
+                "LongNetEncoder(mesh=...): sequence parallelism is not wired into the "
+                "encoder yet; build it without mesh= (one device).")
+        options = {"head_offsets": "blocked"} if cfg.mode == "longnet" else {}
+        return dilated_attention(
+            q, k, v, segment_lengths=cfg.segment_lengths, dilation_rates=cfg.dilation_rates,
+            mode=cfg.mode, is_causal=cfg.is_causal,
+            dropout_rate=cfg.attention_dropout_rate if dropout_rng is not None else 0.0,
+            dropout_rng=dropout_rng, implementation=cfg.implementation, **options)
+
+    # -------------------------------------------------------------- checkpoints
+
+    @classmethod
+    def from_torch_state_dict(cls, state_dict, config: LongNetEncoderConfig, *,
+                              rngs: nnx.Rngs | None = None,
+                              mesh: jax.sharding.Mesh | None = None,
+                              seq_axis: str | tuple[str, str] | None = None,
+                              dtype: DTypeLike | None = None) -> "LongNetEncoder":
+        """An encoder holding the weights of a torchscale ``Encoder``'s state dict.
+
+        Args:
+          state_dict: ``{name: array}`` with torchscale's names
+            (``layers.{i}.self_attn.q_proj.weight``, ..., ``layer_norm.bias``) and
+            shapes (a Linear's weight [out, in]); values are NumPy arrays, torch
+            tensors (torch is imported only to read them) or anything ``np.asarray``
+            takes. Exactly the encoder's entries: nothing is ignored.
+          config: the matching :class:`LongNetEncoderConfig`.
+          rngs: the model's random streams (dropout, drop-path); default
+            ``nnx.Rngs(0)``.
+          mesh, seq_axis: as in the constructor.
+          dtype: the computation dtype (overrides ``config.dtype``).
+
+        Returns:
+          the encoder, its parameters in ``config.param_dtype``.
+
+        Raises:
+          ValueError: naming every missing, unexpected or mis-shaped entry.
+          TypeError: an entry is not a floating array.
+        """
+        if not isinstance(config, LongNetEncoderConfig):
+            raise TypeError(f"config must be a LongNetEncoderConfig, got "
+                            f"{type(config).__name__}.")
+        if dtype is not None:
+            config = config.replace(dtype=dtype)
+        model = cls(config, rngs=nnx.Rngs(0) if rngs is None else rngs, mesh=mesh,
+                    seq_axis=seq_axis)
+        arrays = check_state_dict(state_dict, expected_shapes(model),
+                                  what=f"a LongNetEncoder with {config.num_layers} layers, "
+                                       f"embed_dim {config.embed_dim}, ffn_dim "
+                                       f"{config.ffn_dim}")
+        load_arrays(model, arrays)
+        return model
+
+    def to_state_dict(self) -> dict[str, np.ndarray]:
+        """The parameters as ``{torchscale name: np.ndarray}`` (torch shapes, the
+        parameter dtype): :meth:`from_torch_state_dict` takes it back, and
+        ``torch_module.load_state_dict({k: torch.from_numpy(v) ...})`` loads it."""
+        return state_dict_of(self)
+

@@ -1,0 +1,157 @@
+"""``mode="torchscale"``: dilated attention as torchscale's LongNet computes it
+(docs/semantics.md, section 2, "torchscale"), the arithmetic that pretrained LongNet
+weights (Prov-GigaPath's slide encoder, LongViT) were trained with.
+
+For a branch ``(w, r)`` on ``L`` tokens torchscale cuts the sequence into segments of
+``w' = min(w, L)`` tokens, zero-pads the sequence to whole segments and every segment
+to ``m = ceil(w' / r) r`` tokens, and runs dense attention among the ``m / r`` slots of
+each (segment, head offset). The padded slots are zero vectors: keys of logit 0 and
+value 0 that stay in every softmax, and zero queries. The padded segments are then
+concatenated and cut back to ``L`` tokens, so where ``r`` does not divide ``w'`` (and
+there are several segments) a branch's outputs land ``m - w'`` positions further on
+per segment, some of them a zero query's output.
+
+That is exactly exact dilated attention of the one branch ``(m, r)`` (``"blocked"``
+head offsets) on the *padded* sequence of ``n m`` tokens with every position a real
+key (:class:`PaddedBranch`), whose first ``L`` outputs are torchscale's: each branch
+runs as its own one-device program (:func:`jax_dilated.ops.dilated_programs.one_device`,
+so on every kernel) on its padded copy of q, k, v (pads and reshapes, no gather). The
+branches are then mixed by a softmax of their log-sum-exps with no gradient through
+the weights, an lse of exactly 0 or an uncovered position counting as ``-1e8``
+(:func:`merge`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated.core import branch_plans
+from jax_dilated.ops import head_parallel
+from jax_dilated.ops.dilated_programs import DilatedCall, one_device
+
+__all__ = ["PaddedBranch", "padded_branches", "attend", "device_program", "merge",
+           "UNCOVERED_LSE"]
+
+# torchscale's log-sum-exp of a (position, head) that a branch does not cover
+UNCOVERED_LSE = -1e8
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedBranch:
+    """One branch of torchscale's dilated attention on ``seq_len`` tokens.
+
+    segment: ``w' = min(w, L)``; rate: ``r``; num_segments: ``n = ceil(L / w')``;
+    padded_segment: ``m = ceil(w' / r) r``, the segment with its last row of ``r``
+    columns completed by zero slots. The padded sequence holds ``n m`` tokens:
+    token ``u`` of segment ``s`` at ``s m + u``, zeros where ``u >= w'`` or
+    ``s w' + u >= L``.
+    """
+
+    segment: int
+    rate: int
+    num_segments: int
+    seq_len: int
+
+    @property
+    def padded_segment(self) -> int:
+        return -(-self.segment // self.rate) * self.rate
+
+    @property
+    def padded_len(self) -> int:
+        return self.num_segments * self.padded_segment
+
+    @property
+    def unpadded(self) -> bool:
+        """Whether the padded sequence is the sequence itself."""
+        return self.padded_len == self.seq_len
+
+    def lay_out(self, x):
+        """``x`` [B, L, ...] -> the padded sequence [B, n m, ...] (zero slots)."""
+        if self.unpadded:
+            return x
+        n, w, m = self.num_segments, self.segment, self.padded_segment
+        rest = [(0, 0)] * (x.ndim - 2)
+        x = jnp.pad(x, [(0, 0), (0, n * w - self.seq_len)] + rest)
+        x = x.reshape(x.shape[0], n, w, *x.shape[2:])
+        x = jnp.pad(x, [(0, 0), (0, 0), (0, m - w)] + rest)
+        return x.reshape(x.shape[0], n * m, *x.shape[3:])
+
+    @property
+    def plan_branch(self) -> tuple[int, int]:
+        """The exact-dilated branch that runs on the padded sequence: ``(m, r)``."""
+        return (self.padded_segment, self.rate)
+
+
+def padded_branches(branches, seq_len: int) -> list[PaddedBranch]:
+    """Every ``(w, r)`` of ``branches`` as torchscale lays it out on ``seq_len`` tokens."""
+    out = []
+    for w, r in branches:
+        seg = min(w, seq_len)
+        out.append(PaddedBranch(seg, r, -(-seq_len // seg), seq_len))
+    return out
+
+
+def merge(outs, lses, dtype):
+    """torchscale's mix of the branches' ``(out [B, L, H, D], lse [B, L, H])``: weights
+    ``softmax_i(lse_i)`` with no gradient, an uncovered position's lse (``-inf`` here)
+    and an lse of exactly 0 counting as :data:`UNCOVERED_LSE`. Returns ``(out, lse)``,
+    ``lse`` the log-sum-exp of those lses (without gradient)."""
+    lse = jnp.stack([jnp.where(jnp.isfinite(x) & (x != 0), x, UNCOVERED_LSE) for x in lses])
+    lse = jax.lax.stop_gradient(lse)
+    weights = jax.nn.softmax(lse, axis=0)
+    acc = sum(w[..., None] * o.astype(w.dtype) for w, o in zip(weights, outs))
+    return acc.astype(dtype), jax.scipy.special.logsumexp(lse, axis=0)
+
+
+def attend(call: DilatedCall, query, key, value, rng, *, heads=None,
+           num_heads: int | None = None, valid_length: int | None = None):
+    """``(out [B, L, H, D], lse [B, L, H])`` of torchscale's dilated attention on one
+    device (module docstring). ``heads``: the global indices of ``query``'s heads
+    (default all of them; a device's share under a head exchange, whose offsets
+    follow the global numbering of ``num_heads``); ``valid_length``: only the first
+    that many tokens exist (the rest are padding: output 0, lse ``-inf``)."""
+    t = query.shape[1]
+    length = t if valid_length is None else valid_length
+    if length < t:
+        query, key, value = (x[:, :length] for x in (query, key, value))
+    h_local, hkv = query.shape[2], key.shape[2]
+    heads = np.arange(h_local) if heads is None else np.asarray(heads)
+    num_heads = h_local if num_heads is None else num_heads
+    outs, lses = [], []
+    for i, pb in enumerate(padded_branches(call.branches, length)):
+        plans = head_parallel.head_plans((pb.plan_branch,), pb.padded_len, num_heads, heads,
+                                         hkv, "longnet", "blocked")
+        key_i = None if rng is None else jax.random.fold_in(rng, i)
+        o, lse = one_device(call.kernel, call.args, plans, "longnet", pb.lay_out(query),
+                            pb.lay_out(key), pb.lay_out(value), None, key_i, lse_grad=False)
+        outs.append(o[:, :length])
+        lses.append(lse[:, :length])
+    out, lse = merge(outs, lses, query.dtype)
+    if length < t:
+        out = jnp.pad(out, [(0, 0), (0, t - length), (0, 0), (0, 0)])
+        lse = jnp.pad(lse, [(0, 0), (0, t - length), (0, 0)], constant_values=-jnp.inf)
+    return out, lse
+
+
+def device_program(call: DilatedCall, heads, *, num_heads: int,
+                   valid_length: int | None = None):
+    """``(key, program)`` for a device that runs the global heads ``heads`` of
+    ``num_heads`` on the whole sequence (:func:`jax_dilated.ops.head_parallel.over_heads`):
+    devices whose heads have the same offsets in every branch share a program."""
+    offsets = tuple(branch_plans.head_offsets(num_heads, r, "blocked")[np.asarray(heads)]
+                    .tobytes() for _, r in call.branches)
+    program = functools.partial(_program, call, heads=tuple(int(j) for j in heads),
+                                num_heads=num_heads, valid_length=valid_length)
+    return offsets, program
+
+
+def _program(call, q, k, v, mask, rng, *, heads, num_heads, valid_length):
+    # the head exchange's program signature; torchscale has no key padding mask
+    del mask
+    return attend(call, q, k, v, rng, heads=heads, num_heads=num_heads,
+                  valid_length=valid_length)
