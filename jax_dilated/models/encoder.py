@@ -452,7 +452,7 @@ class LongNetEncoder(nnx.Module):
       ...     ffn_dim=64, segment_lengths=(16, 32), dilation_rates=(1, 2))
       >>> enc = jd.models.LongNetEncoder(cfg, rngs=nnx.Rngs(0))
       >>> x = jax.random.normal(jax.random.key(0), (1, 40, 32), jnp.float32)
-      >>> out, states = enc(x, return_states=True)
+      >>> out, states = nnx.jit(lambda m, x: m(x, return_states=True))(enc, x)
       >>> out.shape, len(states)
       ((1, 40, 32), 3)
     """

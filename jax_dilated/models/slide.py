@@ -294,10 +294,9 @@ class SlideEncoder(nnx.Module):
       >>> model = jd.models.SlideEncoder(cfg, rngs=nnx.Rngs(0))
       >>> tiles = jax.random.normal(jax.random.key(0), (1, 50, 24), jnp.float32)
       >>> coords = jnp.stack(jnp.meshgrid(jnp.arange(10), jnp.arange(5)), -1).reshape(1, 50, 2) * 256
-      >>> [e.shape for e in model(tiles, coords)]
-      [(1, 32)]
-      >>> len(model(tiles, coords, all_layer_embed=True, global_pool=True))
-      3
+      >>> run = nnx.jit(lambda m, x, c: m(x, c, all_layer_embed=True, global_pool=True))
+      >>> [e.shape for e in run(model, tiles, coords)]    # one per encoder state
+      [(1, 32), (1, 32), (1, 32)]
     """
 
     def __init__(self, config: SlideEncoderConfig, *, rngs: nnx.Rngs,
@@ -577,6 +576,13 @@ def convert_checkpoint(src_pth: str | os.PathLike, dst_npz: str | os.PathLike) -
 
     Returns:
       the names written, sorted.
+
+    Example (where torch is installed, with Prov-GigaPath's file at hand):
+      >>> import jax_dilated as jd                                     # doctest: +SKIP
+      >>> names = jd.models.convert_checkpoint("slide_encoder.pth",
+      ...                                      "slide_encoder.npz")    # doctest: +SKIP
+      >>> model = jd.models.SlideEncoder.load(                         # doctest: +SKIP
+      ...     "slide_encoder.npz", jd.models.SlideEncoderConfig.gigapath())
     """
     state_dict = _torch_state_dict(src_pth)
     arrays = {}

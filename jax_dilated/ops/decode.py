@@ -178,6 +178,12 @@ def dilated_attention_decode(query: ArrayLike, key_cache: ArrayLike, value_cache
     # the call as the forward pass validates it; decoding is causal by construction (its
     # keys end at the position), so the kernel calls are not (args.is_causal False),
     # but a window's explicit right > 0 is an error as there
+    if mode == "torchscale":
+        # torchscale's own incremental path pads one query against whole-segment keys
+        # and breaks past the first segment: there is no decoding to be equal to
+        raise ValueError('mode="torchscale" has no KV-cache decoding (torchscale\'s LongNet '
+                         'encoders are bidirectional, and its incremental path fails past '
+                         'one segment); run the forward pass, or decode with mode="longnet".')
     call = DilatedCall.of(segment_lengths, dilation_rates, mode=mode,
                           head_offsets=head_offsets, head_dim=query.shape[-1], is_causal=True,
                           scale=scale, block_q=block_q, block_k=block_k,

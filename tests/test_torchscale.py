@@ -1,0 +1,247 @@
+"""``mode="torchscale"`` of ``jd.dilated_attention`` (docs/semantics.md, section 2):
+forward and gradients against the PyTorch reference written from that section
+(``tests/torch_reference/torchscale.py``), on the XLA and native kernels; over a mesh
+(heads, all-gather, ``"auto"``, a pair of axes, ``valid_length``) against one device;
+and the options the mode refuses."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_dilated as jd
+from _helpers import TOL, as_np, rel_err, rounded, to_jax
+from _mesh import build_mesh, make_mesh
+from jax_dilated.backends import native
+
+# Prov-GigaPath's segment rule at max_wsi_size=11776: 1217 and 1722 are not multiples
+# of their rates, so their outputs shift past one segment
+GIGAPATH_SMALL = ((1024, 1217, 1448, 1722, 2048), (1, 2, 4, 8, 16))
+
+CASES = [
+    # (seq_len, heads, segment_lengths, dilation_rates)
+    (23, 4, (4, 6, 7), (1, 2, 4)),       # short last segments, 7 % 4 != 0: shifts
+    (23, 3, (4, 6, 7), (1, 2, 4)),       # heads not divisible by the rates
+    (5, 4, (4, 6, 7), (1, 2, 4)),        # segments longer than the sequence
+    (37, 5, (5, 7), (2, 3)),             # every rate misses its segment
+]
+# a slide of 1299 tiles with Prov-GigaPath's rule (non-causal, as its encoder)
+SLIDE = (1300, 8, *GIGAPATH_SMALL)
+
+
+def _inputs(seq_len, heads, head_dim=8, seed=0, batch=2):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((batch, seq_len, heads, head_dim)) for _ in range(3)]
+
+
+def _ours(q, k, v, segs, rates, dtype, **kw):
+    return jd.dilated_attention(*(to_jax(x, dtype) for x in (q, k, v)), segment_lengths=segs,
+                                dilation_rates=rates, mode="torchscale", **kw)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    pytest.importorskip("torch")
+    from torch_reference import torchscale
+    return torchscale
+
+
+def _torch_out(reference, q, k, v, segs, rates, causal, cotangent=None):
+    import torch
+    tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
+    out = reference.dilated_attention(tq, tk, tv, segs, rates, is_causal=causal)
+    if cotangent is None:
+        return as_np(out)
+    (out * torch.tensor(cotangent)).sum().backward()
+    return as_np(out), [as_np(x.grad) for x in (tq, tk, tv)]
+
+
+@pytest.mark.parametrize("case,causal", [(c, causal) for c in CASES for causal in (False, True)]
+                         + [(SLIDE, False)], ids=lambda c: str(c))
+def test_float64_forward_and_gradients(reference, case, causal):
+    t, h, segs, rates = case
+    q, k, v = _inputs(t, h, batch=1 if t > 100 else 2)
+    ct = np.random.default_rng(1).standard_normal(q.shape)
+    want, want_grads = _torch_out(reference, q, k, v, segs, rates, causal, ct)
+    fn = jax.jit(lambda q, k, v: _ours(q, k, v, segs, rates, "float64", is_causal=causal,
+                                       implementation="xla"))
+    out, vjp = jax.vjp(fn, *(jnp.asarray(x) for x in (q, k, v)))
+    assert rel_err(out, want) < TOL["float64"]
+    for got, exp in zip(vjp(jnp.asarray(ct)), want_grads):
+        assert rel_err(got, exp) < TOL["float64"]
+
+
+def _kernels():
+    names = ["xla"]
+    if jax.default_backend() == "cpu" and native.unavailable_reason() is None:
+        names.append("native")
+    return names
+
+
+@pytest.mark.parametrize("implementation", _kernels())
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_low_precision_on_each_kernel(reference, implementation, dtype):
+    """float32 within 1e-5 and bf16 within 2e-2 of the float64 reference (computed on
+    the rounded inputs), forward and the gradients of q, k, v."""
+    t, h = 200, 4
+    segs, rates = (64, 97, 200), (1, 2, 4)   # 97 % 2 != 0: shifted outputs
+    q, k, v = (rounded(x, dtype) for x in _inputs(t, h, head_dim=16, seed=3))
+    ct = rounded(np.random.default_rng(4).standard_normal(q.shape), dtype)
+    want, want_grads = _torch_out(reference, q, k, v, segs, rates, False, ct)
+    fn = functools.partial(jd.dilated_attention, segment_lengths=segs, dilation_rates=rates,
+                           mode="torchscale", implementation=implementation)
+    out, vjp = jax.vjp(fn, *(to_jax(x, dtype) for x in (q, k, v)))
+    assert out.dtype == jnp.dtype(to_jax(q, dtype).dtype)
+    assert rel_err(out, want) < TOL[dtype]
+    for got, exp in zip(vjp(to_jax(ct, dtype)), want_grads):
+        assert rel_err(got, exp) < TOL[dtype]
+
+
+def test_grouped_kv_heads_read_their_query_heads_kv(reference):
+    """GQA: 8 query heads on 2 kv heads equal the reference on repeated kv heads."""
+    q, _, _ = _inputs(41, 8, seed=5)
+    _, k, v = _inputs(41, 2, seed=6)
+    rep = lambda x: np.repeat(x, 4, axis=2)
+    want = _torch_out(reference, q, rep(k), rep(v), (8, 13), (1, 4), False)
+    got = _ours(q, k, v, (8, 13), (1, 4), "float64")
+    assert rel_err(got, want) < TOL["float64"]
+
+
+def test_weights_have_no_gradient_unlike_longnet():
+    """With one segment per branch and rates dividing it, torchscale's forward is
+    longnet's with blocked offsets; its gradient is not (the mixing weights are
+    constants): the difference is the weights' own gradient."""
+    q, k, v = (jnp.asarray(x) for x in _inputs(16, 4, seed=7))
+    kw = dict(segment_lengths=(16, 16), dilation_rates=(1, 2), implementation="xla")
+    ts = lambda q: jd.dilated_attention(q, k, v, mode="torchscale", **kw)
+    ln = lambda q: jd.dilated_attention(q, k, v, mode="longnet", head_offsets="blocked", **kw)
+    np.testing.assert_allclose(ts(q), ln(q), atol=1e-13)
+    g_ts = jax.grad(lambda q: ts(q).sum())(q)
+    g_ln = jax.grad(lambda q: ln(q).sum())(q)
+    assert np.abs(g_ts - g_ln).max() > 1e-3
+
+
+def test_dropout_is_deterministic_per_key_and_changes_the_output():
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in _inputs(40, 4, seed=8))
+    kw = dict(segment_lengths=(8, 20), dilation_rates=(1, 2), mode="torchscale",
+              implementation="xla")
+    a = jd.dilated_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(0), **kw)
+    b = jd.dilated_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(0), **kw)
+    c = jd.dilated_attention(q, k, v, **kw)
+    np.testing.assert_array_equal(a, b)
+    assert np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-2
+
+
+def test_valid_length_computes_the_shorter_sequence():
+    q, k, v = (jnp.asarray(x) for x in _inputs(30, 4, seed=9))
+    kw = dict(segment_lengths=(8, 11), dilation_rates=(1, 2), mode="torchscale")
+    got = jd.dilated_attention(q, k, v, valid_length=26, **kw)
+    want = jd.dilated_attention(q[:, :26], k[:, :26], v[:, :26], **kw)
+    np.testing.assert_allclose(got[:, :26], want, atol=1e-14)
+    assert not np.any(np.asarray(got[:, 26:]))
+
+
+# ------------------------------------------------------------------------------ mesh
+
+
+@pytest.mark.parametrize("strategy,devices,heads", [("heads", 8, 8), ("auto", 4, 6)])
+def test_over_a_mesh_equals_one_device(strategy, devices, heads):
+    """Forward (and gradients through the head exchange); ``"auto"`` with 6 heads on 4
+    devices all-gathers."""
+    mesh = build_mesh((devices,), ("s",), "auto")
+    q, k, v = (jnp.asarray(x) for x in _inputs(48, heads, seed=10))
+    fn = functools.partial(jd.dilated_attention, segment_lengths=(5, 7, 13),
+                           dilation_rates=(1, 2, 4), mode="torchscale", is_causal=False)
+    ct = jnp.asarray(np.random.default_rng(11).standard_normal(q.shape))
+    one, one_vjp = jax.vjp(fn, q, k, v)
+    run = jd.sharded(fn, mesh, seq_axis="s", strategy=strategy)
+    assert rel_err(run(q, k, v), one) < TOL["float64"]
+    if strategy == "heads":  # (the all-gather's backward is its all-gather's transpose)
+        grads = jax.jit(lambda q, k, v, ct: jax.vjp(run, q, k, v)[1](ct))(q, k, v, ct)
+        for got, exp in zip(grads, one_vjp(ct)):
+            assert rel_err(got, exp) < TOL["float64"]
+
+
+def test_a_pair_of_axes_runs_heads_over_both_with_valid_length():
+    """``seq_axis=(a, b)`` with ``strategy="heads"``: the pair as one axis; a sequence
+    padded to divide the devices (``valid_length``) equals the unpadded one."""
+    mesh = make_mesh((2, 4), ("a", "b"))
+    q, k, v = (jnp.asarray(x) for x in _inputs(43, 8, seed=12))
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, 5), (0, 0), (0, 0)])
+    kw = dict(segment_lengths=(6, 9), dilation_rates=(1, 4), mode="torchscale",
+              is_causal=True)
+    run = jd.sharded(functools.partial(jd.dilated_attention, valid_length=43, **kw), mesh,
+                     seq_axis=("a", "b"), strategy="heads")
+    got = np.asarray(run(pad(q), pad(k), pad(v)))
+    want = jd.dilated_attention(q, k, v, **kw)
+    assert rel_err(got[:, :43], want) < TOL["float64"]
+    assert not np.any(got[:, 43:])
+
+
+def test_ring_hybrid_and_per_branch_strategies_are_refused_with_the_reason():
+    mesh = make_mesh((2, 4), ("a", "b"))
+    q = jnp.ones((1, 16, 8, 8))
+    fn = functools.partial(jd.dilated_attention, segment_lengths=(4, 8),
+                           dilation_rates=(1, 2), mode="torchscale")
+    for kw in (dict(seq_axis="b"), dict(seq_axis=("a", "b"), strategy="hybrid"),
+               dict(seq_axis="b", strategy=("heads", "ring"))):
+        with pytest.raises(ValueError, match="whole sequence of some heads"):
+            jd.sharded(fn, mesh, **kw)(q, q, q)
+    with pytest.raises(ValueError, match="divisible"):
+        jd.sharded(fn, make_mesh((8,), ("s",)), seq_axis="s",
+                   strategy="heads")(q[:, :, :6], q[:, :, :6], q[:, :, :6])
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("option,match", [
+    (dict(kv_mask=np.ones((1, 16), bool)), "kv_mask"),
+    (dict(segment_ids=np.zeros((1, 16), np.int32)), "segment_ids"),
+    (dict(sinks=np.zeros(4)), "sinks"),
+    (dict(return_lse=True), "return_lse"),
+    (dict(logit_soft_cap=5.0), "logit_soft_cap"),
+    (dict(max_documents=2, segment_ids=np.zeros((1, 16), np.int32)), "max_documents"),
+    (dict(segment_lengths=(jd.SlidingWindow(3), 8)), "sliding-window"),
+    (dict(valid_length=17), "valid_length"),
+    (dict(valid_length=0), "valid_length"),
+])
+def test_options_torchscale_has_not_are_refused(option, match):
+    x = jnp.ones((1, 16, 4, 8))
+    kw = dict(segment_lengths=(4, 8), dilation_rates=(1, 2), mode="torchscale") | option
+    with pytest.raises(ValueError, match=match):
+        jd.dilated_attention(x, x, x, **kw)
+
+
+def test_valid_length_needs_torchscale_and_decoding_is_refused():
+    x = jnp.ones((1, 16, 4, 8))
+    with pytest.raises(ValueError, match="valid_length applies to mode=\"torchscale\""):
+        jd.dilated_attention(x, x, x, segment_lengths=(4,), dilation_rates=(1,),
+                             valid_length=8)
+    with pytest.raises(ValueError, match="no KV-cache decoding"):
+        jd.dilated_attention_decode(x[:, :1], x, x, 3, segment_lengths=(4,),
+                                    dilation_rates=(1,), mode="torchscale")
+
+
+def test_layers_take_the_mode():
+    """A multi-head layer passes the mode on: where torchscale pads nothing (every
+    segment divides the sequence, every rate its segment) it equals the longnet layer
+    with blocked offsets; where the last segment is short it does not."""
+    from flax import nnx
+
+    def layer(mode, **kw):
+        return jd.nnx.MultiheadDilatedAttention(16, 4, segment_lengths=(4, 8),
+                                                dilation_rates=(1, 2), mode=mode,
+                                                rngs=nnx.Rngs(0), **kw)
+
+    ts, ln = layer("torchscale"), layer("longnet", head_offsets="blocked")
+    x = jnp.asarray(np.random.default_rng(13).standard_normal((1, 24, 16)))
+    np.testing.assert_allclose(ts(x, deterministic=True), ln(x, deterministic=True),
+                               atol=1e-12)
+    x = x[:, :19]  # the last segments short: zero slots in torchscale's softmax
+    assert np.abs(np.asarray(ts(x, deterministic=True))
+                  - np.asarray(ln(x, deterministic=True))).max() > 1e-3
