@@ -34,6 +34,7 @@ LayerNorm its ``scale``) and :meth:`LongNetEncoder.to_state_dict` gives it back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -173,22 +174,29 @@ class LongNetEncoderConfig:
 # ------------------------------------------------------------------------ modules
 
 
-def _torch_linear_init(fan_in: int, gain: float):
-    """torch.nn.Linear's default initialisation, ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``
-    for weight and bias alike, times ``gain``."""
-    bound = gain / math.sqrt(fan_in)
-
+def _scaled_uniform(bound: float):
+    """``U(-bound, bound)``, drawn as ``U(-1, 1) * bound`` (one compiled draw per shape
+    and dtype, not per bound)."""
     def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -bound, bound)
+        return jax.random.uniform(key, shape, dtype, -1.0, 1.0) * jnp.asarray(bound, dtype)
     return init
 
 
 def _linear(cfg: LongNetEncoderConfig, n_in: int, n_out: int, axes, *, gain: float,
-            rngs: nnx.Rngs) -> nnx.Linear:
-    init = _torch_linear_init(n_in, gain)
+            init: str, rngs: nnx.Rngs) -> nnx.Linear:
+    """A biased Linear ``n_in -> n_out``, initialised as torchscale does (``init=
+    "torchscale"``: torch's default ``U(+-1/sqrt(n_in))`` for weight and bias, times
+    ``gain``) or as Prov-GigaPath's ``initialize_vit_weights`` (``"vit"``:
+    xavier-uniform weight, zero bias)."""
+    if init == "vit":
+        kernel_init = _scaled_uniform(math.sqrt(6.0 / (n_in + n_out)))
+        bias_init = jax.nn.initializers.zeros
+    else:
+        kernel_init = bias_init = _scaled_uniform(gain / math.sqrt(n_in))
     return nnx.Linear(n_in, n_out, use_bias=True, dtype=cfg.dtype,
-                      param_dtype=cfg.param_dtype, kernel_init=init, bias_init=init,
-                      kernel_metadata=_meta(*axes), bias_metadata=_meta(axes[1]), rngs=rngs)
+                      param_dtype=cfg.param_dtype, kernel_init=kernel_init,
+                      bias_init=bias_init, kernel_metadata=_meta(*axes),
+                      bias_metadata=_meta(axes[1]), rngs=rngs)
 
 
 def _layer_norm(cfg: LongNetEncoderConfig, n: int, axis: str, rngs: nnx.Rngs,
@@ -221,14 +229,15 @@ class _SelfAttention(nnx.Module):
     """torchscale's ``DilatedAttention`` module with Sub-LN: ``[B, L, D] -> [B, L, D]``,
     ``out_proj(inner_attn_ln(attend(q_proj x, k_proj x, v_proj x)))``."""
 
-    def __init__(self, cfg: LongNetEncoderConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LongNetEncoderConfig, init: str, rngs: nnx.Rngs):
         d, gamma = cfg.embed_dim, _subln_gain(cfg)
+        dense = functools.partial(_linear, cfg, init=init, rngs=rngs)
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.dropout_rate = cfg.attention_dropout_rate
-        self.k_proj = _linear(cfg, d, d, ("embed", "heads"), gain=1.0, rngs=rngs)
-        self.v_proj = _linear(cfg, d, d, ("embed", "heads"), gain=gamma, rngs=rngs)
-        self.q_proj = _linear(cfg, d, d, ("embed", "heads"), gain=1.0, rngs=rngs)
-        self.out_proj = _linear(cfg, d, d, ("heads", "embed"), gain=gamma, rngs=rngs)
+        self.k_proj = dense(d, d, ("embed", "heads"), gain=1.0)
+        self.v_proj = dense(d, d, ("embed", "heads"), gain=gamma)
+        self.q_proj = dense(d, d, ("embed", "heads"), gain=1.0)
+        self.out_proj = dense(d, d, ("heads", "embed"), gain=gamma)
         self.inner_attn_ln = _layer_norm(cfg, d, "heads", rngs)
         self.rngs = nnx_rngs.fork_dropout_rngs(rngs, self.dropout_rate)
 
@@ -246,10 +255,10 @@ class _SelfAttention(nnx.Module):
 class _FeedForward(nnx.Module):
     """``fc2(ffn_layernorm(activation_dropout(gelu(fc1 x))))`` then dropout."""
 
-    def __init__(self, cfg: LongNetEncoderConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LongNetEncoderConfig, init: str, rngs: nnx.Rngs):
         d, f, gamma = cfg.embed_dim, cfg.ffn_dim, _subln_gain(cfg)
-        self.fc1 = _linear(cfg, d, f, ("embed", "mlp"), gain=gamma, rngs=rngs)
-        self.fc2 = _linear(cfg, f, d, ("mlp", "embed"), gain=gamma, rngs=rngs)
+        self.fc1 = _linear(cfg, d, f, ("embed", "mlp"), gain=gamma, init=init, rngs=rngs)
+        self.fc2 = _linear(cfg, f, d, ("mlp", "embed"), gain=gamma, init=init, rngs=rngs)
         self.ffn_layernorm = _layer_norm(cfg, f, "mlp", rngs)
         self.activation_dropout_module = nnx.Dropout(cfg.activation_dropout_rate, rngs=rngs)
         self.dropout_module = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
@@ -267,12 +276,12 @@ class _FeedForward(nnx.Module):
 class _EncoderLayer(nnx.Module):
     """One Sub-LN encoder layer ``[B, L, D] -> [B, L, D]`` (the module docstring)."""
 
-    def __init__(self, cfg: LongNetEncoderConfig, depth: int, rngs: nnx.Rngs):
-        self.self_attn = _SelfAttention(cfg, rngs)
+    def __init__(self, cfg: LongNetEncoderConfig, depth: int, init: str, rngs: nnx.Rngs):
+        self.self_attn = _SelfAttention(cfg, init, rngs)
         self.self_attn_layer_norm = _layer_norm(cfg, cfg.embed_dim, "embed", rngs)
         self.dropout_module = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
         self.drop_path = _DropPath(cfg.drop_path_rates[depth], rngs)
-        self.ffn = _FeedForward(cfg, rngs)
+        self.ffn = _FeedForward(cfg, init, rngs)
         self.final_layer_norm = _layer_norm(cfg, cfg.embed_dim, "embed", rngs)
 
     def __call__(self, x, *, attend, deterministic: bool):
@@ -318,7 +327,7 @@ def to_numpy(value, name: str) -> np.ndarray:
     or JAX array, or anything ``np.asarray`` takes. ``TypeError`` naming the entry
     when it is not a floating array."""
     if _is_torch_tensor(value):
-        import torch  # noqa: F401 (only ever reached with a tensor in hand)
+        import torch  # only ever reached with a tensor in hand: torch is installed
         tensor = value.detach().cpu()
         if tensor.dtype in (torch.bfloat16, torch.float16):
             tensor = tensor.float()
@@ -459,7 +468,8 @@ class LongNetEncoder(nnx.Module):
 
     def __init__(self, config: LongNetEncoderConfig, *, rngs: nnx.Rngs,
                  mesh: jax.sharding.Mesh | None = None,
-                 seq_axis: str | tuple[str, str] | None = None):
+                 seq_axis: str | tuple[str, str] | None = None, _init: str = "torchscale"):
+        # _init="vit": Prov-GigaPath's initialisation (SlideEncoder builds it so)
         if not isinstance(config, LongNetEncoderConfig):
             raise TypeError(f"config must be a LongNetEncoderConfig, got "
                             f"{type(config).__name__}.")
@@ -470,7 +480,7 @@ class LongNetEncoder(nnx.Module):
         self.mesh = mesh
         self.seq_axis = tuple(seq_axis) if isinstance(seq_axis, list) else seq_axis
         self.dropout_module = nnx.Dropout(config.dropout_rate, rngs=rngs)
-        self.layers = nnx.List([_EncoderLayer(config, i, rngs)
+        self.layers = nnx.List([_EncoderLayer(config, i, _init, rngs)
                                 for i in range(config.num_layers)])
         self.layer_norm = _layer_norm(config, config.embed_dim, "embed", rngs)
 

@@ -313,20 +313,9 @@ class SlideEncoder(nnx.Module):
                                              config.param_dtype),
             out_sharding=(None, None, "embed"), eager_sharding=False)
         self.encoder = LongNetEncoder(config.encoder_config(), rngs=rngs, mesh=mesh,
-                                      seq_axis=seq_axis)
+                                      seq_axis=seq_axis, _init="vit")
         self.norm = encoder_lib._layer_norm(self.encoder.config, config.embed_dim, "embed",
                                             rngs, eps=config.norm_eps)
-        self._vit_init(rngs)
-
-    def _vit_init(self, rngs: nnx.Rngs) -> None:
-        """Prov-GigaPath's ``_init_weights`` over the encoder too: every Linear
-        xavier-uniform, zero bias (it replaces torchscale's initialisation)."""
-        init = jax.nn.initializers.xavier_uniform()
-        for _, module in nnx.iter_graph(self.encoder):
-            if isinstance(module, nnx.Linear):
-                kernel = module.kernel[...]
-                module.kernel[...] = init(rngs.params(), kernel.shape, kernel.dtype)
-                module.bias[...] = jnp.zeros_like(module.bias[...])
 
     @property
     def mesh(self):
