@@ -21,6 +21,12 @@ Ops (``python -m benchmarks <op> --help`` lists each one's options):
                 tokens/s, TFLOP/s, memory, and the Markdown table of docs/benchmarks.md.
   lm            LongNetLM: training-step compiled memory against n and step time;
                 KV-cache decoding time per token at a short and a long context.
+  slide         Prov-GigaPath's slide encoder (issue 49): jd.models.SlideEncoder against
+                Prov-GigaPath's own PyTorch module (from --gigapath-src, torch's CPU flash
+                kernel for flash-attn) with the same weights, interleaved forward time and
+                output difference at 10K tiles; compiled memory against the tile count,
+                per device over P simulated devices (--devices 8) at 64K tiles; one
+                forward at 100K tiles on one CPU with its peak RSS.
   packed        packed sequences (segment_ids, issue 17): D documents packed in one
                 row of n against the costs the issue compares them with, each in one
                 interleaved set with temp memory and an equality check: the causal

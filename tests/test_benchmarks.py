@@ -538,3 +538,76 @@ def test_strategies_op_runs_end_to_end_at_a_tiny_size(tmp_path, capsys, monkeypa
     total = int(re.search(r"\[strategies\] (\d+) steps", err).group(1))
     steps = [int(k) for k, n in re.findall(r"\[(\d+)/(\d+)\]", err)]
     assert steps == list(range(1, total + 1)) and total == 7, (steps, total)
+
+
+# ------------------------------------------------------------ slide (issue 49)
+
+def test_slide_op_runs_end_to_end_at_a_tiny_size(tmp_path):
+    """``python -m benchmarks slide --quick`` in this process at a tiny size: the PyTorch
+    comparison skips without ``--gigapath-src`` and says why, the compiled memory is
+    measured at every tile count, the sharded model (a child process with 2 simulated
+    devices) equals one device with less memory per device, the forward of run100k (a
+    child process) completes with its peak RSS, and the targets and the load warning
+    are printed."""
+    from benchmarks import slide
+    op, args = _op_args("slide", [
+        "--quick", "--memory-tiles", "32,64", "--devices", "2", "--mesh-tiles", "48",
+        "--run-tiles", "100", "--json", str(tmp_path / "s.json"), "--no-plot"])
+    payload = _run_on_a_loaded_machine(op, args, "issue 49 targets")
+    assert payload["benchmark"] == "slide" and "environment" in payload
+    assert "--gigapath-src" in payload["time"]["skipped"]
+    mem = payload["memory"]
+    assert set(mem["tiles"]) == {32, 64}
+    assert all(row["temp_bytes"] > 0 for row in mem["tiles"].values())
+    mesh = mem["mesh"]
+    if "skipped" not in mesh:  # the mesh path may refuse (it then says why)
+        assert mesh["check"]["agree"], mesh
+        assert mesh["per_device"]["temp_bytes"] < mesh["one_device"]["temp_bytes"], mesh
+        assert mesh["target"] == slide.mesh_target(2) == 1.0 and slide.mesh_target(8) == 0.25
+    run = payload["run100k"]
+    assert "error" not in run, run
+    assert run["output_finite"] and run["peak_rss_bytes"] > 0 and run["tiles"] == 100
+    names = [t["target"] for t in payload["targets"]]
+    assert any(n.startswith("memory: temp per tile") for n in names)
+    assert not any(n.startswith("time:") for n in names)
+
+
+def test_gigapath_stand_in_attention_is_softmax_attention_with_its_lse():
+    """The flash-attn stand-in the PyTorch peer of ``slide`` runs: torchscale's signature,
+    [b, l, h, d] in and out, the natural log-sum-exp [b, h, l] of the scaled logits."""
+    torch = pytest.importorskip("torch")
+    from benchmarks.baselines import gigapath
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 7, 3, 4, generator=gen) for _ in range(3))
+    for causal in (False, True):
+        out, lse = gigapath.cpu_flash_attn_func(q, k, v, 0.0, None, None, causal)
+        logits = torch.einsum("blhd,bmhd->bhlm", q, k) / 2.0
+        if causal:
+            logits = logits.masked_fill(torch.ones(7, 7).triu(1).bool(), float("-inf"))
+        want = torch.einsum("bhlm,bmhd->blhd", logits.softmax(-1), v)
+        assert out.shape == (2, 7, 3, 4) and lse.shape == (2, 3, 7)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse, logits.logsumexp(-1), rtol=1e-5, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        gigapath.cpu_flash_attn_func(q, k, v, 0.1)
+    assert "--gigapath-src" in gigapath.available(None)
+    assert "not a checkout" in gigapath.available(os.fspath(ROOT))
+
+
+@pytest.mark.skipif(not os.environ.get("JD_GIGAPATH_SRC"),
+                    reason="set JD_GIGAPATH_SRC to a checkout of prov-gigapath/prov-gigapath "
+                           "to compare with its PyTorch slide encoder")
+def test_slide_op_matches_prov_gigapath_when_given_its_checkout(tmp_path):
+    """With Prov-GigaPath's code at hand: ``slide time --quick`` in a fresh process (its
+    stand-in modules stay out of this one) builds its module, and ours with the same
+    weights gives the same slide embeddings."""
+    import json
+    out = tmp_path / "s.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "slide", "time", "--quick", "--repeats", "1",
+         "--gigapath-src", os.environ["JD_GIGAPATH_SRC"], "--json", str(out), "--no-plot"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    timing = json.loads(out.read_text())["time"]
+    assert "skipped" not in timing, timing
+    assert timing["check"]["agree"], timing["check"]

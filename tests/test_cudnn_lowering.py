@@ -146,6 +146,26 @@ def test_dilated_attention_lowers_to_cudnn(monkeypatch, mode, first):
     assert sorted(windowed) == want
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_torchscale_lowers_to_cudnn_per_branch(monkeypatch, causal):
+    """``mode="torchscale"`` with the default kernel on a (described) H100: each branch
+    on its zero-padded sequence (250 tokens: a short last segment, and 97 at rate 2
+    shifting its outputs) is one fused cuDNN forward and one fused backward."""
+    auto = registry.AutoKernel(cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device=H100))
+    monkeypatch.setattr(registry, "select_implementation", lambda impl, **kw: "cudnn")
+    monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
+    x = jax.ShapeDtypeStruct((1, 250, 4, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        o = jd.dilated_attention(q, k, v, segment_lengths=(64, 97), dilation_rates=(1, 2),
+                                 mode="torchscale", is_causal=causal)
+        return jnp.sum(o.astype(jnp.float32))
+
+    names = [c[0] for c in _cuda_custom_calls(jax.grad(loss, (0, 1, 2)), x, x, x)]
+    assert names.count("__cudnn$fmhaSoftmax") == 2, names
+    assert names.count("__cudnn$fmhaSoftmaxBackward") == 2, names
+
+
 JAX_010_BWD = ["query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets",
                "kv_offsets", "page_table_k", "page_table_v", "activation", "fwd_output",
                "grad_output", "scale", "seed", "dropout_rate", "variadic_args",

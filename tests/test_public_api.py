@@ -177,4 +177,4 @@ def test_options_are_literal_in_the_signatures():
     assert inspect.signature(jd.ring_attention).parameters["layout"].annotation == "Layout"
     assert inspect.signature(jd.sharded).parameters["strategy"].annotation == "StrategyLike"
     assert typing.get_type_hints(jd.dilated_attention)["mode"] == typing.Literal[
-        "longnet", "head_groups"]
+        "longnet", "head_groups", "torchscale"]

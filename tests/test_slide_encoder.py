@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _helpers import TOL, assert_close
+from _mesh import make_mesh
 from flax import nnx
 
 import jax_dilated as jd
@@ -307,3 +308,41 @@ def test_config_derives_gigapath_segments():
 def test_config_refuses_bad_settings(changes, error, match):
     with pytest.raises(error, match=match):
         config(**changes)
+
+
+# ------------------------------------------------------------------------------ mesh
+
+
+@pytest.mark.parametrize("shape,axis,tiles", [((8,), "s", 1299), ((2, 4), ("a", "b"), 300)])
+def test_on_a_mesh_equals_one_device(shape, axis, tiles):
+    """Sharded over 8 devices (one axis, or a pair as one), slides whose tokens the
+    devices do not divide (padded, ``valid_length``; 1300 tokens shift two branches'
+    outputs): the embeddings of both layers (states) and the pooled one equal one
+    device's (float64), the model under ``nnx.jit``."""
+    mesh = make_mesh(shape, ("s",) if len(shape) == 1 else ("a", "b"))
+    cfg = config(num_heads=8, num_layers=1)
+    one = SlideEncoder(cfg, rngs=nnx.Rngs(3))
+    many = SlideEncoder.from_torch_state_dict(one.to_state_dict(), cfg, mesh=mesh,
+                                              seq_axis=axis)
+    x, coords = slide(5, tiles)
+    run = nnx.jit(lambda m, x, c: m(x, c, all_layer_embed=True)
+                  + m(x, c, global_pool=True))
+    for got, want in zip(run(many, x, coords), run(one, x, coords)):
+        assert_close(np.asarray(got), np.asarray(want), TOL["float64"])
+
+
+def test_encoder_modes_other_than_torchscale_mask_the_padding_on_a_mesh():
+    """In ``"longnet"`` mode a mesh's padding is masked out (exact LongNet on the
+    slide's own tokens): equal to one device."""
+    mesh = make_mesh((8,), ("s",))
+    cfg = jd.models.LongNetEncoderConfig(embed_dim=D, num_layers=1, num_heads=8, ffn_dim=F,
+                                         segment_lengths=(64, 256), dilation_rates=(1, 4),
+                                         mode="longnet")
+    one = jd.models.LongNetEncoder(cfg, rngs=nnx.Rngs(4))
+    many = jd.models.LongNetEncoder.from_torch_state_dict(one.to_state_dict(), cfg,
+                                                          mesh=mesh, seq_axis="s")
+    x = np.random.default_rng(6).standard_normal((2, 301, D))
+    run = nnx.jit(lambda m, x: m(x, return_states=True))
+    (o1, s1), (o8, s8) = run(one, x), run(many, x)
+    for got, want in zip([o8, *s8], [o1, *s1]):
+        assert_close(np.asarray(got), np.asarray(want), TOL["float64"])

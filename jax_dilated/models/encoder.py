@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import AxisType, PartitionSpec
 
 from jax_dilated.backends.registry import IMPLEMENTATIONS
 from jax_dilated.core import branch_plans, validation
@@ -48,6 +49,7 @@ from jax_dilated.core.branches import is_window
 from jax_dilated.core.types import Array, ArrayLike, DTypeLike, Implementation, Mode
 from jax_dilated.layers import nnx_rngs
 from jax_dilated.ops.dilated import dilated_attention
+from jax_dilated.ops.sharded import place, sharded
 
 __all__ = ["LongNetEncoderConfig", "LongNetEncoder"]
 
@@ -426,8 +428,13 @@ class LongNetEncoder(nnx.Module):
       config: a :class:`LongNetEncoderConfig`.
       rngs: ``nnx.Rngs`` (``params`` for initialisation, ``dropout`` for dropout,
         attention dropout and drop-path).
-      mesh, seq_axis: sequence parallelism over a mesh axis (or a pair); stored for
-        the attention (:meth:`_attention`).
+      mesh, seq_axis: sequence parallelism: the tokens sharded over the mesh axis
+        ``seq_axis`` (or a pair of axes, as one), each attention layer run by
+        :func:`jax_dilated.sharded` (``strategy="auto"``; torchscale's attention
+        runs as the whole sequence of ``H / P`` heads per device), the rest token by
+        token on the shards. A sequence whose length the devices do not divide is
+        padded (torchscale: ``valid_length``; the other modes: a padding mask) and
+        cut back: the result equals one device's.
 
     Call: ``enc(x [B, L, D], *, return_states=False, deterministic=True)``:
     torchscale's ``encoder_out`` [B, L, D], or with ``return_states=True`` the pair
@@ -501,29 +508,69 @@ class LongNetEncoder(nnx.Module):
                 f"{tuple(getattr(x, 'shape', ()))}.")
         x = jnp.asarray(x)
         x = x.astype(jnp.promote_types(x.dtype, cfg.param_dtype))
+        length = x.shape[1]
+        if self.mesh is not None:
+            x = self._shard(x)
         x = self.dropout_module(x, deterministic=deterministic)
+        attend = functools.partial(self._attention, length=length)
         states = [x]
         for layer in self.layers:
-            x = layer(x, attend=self._attention, deterministic=deterministic)
+            x = layer(x, attend=attend, deterministic=deterministic)
             states.append(x)
         out = self.layer_norm(x)
+        if x.shape[1] != length:  # the padding of a mesh whose devices do not divide L
+            out, states = out[:, :length], [s[:, :length] for s in states]
         return (out, states) if return_states else out
 
-    def _attention(self, q: Array, k: Array, v: Array, *,
+    @property
+    def _auto_mesh(self) -> jax.sharding.Mesh:
+        """The mesh with Auto axes: the encoder's token-wise steps (the padding's cut, a
+        pooled token) then index the sharded sequence as XLA's partitioner sees fit,
+        where Explicit axes (``jax.make_mesh``'s) would refuse an ambiguous gather."""
+        return jax.sharding.Mesh(self.mesh.devices, self.mesh.axis_names,
+                                 axis_types=(AxisType.Auto,) * len(self.mesh.axis_names))
+
+    def _seq_devices(self) -> tuple[tuple[str, ...], int]:
+        """The mesh axes the sequence is sharded over (a pair in the mesh's order, as
+        :func:`jax_dilated.sharded` runs one-axis strategies over it) and their size."""
+        names = self.seq_axis if isinstance(self.seq_axis, tuple) else (self.seq_axis,)
+        axes = tuple(a for a in self.mesh.axis_names if a in names)
+        return axes, math.prod(self.mesh.shape[a] for a in axes)
+
+    def _shard(self, x: Array) -> Array:
+        """``x`` [B, L, D] padded to a multiple of the sequence's devices and sharded
+        over them (the padding's tokens are left out of every attention: their
+        outputs are dropped at the end)."""
+        axes, size = self._seq_devices()
+        pad = -x.shape[1] % size
+        if pad:
+            x = jnp.pad(x, [(0, 0), (0, pad), (0, 0)])
+        return place(x, self._auto_mesh,
+                     PartitionSpec(None, axes if len(axes) > 1 else axes[0], None))
+
+    def _attention(self, q: Array, k: Array, v: Array, *, length: int,
                    dropout_rng: Array | None = None) -> Array:
-        """The dilated attention of every layer: q, k, v [B, L, H, d] -> [B, L, H, d]
-        (attention dropout at ``config.attention_dropout_rate`` when a key is given)."""
+        """The dilated attention of every layer: q, k, v [B, L', H, d] -> [B, L', H, d]
+        (attention dropout at ``config.attention_dropout_rate`` when a key is given).
+        ``length``: the sequence's own length ``L`` (``L' > L`` on a mesh whose devices
+        do not divide it: the tokens past ``L`` are padding)."""
         cfg = self.config
-        if self.mesh is not None:
-            raise NotImplementedError(
-                "LongNetEncoder(mesh=...): sequence parallelism is not wired into the "
-                "encoder yet; build it without mesh= (one device).")
         options = {"head_offsets": "blocked"} if cfg.mode == "longnet" else {}
-        return dilated_attention(
-            q, k, v, segment_lengths=cfg.segment_lengths, dilation_rates=cfg.dilation_rates,
-            mode=cfg.mode, is_causal=cfg.is_causal,
+        padded = q.shape[1] != length
+        if padded and cfg.mode == "torchscale":
+            options["valid_length"] = length  # torchscale's segments depend on L
+        fn = functools.partial(
+            dilated_attention, segment_lengths=cfg.segment_lengths,
+            dilation_rates=cfg.dilation_rates, mode=cfg.mode, is_causal=cfg.is_causal,
             dropout_rate=cfg.attention_dropout_rate if dropout_rng is not None else 0.0,
             dropout_rng=dropout_rng, implementation=cfg.implementation, **options)
+        if self.mesh is None:
+            return fn(q, k, v)
+        # the other modes leave the padding out by its mask (they are exact on it)
+        kv_mask = (jnp.broadcast_to(jnp.arange(q.shape[1]) < length, q.shape[:2])
+                   if padded and cfg.mode != "torchscale" else None)
+        run = sharded(fn, self._auto_mesh, seq_axis=self.seq_axis, strategy="auto")
+        return run(q, k, v, kv_mask=kv_mask)
 
     # -------------------------------------------------------------- checkpoints
 

@@ -24,7 +24,7 @@ from jax_dilated.core import layouts, validation
 from jax_dilated.core.types import Array, Layout, StrategyLike
 from jax_dilated.ops import strategies
 
-__all__ = ["sharded"]
+__all__ = ["sharded", "place"]
 
 
 def _name(fn) -> str:
@@ -43,7 +43,7 @@ def _axis_keyword(fn) -> str:
     return "axis_name"
 
 
-def _place(x, mesh, spec):
+def place(x, mesh, spec):
     """Put ``x`` on ``mesh`` as ``spec`` says (reshard for Explicit axes)."""
     sharding = NamedSharding(mesh, spec)
     explicit = any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()))
@@ -239,13 +239,13 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
 
         def to(x, spec):
             if lay == "contiguous" or in_shard:
-                return _place(x, mesh, spec)
+                return place(x, mesh, spec)
             # Permute the global sequence (a transient O(T) copy per device), with the
             # sequence unsharded: a gather along a sharded axis is ambiguous on
             # Explicit meshes.
             whole = P(*(None if a == seq_spec else a for a in spec))
-            x = layouts.to_layout(_place(x, mesh, whole), num, lay)
-            return _place(x, mesh, spec)
+            x = layouts.to_layout(place(x, mesh, whole), num, lay)
+            return place(x, mesh, spec)
 
         # per-token arrays (padding mask, document ids) go where their tokens go
         given = [x for x in (kv_mask, segment_ids) if x is not None]
@@ -253,7 +253,7 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
             to(x, mask_spec) for x in given]
         specs = [qkv_spec] * 3 + [mask_spec] * len(given)
         if sinks is not None:  # per head: replicated over the sequence
-            args.append(_place(sinks, mesh, P(head_axis)))
+            args.append(place(sinks, mesh, P(head_axis)))
             specs.append(P(head_axis))
 
         def local(q, k, v, *tokens):
@@ -299,7 +299,7 @@ def sharded(fn: Callable[..., Array | tuple[Array, Array]], mesh: jax.sharding.M
 
         def back(x, spec):  # back in token order, sharded like a contiguous result
             whole = P(*(None if a == seq_spec else a for a in spec))
-            return _place(layouts.from_layout(_place(x, mesh, whole), num, lay), mesh, spec)
+            return place(layouts.from_layout(place(x, mesh, whole), num, lay), mesh, spec)
 
         if isinstance(out, tuple):
             return tuple(back(x, spec) for x, spec in zip(out, out_specs))
