@@ -34,6 +34,8 @@ MODULES = [
     "jax_dilated.models.config",
     "jax_dilated.models.longnet",
     "jax_dilated.models.positions",
+    "jax_dilated.models.encoder",
+    "jax_dilated.models.slide",
     "jax_dilated.core.softmax",
     "jax_dilated.core.branch_plans",
     "jax_dilated.backends.report",
