@@ -121,15 +121,20 @@ def test_window_lowers_to_cudnn_sliding_window():
         kern.forward(x, x, x, KernelArgs(scale=0.125, window=(16, 2)))
 
 
+def _default_kernel_on_h100(monkeypatch):
+    """The default kernel as it is chosen on a (described) H100: cuDNN."""
+    auto = registry.AutoKernel(cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device=H100))
+    monkeypatch.setattr(registry, "select_implementation", lambda impl, **kw: "cudnn")
+    monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
+
+
 @pytest.mark.parametrize("first", [64, jd.SlidingWindow(16)], ids=["segments", "window"])
 @pytest.mark.parametrize("mode", ["longnet", "head_groups"])
 def test_dilated_attention_lowers_to_cudnn(monkeypatch, mode, first):
     """jd.dilated_attention with the default kernel on a (described) H100 lowered for CUDA:
     one fused forward and one fused backward per branch (a sliding-window branch's with
     cuDNN's window, ``left + 1``)."""
-    auto = registry.AutoKernel(cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device=H100))
-    monkeypatch.setattr(registry, "select_implementation", lambda impl, **kw: "cudnn")
-    monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
+    _default_kernel_on_h100(monkeypatch)
     x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
 
     def loss(q, k, v):
@@ -151,9 +156,7 @@ def test_torchscale_lowers_to_cudnn_per_branch(monkeypatch, causal):
     """``mode="torchscale"`` with the default kernel on a (described) H100: each branch
     on its zero-padded sequence (250 tokens: a short last segment, and 97 at rate 2
     shifting its outputs) is one fused cuDNN forward and one fused backward."""
-    auto = registry.AutoKernel(cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device=H100))
-    monkeypatch.setattr(registry, "select_implementation", lambda impl, **kw: "cudnn")
-    monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
+    _default_kernel_on_h100(monkeypatch)
     x = jax.ShapeDtypeStruct((1, 250, 4, 64), jnp.bfloat16)
 
     def loss(q, k, v):
@@ -196,9 +199,7 @@ def test_rate_not_dividing_its_segment_lowers_for_cuda(monkeypatch, mode):
     """A branch whose rate does not divide its segment (120 at rate 7: its dilated
     segments end in slots that hold no position, masked keys) lowers for CUDA beside a
     dividing one; the dividing branch still runs on cuDNN, forward and backward."""
-    auto = registry.AutoKernel(cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device=H100))
-    monkeypatch.setattr(registry, "select_implementation", lambda impl, **kw: "cudnn")
-    monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
+    _default_kernel_on_h100(monkeypatch)
     x = jax.ShapeDtypeStruct((1, 240, 4, 64), jnp.bfloat16)
 
     def loss(q, k, v):
