@@ -230,6 +230,10 @@ def available(src: str | os.PathLike | None) -> str | None:
     if src is None:
         return (f"{NAME}'s PyTorch slide encoder is not a dependency: pass --gigapath-src DIR, "
                 f"a checkout of {URL}")
+    try:  # the directory first: a wrong path is the likelier mistake
+        _check_src(src)
+    except ImportError as err:
+        return str(err)
     try:
         import torch  # noqa: F401
     except ImportError:

@@ -245,9 +245,10 @@ def _torchscale(call: DilatedCall, query, key, value, rng, *, seq_axis, num_devi
     device, or over ``seq_axis`` as the whole sequence of some heads per device."""
     for name, value_given in unsupported.items():
         if value_given is not None:
+            why = (" (torchscale ignores key padding masks on this path)"
+                   if name == "kv_mask" else "")
             raise ValueError(f'mode="torchscale" computes torchscale\'s attention, which has '
-                             f'no {name} (torchscale ignores key padding masks on this path); '
-                             f'use mode="longnet" for {name}=.')
+                             f'no {name}{why}; use mode="longnet" for {name}=.')
     total = query.shape[1] * num_devices
     if valid_length is not None:
         if (isinstance(valid_length, bool)
