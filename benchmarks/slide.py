@@ -185,28 +185,28 @@ def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _rss_bytes() -> int:
-    """Peak RSS of this process's own memory since it started its program: ``VmHWM`` of
-    ``/proc/self/status`` (reset by ``execve``, so a child's own), else ``getrusage``'s."""
+def _kib_field(path: str, name: str) -> int | None:
+    """The ``name:`` line of a ``/proc`` file whose values are in kB, in bytes (None
+    where the file or line is missing)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return _maxrss_bytes()
-
-
-def _mem_total() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{name}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def _rss_bytes() -> int:
+    """Peak RSS of this process's own memory since it started its program: ``VmHWM`` of
+    ``/proc/self/status`` (reset by ``execve``, so a child's own), else ``getrusage``'s."""
+    peak = _kib_field("/proc/self/status", "VmHWM")
+    return _maxrss_bytes() if peak is None else peak
+
+
+def _mem_total() -> int | None:
+    return _kib_field("/proc/meminfo", "MemTotal")
 
 
 # ------------------------------------------------------------------------- time
