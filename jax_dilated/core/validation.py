@@ -385,6 +385,16 @@ def check_sinks(sinks, num_heads: int):
     return jnp.asarray(sinks)
 
 
+def check_valid_length(valid_length, seq_len: int) -> int | None:
+    """``valid_length`` (torchscale's padded sequences): an int in ``[1, seq_len]``
+    (a ``ValueError`` otherwise); None when it is the whole sequence."""
+    if (isinstance(valid_length, bool) or not isinstance(valid_length, (int, np.integer))
+            or not 1 <= valid_length <= seq_len):
+        raise ValueError(f"valid_length must be an int in [1, {seq_len}] (the sequence "
+                         f"length), got {valid_length!r}.")
+    return None if valid_length == seq_len else int(valid_length)
+
+
 def check_max_documents(max_documents) -> None:
     """``max_documents``: None or a positive int (ValueError otherwise)."""
     if max_documents is not None and (isinstance(max_documents, bool)

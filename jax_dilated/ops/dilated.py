@@ -20,15 +20,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import numpy as np
-
 from jax_dilated.core import softmax, validation
 from jax_dilated.core.documents import document_ids
 from jax_dilated.core.types import (Array, ArrayLike, BranchStrategy, DilatedStrategy,
                                     HeadOffsets, Implementation, Mode, SegmentLengths)
 from jax_dilated.ops import (dilated_hybrid, dilated_packed, dilated_torchscale, distributed,
                              head_parallel)
-from jax_dilated.ops.dilated_programs import DilatedCall, one_device
+from jax_dilated.ops.dilated_programs import DilatedCall, check_torchscale_options, one_device
 
 __all__ = ["dilated_attention", "STRATEGIES"]
 
@@ -208,8 +206,7 @@ def dilated_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
                            num_devices=num_devices, strategy=strategy,
                            valid_length=valid_length,
                            unsupported={"kv_mask": kv_mask, "segment_ids": segment_ids,
-                                        "sinks": sinks,
-                                        "return_lse": True if return_lse else None})
+                                        "sinks": sinks, "return_lse": return_lse})
     if valid_length is not None:
         raise ValueError(f'valid_length applies to mode="torchscale" only (its segments '
                          f'depend on the sequence length), got valid_length={valid_length!r} '
@@ -243,29 +240,15 @@ def _torchscale(call: DilatedCall, query, key, value, rng, *, seq_axis, num_devi
                 strategy, valid_length, unsupported: dict):
     """``mode="torchscale"`` (:mod:`jax_dilated.ops.dilated_torchscale`): on one
     device, or over ``seq_axis`` as the whole sequence of some heads per device."""
-    for name, value_given in unsupported.items():
-        if value_given is not None:
-            why = (" (torchscale ignores key padding masks on this path)"
-                   if name == "kv_mask" else "")
-            raise ValueError(f'mode="torchscale" computes torchscale\'s attention, which has '
-                             f'no {name}{why}; use mode="longnet" for {name}=.')
+    check_torchscale_options(**unsupported)
     total = query.shape[1] * num_devices
     if valid_length is not None:
-        if (isinstance(valid_length, bool)
-                or not isinstance(valid_length, (int, np.integer))
-                or not 1 <= valid_length <= total):
-            raise ValueError(f"valid_length must be an int in [1, {total}] (the sequence "
-                             f"length), got {valid_length!r}.")
-        valid_length = None if valid_length == total else int(valid_length)
+        valid_length = validation.check_valid_length(valid_length, total)
     if seq_axis is None:
         return dilated_torchscale.attend(call, query, key, value, rng,
                                          valid_length=valid_length)[0]
     if strategy not in ("heads", "allgather"):
-        raise ValueError(
-            f'mode="torchscale" runs over a mesh as the whole sequence of some heads per '
-            f"device (strategy='heads', or 'allgather' where the heads do not divide by "
-            f"the devices): its padded segments and shifted outputs are laid out over "
-            f"the whole sequence, got strategy={strategy!r}.")
+        raise ValueError(f"{dilated_torchscale.MESH_REASON}, got strategy={strategy!r}.")
     why = head_parallel.heads_unservable(query.shape[2], num_devices)
     if strategy == "heads" and why:
         raise ValueError(f"{why} ({seq_axis!r}); use strategy='allgather'.")

@@ -77,7 +77,8 @@ class DilatedCall:
         if mode == "torchscale":
             # torchscale's own offset rule; its computation has no windows or soft-cap
             head_offsets = "blocked"
-            _check_torchscale_options(branches, logit_soft_cap, max_documents)
+            check_torchscale_options(branches, logit_soft_cap=logit_soft_cap,
+                                     max_documents=max_documents)
         is_causal = validation.check_flag("is_causal", is_causal)
         for w, _ in branches:  # an explicit right > 0 with causal attention is an error
             if is_window(w):
@@ -98,17 +99,23 @@ class DilatedCall:
                                           mode=self.mode, offsets_rule=self.head_offsets)
 
 
-def _check_torchscale_options(branches, logit_soft_cap, max_documents) -> None:
+def check_torchscale_options(branches=(), **options) -> None:
     """``mode="torchscale"`` computes what torchscale computes, which has no
-    sliding-window branch, soft-cap or packed rows: a ``ValueError`` naming the option."""
-    for (w, _), i in zip(branches, range(len(branches))):
+    sliding-window branch and none of the ``options`` given not None (soft-cap,
+    packed rows, a padding mask, sinks, the lse): a ``ValueError`` naming the first.
+    The one check of the mode's options, by :meth:`DilatedCall.of` (the static ones)
+    and :func:`jax_dilated.dilated_attention` (the arrays)."""
+    for i, (w, _) in enumerate(branches):
         if is_window(w):
             raise ValueError(f'mode="torchscale" has no sliding-window branches, got {w!r} '
                              f'(segment_lengths[{i}]); use mode="longnet".')
-    for name, value in (("logit_soft_cap", logit_soft_cap), ("max_documents", max_documents)):
-        if value is not None:
+    for name, value in options.items():
+        if value is not None and value is not False:
+            why = (" (torchscale ignores key padding masks on this path)"
+                   if name == "kv_mask" else "")
+            shown = "an array" if hasattr(value, "shape") else repr(value)
             raise ValueError(f'mode="torchscale" computes torchscale\'s attention, which has '
-                             f'no {name}, got {name}={value!r}; use mode="longnet".')
+                             f'no {name}{why}, got {name}={shown}; use mode="longnet".')
 
 
 def choose_program(kernel, args, plans, mode: str, query, key, kv_mask, rng) -> tuple[str, str]:

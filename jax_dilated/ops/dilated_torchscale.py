@@ -35,10 +35,15 @@ from jax_dilated.ops import head_parallel
 from jax_dilated.ops.dilated_programs import DilatedCall, one_device
 
 __all__ = ["PaddedBranch", "padded_branches", "attend", "device_program", "merge",
-           "UNCOVERED_LSE"]
+           "UNCOVERED_LSE", "MESH_REASON"]
 
 # torchscale's log-sum-exp of a (position, head) that a branch does not cover
 UNCOVERED_LSE = -1e8
+
+# why over a mesh the mode runs only as the whole sequence of some heads per device
+MESH_REASON = ("mode='torchscale' runs over a mesh as the whole sequence of some heads per "
+               "device ('heads', or 'allgather'): its padded segments and shifted outputs "
+               "are laid out over the whole sequence")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from jax_dilated.ops import dilated as dilated_ops
 from jax_dilated.ops import distributed, head_parallel
 from jax_dilated.ops.block_sparse_plan import ring_blocks
 from jax_dilated.ops.dilated_programs import DilatedCall
+from jax_dilated.ops.dilated_torchscale import MESH_REASON as TORCHSCALE_RING
 from jax_dilated.ops.ring import ring_attention
 
 __all__ = ["STRATEGIES", "Operation", "describe", "accepts", "check_sharded_strategy",
@@ -140,11 +141,6 @@ def servable(op: Operation, *, num_heads: int, num_devices: int, layout: str,
                                 "log-sum-exp of return_lse=True (the operation's own "
                                 "ring does)")
     return why
-
-
-TORCHSCALE_RING = ("mode='torchscale' runs over a mesh as the whole sequence of some heads "
-                   "per device ('heads', or 'allgather'): its padded segments and shifted "
-                   "outputs are laid out over the whole sequence")
 
 
 def torchscale(op: Operation) -> bool:
