@@ -83,16 +83,20 @@ MESH_RTOL = 1e-5       # max |mesh - one device| / max |one device|
 PERTURB = 0.02         # std of the noise added to biases and LayerNorm parameters
 
 DEFAULTS = dict(tiles=10000, memory_tiles=(10000, 20000, 40000, 100000), mesh_tiles=64000,
+                gpu_tiles=(10000, 100000),
                 run_tiles=100000, layers=12, width=768, heads=16, in_features=1536)
 QUICK = dict(tiles=300, memory_tiles=(200, 400, 800), mesh_tiles=600, run_tiles=1000,
+             gpu_tiles=(300, 1000),
              layers=2, width=64, heads=4, in_features=32)
 PARTS = ("time", "memory", "run100k")
+ACCELERATOR_PARTS = ("gpu",)  # not in "all": run by name on a machine with an accelerator
+GPU_RTOL = {"bfloat16": 2e-2, "float32": 1e-2}  # float32 there: TF32 matrix products
 _RESULT = "SLIDE-CHILD-RESULT "  # prefix of the line a child process reports on
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", nargs="?", choices=("all",) + PARTS, default="all",
-                   help="which measurement (default all)")
+    p.add_argument("what", nargs="?", choices=("all",) + PARTS + ACCELERATOR_PARTS,
+                   default="all", help="which measurement (default all: the CPU ones)")
     p.add_argument("--gigapath-src", default=None, metavar="DIR",
                    help="a checkout of github.com/prov-gigapath/prov-gigapath (its gigapath/ "
                         "folder is enough): the PyTorch peer of `time`, skipped without it")
@@ -116,6 +120,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wsi-size", type=int, default=262144,
                    help="the slide side the segment lengths are sized for (default 262144: "
                         "segments 1024, 5792, 32768, 185363, 1048576)")
+    p.add_argument("--gpu-tiles", type=int_list, default=None,
+                   help="gpu: tile counts timed on the accelerator (default 10000,100000; "
+                        "--quick 300,1000); the first is also checked against the CPU")
+    p.add_argument("--allow-cpu", action="store_true",
+                   help="gpu: run on a machine without one (the CPU stands in; a rehearsal)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -289,6 +298,95 @@ def bench_time(args, progress: harness.Progress) -> dict:
             "speedup": round(speedup, 3),
             "paired_speedup": round(harness.paired_ratio(t_torch, t_ours), 3),
             "target": TIME_TARGET, "pass": bool(speedup >= TIME_TARGET)}
+
+
+# -------------------------------------------------------------------------- gpu
+
+def _random_state_dict(cfg, seed: int) -> dict:
+    """A random SlideEncoder's parameters (our initialisation, made on the CPU) with
+    the 1-D ones (biases, LayerNorms: constants at initialisation) perturbed by
+    N(0, PERTURB), so that a comparison checks every parameter."""
+    import jax
+    from flax import nnx
+
+    import jax_dilated as jd
+    with jax.default_device(jax.devices("cpu")[0]):
+        sd = jd.models.SlideEncoder(cfg, rngs=nnx.Rngs(seed)).to_state_dict()
+    rng = np.random.default_rng(seed + 1)
+    return {k: (v + PERTURB * rng.standard_normal(v.shape).astype(v.dtype) if v.ndim == 1
+                else v) for k, v in sd.items()}
+
+
+def bench_gpu(args, progress: harness.Progress) -> dict:
+    """The slide encoder on the accelerator (issue 48): the same random weights run
+    in float32 on the CPU (the reference) and in bfloat16 and float32 on the device at
+    the first of ``--gpu-tiles``: max |device - CPU| / max |CPU| of the CLS output and
+    the global pool (targets ``GPU_RTOL``); then the device's forward time at every
+    count of ``--gpu-tiles``, bfloat16 and float32 interleaved, and its compiled memory."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_dilated as jd
+    device = jax.devices()[0]
+    if device.platform == "cpu" and not args.allow_cpu:
+        progress.write("gpu: skipped (no accelerator; --allow-cpu rehearses it on the CPU)")
+        return {"skipped": "no accelerator"}
+    cpu = jax.devices("cpu")[0]
+    cfg = model_config(args)
+    progress.start(f"gpu: the CPU float32 reference at {args.gpu_tiles[0]} tiles")
+    sd = _random_state_dict(cfg, args.seed)
+    embeds, coords = inputs(args.gpu_tiles[0], args.in_features, args.seed)
+    want = {}
+    with jax.default_device(cpu):
+        ref = jd.models.SlideEncoder.from_torch_state_dict(sd, cfg)
+        for name, pool in (("cls", False), ("global_pool", True)):
+            forward, state = jitted_forward(ref, global_pool=pool)
+            want[name] = np.asarray(forward(state, embeds, coords))
+    del ref
+    progress.done()
+    models = {}
+    with jax.default_device(device):
+        for dtype in ("bfloat16", "float32"):
+            models[dtype] = jd.models.SlideEncoder.from_torch_state_dict(
+                sd, cfg, dtype=jnp.dtype(dtype))
+    check = {}
+    for dtype, model in models.items():
+        for name, pool in (("cls", False), ("global_pool", True)):
+            forward, state = jitted_forward(model, global_pool=pool)
+            got = np.asarray(forward(state, jax.device_put(embeds, device),
+                                     jax.device_put(coords, device)), np.float32)
+            check[f"{dtype} {name}"] = {**harness.max_rel_diff(got, want[name]),
+                                        "rtol": GPU_RTOL[dtype]}
+            check[f"{dtype} {name}"]["pass"] = bool(
+                check[f"{dtype} {name}"]["rel_to_max"] <= GPU_RTOL[dtype])
+    progress.write("gpu: against the CPU float32 reference: " + ", ".join(
+        f"{k} {v['rel_to_max']:.2e}" for k, v in check.items()))
+    timing = {}
+    for tiles in args.gpu_tiles:
+        progress.start(f"gpu: forward at {tiles} tiles, bfloat16 and float32 interleaved")
+        x, c = (jax.device_put(a, device) for a in inputs(tiles, args.in_features, args.seed))
+        calls, row = {}, {"tiles": tiles}
+        for dtype, model in models.items():
+            forward, state = jitted_forward(model)
+            try:
+                row[f"{dtype} memory"] = harness.compiled_memory(
+                    lambda st, x, c, forward=forward: forward(st, x, c), state, x, c).to_json()
+                compiled = forward.lower(state, x, c).compile()
+                calls[dtype] = lambda compiled=compiled, state=state: compiled(state, x, c)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded
+                row[f"{dtype} error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        try:
+            times = harness.time_interleaved(calls, repeats=args.repeats, warmup=args.warmup)
+            row.update({dtype: t.to_json() for dtype, t in times.items()})
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        timing[str(tiles)] = row
+        progress.done()
+        progress.write(f"gpu: {tiles} tiles: " + ", ".join(
+            f"{dtype} {row[dtype]['median_s'] * 1e3:.1f} ms" for dtype in models
+            if dtype in row))
+    return {"device": device.device_kind, "check_tiles": args.gpu_tiles[0], "check": check,
+            "pass": all(v["pass"] for v in check.values()), "timing": timing}
 
 
 # ----------------------------------------------------------------------- memory
@@ -504,7 +602,8 @@ def run(args: argparse.Namespace) -> dict:
     """The ``slide`` benchmark; returns the JSON-able results."""
     _resolve(args)
     parts = PARTS if args.what == "all" else (args.what,)
-    steps = {"time": 3, "memory": len(args.memory_tiles) + (args.devices > 1), "run100k": 1}
+    steps = {"time": 3, "memory": len(args.memory_tiles) + (args.devices > 1), "run100k": 1,
+             "gpu": 1 + len(args.gpu_tiles)}
     progress = harness.Progress(sum(steps[p] for p in parts), "slide")
     progress.write(f"slide: {args.layers} layers, width {args.width}, {args.heads} heads, "
                    f"tile embeddings of {args.in_features}, max_wsi_size {args.max_wsi_size}, "
@@ -520,6 +619,8 @@ def run(args: argparse.Namespace) -> dict:
         result["memory"] = bench_memory(args, progress)
     if "run100k" in parts:
         result["run100k"] = bench_run(args, progress)
+    if "gpu" in parts:
+        result["gpu"] = bench_gpu(args, progress)
     progress.close()
     result["targets"] = targets(result)
     result["environment"] = harness.environment(args.threads, args.load)
@@ -551,6 +652,11 @@ def targets(result: dict) -> list[dict]:
         out.append({"target": f"mesh: output equals one device's, max rel diff <= "
                               f"{MESH_RTOL:g}", "value": mesh["check"]["rel_to_max"],
                     "pass": mesh["check"]["agree"]})
+    gpu = result.get("gpu", {})
+    for name, c in gpu.get("check", {}).items():
+        out.append({"target": f"gpu: {name} at {gpu['check_tiles']} tiles equals the CPU's "
+                              f"float32, max rel diff <= {c['rtol']:g}",
+                    "value": c["rel_to_max"], "pass": c["pass"]})
     run = result.get("run100k", {})
     if run:
         out.append({"target": f"run100k: forward at {run.get('tiles', '?')} tiles on one CPU "
@@ -617,6 +723,19 @@ def print_summary(result: dict, file=None) -> None:
             print(f"run100k: {run['tiles']} tiles on one CPU device: compile {run['compile_s']:.1f}"
                   f" s, forward {run['forward_s']:.2f} s, peak RSS "
                   f"{fmt_bytes(run['peak_rss_bytes'])} of {fmt_bytes(machine)}\n", file=file)
+    gpu = result.get("gpu")
+    if gpu and "timing" in gpu:
+        rows = []
+        for tiles, row in gpu["timing"].items():
+            for dtype in ("bfloat16", "float32"):
+                t, mem = row.get(dtype), row.get(f"{dtype} memory") or {}
+                rows.append([tiles, dtype, fmt_ms(t["median_s"]) if t else
+                             row.get(f"{dtype} error") or row.get("error", "-"),
+                             fmt_spread(t["spread"]) if t else "-",
+                             fmt_bytes(mem.get("temp"))])
+        harness.print_table(f"forward on {gpu['device']} (interleaved)",
+                            ["tiles", "dtype", "ms (median)", "spread", "temp"], rows, env=env,
+                            file=file)
     rows = [[t["target"], "-" if t["value"] is None else f"{t['value']:.4g}",
              "PASS" if t["pass"] else "FAIL"] for t in result.get("targets", [])]
     if rows:

@@ -2,69 +2,92 @@
 # The GPU checks and benchmarks of docs/benchmarks.md ("## GPU: method and commands"),
 # in stages that each end inside a time limit, for a machine with an NVIDIA GPU, JAX
 # with CUDA, flax and torch already installed (nothing is installed here: such a
-# machine may have no network). Logs and JSON go to $OUT (default results/gpu).
+# machine may have no network). Logs and JSON go to $JD_GPU_RESULTS (default
+# results/gpu); where $OUT is set (the device tool's folder of files to bring back),
+# the last stage packs them into $OUT/gpu_results.tgz and copies the log beside it.
 #
-#   bash scripts/gpu_session.sh env tests quick small     # one stage after another
+#   bash scripts/gpu_session.sh env small t64 causal large huge slide   # one after another
+#   bash scripts/gpu_session.sh suite                                    # the whole suite
 #
-# Stages: env (versions, nvidia-smi, jd.backend_report()), tests (cuDNN parity and
-# lowering), suite (kernel, parity, window and layer tests on the GPU), full (the
-# whole suite, in the time left of JD_GPU_BUDGET seconds), quick (the
-# benchmark at toy sizes), small (16K, 64K), causal (64K causal), large (256K),
-# huge (1M), chunks (longnet at 1M with 512 MiB, 2 GiB and 4 GiB streamed chunks).
-# A stage that fails or runs out of time is logged and the next one runs. Each
-# benchmark stage writes two files (JSON and Markdown) beside log.txt.
+# Stages: env (versions, nvidia-smi, jd.backend_report()); suite (the whole test suite,
+# JAX's default backend the GPU); small (16K: dilated, dense, torch); t64 (64K: dilated,
+# segment kernels, dense, torch, the variants with windows, soft-cap, sinks, packed rows
+# and non-dividing segments, and a profile of the dilated calls); causal (64K causal);
+# large (256K, profiled); huge (1M); slide (Prov-GigaPath's slide encoder in bfloat16
+# and float32 against the CPU's float32, then timed at 10K and 100K tiles); chunks
+# (longnet at 1M with 512 MiB, 2 GiB and 4 GiB streamed chunks); quick (toy sizes:
+# with JD_GPU_ALLOW_CPU=1 a rehearsal on a CPU).
+# Every stage ends by its own limit and by JD_GPU_DEADLINE (seconds from the start,
+# default 560), so the results are packed before the caller's own limit; a stage
+# with under 20 s left is skipped. A stage that fails or runs out of time is logged
+# and the next one runs.
 set -u
 cd "$(dirname "$0")/.."
-OUT="${OUT:-results/gpu}"
-mkdir -p "$OUT"
+RESULTS="${JD_GPU_RESULTS:-results/gpu}"
+DEADLINE="${JD_GPU_DEADLINE:-560}"
+mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # several pytest workers share the GPU: none may take most of its memory up front
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY="${JD_PYTHON:-python3}"
-LOG="$OUT/log.txt"
+LOG="$RESULTS/log.txt"
+CPU_FLAG=()  # a rehearsal on a CPU: toy sizes, whatever the stage asks for
+[ "${JD_GPU_ALLOW_CPU:-0}" = 1 ] && CPU_FLAG=(--allow-cpu --quick --sizes 512 --repeats 2)
 
-stage() {  # stage NAME SECONDS COMMAND...
+stage() {  # stage NAME SECONDS COMMAND...: runs it under min(SECONDS, time left)
     local name=$1 limit=$2; shift 2
+    local left=$((DEADLINE - SECONDS - 10))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 20 ]; then
+        echo "=== $name: skipped ($((DEADLINE - SECONDS)) s left of JD_GPU_DEADLINE)" | tee -a "$LOG"
+        return
+    fi
     echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$LOG"
     local t0=$SECONDS
-    timeout "$limit" "$@" 2>&1 | tee -a "$LOG" | tail -n 60
+    # SIGINT first: pytest and the benchmarks then print what they have
+    timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG" | tail -n 40
     echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0))s" | tee -a "$LOG"
 }
 
 bench() {  # bench NAME SECONDS ARGS...
     local name=$1 limit=$2; shift 2
     stage "bench $name" "$limit" "$PY" -m benchmarks gpu --threads 16 --no-plot \
-        --json "$OUT/gpu_$name.json" "$@"
+        --json "$RESULTS/gpu_$name.json" "$@" "${CPU_FLAG[@]}"
+}
+
+pack() {  # the results back through the device tool's $OUT (8 files at most there)
+    [ -n "${OUT:-}" ] || return 0
+    tar -czf "$OUT/gpu_results.tgz" -C "$RESULTS" . 2>/dev/null
+    cp "$LOG" "$OUT/log.txt"
+    ls -la "$OUT"
 }
 
 for s in "$@"; do
     case $s in
     env)
-        stage env 60 bash -c "nvidia-smi; $PY -c 'import sys, jax, jaxlib, flax, torch; \
+        stage env 60 bash -c "nvidia-smi; uptime; $PY -c 'import sys, jax, jaxlib, flax, torch; \
 print(sys.version); print(jax.__version__, jaxlib.__version__, flax.__version__, \
 torch.__version__, torch.version.cuda); print(jax.devices())'; \
 $PY -c 'import jax_dilated as jd; jd.backend_report()'" ;;
-    tests)
-        stage tests 300 "$PY" -m pytest -q -n 4 --dist loadfile -p no:cacheprovider \
-            tests/test_backends.py tests/test_cudnn_lowering.py -rs ;;
-    suite)
-        stage suite 420 "$PY" -m pytest -q -n 6 --dist loadfile -p no:cacheprovider \
-            tests/test_kernel.py tests/test_parity.py tests/test_window.py \
-            tests/test_dilated_window.py tests/test_layers.py tests/test_decode.py \
-            tests/test_softmax.py tests/test_block_sparse.py ;;
-    full)  # the whole suite, in what is left of JD_GPU_BUDGET seconds (default 580)
-        stage full $(( ${JD_GPU_BUDGET:-580} - SECONDS )) "$PY" -m pytest -q -n 8 \
-            --dist loadfile -p no:cacheprovider -rfE tests ;;
-    quick) bench quick 120 --quick ;;
-    small) bench small 300 --sizes 16384,65536 ;;
-    causal) bench causal 240 --sizes 65536 --causal ;;
-    large) bench large 300 --sizes 262144 --ops dilated,segments,ring_device,torch ;;
-    huge) bench huge 400 --sizes 1048576 --ops dilated,segments,torch --repeats 3 ;;
+    suite)  # -v: every result is in the log even if the time runs out; -rfE: failures at the end
+        stage suite 9999 "$PY" -m pytest -v -n "${JD_GPU_WORKERS:-14}" --dist loadfile -p no:cacheprovider -rfE \
+            --durations=25 --junitxml="$RESULTS/suite.xml" tests ;;
+    quick) bench quick 120 --quick --ops dilated,segments,dense,torch,variants --profile ;;
+    small) bench small 60 --sizes 16384 --ops dilated,dense,torch ;;
+    t64) bench t64 130 --sizes 65536 --ops dilated,segments,dense,torch,variants --profile ;;
+    causal) bench causal 60 --sizes 65536 --causal --ops dilated,dense,torch ;;
+    large) bench large 70 --sizes 262144 --ops dilated,segments,torch --profile ;;
+    huge) bench huge 80 --sizes 1048576 --ops dilated,torch --repeats 3 ;;
+    slide)
+        stage slide 90 "$PY" -m benchmarks slide gpu --threads 16 --repeats 3 --no-plot \
+            --json "$RESULTS/slide_gpu.json" \
+            ${JD_GPU_ALLOW_CPU:+--allow-cpu --quick} ;;
     chunks)  # longnet at 1M against the streamed chunk size (CudnnKernel.STREAM_CHUNK_BYTES)
         for mib in 512 2048 4096; do
-            bench "chunks_$mib" 200 --sizes 1048576 --ops dilated --modes longnet \
+            bench "chunks_$mib" 100 --sizes 1048576 --ops dilated --modes longnet \
                 --repeats 3 --stream-chunk-mib "$mib"
         done ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
     esac
 done
+pack
