@@ -68,6 +68,43 @@ def _dropout_keep(args: KernelArgs, rng, i, j, shape, dtype):
     return keep.astype(dtype) / jnp.asarray(1.0 - args.dropout_rate, dtype)
 
 
+# tanh in float32: x + x^3 P(x^2) for |x| < _TANH_POLY_BELOW (P fitted to float64 tanh
+# by weighted least squares in x^2: 0.7 ulp), 1 - 2e / (1 + e) with e = exp(-2|x|)
+# above (1.2 ulp with XLA's 1-ulp exp; (1 - e) / (1 + e) reaches 1.5).
+_TANH_POLY_BELOW = 0.7
+_TANH_POLY = (-0.33333325386047363, 0.1333303600549698, -0.0539264902472496,
+              0.021595967933535576, -0.00793357565999031, 0.001933074090629816)
+
+
+def _tanh_and_exp(x):
+    """``(tanh(x), exp(-2|x|))``. In float32 ``tanh`` to about an ulp (XLA:CPU's own
+    float32 tanh is off by up to 5 ulps, which is ``2.5e-7 c`` in a logit capped at
+    ``c``: 1.2e-5 at c = 50, several times float32's rounding of the logit); XLA's
+    tanh in float64, where it is exact to well below the float64 tolerance."""
+    a = jnp.abs(x)
+    e = jnp.exp(-2.0 * a)
+    if x.dtype != jnp.float32:
+        return jnp.tanh(x), e
+    y = a * a
+    poly = jnp.asarray(_TANH_POLY[-1], x.dtype)
+    for c in _TANH_POLY[-2::-1]:
+        poly = poly * y + jnp.asarray(c, x.dtype)
+    small = a + (a * y) * poly
+    big = 1.0 - 2.0 * e / (1.0 + e)
+    return jnp.copysign(jnp.where(a < _TANH_POLY_BELOW, small, big), x), e
+
+
+def soft_cap_tanh(x):
+    """``tanh(x)`` as the soft-cap computes it (:func:`_tanh_and_exp`: about an ulp in
+    float32)."""
+    return _tanh_and_exp(x)[0]
+
+
+def _slope_from_exp(e):
+    """``sech^2(x) = 4 e / (1 + e)^2`` from ``e = exp(-2|x|)``."""
+    return 4.0 * e / jnp.square(1.0 + e)
+
+
 def soft_cap_slope(x):
     """``d tanh(x)/dx = sech^2(x)``, as ``4 e / (1 + e)^2`` with ``e = exp(-2|x|)``.
 
@@ -76,27 +113,35 @@ def soft_cap_slope(x):
     past about 9, tanh having rounded to 1; how badly, below that, depends on the
     CPU's tanh). This form keeps a few ulps of relative accuracy at every ``x``.
     """
-    e = jnp.exp(-2.0 * jnp.abs(x))
-    return 4.0 * e / jnp.square(1.0 + e)
+    return _slope_from_exp(jnp.exp(-2.0 * jnp.abs(x)))
 
 
 def _soft_cap(s, cap, slope: bool = False):
-    """Soft-capped logits ``cap tanh(s / cap)`` and, with ``slope``, the backward's
-    ``d(capped)/ds = sech^2(s / cap)`` (:func:`soft_cap_slope`; else None);
-    ``(s, None)`` without a cap."""
+    """Soft-capped logits ``cap tanh(s / cap)`` (:func:`soft_cap_tanh`) and, with
+    ``slope``, the backward's ``d(capped)/ds = sech^2(s / cap)``
+    (:func:`soft_cap_slope`, from the same exponential; else None); ``(s, None)``
+    without a cap."""
     if cap is None:
         return s, None
     x = s * jnp.asarray(1.0 / cap, s.dtype)
-    return jnp.tanh(x) * jnp.asarray(cap, s.dtype), soft_cap_slope(x) if slope else None
+    t, e = _tanh_and_exp(x)
+    return t * jnp.asarray(cap, s.dtype), _slope_from_exp(e) if slope else None
+
+
+def _raw_logits(q3, k3, post_scale: float, stats):
+    """``(q k^T) post_scale`` [B, rows, keys] of three-axis operands (q3 [B, rows, D]
+    carrying the pre-scale, k3 [B, keys, D]), before any cap: the one product the
+    forward and a capped backward both compute the logits with."""
+    s = jnp.einsum("bqd,bkd->bqk", q3, k3, preferred_element_type=stats)
+    if post_scale != 1.0:
+        s = s * jnp.asarray(post_scale, stats)
+    return s
 
 
 def _logits(q_blk, k_blk, post_scale: float, stats, cap=None):
     """Logits [B, bq, bk] of one block, soft-capped by ``cap`` (q_blk [B, bq, D]
     already carries the pre-scale; k_blk [B, bk, D])."""
-    s = jnp.einsum("bqd,bkd->bqk", q_blk, k_blk, preferred_element_type=stats)
-    if post_scale != 1.0:
-        s = s * jnp.asarray(post_scale, stats)
-    return _soft_cap(s, cap)[0]
+    return _soft_cap(_raw_logits(q_blk, k_blk, post_scale, stats), cap)[0]
 
 
 def flat_shape(rows_shape):
@@ -213,10 +258,22 @@ def _backward_block(carry, q_blk, k_blk, k_t, v_blk, do_blk, lse_blk, delta_blk,
 
     qf, dof = q_blk.reshape(b, g * bq, d), do_blk.reshape(b, g * bq, d)
     kf, vf = flat_keys(k_blk), flat_keys(v_blk)
-    st = jnp.einsum("bkd,bqd->bkq", kf, qf, preferred_element_type=stats)
-    if post_scale != 1.0:
-        st = st * post
-    st, slope = _soft_cap(st, cap, slope=True)
+    if cap is None:
+        st = jnp.einsum("bkd,bqd->bkq", kf, qf, preferred_element_type=stats)
+        if post_scale != 1.0:
+            st = st * post
+        slope = None
+    else:
+        # Capped logits are the forward's own, bit for bit: its product (q k^T, not
+        # k q^T), transposed. The two orders of the product may add the D terms in
+        # different orders (XLA:CPU does where one side is 8 wide: 16x8 blocks against
+        # 8x16), and then p = exp(s - lse) no longer sums to 1 against the forward's
+        # lse and delta: sum_t ds_t != 0, and dq takes that error times the mean key.
+        # Soft-capping is for logits of order c by design, where those orderings differ
+        # by ~eps sum |q_i k_i| ~ 1e-5 (a 5e-5 error in dq at c = 50). The barrier keeps
+        # XLA from folding the transpose back into the product.
+        s = jax.lax.optimization_barrier(_raw_logits(qf, kf, post_scale, stats))
+        st, slope = _soft_cap(jnp.swapaxes(s, 1, 2), cap, slope=True)
     if mask_t is not None:
         st = jnp.where(jnp.broadcast_to(mask_t, full).reshape(flat), st, -jnp.inf)
     pt = jnp.exp(st - rows(lse_blk))
