@@ -94,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the library's): the queries and keys per cuDNN call when "
                         "longnet's differentiated program streams a branch")
     p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--cell-seconds", type=float, default=20.0,
+                   help="a cell whose interleaved calls would take longer than this is "
+                        "timed alone with as many calls as fit (default 20)")
     p.add_argument("--profile", action="store_true",
                    help="after timing each length, trace the dilated cells' calls with "
                         "jax.profiler and report where the device time goes (kernels "
@@ -212,7 +215,9 @@ class Cells:
     the rest), then times all of them in interleaved rounds
     (``harness.time_interleaved``: every cell sees the same state of the device and
     its host) and appends one JSON cell per variant to ``results``. Should a round
-    fail, the cells are timed one after another instead (``"interleaved": false``)."""
+    fail, the cells are timed one after another instead (``"interleaved": false``); a
+    cell whose first call says its rounds would take over ``--cell-seconds`` is timed
+    alone afterwards, with as many calls as fit in that time."""
 
     def __init__(self, args, results: list[dict]):
         self.args, self.results = args, results
@@ -246,13 +251,21 @@ class Cells:
         self.results.append(cell)
 
     def run(self):
-        ready = []
+        import time
+        ready, slow = [], []
+        rounds = self.args.warmup + 2 * self.args.repeats  # harness.LEAD_IN = 1 per call
         for cell, call in self.pending:
             try:
+                t0 = time.perf_counter()
                 call()
-                ready.append((cell, call))
+                cell["first_call_s"] = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - e.g. out of memory
                 self._failed(cell, e)
+                continue
+            # a cell that would take most of the run (e.g. soft-capping on the XLA kernel
+            # of a GPU) is timed alone, with as many calls as its share allows
+            (slow if cell["first_call_s"] * rounds > self.args.cell_seconds else ready).append(
+                (cell, call))
         self.pending = []
         calls = {str(i): call for i, (_, call) in enumerate(ready)}
         try:
@@ -269,14 +282,26 @@ class Cells:
             except Exception as e:  # noqa: BLE001
                 self._failed(cell, e)
                 continue
-            cell.update(timing.to_json(), interleaved=interleaved,
-                        device_memory_after=_memory_stats())
-            if cell.get("flops"):
-                _with_rates(cell, cell["flops"], self.args.batch * cell["n"])
-            rate = f"{cell['tflops']:8.2f} TFLOP/s" if "tflops" in cell else ""
-            print(f"  {cell['op']:<26} n={cell['n']:<8} {cell['pass']:<16} "
-                  f"{cell['median_s'] * 1e3:10.2f} ms {rate}", flush=True)
-            self.results.append(cell)
+            self._timed(cell, timing, interleaved)
+        for cell, call in slow:
+            count = max(1, int(self.args.cell_seconds / (2 * cell["first_call_s"])))
+            try:
+                timing = harness.time_calls(call, repeats=count, warmup=0,
+                                            block=lambda result: result)
+            except Exception as e:  # noqa: BLE001
+                self._failed(cell, e)
+                continue
+            self._timed(cell, timing, False)
+
+    def _timed(self, cell: dict, timing, interleaved: bool):
+        cell.update(timing.to_json(), interleaved=interleaved,
+                    device_memory_after=_memory_stats())
+        if cell.get("flops"):
+            _with_rates(cell, cell["flops"], self.args.batch * cell["n"])
+        rate = f"{cell['tflops']:8.2f} TFLOP/s" if "tflops" in cell else ""
+        print(f"  {cell['op']:<26} n={cell['n']:<8} {cell['pass']:<16} "
+              f"{cell['median_s'] * 1e3:10.2f} ms {rate}", flush=True)
+        self.results.append(cell)
 
 
 def _with_rates(res: dict, flops: float, tokens: int) -> dict:
@@ -325,7 +350,7 @@ def run(args: argparse.Namespace) -> dict:
     config = {k: getattr(args, k) for k in (
         "sizes", "segments", "rates", "modes", "ops", "batch", "heads", "head_dim", "dtype",
         "causal", "implementation", "ring_devices", "dense_max_n", "repeats", "warmup",
-        "no_backward", "quick", "seed", "threads", "profile")}
+        "no_backward", "quick", "seed", "threads", "profile", "cell_seconds")}
     jd.backend_report()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     print(f"device: {jax.devices()[0].device_kind} | driver: {_driver()} | JAX "
@@ -347,6 +372,11 @@ def run(args: argparse.Namespace) -> dict:
         CudnnKernel.STREAM_CHUNK_BYTES = args.stream_chunk_mib << 20
     kernel = get_kernel(args.implementation)
     kargs = KernelArgs(scale=scale, is_causal=args.causal)
+
+    def kernel_output(q, k, v):
+        # only the output is used (and differentiated): lse_grad=False lets cuDNN run
+        # its own backward, as dilated attention's calls do
+        return kernel.attention(q, k, v, kargs, lse_grad=False)[0]
     for n in args.sizes:
         cells = Cells(args, results)
         shape = (b, n, heads, d)
@@ -378,14 +408,12 @@ def run(args: argparse.Namespace) -> dict:
                             b * (n // w), w // r, hb, d) for x in xs)
 
                 def segments_fwd(q, k, v):
-                    return [kernel.attention(sq, sk, sv, kargs)[0]
-                            for sq, sk, sv in segment_batches(q, k, v)]
+                    return [kernel_output(sq, sk, sv) for sq, sk, sv in segment_batches(q, k, v)]
 
                 def segments_fwd_bwd(q, k, v, g):
                     outs = []
                     for sq, sk, sv, sg in segment_batches(q, k, v, g):
-                        o, vjp = jax.vjp(lambda a, b_, c: kernel.attention(a, b_, c, kargs)[0],
-                                         sq, sk, sv)
+                        o, vjp = jax.vjp(kernel_output, sq, sk, sv)
                         outs.append((o, vjp(sg)))
                     return outs
 
@@ -413,8 +441,7 @@ def run(args: argparse.Namespace) -> dict:
             if n > args.dense_max_n:
                 print(f"  dense n={n}: skipped (above --dense-max-n {args.dense_max_n})")
             else:
-                def dense(q, k, v):
-                    return kernel.attention(q, k, v, kargs)[0]
+                dense = kernel_output
 
                 pairs = n * (n + 1) // 2 if args.causal else n * n
                 fw = 4 * d * heads * b * pairs

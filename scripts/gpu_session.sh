@@ -6,17 +6,19 @@
 # results/gpu); where $OUT is set (the device tool's folder of files to bring back),
 # the last stage packs them into $OUT/gpu_results.tgz and copies the log beside it.
 #
-#   bash scripts/gpu_session.sh env small t64 causal large huge slide   # one after another
-#   bash scripts/gpu_session.sh suite                                    # the whole suite
+#   bash scripts/gpu_session.sh env small t64 slide causal large huge   # one after another
+#   bash scripts/gpu_session.sh suite variants                           # on the same machine
 #
 # Stages: env (versions, nvidia-smi, jd.backend_report()); suite (the whole test suite,
 # JAX's default backend the GPU); small (16K: dilated, dense, torch); t64 (64K: dilated,
-# segment kernels, dense, torch, the variants with windows, soft-cap, sinks, packed rows
-# and non-dividing segments, and a profile of the dilated calls); causal (64K causal);
+# segment kernels, dense, torch, and a profile of the dilated calls); variants (64K:
+# head_groups with a window branch, soft-cap, sinks, packed rows and non-dividing
+# segments against the plain call; its slow cells timed alone); causal (64K causal);
 # large (256K, profiled); huge (1M); slide (Prov-GigaPath's slide encoder in bfloat16
-# and float32 against the CPU's float32, then timed at 10K and 100K tiles); chunks
-# (longnet at 1M with 512 MiB, 2 GiB and 4 GiB streamed chunks); quick (toy sizes:
-# with JD_GPU_ALLOW_CPU=1 a rehearsal on a CPU).
+# and float32 against the CPU's float32 at 2,000 tiles, then timed at 10K and 100K
+# tiles); chunks (longnet at 1M with 512 MiB, 2 GiB and 4 GiB streamed chunks); quick
+# (toy sizes). With JD_GPU_ALLOW_CPU=1 every stage but suite rehearses on a CPU at toy
+# sizes.
 # Every stage ends by its own limit and by JD_GPU_DEADLINE (seconds from the start,
 # default 560), so the results are packed before the caller's own limit; a stage
 # with under 20 s left is skipped. A stage that fails or runs out of time is logged
@@ -74,7 +76,8 @@ $PY -c 'import jax_dilated as jd; jd.backend_report()'" ;;
             --durations=25 --junitxml="$RESULTS/suite.xml" tests ;;
     quick) bench quick 120 --quick --ops dilated,segments,dense,torch,variants --profile ;;
     small) bench small 60 --sizes 16384 --ops dilated,dense,torch ;;
-    t64) bench t64 130 --sizes 65536 --ops dilated,segments,dense,torch,variants --profile ;;
+    t64) bench t64 100 --sizes 65536 --ops dilated,segments,dense,torch --profile ;;
+    variants) bench variants 100 --sizes 65536 --ops variants --cell-seconds 8 ;;
     causal) bench causal 60 --sizes 65536 --causal --ops dilated,dense,torch ;;
     large) bench large 70 --sizes 262144 --ops dilated,segments,torch --profile ;;
     huge) bench huge 80 --sizes 1048576 --ops dilated,torch --repeats 3 ;;

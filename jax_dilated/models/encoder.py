@@ -391,7 +391,7 @@ def expected_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
     params = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
     out = {}
     for name, (path, transposed) in _torch_layout(module).items():
-        shape = tuple(params[path][...].shape)
+        shape = tuple(params[path].shape)  # (also of an abstract module, nnx.eval_shape)
         out[name] = shape[::-1] if transposed else shape
     return out
 
