@@ -101,6 +101,40 @@ def test_low_precision_on_each_kernel(reference, implementation, dtype):
         assert rel_err(got, exp) < TOL[dtype]
 
 
+# Prov-GigaPath's default segments (max_wsi_size 262144): at 1,068 tiles the second
+# 1024-segment holds 45 real keys and 979 zero slots; nothing shifts below 185,363
+GIGAPATH = ((1024, 5792, 32768, 185363, 1048576), (1, 2, 4, 8, 16))
+
+
+@pytest.mark.parametrize("implementation", _kernels())
+def test_unshifted_branches_add_their_zero_slots_in_place(reference, monkeypatch,
+                                                          implementation):
+    """Where no branch shifts (Prov-GigaPath's slides below 185,363 tiles), each branch
+    runs on the sequence itself and its zero slots are added to its softmax afterwards:
+    float64 output and gradients equal the reference, and the padded program's."""
+    from jax_dilated.ops import dilated_torchscale as ts
+    t, (segs, rates) = 1069, GIGAPATH
+    assert ts.unshifted(ts.padded_branches(zip(segs, rates), t))
+    assert ts.zero_slots(ts.padded_branches(zip(segs, rates), t)[0], np.arange(8), 8)[
+        1024:].max() == 979
+    q, k, v = _inputs(t, 8, batch=1, seed=3)
+    ct = np.random.default_rng(4).standard_normal(q.shape)
+    want, want_grads = _torch_out(reference, q, k, v, segs, rates, False, ct)
+    dtype = "float64" if implementation == "xla" else "float32"  # native: no float64
+    results = []
+    for in_place in (True, False):
+        if not in_place:
+            monkeypatch.setattr(ts, "unshifted", lambda branches: False)
+        fn = jax.jit(lambda q, k, v: _ours(q, k, v, segs, rates, dtype,
+                                           implementation=implementation))
+        out, vjp = jax.vjp(fn, *(to_jax(x, dtype) for x in (q, k, v)))
+        results.append((out, *vjp(to_jax(ct, dtype))))
+    for got, exp in zip(results[0], (want, *want_grads)):
+        assert rel_err(got, exp) < TOL[dtype]
+    for got, exp in zip(*results):
+        assert rel_err(got, exp) < TOL[dtype]
+
+
 def test_grouped_kv_heads_read_their_query_heads_kv(reference):
     """GQA: 8 query heads on 2 kv heads equal the reference on repeated kv heads."""
     q, _, _ = _inputs(41, 8, seed=5)

@@ -15,8 +15,20 @@ That is exactly exact dilated attention of the one branch ``(m, r)`` (``"blocked
 head offsets) on the *padded* sequence of ``n m`` tokens with every position a real
 key (:class:`PaddedBranch`), whose first ``L`` outputs are torchscale's: each branch
 runs as its own one-device program (:func:`jax_dilated.ops.dilated_programs.one_device`,
-so on every kernel) on its padded copy of q, k, v (pads and reshapes, no gather). The
-branches are then mixed by a softmax of their log-sum-exps with no gradient through
+so on every kernel) on its padded copy of q, k, v (pads and reshapes, no gather).
+
+Where no branch shifts its outputs (each ``w'`` a multiple of its ``r``, or one segment:
+Prov-GigaPath's slides below 185,363 tiles) and a kernel serves ragged segments itself
+(the native and XLA kernels; cuDNN serves whole segments only, so it keeps the padded
+copies), each branch runs instead as exact dilated attention ``(w', r)`` on the
+sequence itself, and its ``z`` zero slots are added afterwards (:func:`_add_zero_slots`):
+``lse' = log(exp(lse) + z)``, ``o' = o exp(lse - lse')``, exactly the padded softmax
+(zero keys add ``exp(0)`` each to its denominator and nothing to its numerator), with
+its gradients; causal attention needs nothing added, every zero slot of a column coming
+after its real ones. That skips the copies and the zero slots' work (a 1,068-tile slide's
+second 1024-segment would hold 979 zero keys).
+
+The branches are then mixed by a softmax of their log-sum-exps with no gradient through
 the weights, an lse of exactly 0 or an uncovered position counting as ``-1e8``
 (:func:`merge`).
 """
@@ -34,8 +46,8 @@ from jax_dilated.core import branch_plans
 from jax_dilated.ops import head_parallel
 from jax_dilated.ops.dilated_programs import DilatedCall, one_device
 
-__all__ = ["PaddedBranch", "padded_branches", "attend", "device_program", "merge",
-           "UNCOVERED_LSE", "MESH_REASON"]
+__all__ = ["PaddedBranch", "padded_branches", "unshifted", "zero_slots", "attend",
+           "device_program", "merge", "UNCOVERED_LSE", "MESH_REASON"]
 
 # torchscale's log-sum-exp of a (position, head) that a branch does not cover
 UNCOVERED_LSE = -1e8
@@ -113,6 +125,44 @@ def merge(outs, lses, dtype):
     return acc.astype(dtype), jax.scipy.special.logsumexp(lse, axis=0)
 
 
+def unshifted(branches) -> bool:
+    """Whether every branch's outputs stay at their positions: its segment a multiple
+    of its rate (``m = w'``), or one segment (the padding falls past ``L``)."""
+    return all(pb.padded_segment == pb.segment or pb.num_segments == 1 for pb in branches)
+
+
+def zero_slots(pb: PaddedBranch, heads, num_heads: int) -> np.ndarray:
+    """[L, len(heads)] the zero slots in the softmax of each (position, head) the branch
+    covers: ``m / r`` slots per (segment, offset) less the real positions of that
+    column; 0 where the branch does not cover the pair."""
+    w, r, m, t = pb.segment, pb.rate, pb.padded_segment, pb.seq_len
+    offsets = branch_plans.head_offsets(num_heads, r, "blocked")[np.asarray(heads)]  # [Hs]
+    pos = np.arange(t)
+    start = (pos // w) * w
+    real_len = np.minimum(w, t - start)  # [L]: the length of each position's segment
+    column = (pos - start) % r
+    real = -(-(real_len[:, None] - offsets[None, :]) // r)  # ceil, [L, Hs]
+    z = m // r - np.maximum(real, 0)
+    return np.where(column[:, None] == offsets[None, :], z, 0)
+
+
+def _add_zero_slots(o, lse, pb: PaddedBranch, heads, num_heads: int):
+    """torchscale's branch result from the exact one: ``z`` keys of logit 0 and value 0
+    added to each covered softmax, ``lse' = log(exp(lse) + z)`` and ``o' = o exp(lse -
+    lse')`` (differentiable: the result is a function of the exact softmax's own
+    statistics). Uncovered pairs (``lse = -inf``) stay as they are."""
+    z = zero_slots(pb, heads, num_heads)
+    if not z.any():
+        return o, lse
+    covered = jnp.isfinite(lse)
+    log_z = jnp.asarray(np.log(np.maximum(z, 1)), lse.dtype)
+    safe = jnp.where(covered, lse, 0.0)
+    padded = jnp.where(jnp.asarray(z > 0), jnp.logaddexp(safe, log_z), safe)
+    factor = jnp.where(covered, jnp.exp(safe - padded), 0.0)
+    o = (o.astype(factor.dtype) * factor[..., None]).astype(o.dtype)
+    return o, jnp.where(covered, padded, lse)
+
+
 def attend(call: DilatedCall, query, key, value, rng, *, heads=None,
            num_heads: int | None = None, valid_length: int | None = None):
     """``(out [B, L, H, D], lse [B, L, H])`` of torchscale's dilated attention on one
@@ -128,14 +178,27 @@ def attend(call: DilatedCall, query, key, value, rng, *, heads=None,
     heads = np.arange(h_local) if heads is None else np.asarray(heads)
     num_heads = h_local if num_heads is None else num_heads
     outs, lses = [], []
-    for i, pb in enumerate(padded_branches(call.branches, length)):
-        plans = head_parallel.head_plans((pb.plan_branch,), pb.padded_len, num_heads, heads,
-                                         hkv, "longnet", "blocked")
-        key_i = None if rng is None else jax.random.fold_in(rng, i)
-        o, lse = one_device(call.kernel, call.args, plans, "longnet", pb.lay_out(query),
-                            pb.lay_out(key), pb.lay_out(value), None, key_i, lse_grad=False)
-        outs.append(o[:, :length])
-        lses.append(lse[:, :length])
+    branches = padded_branches(call.branches, length)
+    in_place = rng is None and unshifted(branches) and (call.kernel.blockwise
+                                                        or call.kernel.fused_dilated)
+    for i, pb in enumerate(branches):
+        if in_place:  # the zero slots added to each softmax afterwards
+            plans = head_parallel.head_plans(((pb.segment, pb.rate),), length, num_heads,
+                                             heads, hkv, "longnet", "blocked")
+            o, lse = one_device(call.kernel, call.args, plans, "longnet", query, key, value,
+                                None, None, lse_grad=True)
+            if not call.args.is_causal:  # (causal: every zero slot follows the real ones)
+                o, lse = _add_zero_slots(o, lse, pb, heads, num_heads)
+        else:
+            plans = head_parallel.head_plans((pb.plan_branch,), pb.padded_len, num_heads,
+                                             heads, hkv, "longnet", "blocked")
+            key_i = None if rng is None else jax.random.fold_in(rng, i)
+            o, lse = one_device(call.kernel, call.args, plans, "longnet", pb.lay_out(query),
+                                pb.lay_out(key), pb.lay_out(value), None, key_i,
+                                lse_grad=False)
+            o, lse = o[:, :length], lse[:, :length]
+        outs.append(o)
+        lses.append(lse)
     out, lse = merge(outs, lses, query.dtype)
     if length < t:
         out = jnp.pad(out, [(0, 0), (0, t - length), (0, 0), (0, 0)])
