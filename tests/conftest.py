@@ -188,3 +188,30 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_make_collect_report(collector):
     with _our_warnings_fail():   # module-level code of the test files
         return (yield)
+
+
+# ------------------------------------- the default kernel as an NVIDIA GPU chooses it
+#
+# On a GPU, implementation=None is the cuDNN kernel (calls it cannot serve, float64
+# among them, go to the XLA kernel one by one), which is neither blockwise nor fused:
+# the one-device program is then "batched" or the non-blockwise "streamed"
+# (ops/dilated_programs.choose_program), paths a CPU never takes by itself. A test
+# that takes this fixture runs twice: with this machine's default kernel, and with
+# the default that a (described) H100 gets, cuDNN's wrapper around its pure-JAX
+# stand-in primitive (backends/cudnn_reference.py).
+
+
+@pytest.fixture(params=["default", "cudnn-reference"])
+def default_kernel(request, monkeypatch):
+    """The name of the default kernel in force: "default" (this machine's) or
+    "cudnn-reference" (a described H100's, around the stand-in primitive)."""
+    if request.param == "cudnn-reference":
+        from jax_dilated.backends import cudnn, registry, selection
+
+        h100 = selection.DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", (9, 0), "cuda")
+        auto = registry.AutoKernel(cudnn.CudnnKernel(ops=cudnn.ReferenceOps(), device=h100))
+        chosen = registry.select_implementation
+        monkeypatch.setattr(registry, "select_implementation", lambda impl, **kw: (
+            "cudnn" if impl is None else chosen(impl, **kw)))
+        monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
+    return request.param

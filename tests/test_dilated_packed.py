@@ -186,3 +186,36 @@ def test_packed_bad_input():
                       mesh=jax.make_mesh((1,), ("s",)), in_specs=jax.sharding.PartitionSpec(),
                       out_specs=jax.sharding.PartitionSpec(),
                       check_vma=False)(q, k, v, jnp.asarray(ids))
+
+
+@pytest.mark.parametrize("bound", [None, 4], ids=["compact", "aligned"])
+def test_streams_gather_rows_without_batching_dimensions(bound):
+    """The streams of packed rows gather per row through flat indices
+    (``core.arrays.take_rows``): the program of two rows, forward and backward, has no
+    gather or scatter with batching dimensions, which ``jnp.take_along_axis`` lowers
+    to. On an H200 (JAX 0.11.2) every packed-rows test whose streams held two rows was
+    wrong while those of one row were right, and those dimensions over the rows were
+    the difference between their programs; ``take_rows`` equals ``take_along_axis``."""
+    import re
+
+    from jax_dilated.core.arrays import take_rows
+
+    q, k, v, g, ids = _rows([[5, 10, 1, 16], [32]], seed=2)
+    kw = dict(segment_lengths=(jd.SlidingWindow(4), 8, 16), dilation_rates=(1, 1, 2),
+              is_causal=True, max_documents=bound)
+
+    def loss(q, k, v):
+        return jnp.sum(jd.dilated_attention(q, k, v, segment_ids=jnp.asarray(ids), **kw) * g)
+
+    text = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(q, k, v).as_text()
+    assert "stablehlo.gather" in text
+    batched = re.findall(r"(?:operand|input|start_indices|scatter_indices)_batching_dims"
+                         r" = \[\d", text)
+    assert not batched, batched
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 9, 3, 2))
+    for idx in (rng.integers(0, 9, (2, 5, 3)), rng.integers(0, 9, (2, 5, 1)),
+                rng.integers(0, 9, (2, 4))):
+        full = idx.reshape(*idx.shape, *(1,) * (x.ndim - idx.ndim))
+        np.testing.assert_array_equal(take_rows(jnp.asarray(x), jnp.asarray(idx)),
+                                      np.take_along_axis(x, full, axis=1))

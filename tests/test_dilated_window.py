@@ -243,6 +243,64 @@ def test_packed_rows_equal_documents_alone():
         assert_close(packed, np.concatenate(alone, axis=1), TOL["float64"], (mode, bound))
 
 
+def test_gpu_programs_float64(default_kernel):
+    """With the default kernel as a GPU chooses it (``default_kernel``: cuDNN's
+    wrapper, float64 calls on the XLA kernel one by one), float64 at 1e-10: a window
+    beside non-dividing segments (T = 24) with kv_mask, GQA and sinks against the
+    PyTorch reference (the batched program there), longnet with every segment
+    dividing (the non-blockwise streamed program, its primal the batched one) against
+    the XLA kernel, and packed rows of two rows (the streams gather per row; an H200
+    gave wrong numbers there) with the window beside, documents alone, output and
+    gradients."""
+    from jax_dilated.backends import registry
+    from jax_dilated.ops import dilated_programs
+
+    gpu = default_kernel == "cudnn-reference"
+    assert (registry.get_kernel(None).name == "auto") == gpu
+    q, k, v, g, sinks = make_inputs(3, 24, 2)
+    mask = np.random.default_rng(2).random((B, 24)) > 0.3
+    kw = dict(mode="longnet", kv_mask=mask)
+    out, grads = ours(q, k, v, g, sinks, **kw)
+    want, want_grads = reference(q, k, v, g, sinks, **kw)
+    assert_close(out, want, TOL["float64"], "out")
+    for name, a, e in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+        assert_close(a, e, TOL["float64"], name)
+
+    def program(segments, rates, t):  # the one-device program of such a call
+        call = dilated_programs.DilatedCall.of(segments, rates, mode="longnet",
+                                               head_offsets="modulo", head_dim=D,
+                                               is_causal=True)
+        x = jnp.zeros((B, t, H, D))
+        return dilated_programs.choose_program(
+            call.kernel, call.args, call.plans(seq_len=t, num_heads=H, num_kv_heads=2),
+            "longnet", x, x[:, :, :2], None, None)[0]
+
+    if gpu:
+        assert program(SEGMENTS, RATES, 24) == "batched"
+        assert program((8, 16), (1, 2), 16) == "streamed"
+    whole = dict(segments=(8, 16), rates=(1, 2), is_causal=True)
+    args = [x[:, :16] for x in (q, k, v, g)]
+    want, want_grads = reference(*args, None, **whole)
+    fn = jax.jit(lambda q, k, v: jd.dilated_attention(
+        q, k, v, segment_lengths=(8, 16), dilation_rates=(1, 2), is_causal=True, scale=SCALE))
+    assert_close(fn(*args[:3]), want, TOL["float64"], "not differentiated")
+    out, grads = ours(*args, None, **whole)
+    for what, a, e in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads)):
+        assert_close(a, e, TOL["float64"], what)
+
+    # packed rows, two of them: each document alone through the reference
+    ids = np.array([[0] * 7 + [1] * 17, [0] * 13 + [1] * 11])
+    kw = dict(mode="head_groups", is_causal=True)
+    out, grads = ours(q, k, v, g, None, segment_ids=ids, **kw)
+    want = [np.zeros_like(x) for x in (q, q, k, v)]  # out, dq, dk, dv
+    for b, n in enumerate((7, 13)):
+        for s in (slice(0, n), slice(n, 24)):
+            o, dqkv = reference(*(x[b:b + 1, s] for x in (q, k, v, g)), None, **kw)
+            for w, x in zip(want, (o, *dqkv)):
+                w[b:b + 1, s] = x
+    for what, a, e in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
+        assert_close(a, e, TOL["float64"], what)
+
 def _sharded(p, **kw):
     """``dilated_attention(seq_axis=...)`` inside shard_map on ``p`` devices, global
     arrays; the sinks replicated."""

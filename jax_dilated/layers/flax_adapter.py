@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dilated.core.arrays import take_rows
 from jax_dilated.core.types import (Array, ArrayLike, HeadOffsets, Implementation, Mode,
                                     SegmentLengths)
 from jax_dilated.core.validation import (check_dropout, check_dropout_rate, check_flag,
@@ -91,6 +92,12 @@ class _MaskParts(NamedTuple):
     documents: jax.Array | None  # int32 [B, T] document start of each token (packed)
 
 
+def _take_rows(x, idx, xp):
+    """``take_along_axis(x, idx, axis=1)`` of [B, T] arrays (traced: as flat indices,
+    :func:`jax_dilated.core.arrays.take_rows`)."""
+    return np.take_along_axis(x, idx, axis=1) if xp is np else take_rows(x, idx)
+
+
 def _cummax(x, xp):
     """Running maximum along axis 1."""
     return np.maximum.accumulate(x, axis=1) if xp is np else jax.lax.cummax(x, axis=1)
@@ -108,10 +115,10 @@ def _documents(m, q_valid, kv_valid, xp):
     t = m.shape[-1]
     idx = xp.arange(t)[None, :]
     first_key = xp.argmax(m, axis=2)
-    via_query = xp.take_along_axis(first_key, xp.argmax(m, axis=1), axis=1)
+    via_query = _take_rows(first_key, xp.argmax(m, axis=1), xp)
     label = xp.where(q_valid, first_key, xp.where(kv_valid, via_query, -1))
     last = _cummax(xp.where(label >= 0, idx, -1), xp)  # last named token at or before
-    label = xp.where(last >= 0, xp.take_along_axis(label, xp.maximum(last, 0), axis=1), -1)
+    label = xp.where(last >= 0, _take_rows(label, xp.maximum(last, 0), xp), -1)
     starts = xp.concatenate([xp.ones_like(label[:, :1], bool), label[:, 1:] != label[:, :-1]],
                             axis=1)
     return _cummax(xp.where(starts, idx, 0), xp).astype(xp.int32)

@@ -43,6 +43,7 @@ import numpy as np
 
 from jax_dilated.backends.base import KernelArgs, Masks
 from jax_dilated.core import branch_plans, softmax
+from jax_dilated.core.arrays import take_rows
 from jax_dilated.core.documents import document_starts
 from jax_dilated.core.vma import varying_like
 from jax_dilated.ops import dilated_local, dilated_window
@@ -112,12 +113,13 @@ def packed_branch(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
     filled = source < t
     src = jnp.minimum(source, t - 1)
 
+    # every gather below is arrays.take_rows (flat indices), not jnp.take_along_axis
+    # (batching dimensions over the rows; see take_rows)
     def stream(x):  # [B, T, Hs, ...] -> [B, length, Hs, ...] along ``src``
-        return jnp.take_along_axis(x, src.reshape(b, length, hs, *(1,) * (x.ndim - 3)),
-                                   axis=1)
+        return take_rows(x, src)
 
     def along_src(x):  # [B, T] -> [B, length, Hs]
-        return jnp.take_along_axis(x, src.reshape(b, -1), axis=1).reshape(src.shape)
+        return take_rows(x, src.reshape(b, -1)).reshape(src.shape)
 
     q = stream(query[:, :, heads])
     k = stream(key[:, :, kv_of])
@@ -153,8 +155,7 @@ def packed_branch(kernel, args: KernelArgs, plan: branch_plans.BranchPlan, query
         o, lse, lse_lo = (unflat(x) for x in (o, lse, lse_lo))
 
     def back(y, fill):  # [B, length, Hs, ...] -> [B, T, Hs, ...]: each token's slot
-        idx = jnp.minimum(slot, length - 1)
-        y = jnp.take_along_axis(y, idx.reshape(*idx.shape, *(1,) * (y.ndim - 3)), axis=1)
+        y = take_rows(y, jnp.minimum(slot, length - 1))
         keep = selected.reshape(*selected.shape, *(1,) * (y.ndim - 3))
         return jnp.where(keep, y, jnp.asarray(fill, y.dtype))
 
