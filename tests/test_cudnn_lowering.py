@@ -210,3 +210,83 @@ def test_rate_not_dividing_its_segment_lowers_for_cuda(monkeypatch, mode):
     names = [c[0] for c in _cuda_custom_calls(jax.grad(loss, (0, 1, 2)), x, x, x)]
     assert names.count("__cudnn$fmhaSoftmax") >= 1, names
     assert names.count("__cudnn$fmhaSoftmaxBackward") >= 1, names
+
+
+# ------------------------------------------- two calls of one signature in a program
+
+
+def _seeds(calls):
+    return [int(re.search(r'"seed": ?"?(\d+)', line).group(1)) for _, _, line in calls]
+
+
+@pytest.mark.parametrize("distinct", [False, True])
+def test_two_calls_of_one_signature_get_seeds_of_their_own(distinct):
+    """The program of ``cudnn.repeated_calls_check`` (two forwards and two backwards of
+    one signature, plain and windowed) lowered for CUDA: with ``distinct_seeds`` every
+    cuDNN call carries a dropout seed of its own (its only difference from its twin),
+    else JAX's 42 throughout; no dropout either way."""
+    ops = cudnn.CudnnOps(distinct_seeds=distinct)
+    q = jax.ShapeDtypeStruct((1, 64, 1, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+    calls = _cuda_custom_calls(lambda *a: cudnn.two_of_a_kind(ops, *a), q, kv, kv, q)
+    assert len(calls) == 8
+    assert all(re.search(r'"dropout_rate": ?0', line) for _, _, line in calls)
+    seeds = _seeds(calls)
+    assert len(set(seeds)) == (8 if distinct else 1), seeds
+    assert distinct or seeds[0] == 42
+
+
+@pytest.mark.parametrize("outcome", ["runs", "runs_with_seeds", "fails"])
+def test_repeated_calls_check_on_a_gpu(monkeypatch, outcome):
+    """On a real GPU the kernel runs the check once before its first call (here its
+    probe is stubbed): a program that runs leaves the seeds alone, one that runs only
+    with distinct seeds turns them on, one that fails both ways keeps every call off
+    cuDNN with the reason (implementation=None: the XLA kernel; "cudnn": ValueError)."""
+    tried = []
+
+    def probe(ops, device):
+        tried.append(ops.distinct_seeds)
+        if outcome == "runs" or (outcome == "runs_with_seeds" and ops.distinct_seeds):
+            return None
+        return "IndexError: absl::container_internal::raw_hash_map<>::at"
+
+    monkeypatch.setattr(cudnn, "_run_probe", probe)
+    monkeypatch.setattr(cudnn, "_is_cuda_device", lambda device: True)
+    monkeypatch.setattr(cudnn, "DISTINCT_SEEDS", False)
+    cudnn.repeated_calls_check.cache_clear()
+    try:
+        # a device the check is keyed by, with an H100's limits
+        monkeypatch.setattr(cudnn.CudnnKernel, "info", property(lambda self: H100))
+        kern = cudnn.CudnnKernel(ops=cudnn.CudnnOps(), device="gpu:0")
+        x = jnp.zeros((1, 32, 2, 64), jnp.bfloat16)
+        args = KernelArgs(scale=0.125)
+        reason = kern.call_reason(x, x, args)
+        kern.call_reason(x, x, args)  # once per device: the probe is not run again
+        assert tried == {"runs": [False], "runs_with_seeds": [False, True],
+                         "fails": [False, True]}[outcome]
+        assert cudnn.DISTINCT_SEEDS == (outcome == "runs_with_seeds")
+        if outcome == "fails":
+            assert "two cuDNN attention calls of one signature" in reason
+            assert "raw_hash_map" in reason
+            auto = registry.AutoKernel(kern)
+            assert auto.choose(x, x, args)[0] is auto.xla
+            with pytest.raises(ValueError, match="one signature"):
+                kern.forward(x, x, x, args)
+        else:
+            assert reason is None
+    finally:
+        cudnn.repeated_calls_check.cache_clear()
+
+
+def test_repeated_calls_probe_runs_while_a_program_is_traced():
+    """The probe runs its program eagerly also when the first cuDNN call is met while
+    a program is traced (the kernel is asked then): here with the stand-in primitive on
+    this CPU, inside ``jax.jit``."""
+    seen = []
+
+    def traced(x):
+        seen.append(cudnn._run_probe(cudnn.ReferenceOps(), jax.devices()[0]))
+        return x + 1
+
+    jax.jit(traced)(1.0)
+    assert seen == [None]

@@ -49,6 +49,14 @@ causal mask with its ``sliding_window_length = left + 1``, square blocks, positi
 ``arange``), not windows reaching right of the query; no logit soft-cap; grouped-query
 heads natively.
 
+On a real GPU the kernel first runs a small program with two calls of one signature
+(:func:`repeated_calls_check`, once per device and process): JAX 0.11.2 on an H200
+raised ``IndexError`` (``raw_hash_map<>::at``) on such programs. Where it fails, every
+call gets a dropout seed of its own (no dropout runs; the seed makes each call's
+fingerprint in XLA its own; seeds come from a process-wide counter, so a program
+traced again differs in them), and if that fails too, no call runs on cuDNN on that
+device, with the reason.
+
 Testing without a GPU: the fused primitive is injectable. :class:`CudnnKernel`
 takes any ``ops`` object with the contract of :class:`FusedOps`;
 :class:`ReferenceOps` (:mod:`.cudnn_reference`, re-exported here) is a small dense
@@ -60,6 +68,7 @@ does around the primitive.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Protocol
 
 import jax
@@ -75,7 +84,8 @@ from jax_dilated.core import softmax
 from jax_dilated.core.arrays import round_to
 
 __all__ = ["FusedOps", "CudnnOps", "ReferenceOps", "CudnnKernel", "KERNEL", "forward",
-           "backward", "attention", "primitive_signature_reason"]
+           "backward", "attention", "primitive_signature_reason", "repeated_calls_check",
+           "two_of_a_kind"]
 
 
 class FusedOps(Protocol):
@@ -102,10 +112,28 @@ class FusedOps(Protocol):
 
 # ------------------------------------------------------------- the real primitive
 
+# Dropout seeds for the calls when each call needs one of its own (see
+# repeated_calls_check): no dropout runs here, so the seed changes nothing but the
+# call's backend configuration, hence its fingerprint in XLA.
+_SEEDS = itertools.count(1)
+_DEFAULT_SEED = 42  # what JAX's functions pass when none is given
+
+
 class CudnnOps:
-    """The cuDNN primitive through JAX (GPU only; traced, not run, anywhere else)."""
+    """The cuDNN primitive through JAX (GPU only; traced, not run, anywhere else).
+
+    ``distinct_seeds``: None (the module's setting, :data:`DISTINCT_SEEDS`, which
+    :func:`repeated_calls_check` sets on a GPU where it is needed) or a bool: whether
+    every call gets a dropout seed of its own."""
 
     name = "cudnn"
+
+    def __init__(self, distinct_seeds: bool | None = None):
+        self.distinct_seeds = distinct_seeds
+
+    def _seed(self) -> int:
+        distinct = DISTINCT_SEEDS if self.distinct_seeds is None else self.distinct_seeds
+        return next(_SEEDS) % (1 << 31) if distinct else _DEFAULT_SEED
 
     def _mask_type(self, causal: bool):
         fused = cudnn_probe.fused_module()
@@ -130,7 +158,8 @@ class CudnnOps:
         # it is never differentiated here: the custom_vjp below owns the gradient.
         o, stats = fused.dot_product_attention(
             q, k, v, scale=scale, mask_type=self._mask_type(causal), return_residual=True,
-            sliding_window_length=self._sliding_window(causal, window_left))
+            sliding_window_length=self._sliding_window(causal, window_left),
+            seed=self._seed())
         return o, stats
 
     def backward(self, q, k, v, o, stats, do, *, scale: float, causal: bool,
@@ -143,7 +172,8 @@ class CudnnOps:
         unused = jnp.zeros((0,), q.dtype)
         arrays = dict(query=q, key=k, value=v, activation=stats.astype(jnp.float32),
                       fwd_output=o, grad_output=do)
-        params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
+        params = dict(scale=scale, seed=self._seed(), dropout_rate=0.0,
+                      variadic_args=(False, False),
                       mask_type=self._mask_type(causal),
                       layout=fused.AttentionLayout.BTNH.value,
                       sliding_window_length=self._sliding_window(causal, window_left),
@@ -238,6 +268,11 @@ class CudnnKernel(KernelBase):
         """Why this call cannot run on cuDNN, or None."""
         if masks.q_segment_ids is not None or masks.k_segment_ids is not None:
             return "segment ids (packed documents; this backend has no document mask)"
+        device = self._device if self._device is not None else jax.devices()[0]
+        if _is_cuda_device(device):  # a real GPU: programs with repeated calls run?
+            reason = repeated_calls_check(device)
+            if reason:
+                return reason
         return selection.cudnn_call_reason(
             self.info, call_spec(q, k, args, masks.q_positions, masks.k_positions,
                                  masks.kv_valid))
@@ -408,6 +443,76 @@ def _attention_bwd(kernel, args, lse_grad, res, cotangents):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ------------------------------------------- two calls of one signature in a program
+
+# Whether every cuDNN call gets a dropout seed of its own (set by repeated_calls_check).
+DISTINCT_SEEDS = False
+_REPEATED = ("two cuDNN attention calls of one signature (shapes, dtypes, mask, window, "
+             "scale) in one program")
+
+
+def _is_cuda_device(device) -> bool:
+    """A real device of this process that runs cuDNN (not a described one)."""
+    return isinstance(device, jax.Device) and device.platform in ("gpu", "cuda") and \
+        selection.cudnn_device_reason(device) is None
+
+
+def two_of_a_kind(ops, q, k, v, do):
+    """The probe program of :func:`repeated_calls_check`: two forwards and two backwards
+    of one signature (the keys' two halves), plainly causal and with a window; their
+    outputs and gradients."""
+    half = k.shape[1] // 2
+    out = []
+    for window_left in (None, 8):
+        mask = dict(scale=0.125, causal=True, window_left=window_left)
+        for part in (slice(0, half), slice(half, None)):
+            kp, vp = k[:, part], v[:, part]
+            o, stats = ops.forward(q, kp, vp, **mask)
+            out += [o, *ops.backward(q, kp, vp, o, stats, do, **mask)]
+    return out
+
+
+def _run_probe(ops, device) -> str | None:
+    """Run :func:`two_of_a_kind` with ``ops`` on ``device`` (eagerly, also when called
+    while a program is traced): None, or the error it raised, in words."""
+    q = np.full((1, 64, 1, 64), 0.1, np.float32)
+    kv = np.concatenate([q, -q], axis=1)
+    try:
+        with jax.ensure_compile_time_eval():
+            args = [jax.device_put(x, device).astype(jnp.bfloat16) for x in (q, kv, kv, q)]
+            jax.block_until_ready(jax.jit(functools.partial(two_of_a_kind, ops))(*args))
+    except Exception as e:  # XLA's errors are of several types (IndexError, XlaRuntimeError)
+        return f"{type(e).__name__}: {e}".split("\n")[0][:300]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def repeated_calls_check(device) -> str | None:
+    """Whether this JAX runs :data:`_REPEATED` on ``device`` (once per device and
+    process, on the device itself, by a small program: :func:`two_of_a_kind`).
+
+    On an H200 with JAX 0.11.2 (cuDNN 9.19) the two test programs that held two such
+    calls raised ``IndexError: absl::container_internal::raw_hash_map<>::at`` when
+    they ran, and the twenty-odd whose calls all differed ran. That is the message of
+    a failed lookup in an absl map; XLA's cuDNN thunk looks its compiled graph up by
+    the call's fingerprint (shapes and backend configuration), which such calls share.
+    A dropout seed of its own (unused: no dropout runs) makes each call's fingerprint
+    its own. So: None where the program runs as it is; where it fails, the seeds are
+    made distinct (:data:`DISTINCT_SEEDS`) and, if it then runs, None; else the
+    reason, and no call runs on cuDNN on this device (``implementation=None`` takes
+    the XLA kernel, ``"cudnn"`` raises it). (Not yet run on a GPU: whether the seeds
+    are the cure there is what this check finds out.)
+    """
+    global DISTINCT_SEEDS
+    first = _run_probe(CudnnOps(distinct_seeds=False), device)
+    if first is None:
+        return None
+    if _run_probe(CudnnOps(distinct_seeds=True), device) is None:
+        DISTINCT_SEEDS = True
+        return None
+    return f"this JAX's cuDNN attention fails on {_REPEATED} ({first})"
 
 
 # The module-level kernel on this process's default device with the real primitive.
