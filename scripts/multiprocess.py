@@ -326,6 +326,14 @@ def _stop(procs):
             proc.wait()
 
 
+def worker_xla_flags(flags: str) -> str:
+    """``XLA_FLAGS`` for a worker: the caller's, less a forced host device count (it
+    would fight ``-k``, which each worker sets as ``jax_num_cpu_devices``). The rest
+    (a test suite's compile settings, an instruction-set cap) still apply."""
+    return " ".join(f for f in flags.split()
+                    if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def _launch(args, argv) -> int:
     port = _free_port()
     coordinator = f"127.0.0.1:{port}"
@@ -336,7 +344,9 @@ def _launch(args, argv) -> int:
     try:
         for i in range(args.num_processes):
             env = dict(os.environ)
-            env.pop("XLA_FLAGS", None)  # a forced host device count would fight -k
+            flags = worker_xla_flags(env.pop("XLA_FLAGS", ""))
+            if flags:
+                env["XLA_FLAGS"] = flags
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (_ROOT, env.get("PYTHONPATH")) if p)
             if args.platform == "cpu":

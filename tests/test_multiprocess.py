@@ -27,8 +27,9 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
 def _env():
+    # the suite's XLA_FLAGS (tests/conftest.py: fast compilation; CI's instruction set)
+    # reach the workers, less a forced host device count (scripts/multiprocess.py)
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     return env
