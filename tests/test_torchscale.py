@@ -94,7 +94,7 @@ def test_low_precision_on_each_kernel(reference, implementation, dtype):
     want, want_grads = _torch_out(reference, q, k, v, segs, rates, False, ct)
     fn = functools.partial(jd.dilated_attention, segment_lengths=segs, dilation_rates=rates,
                            mode="torchscale", implementation=implementation)
-    out, vjp = jax.vjp(fn, *(to_jax(x, dtype) for x in (q, k, v)))
+    out, vjp = jax.vjp(jax.jit(fn), *(to_jax(x, dtype) for x in (q, k, v)))
     assert out.dtype == jnp.dtype(to_jax(q, dtype).dtype)
     assert rel_err(out, want) < TOL[dtype]
     for got, exp in zip(vjp(to_jax(ct, dtype)), want_grads):
@@ -141,7 +141,7 @@ def test_grouped_kv_heads_read_their_query_heads_kv(reference):
     _, k, v = _inputs(41, 2, seed=6)
     rep = lambda x: np.repeat(x, 4, axis=2)
     want = _torch_out(reference, q, rep(k), rep(v), (8, 13), (1, 4), False)
-    got = _ours(q, k, v, (8, 13), (1, 4), "float64")
+    got = jax.jit(lambda q, k, v: _ours(q, k, v, (8, 13), (1, 4), "float64"))(q, k, v)
     assert rel_err(got, want) < TOL["float64"]
 
 
@@ -151,11 +151,12 @@ def test_weights_have_no_gradient_unlike_longnet():
     constants): the difference is the weights' own gradient."""
     q, k, v = (jnp.asarray(x) for x in _inputs(16, 4, seed=7))
     kw = dict(segment_lengths=(16, 16), dilation_rates=(1, 2), implementation="xla")
-    ts = lambda q: jd.dilated_attention(q, k, v, mode="torchscale", **kw)
-    ln = lambda q: jd.dilated_attention(q, k, v, mode="longnet", head_offsets="blocked", **kw)
+    ts = jax.jit(lambda q: jd.dilated_attention(q, k, v, mode="torchscale", **kw))
+    ln = jax.jit(lambda q: jd.dilated_attention(q, k, v, mode="longnet",
+                                                head_offsets="blocked", **kw))
     np.testing.assert_allclose(ts(q), ln(q), atol=1e-13)
-    g_ts = jax.grad(lambda q: ts(q).sum())(q)
-    g_ln = jax.grad(lambda q: ln(q).sum())(q)
+    g_ts = jax.jit(jax.grad(lambda q: ts(q).sum()))(q)
+    g_ln = jax.jit(jax.grad(lambda q: ln(q).sum()))(q)
     assert np.abs(g_ts - g_ln).max() > 1e-3
 
 
@@ -163,9 +164,10 @@ def test_dropout_is_deterministic_per_key_and_changes_the_output():
     q, k, v = (jnp.asarray(x, jnp.float32) for x in _inputs(40, 4, seed=8))
     kw = dict(segment_lengths=(8, 20), dilation_rates=(1, 2), mode="torchscale",
               implementation="xla")
-    a = jd.dilated_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(0), **kw)
-    b = jd.dilated_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(0), **kw)
-    c = jd.dilated_attention(q, k, v, **kw)
+    dropped = jax.jit(lambda rng: jd.dilated_attention(q, k, v, dropout_rate=0.5,
+                                                       dropout_rng=rng, **kw))
+    a, b = dropped(jax.random.key(0)), dropped(jax.random.key(0))
+    c = jax.jit(lambda q: jd.dilated_attention(q, k, v, **kw))(q)
     np.testing.assert_array_equal(a, b)
     assert np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-2
 
@@ -173,8 +175,10 @@ def test_dropout_is_deterministic_per_key_and_changes_the_output():
 def test_valid_length_computes_the_shorter_sequence():
     q, k, v = (jnp.asarray(x) for x in _inputs(30, 4, seed=9))
     kw = dict(segment_lengths=(8, 11), dilation_rates=(1, 2), mode="torchscale")
-    got = jd.dilated_attention(q, k, v, valid_length=26, **kw)
-    want = jd.dilated_attention(q[:, :26], k[:, :26], v[:, :26], **kw)
+    attn = jax.jit(lambda q, k, v, **extra: jd.dilated_attention(q, k, v, **kw, **extra),
+                   static_argnames="valid_length")
+    got = attn(q, k, v, valid_length=26)
+    want = attn(q[:, :26], k[:, :26], v[:, :26])
     np.testing.assert_allclose(got[:, :26], want, atol=1e-14)
     assert not np.any(np.asarray(got[:, 26:]))
 
@@ -191,7 +195,7 @@ def test_over_a_mesh_equals_one_device(strategy, devices, heads):
     fn = functools.partial(jd.dilated_attention, segment_lengths=(5, 7, 13),
                            dilation_rates=(1, 2, 4), mode="torchscale", is_causal=False)
     ct = jnp.asarray(np.random.default_rng(11).standard_normal(q.shape))
-    one, one_vjp = jax.vjp(fn, q, k, v)
+    one, one_vjp = jax.vjp(jax.jit(fn), q, k, v)
     run = jd.sharded(fn, mesh, seq_axis="s", strategy=strategy)
     assert rel_err(run(q, k, v), one) < TOL["float64"]
     if strategy == "heads":  # (the all-gather's backward is its all-gather's transpose)
@@ -211,7 +215,7 @@ def test_a_pair_of_axes_runs_heads_over_both_with_valid_length():
     run = jd.sharded(functools.partial(jd.dilated_attention, valid_length=43, **kw), mesh,
                      seq_axis=("a", "b"), strategy="heads")
     got = np.asarray(run(pad(q), pad(k), pad(v)))
-    want = jd.dilated_attention(q, k, v, **kw)
+    want = jax.jit(functools.partial(jd.dilated_attention, **kw))(q, k, v)
     assert rel_err(got[:, :43], want) < TOL["float64"]
     assert not np.any(got[:, 43:])
 
@@ -273,9 +277,8 @@ def test_layers_take_the_mode():
                                                 rngs=nnx.Rngs(0), **kw)
 
     ts, ln = layer("torchscale"), layer("longnet", head_offsets="blocked")
+    run = nnx.jit(lambda layer, x: layer(x, deterministic=True))
     x = jnp.asarray(np.random.default_rng(13).standard_normal((1, 24, 16)))
-    np.testing.assert_allclose(ts(x, deterministic=True), ln(x, deterministic=True),
-                               atol=1e-12)
+    np.testing.assert_allclose(run(ts, x), run(ln, x), atol=1e-12)
     x = x[:, :19]  # the last segments short: zero slots in torchscale's softmax
-    assert np.abs(np.asarray(ts(x, deterministic=True))
-                  - np.asarray(ln(x, deterministic=True))).max() > 1e-3
+    assert np.abs(np.asarray(run(ts, x)) - np.asarray(run(ln, x))).max() > 1e-3
