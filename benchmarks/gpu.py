@@ -36,10 +36,18 @@ forward+backward (the gradient of ``sum(out * g)``), each a jitted function:
     (``benchmarks/baselines/torch_sdpa.py``: ``F.scaled_dot_product_attention`` per
     dilated segment batch) on the same device (CUDA when available). Its longnet
     mode uses CPU-only aten ops, so on CUDA only head_groups runs.
+``variant/<name>`` (``--ops variants``, not in the default set)
+    head_groups ``jd.dilated_attention`` plain and with one option each
+    (:func:`variant_calls`: a sliding-window branch, soft-capping, sinks, packed rows,
+    segments that divide nothing), to compare each with the plain call.
 
-Reported: median time and spread of ``--repeats`` calls after ``--warmup``
-(``harness.time_calls``; cells run one after another, each holding the device
-alone), tokens/s, achieved TFLOP/s from the attention FLOPs the sparse pattern
+The kernel-only cells (``segments``, ``dense``) differentiate their output alone
+(``lse_grad=False``), as dilated attention's own calls do. ``--profile`` traces the
+dilated cells (``jax.profiler``) and sums the device's events by kind.
+
+Reported: median time and spread of ``--repeats`` rounds after ``--warmup``, the
+cells of one length compiled first and then timed interleaved (:class:`Cells`:
+``harness.time_interleaved``; a cell too slow for the rounds is timed alone), tokens/s, achieved TFLOP/s from the attention FLOPs the sparse pattern
 needs (``dilated_flops``: ``4 D`` per attended (query, key) pair forward;
 forward+backward counted as 3.5x forward, the FlashAttention convention: the
 backward's four matmuls plus the recomputed ``QK^T``), compiled memory
