@@ -63,9 +63,25 @@ def _alone(fn, q, k, v, mask):
     return jnp.concatenate(rows, axis=0)
 
 
-def _check(fn, packed, h=4, hkv=2, seed=0):
-    q, k, v, g, mask = _inputs(h, hkv, seed)
-    want = output_and_grads(lambda q, k, v: _alone(fn, q, k, v, mask), q, k, v, g)
+# The documents alone, by operation and options: cases that share them (every case
+# draws the same inputs) compute them once.
+_ALONE = {}
+
+
+def _key(op, kw):
+    """What the documents alone depend on: the operation and its options (a bound on
+    the documents belongs to the packed call only)."""
+    return op.__name__, tuple(sorted((a, repr(b)) for a, b in kw.items()
+                                     if a != "max_documents"))
+
+
+def _check(fn, packed, key):
+    """``packed`` (with the ids) against ``fn`` on each document alone, the latter
+    computed once per ``key`` (:func:`_key`)."""
+    q, k, v, g, mask = _inputs(4, 2, seed=0)
+    if key not in _ALONE:
+        _ALONE[key] = output_and_grads(lambda q, k, v: _alone(fn, q, k, v, mask), q, k, v, g)
+    want = _ALONE[key]
     got = output_and_grads(lambda q, k, v: packed(q, k, v, kv_mask=mask, segment_ids=IDS),
                            q, k, v, g)
     for what, a, w in zip(("out", "dq", "dk", "dv"), got, want):
@@ -118,7 +134,7 @@ def test_one_device_packed_rows_equal_documents_alone(name, op, kw):
         alone = functools.partial(op, **{a: b for a, b in kw.items() if a != "max_documents"})
     else:
         alone = fn
-    _check(alone, fn)
+    _check(alone, fn, _key(op, kw))
 
 
 SHARDED = [
@@ -129,10 +145,11 @@ SHARDED = [
     ("exact", dict(is_causal=True), "heads", 2, "contiguous"),
     ("block_sparse", dict(DENSE, is_causal=True), "ring", 4, "contiguous"),
     ("block_sparse", dict(DENSE, is_causal=False), "allgather", 2, "zigzag"),
+    # Packed dilated attention runs one program under every strategy (the single-device
+    # packed call on the whole sequence of some heads): these three and
+    # test_sharded_segments' allgather (blocked offsets) and heads (head_groups) cases
+    # run it with each option and strategy.
     ("dilated", dict(WINDOWED, is_causal=True), "ring", 2, "contiguous"),
-    ("dilated", dict(DILATED, is_causal=False, head_offsets="blocked"), "allgather", 4,
-     "contiguous"),
-    ("dilated", dict(DILATED, mode="head_groups", is_causal=True), "heads", 2, "contiguous"),
     ("dilated", dict(DILATED, is_causal=True), "auto", 4, "contiguous"),
     ("dilated", dict(DILATED, is_causal=True), ("ring", "heads"), 2, "contiguous"),
 ]
@@ -149,7 +166,7 @@ def test_sharded_packed_rows_equal_documents_alone(op, kw, strategy, p, layout):
     alone = (jd.sharded(fn, build_mesh((1,), ("seq",), "auto"), seq_axis="seq")
              if op == "exact" else fn)  # ring_attention runs inside shard_map only
     _check(alone, jd.sharded(fn, mesh, seq_axis="seq", layout=layout, strategy=strategy),
-           seed=p)
+           _key(_FNS[op], kw))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
@@ -169,7 +186,7 @@ def test_ring_on_local_shards_sees_documents_across_boundaries(layout):
 
     alone = jd.sharded(functools.partial(jd.ring_attention, is_causal=True),
                        build_mesh((1,), ("seq",), "auto"), seq_axis="seq")
-    _check(alone, packed, seed=7)
+    _check(alone, packed, _key(jd.ring_attention, dict(is_causal=True)))
 
 
 def test_dilated_on_local_shards_sees_documents_across_boundaries():
@@ -181,7 +198,8 @@ def test_dilated_on_local_shards_sees_documents_across_boundaries():
             q, k, v, kv_mask=kv_mask, segment_ids=segment_ids, seq_axis="seq", **kw),
         mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
     _check(functools.partial(jd.dilated_attention, **kw),
-           lambda q, k, v, kv_mask, segment_ids: local(q, k, v, kv_mask, segment_ids), seed=8)
+           lambda q, k, v, kv_mask, segment_ids: local(q, k, v, kv_mask, segment_ids),
+           _key(jd.dilated_attention, kw))
 
 
 def test_layer_packed_rows_equal_documents_alone():

@@ -87,9 +87,11 @@ CASES = [
     ("block_sparse", dict(SPARSE, is_causal=True), "ring", 2, "zigzag", 4, 2),
     ("block_sparse", dict(SPARSE, is_causal=True), "allgather", 2, "contiguous", 4, 2),
     ("block_sparse", dict(PER_HEAD, is_causal=False), "heads", 4, "contiguous", 4, 4),
-    # dilated, ring: the operation's own seq_axis path (all-to-all to heads: 4 % 2 == 0;
-    # the gathered path, 3 heads on 2 devices, in the seq_axis test below)
-    ("dilated", dict(DILATED, is_causal=True), "ring", 2, "contiguous", 4, 2),
+    # dilated: one program under every strategy (the single-device packed call on the
+    # whole sequence of some heads); "ring", the operation's own seq_axis path (all-to-all
+    # to heads, 4 % 2 == 0), "auto" and a strategy per branch run in test_documents.py
+    # against the documents alone, the gathered path (3 heads on 2 devices) in the
+    # seq_axis test below
     ("dilated", dict(DILATED, head_offsets="blocked", is_causal=False), "allgather", 2,
      "contiguous", 4, 2),
     ("dilated", dict(DILATED, mode="head_groups", is_causal=True), "heads", 4,
