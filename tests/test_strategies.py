@@ -608,7 +608,8 @@ def test_layers_take_the_strategy():
     q, k, v, _, mask = _inputs(2, 2)
     mesh = _mesh(2)
     options = dict(segment_lengths=(16, 64), dilation_rates=(1, 4))
-    want = jd.dilated_attention(q, k, v, is_causal=True, kv_mask=mask, **options)
+    want = jax.jit(lambda q, k, v: jd.dilated_attention(q, k, v, is_causal=True, kv_mask=mask,
+                                                         **options))(q, k, v)
     for strategy in ("heads",):
         layer = jd.nnx.DilatedAttention(mesh=mesh, seq_axis="seq", strategy=strategy,
                                         **options)
@@ -625,7 +626,7 @@ def test_layers_take_the_strategy():
                                               strategy=("ring", "heads"), rngs=nnx.Rngs(1))
     nnx.update(meshed, nnx.state(plain))
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, T, 16)), jnp.float32)
-    want = plain(x, x, x, is_causal=True)
+    want = nnx.jit(lambda m, x: m(x, x, x, is_causal=True))(plain, x)
     got = jax.jit(lambda x: meshed(x, x, x, is_causal=True))(x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     ring = jd.linen.RingAttention(mesh=mesh, seq_axis="seq", strategy="heads")
