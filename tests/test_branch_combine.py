@@ -1,6 +1,6 @@
 """The batched one-device program (``ops/branch_combine.batched``: one kernel call per
 branch, what a GPU runs head_groups with) on a described H100 whose cuDNN primitive is
-the pure-JAX stand-in (``cudnn.ReferenceOps``; test_backends.py's ``described_gpu``).
+the pure-JAX stand-in (``cudnn.ReferenceOps``; conftest's ``default_kernel``).
 
 In head_groups mode each branch's heads are split out of q, k and v once
 (``split_head_groups``), so that the backward concatenates the groups' gradients
@@ -21,23 +21,11 @@ import pytest
 
 import jax_dilated as jd
 from _helpers import TOL, assert_close
-from jax_dilated.backends import cudnn, registry
 from jax_dilated.ops import branch_combine
-from test_backends import H100
 
 
-@pytest.fixture
-def described_h100(monkeypatch):
-    """``implementation=None`` resolves to cuDNN on a described H100 (stand-in primitive)."""
-    real = registry.select_implementation
-
-    def select(implementation, **kw):
-        kw["device"], kw["software_reason"] = H100, None
-        return real(implementation, **kw)
-
-    monkeypatch.setattr(registry, "select_implementation", select)
-    auto = registry.AutoKernel(cudnn.CudnnKernel(ops=cudnn.ReferenceOps(), device=H100))
-    monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
+# implementation=None as a (described) H100 gets it: conftest's default_kernel fixture
+ON_H100 = pytest.mark.parametrize("default_kernel", ["cudnn-reference"], indirect=True)
 
 
 def _call(segs, rates, causal, implementation=None):
@@ -55,8 +43,9 @@ CASES = [  # heads, kv heads, segments, rates, causal
 ]
 
 
+@ON_H100
 @pytest.mark.parametrize("h,hkv,segs,rates,causal", CASES)
-def test_split_groups_equal_the_xla_kernel(described_h100, monkeypatch, h, hkv, segs, rates,
+def test_split_groups_equal_the_xla_kernel(default_kernel, monkeypatch, h, hkv, segs, rates,
                                            causal):
     used = []
     split = branch_combine.split_head_groups
@@ -75,7 +64,8 @@ def test_split_groups_equal_the_xla_kernel(described_h100, monkeypatch, h, hkv, 
         assert_close(np.asarray(got), np.asarray(want), TOL["float64"], name)
 
 
-def test_backward_concatenates_the_groups_gradients(described_h100):
+@ON_H100
+def test_backward_concatenates_the_groups_gradients(default_kernel):
     b, t, h, d = 1, 256, 8, 16
     x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
     fn = _call((32, 64, 128, 256), (1, 2, 4, 8), False)
