@@ -220,9 +220,10 @@ _DILATED_CASES = [
     (512, 6, 2, "longnet", "blocked", True, True, (64, 128, 256), (1, 2, 4), False),
     (500, 6, 3, "longnet", "modulo", True, False, (64, 128, 256), (1, 2, 4), True),  # T % w
     (300, 4, 1, "longnet", "modulo", False, True, (128, 512), (2, 4), True),  # w > T, no rate 1
-    # key blocks (512) and query tiles cut by the finer branch's segments mid-way
-    (4000, 4, 2, "longnet", "modulo", False, True, (1000, 2000, 4000), (1, 2, 4), True),
-    (4000, 8, 2, "longnet", "modulo", True, False, (1000, 2000, 4000), (1, 2, 4), True),
+    # key blocks (512) and query tiles cut by the finer branch's segments mid-way (each
+    # branch's dilated segments 600 rows: a block and 88 keys, 12.5 tiles of 48)
+    (2400, 4, 2, "longnet", "modulo", False, True, (600, 1200, 2400), (1, 2, 4), True),
+    (2400, 8, 2, "longnet", "modulo", True, False, (600, 1200, 2400), (1, 2, 4), True),
     (500, 4, 2, "longnet", "modulo", False, True, (6, 12), (1, 4), True),  # stride 4 across 6s
     (300, 4, 4, "longnet", "modulo", True, False, (512, 1024), (1, 2), True),  # one has all
     (256, 4, 2, "longnet", "modulo", False, False, (128, 128), (2, 1), True),  # same segments
