@@ -99,10 +99,16 @@ def test_linen_multihead_hybrid_equals_one_device(shape, kind):
     else:
         one, hybrid = _linen_pair(jd.linen.MultiheadRingAttention, _one_device_ring(),
                                   shape, layout="zigzag")
-    params = one.init(jax.random.key(0), x)
-    want = _out_and_dx(lambda x: one.apply(params, x, is_causal=True), x, g)
+    if kind not in _LINEN_ONE_DEVICE:  # the same for both shapes: computed once
+        params = jax.jit(one.init)(jax.random.key(0), x)
+        _LINEN_ONE_DEVICE[kind] = params, _out_and_dx(
+            lambda x: one.apply(params, x, is_causal=True), x, g)
+    params, want = _LINEN_ONE_DEVICE[kind]
     got = _out_and_dx(lambda x: hybrid.apply(params, x, is_causal=True), x, g)
     _check(got, want, f"linen {kind} {shape}")
+
+
+_LINEN_ONE_DEVICE = {}
 
 
 def test_linen_attention_modules_hybrid_equal_one_device():
@@ -155,7 +161,7 @@ def test_factory_auto_with_a_pair_builds_hybrid_equal_to_one_device(shape, api):
         run = lambda x: layer(x, is_causal=True)  # noqa: E731
     else:
         assert layer.strategy == "hybrid"
-        params = one.init(jax.random.key(0), x)
+        params = jax.jit(one.init)(jax.random.key(0), x)
         run_one = lambda x: one.apply(params, x, is_causal=True)  # noqa: E731
         run = lambda x: layer.apply(params, x, is_causal=True)  # noqa: E731
     _check(_out_and_dx(run, x, g), _out_and_dx(run_one, x, g), f"factory {api} {shape}")
@@ -217,13 +223,18 @@ def test_longnet_with_a_pair_equals_one_device(shape):
             return jd.models.cross_entropy(logits, tokens[:, 1:]), logits
         return nnx.grad(loss, has_aux=True)(m)
 
-    (g_one, want), (g_hybrid, got) = logits_and_grads(one), logits_and_grads(model)
+    if "one" not in _LONGNET_ONE_DEVICE:  # the same for both shapes: computed once
+        _LONGNET_ONE_DEVICE["one"] = logits_and_grads(one)
+    (g_one, want), (g_hybrid, got) = _LONGNET_ONE_DEVICE["one"], logits_and_grads(model)
     _close(got, want, f"logits {shape}")
     leaves_one = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g_one))
     leaves = dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g_hybrid)))
     assert len(leaves_one) == len(leaves) > 0
     for path, w in leaves_one:
         _close(leaves[path], w, f"d loss / d {jax.tree_util.keystr(path)} {shape}")
+
+
+_LONGNET_ONE_DEVICE = {}
 
 
 # ---------------------------------------------------------------------------- errors
