@@ -86,8 +86,9 @@ def dense_grads(q, k, v, m, scale, cotangent):
         out = jnp.einsum("bhpt,bthd->bphd", e / jnp.where(total > 0, total, 1.0), v)
         return jnp.sum(out * cotangent)
 
-    return jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64)
-                                               for x in (q, k, v)))
+    # jitted: one compilation per draw, not one per operation and shape
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*(jnp.asarray(x, jnp.float64)
+                                                        for x in (q, k, v)))
 
 
 def check_grads(fn, inputs, rounded, m, scale, dtype, what, divisor=1.0):
