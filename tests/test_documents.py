@@ -211,8 +211,9 @@ def test_layer_packed_rows_equal_documents_alone():
         8, 4, segment_lengths=(8, 16), dilation_rates=(1, 2), qk_transform=jd.models.Rotary(),
         param_dtype=jnp.float64, rngs=nnx.Rngs(0))
     x = np.random.default_rng(9).standard_normal((B, T, 8))
-    got = layer(x, segment_ids=IDS, is_causal=True)
-    want = jnp.concatenate([jnp.concatenate([layer(x[b:b + 1, s:e], is_causal=True)
-                                             for s, e in _runs(row)],
-                                            axis=1) for b, row in enumerate(ROWS)])
+    got = nnx.jit(lambda m, x: m(x, segment_ids=IDS, is_causal=True))(layer, x)
+    # (jitted: op by op, the documents alone took 30 s)
+    want = nnx.jit(lambda m, x: jnp.concatenate([jnp.concatenate(
+        [m(x[b:b + 1, s:e], is_causal=True) for s, e in _runs(row)], axis=1)
+        for b, row in enumerate(ROWS)]))(layer, x)
     assert_close(got, want, TOL["float64"], "layer")
