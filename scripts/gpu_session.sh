@@ -71,9 +71,19 @@ for s in "$@"; do
 print(sys.version); print(jax.__version__, jaxlib.__version__, flax.__version__, \
 torch.__version__, torch.version.cuda); print(jax.devices())'; \
 $PY -c 'import jax_dilated as jd; jd.backend_report()'" ;;
-    suite)  # -v: every result is in the log even if the time runs out; -rfE: failures at the end
+    suite)  # -v: every result is in the log even if the time runs out; -rfE: failures at the end.
+        # JD_GPU_SUITE_FIRST: test files to run first (those that failed on the last GPU),
+        # so a suite cut short by the deadline still re-checks them; the rest follows
+        # (pytest would merge the files into tests/ and keep its own order).
+        rest=()
+        if [ -n "${JD_GPU_SUITE_FIRST:-}" ]; then
+            # shellcheck disable=SC2086
+            stage suite-first 9999 "$PY" -m pytest -v -n "${JD_GPU_WORKERS:-14}" --dist loadfile \
+                -p no:cacheprovider -rfE --junitxml="$RESULTS/suite_first.xml" $JD_GPU_SUITE_FIRST
+            for f in $JD_GPU_SUITE_FIRST; do rest+=("--ignore=$f"); done
+        fi
         stage suite 9999 "$PY" -m pytest -v -n "${JD_GPU_WORKERS:-14}" --dist loadfile -p no:cacheprovider -rfE \
-            --durations=25 --junitxml="$RESULTS/suite.xml" tests ;;
+            --durations=25 --junitxml="$RESULTS/suite.xml" "${rest[@]}" tests ;;
     quick) bench quick 120 --quick --ops dilated,segments,dense,torch,variants --profile ;;
     small) bench small 60 --sizes 16384 --ops dilated,dense,torch ;;
     t64) bench t64 100 --sizes 65536 --ops dilated,segments,dense,torch --profile ;;
