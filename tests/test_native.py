@@ -37,11 +37,22 @@ RTOL = 1e-5
 HALF_RTOL = {"bfloat16": 2e-2, "float16": 1e-3}
 # the builds this machine runs (the machine's own first)
 ISAS = tuple(sorted(native.build.available_isas(), key=lambda i: i != native.build.isa()))
+# and for half-precision inputs, the bfloat16 pair path emulated on AVX2 (its layout
+# tested where the CPU has no AVX512-BF16)
+HALF_ISAS = ISAS + ((native.build.EMULATED,) if "avx2" in ISAS else ())
 
 
 @pytest.fixture(params=ISAS)
 def isa(request):
     """Runs the test on one build of the kernel (its programs traced under it)."""
+    with native.build.using(isa=request.param):
+        assert native.unavailable_reason() is None, native.unavailable_reason()
+        yield request.param
+
+
+@pytest.fixture(params=HALF_ISAS)
+def half_isa(request):
+    """As ``isa``, over the builds for half-precision inputs (HALF_ISAS)."""
     with native.build.using(isa=request.param):
         assert native.unavailable_reason() is None, native.unavailable_reason()
         yield request.param
@@ -437,7 +448,7 @@ def test_backend_report_names_it(capsys):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_forward(isa, dtype):
+def test_half_precision_forward(half_isa, dtype):
     """bfloat16 / float16 inputs to the plain call: converted where the kernel packs
     them, float32 arithmetic, the output in the input dtype and the log-sum-exp in
     float32, against the float64 reference on the rounded inputs; and such calls are
@@ -477,7 +488,7 @@ def test_half_precision_dilated_attention(dtype, mode):
 
     o, _, *grads = _dilated_reference(q32, k32, v32, do32, np.zeros(q.shape[:-1]), branches,
                                       mode, True, 32 ** -0.5, kv_mask=mask)
-    for isa in ISAS:
+    for isa in HALF_ISAS:
         with native.build.using(isa=isa):
             got = jax.jit(run)(q, k, v, do)
             for name, g, w in zip(("o", "dq", "dk", "dv"), got, (o, *grads)):
@@ -486,6 +497,39 @@ def test_half_precision_dilated_attention(dtype, mode):
             hlo = jax.jit(run).lower(q, k, v, do).as_text()
             for call in (native.build.TARGET_DILATED, native.build.TARGET_DILATED_BACKWARD):
                 assert f"@{native.build.target(call)}(" in hlo, call
+
+
+@pytest.mark.skipif(not any(i in HALF_ISAS for i in ("avx512_bf16", native.build.EMULATED)),
+                    reason="no build with the bfloat16 pair path runs on this CPU")
+@pytest.mark.parametrize("lq,lk,d,causal", [(150, 201, 64, True), (77, 77, 48, False),
+                                            (33, 513, 80, False), (600, 601, 32, True)])
+def test_bfloat16_pairs_multiply_the_inputs_as_stored(lq, lk, d, causal):
+    """The bfloat16 pair path (avx512_bf16's vdpbf16ps, or its emulation on AVX2):
+    S = q k^T from the bfloat16 inputs with float32 sums, so the log-sum-exp is
+    float32-exact against the float64 reference on the rounded inputs; P rounded to
+    bfloat16 for P v, so the output is within bfloat16's tolerance and not the
+    float32-P build's. Odd key counts (a value row without its pair partner), head
+    dims of 3 and 5 vectors, masks, causal; float32 inputs unchanged."""
+    q, k, v, valid = _inputs(2, lq, lk, 4, 2, d, seed=lk, mask="2d")
+    (qb, q32), (kb, k32), (vb, v32) = (_rounded(x, "bfloat16") for x in (q, k, v))
+    args = KernelArgs(scale=d ** -0.5, is_causal=causal)
+    want_o, want_lse = _dense_reference(q32, k32, v32, args.scale, causal, valid)
+
+    def forward(*qkv):
+        return jax.jit(lambda q, k, v: native.KERNEL.forward(q, k, v, args, Masks(kv_valid=valid)))(
+            *qkv)[:2]
+
+    got = {}
+    for isa in [i for i in HALF_ISAS if i in ("avx512_bf16", native.build.EMULATED, "avx2")]:
+        with native.build.using(isa=isa):
+            o, lse = forward(qb, kb, vb)
+            _close(lse, want_lse, RTOL, what=isa)
+            _close(o, want_o, HALF_RTOL["bfloat16"], what=isa)
+            got[isa] = (np.asarray(o.astype(jnp.float32)), forward(q32, k32, v32)[0])
+    if native.build.EMULATED in got:  # a path of its own for bfloat16 inputs only
+        emulated, plain = got[native.build.EMULATED], got["avx2"]
+        assert not np.array_equal(emulated[0], plain[0])
+        np.testing.assert_array_equal(emulated[1], plain[1])
 
 
 # ------------------------------------------- rates that do not divide the segment
@@ -574,8 +618,9 @@ def test_each_build_is_chosen_forced_or_refused(monkeypatch, tmp_path):
     build = native.build
     flags = build._cpu_flags()
     monkeypatch.delenv(build.ISA_ENV, raising=False)
-    if build.isa() in ("avx512", "avx2"):
-        assert build.isa() == ("avx512" if "avx512f" in flags else "avx2")
+    if build.isa() in ("avx512_bf16", "avx512", "avx2"):
+        assert build.isa() == ("avx2" if "avx512f" not in flags else
+                               "avx512_bf16" if "avx512_bf16" in flags else "avx512")
         assert "avx2" in ISAS  # the AVX2 build is tested on every x86-64 CPU with AVX2
     targets = set()
     for isa in ISAS:
@@ -590,8 +635,13 @@ def test_each_build_is_chosen_forced_or_refused(monkeypatch, tmp_path):
         with build.using(isa=isa):
             assert build.isa() is None and "needs" in build.load(), build.load()
             assert registry.native_reason(selection.DeviceInfo("cpu", "cpu")) == build.load()
+    if "avx2" in ISAS:  # the emulated pair path: asked for by name, never chosen
+        with build.using(isa=build.EMULATED):
+            assert build.load() is None and build.isa() == build.EMULATED
+            assert native.instruction_set() == build.ISA_NAMES[build.EMULATED]
     monkeypatch.setenv(build.ISA_ENV, "sse2")
-    assert "JAX_DILATED_NATIVE_ISA='sse2' is not one of avx512, avx2, neon" in build.load()
+    assert ("JAX_DILATED_NATIVE_ISA='sse2' is not one of avx512_bf16, avx512, avx2, neon, "
+            "avx2_bf16emu") in build.load()
     monkeypatch.delenv(build.ISA_ENV)
     broken = tmp_path / "attention_cpu.cc"
     broken.write_text("#error this source does not compile\n")

@@ -64,6 +64,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -289,6 +290,159 @@ static_assert(BQ % MR == 0 && BC % MR == 0 && BR % MR == 0, "tiles of MR rows");
 static_assert(BK % QK_COLS == 0 && BR % QK_COLS == 0, "blocks of whole S tiles");
 static_assert(16 % N == 0, "a head_dim that is a multiple of 16 is whole vectors");
 
+// ------------------------------------------------- bfloat16 pairs (dot products)
+//
+// Where the CPU multiplies bfloat16 itself (AVX512-BF16's vdpbf16ps), bfloat16 inputs
+// are not converted: each 32-bit lane holds a pair of bfloat16 (the even element in
+// the low half, as two adjacent elements lie in memory) and one instruction adds both
+// products of a lane's pairs to a float32 accumulator, twice the products of a
+// float32 FMA. S = q k^T pairs along the head dimension (q and k as they are stored);
+// O += P v pairs along the keys, so P is rounded to bfloat16 (to nearest even), as
+// every bfloat16 attention kernel on matrix units does; v is packed in pairs of rows.
+// Exponentials, statistics and accumulators stay float32. The emulated build
+// (JD_BF16_DOT_EMULATED: the same pairs, each product a float32 FMA of the halves
+// widened, exact as the instruction's products are) runs this data path on any
+// x86-64 CPU, so its layout is tested where the instruction is missing.
+#if (defined(__AVX512BF16__) || defined(JD_BF16_DOT_EMULATED)) && (JD_AVX512 || JD_AVX2)
+#define JD_BF16_PAIRS 1
+struct P {
+#if JD_AVX512
+  using T = __m512i;
+  static T load(const bf16_t* p) { return _mm512_loadu_si512(p); }
+  static T set1(uint32_t x) { return _mm512_set1_epi32((int)x); }
+  static VT widen_even(T x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+  static VT widen_odd(T x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+  }
+#else
+  using T = __m256i;
+  static T load(const bf16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static T set1(uint32_t x) { return _mm256_set1_epi32((int)x); }
+  static VT widen_even(T x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+  static VT widen_odd(T x) {
+    return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+  }
+#endif
+  // the 32-bit pair at p (two bfloat16), broadcast to every lane
+  static T broadcast(const bf16_t* p) {
+    uint32_t x;
+    std::memcpy(&x, p, sizeof x);
+    return set1(x);
+  }
+  // acc + a_odd b_odd + a_even b_even in each lane
+  static VT dot(VT acc, T a, T b) {
+#if defined(__AVX512BF16__) && JD_AVX512 && !defined(JD_BF16_DOT_EMULATED)
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+    acc = V::fma(widen_odd(a), widen_odd(b), acc);
+    return V::fma(widen_even(a), widen_even(b), acc);
+#endif
+  }
+};
+#if defined(JD_BF16_DOT_EMULATED) && JD_AVX512
+#define BUILD_ISA "avx512_bf16emu"
+#elif defined(JD_BF16_DOT_EMULATED)
+#define BUILD_ISA "avx2_bf16emu"
+#else
+#define BUILD_ISA "avx512_bf16"
+#endif
+
+// s[MR][ncols] = scale a[MR][D] . b[D][ncols] in pairs: a's rows (bfloat16 as stored)
+// a_stride elements apart; b in panels of QK_COLS columns, [D / 2][QK_COLS][2] each,
+// panel after panel (QK_COLS D elements apart); s's rows BK floats apart.
+__attribute__((noinline)) void qk_tile_pairs(const bf16_t* a, int64_t a_stride, const bf16_t* b,
+                                             float* s, int d_head, int ncols, float scale) {
+  for (int c = 0; c < ncols; c += QK_COLS, b += QK_COLS * d_head) {
+    VT acc[MR][QK_VECS];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+      for (int j = 0; j < QK_VECS; j++) acc[r][j] = V::zero();
+    for (int e = 0; e < d_head; e += 2) {
+      P::T bv[QK_VECS];
+#pragma GCC unroll 4
+      for (int j = 0; j < QK_VECS; j++) bv[j] = P::load(b + e * QK_COLS + 2 * j * N);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; r++) {
+        const P::T x = P::broadcast(a + r * a_stride + e);
+#pragma GCC unroll 4
+        for (int j = 0; j < QK_VECS; j++) acc[r][j] = P::dot(acc[r][j], x, bv[j]);
+      }
+    }
+    const VT sc = V::set1(scale);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+      for (int j = 0; j < QK_VECS; j++) V::store(s + r * BK + c + j * N, V::mul(acc[r][j], sc));
+  }
+}
+
+// o[MR][NV N] += p[MR][:2 npairs] . v[:2 npairs][NV N] in pairs of keys: p's rows
+// (bfloat16) BK elements apart, v's pair rows [NV N][2] vstride elements apart.
+template <int NV>
+__attribute__((noinline)) void pv_tile_pairs(const bf16_t* p, const bf16_t* v, int64_t vstride,
+                                             float* o, int64_t ostride, int npairs) {
+  VT acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; j++) acc[r][j] = V::load(o + r * ostride + N * j);
+  for (int t = 0; t < npairs; t++) {
+    P::T b[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; j++) b[j] = P::load(v + t * vstride + 2 * N * j);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) {
+      const P::T a = P::broadcast(p + r * BK + 2 * t);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; j++) acc[r][j] = P::dot(acc[r][j], a, b[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; j++) V::store(o + r * ostride + N * j, acc[r][j]);
+}
+
+template <int NV>
+void pv_rest_pairs(const bf16_t* p, const bf16_t* v, int64_t vstride, float* o, int64_t ostride,
+                   int npairs, int nv) {
+  if constexpr (NV > 0) {
+    if (nv == NV) pv_tile_pairs<NV>(p, v, vstride, o, ostride, npairs);
+    else pv_rest_pairs<NV - 1>(p, v, vstride, o, ostride, npairs, nv);
+  }
+}
+
+// Values in column panels of pairs of rows: the panel of columns [c, c + wc) holds
+// row t's column c + j at c rows2 + (t / 2) 2 wc + 2 j + t % 2 (rows2: the rows
+// rounded up to even, the last odd one's partner 0).
+inline void pack_value_row_pairs(const bf16_t* src, bf16_t* panels, int64_t rows2, int64_t t,
+                                 int64_t d_head) {
+  for (int64_t c = 0; c < d_head; c += PV_COLS) {
+    const int64_t wc = std::min<int64_t>(PV_COLS, d_head - c);
+    bf16_t* dst = panels + c * rows2 + (t / 2) * 2 * wc + t % 2;
+    for (int64_t j = 0; j < wc; j++) dst[2 * j] = src[c + j];
+  }
+}
+
+// o[MR][D] += p[MR][:nk] . v[k0 : k0 + nk][D] (k0 even; p 0 past nk, to the even)
+inline void pv_panels_pairs(const bf16_t* p, const bf16_t* panels, int64_t rows2, int64_t k0,
+                            float* o, int d_head, int nk) {
+  const int npairs = (nk + 1) / 2;
+  int c = 0;
+  for (; c + PV_COLS <= d_head; c += PV_COLS)
+    pv_tile_pairs<PV_VECS>(p, panels + c * rows2 + k0 * PV_COLS, 2 * PV_COLS, o + c, d_head,
+                           npairs);
+  const int wc = d_head - c;
+  if (wc > 0)
+    pv_rest_pairs<PV_VECS - 1>(p, panels + c * rows2 + k0 * wc, 2 * wc, o + c, d_head, npairs,
+                               wc / N);
+}
+#else
+#define JD_BF16_PAIRS 0
+#define BUILD_ISA V::isa
+#endif
+
 // exp(x) for the softmax: exp(x) = 2^n e^r, n = round(x log2 e), |r| <= ln2 / 2; e^r
 // by its Taylor polynomial to degree 7 in Horner form (relative error below 2e-7).
 // Arguments below -104 give 0 (as exp's float32 value, up to subnormals). Only
@@ -488,6 +642,8 @@ struct Scratch {
   // column panels (pack_value_row); row, one converted row
   std::vector<float> kt, s, qs, ot, kmask, kmul, vp, row;
   std::vector<uint8_t> block_masked, block_shared;  // some key masked; some key of depth > 0
+  // the bfloat16 pair path's k^T, q, values and P (JD_BF16_PAIRS; empty otherwise)
+  std::vector<bf16_t> ktp, qp, vpp, sp;
   Scratch(int64_t max_lk, int64_t d)
       : kt(((max_lk + BK - 1) / BK) * d * BK), s(MR * BK), qs(BQ * d), ot(BQ * d),
         row(MAX_D) {}
@@ -506,21 +662,53 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
   if ((int64_t)w.vp.size() < kend_all * d) w.vp.resize(kend_all * d);
   w.block_masked.resize(nblocks);
   w.block_shared.resize(nblocks);
+  // bfloat16 inputs on the bfloat16 dot products: k^T and the values packed as pairs
+  constexpr bool pairs = JD_BF16_PAIRS && std::is_same_v<In, bf16_t>;
+#if JD_BF16_PAIRS
+  const int64_t rows2 = (kend_all + 1) / 2 * 2;
+  if constexpr (pairs) {
+    if ((int64_t)w.ktp.size() < nblocks * d * BK) w.ktp.resize(nblocks * d * BK);
+    if ((int64_t)w.vpp.size() < rows2 * d) w.vpp.resize(rows2 * d);
+    if ((int64_t)w.qp.size() < BQ * d) w.qp.resize(BQ * d);
+    if ((int64_t)w.sp.size() < MR * BK) w.sp.resize(MR * BK);
+    static const bf16_t zeros[MAX_D] = {};
+    if (rows2 != kend_all)  // the last value row's partner
+      pack_value_row_pairs(zeros, w.vpp.data(), rows2, kend_all, d);
+  }
+#endif
   // k^T of the keys this run can see, in blocks of BK keys, each in panels
   // [BK / QK_COLS][d][QK_COLS] (zero-padded to whole panels), their mask and
   // multiplicities, and the values in panels
   for (int64_t b0 = 0; b0 < kend_all; b0 += BK) {
     float* kt = w.kt.data() + (b0 / BK) * d * BK;
     const int64_t nk = std::min<int64_t>(BK, kend_all - b0);
-    for (int64_t t = 0; t < nk; t++) {
-      const float* src = as_float(it.k + (b0 + t) * it.kv_stride, d, w.row.data());
-      float* panel = kt + (t / QK_COLS) * QK_COLS * d + t % QK_COLS;
-      for (int64_t c = 0; c < d; c++) panel[c * QK_COLS] = src[c];
-      pack_value_row(as_float(it.v + (b0 + t) * it.kv_stride, d, w.row.data()), w.vp.data(),
-                     kend_all, b0 + t, d);
+#if JD_BF16_PAIRS
+    if constexpr (pairs) {  // panels [D / 2][QK_COLS][2]: key t's pair e at 2 (e QK_COLS + t)
+      bf16_t* ktp = w.ktp.data() + (b0 / BK) * d * BK;
+      const int64_t ncols = (nk + QK_COLS - 1) / QK_COLS * QK_COLS;
+      for (int64_t t = 0; t < ncols; t++) {
+        bf16_t* panel = ktp + (t / QK_COLS) * QK_COLS * d + 2 * (t % QK_COLS);
+        const bf16_t* src = it.k + (b0 + t) * it.kv_stride;
+        for (int64_t e = 0; e < d; e += 2) {
+          panel[e * QK_COLS] = t < nk ? src[e] : bf16_t{0};
+          panel[e * QK_COLS + 1] = t < nk ? src[e + 1] : bf16_t{0};
+        }
+        if (t < nk)
+          pack_value_row_pairs(it.v + (b0 + t) * it.kv_stride, w.vpp.data(), rows2, b0 + t, d);
+      }
     }
-    for (int64_t t = nk; t < (nk + QK_COLS - 1) / QK_COLS * QK_COLS; t++)
-      for (int64_t c = 0; c < d; c++) kt[(t / QK_COLS) * QK_COLS * d + c * QK_COLS + t % QK_COLS] = 0.0f;
+#endif
+    if constexpr (!pairs) {
+      for (int64_t t = 0; t < nk; t++) {
+        const float* src = as_float(it.k + (b0 + t) * it.kv_stride, d, w.row.data());
+        float* panel = kt + (t / QK_COLS) * QK_COLS * d + t % QK_COLS;
+        for (int64_t c = 0; c < d; c++) panel[c * QK_COLS] = src[c];
+        pack_value_row(as_float(it.v + (b0 + t) * it.kv_stride, d, w.row.data()), w.vp.data(),
+                       kend_all, b0 + t, d);
+      }
+      for (int64_t t = nk; t < (nk + QK_COLS - 1) / QK_COLS * QK_COLS; t++)
+        for (int64_t c = 0; c < d; c++) kt[(t / QK_COLS) * QK_COLS * d + c * QK_COLS + t % QK_COLS] = 0.0f;
+    }
     float* km = w.kmul.data() + (b0 / BK) * nc * BK;
     bool masked = false, shared = false;
     for (int64_t j = 0; j < BK; j++) {
@@ -558,9 +746,16 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
       l[i] = 0.0f;
       depth[i] = i < nq && ns ? ns->depth(it.qpos0 + (q0 + i) * it.step) : 0;
       const In* src = it.q + (q0 + i) * it.q_stride;
-      const VT scale = V::set1(i < nq ? cf.scale : 0.0f);
-      for (int64_t c = 0; c < d; c += N)
-        V::store(w.qs.data() + i * d + c, i < nq ? V::mul(V::load(src + c), scale) : scale);
+#if JD_BF16_PAIRS
+      if constexpr (pairs) {  // as stored (the scale multiplies S)
+        for (int64_t c = 0; c < d; c++) w.qp[i * d + c] = i < nq ? src[c] : bf16_t{0};
+      }
+#endif
+      if constexpr (!pairs) {
+        const VT scale = V::set1(i < nq ? cf.scale : 0.0f);
+        for (int64_t c = 0; c < d; c += N)
+          V::store(w.qs.data() + i * d + c, i < nq ? V::mul(V::load(src + c), scale) : scale);
+      }
       const int64_t stat = (q0 + i) * it.stat_stride;
       if constexpr (std::is_same_v<Out, float>) {
         if (cf.accumulate && i < nq && it.l[stat] > 0.0f) {
@@ -589,7 +784,13 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
                                  : nk;
         if (gk <= 0 || (x0 <= 0 && x1 >= gk)) continue;  // nothing of the block for it
         const int gcols = (gk + QK_COLS - 1) / QK_COLS * QK_COLS;
-        qk_tile<QK_COLS, BK>(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, gcols, d);
+#if JD_BF16_PAIRS
+        if constexpr (pairs)
+          qk_tile_pairs(w.qp.data() + t0 * d, d, w.ktp.data() + (k0 / BK) * d * BK, w.s.data(),
+                        (int)d, gcols, cf.scale);
+#endif
+        if constexpr (!pairs)
+          qk_tile<QK_COLS, BK>(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, gcols, d);
         for (int r = 0; r < MR; r++) {
           const int i = t0 + r;
           float* sr = w.s.data() + r * BK;
@@ -648,7 +849,16 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
             for (int64_t c = 0; c < d; c += N) V::store(orow + c, V::mul(a, V::load(orow + c)));
           }
         }
-        pv_panels(w.s.data(), w.vp.data(), kend_all, k0, w.ot.data() + t0 * d, (int)d, gk);
+#if JD_BF16_PAIRS
+        if constexpr (pairs) {  // P rounded to bfloat16; its columns past gk are 0
+          for (int r = 0; r < MR; r++)
+            for (int j = 0; j < gcols; j += N)
+              V::store(w.sp.data() + r * BK + j, V::load(w.s.data() + r * BK + j));
+          pv_panels_pairs(w.sp.data(), w.vpp.data(), rows2, k0, w.ot.data() + t0 * d, (int)d, gk);
+        }
+#endif
+        if constexpr (!pairs)
+          pv_panels(w.s.data(), w.vp.data(), kend_all, k0, w.ot.data() + t0 * d, (int)d, gk);
       }
     }
     for (int i = 0; i < nq; i++) {
@@ -1296,7 +1506,7 @@ ffi::Error DilatedBackward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 // The instruction set this library was built for ("avx512", "avx2" or "neon"), which
 // build.py reports (jd.backend_report).
 extern "C" __attribute__((visibility("default"))) const char* JaxDilatedNativeIsa() {
-  return V::isa;
+  return BUILD_ISA;
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionForwardCpu, Forward,

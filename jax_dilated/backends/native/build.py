@@ -3,16 +3,25 @@
 The kernel (``attention_cpu.cc``) is C++ against XLA's FFI headers, which ship with
 ``jaxlib`` (``jax.ffi.include_dir()``), so it is compiled on the user's machine, for
 its CPU and its jaxlib, by the system's C++ compiler (``$CXX``, else ``c++``). One
-source serves three instruction sets, chosen for the machine:
+source serves these instruction sets, chosen for the machine:
 
-- ``avx512``: x86-64 CPUs with AVX-512 (``-march=native``);
+- ``avx512_bf16``: x86-64 CPUs with AVX-512 and AVX512-BF16 (AMD Zen 4 and later,
+  Intel Cooper Lake, Sapphire Rapids and later; ``-march=native``): bfloat16 inputs
+  are multiplied as bfloat16 pairs by ``vdpbf16ps`` into float32 (the forward),
+  where the other builds convert them to float32 first;
+- ``avx512``: x86-64 CPUs with AVX-512 (``-march=native``, without AVX512-BF16);
 - ``avx2``: x86-64 CPUs with AVX2, FMA and F16C and no AVX-512 (``-mavx2 -mfma
   -mf16c``, tuned for the machine);
 - ``neon``: aarch64 (``-mcpu=native``).
 
 ``JAX_DILATED_NATIVE_ISA=avx2`` forces the AVX2 build on a CPU with AVX-512 (AVX2
 code runs there), so that build is tested and measured on any x86-64 machine;
-``avx512`` and ``neon`` may be named too, and are refused where the CPU lacks them.
+``avx512`` forces the AVX-512 build without the bfloat16 products on a CPU that has
+them; ``avx512_bf16`` and ``neon`` may be named too, and every build is refused
+where the CPU lacks its instructions. ``avx2_bf16emu`` (:data:`EMULATED`), never
+chosen by itself, is the AVX2 build with the bfloat16 pair path of ``avx512_bf16``,
+each pair's products computed by FMAs: it tests that path's data layout on any
+x86-64 CPU.
 The shared library is cached under ``$JAX_DILATED_CACHE`` (default
 ``$XDG_CACHE_HOME/jax_dilated`` or ``~/.cache/jax_dilated``), named by the
 instruction set and a hash of the source, the compiler, the flags, jaxlib's version
@@ -55,15 +64,23 @@ _SYMBOLS = {TARGET: "JaxDilatedAttentionForwardCpu",
 _ISA_SYMBOL = "JaxDilatedNativeIsa"
 
 ISA_ENV = "JAX_DILATED_NATIVE_ISA"
-ISAS = ("avx512", "avx2", "neon")
-ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2+FMA", "neon": "NEON"}
+ISAS = ("avx512_bf16", "avx512", "avx2", "neon")
+# the test build of the bfloat16 pair path (not among the machine's choices)
+EMULATED = "avx2_bf16emu"
+ISA_NAMES = {"avx512_bf16": "AVX-512 with AVX512-BF16 (bfloat16 dot products)",
+             "avx512": "AVX-512", "avx2": "AVX2+FMA", "neon": "NEON",
+             EMULATED: "AVX2+FMA, bfloat16 dot products emulated"}
 _X86_64 = ("x86_64", "AMD64")
 _AARCH64 = ("aarch64", "arm64")
 # what each x86-64 build needs in /proc/cpuinfo's flags
-_X86_NEEDS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma", "f16c")}
-_ISA_FLAGS = {"avx512": ("-march=native",),
+_X86_NEEDS = {"avx512_bf16": ("avx512f", "avx512_bf16"), "avx512": ("avx512f",),
+              "avx2": ("avx2", "fma", "f16c"), EMULATED: ("avx2", "fma", "f16c")}
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c", "-mtune=native")
+_ISA_FLAGS = {"avx512_bf16": ("-march=native", "-mavx512bf16"),
+              "avx512": ("-march=native", "-mno-avx512bf16"),
               # no -march=native: it would turn on AVX-512 where the CPU has it
-              "avx2": ("-mavx2", "-mfma", "-mf16c", "-mtune=native"),
+              "avx2": _AVX2_FLAGS,
+              EMULATED: (*_AVX2_FLAGS, "-DJD_BF16_DOT_EMULATED"),
               "neon": ("-mcpu=native",)}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 
@@ -101,15 +118,16 @@ def library() -> Library | None:
 
 
 def isa() -> str | None:
-    """The instruction set of the build in use (``"avx512"``, ``"avx2"``, ``"neon"``),
-    or None where it cannot run."""
+    """The instruction set of the build in use (one of :data:`ISAS`, or
+    :data:`EMULATED`), or None where it cannot run."""
     lib = library()
     return None if lib is None else lib.isa
 
 
 def available_isas() -> tuple[str, ...]:
     """The instruction sets of the builds this machine can run (on an x86-64 CPU with
-    AVX-512: ``("avx512", "avx2")``), whether or not a compiler is at hand."""
+    AVX-512 and no AVX512-BF16: ``("avx512", "avx2")``), whether or not a compiler is
+    at hand. (:data:`EMULATED` is not among them: it is asked for by name.)"""
     return tuple(i for i in ISAS if _choose_isa(i) == i)
 
 
@@ -125,7 +143,7 @@ def target(call: str) -> str:
 @contextlib.contextmanager
 def using(isa: str | None = None, source: str | os.PathLike | None = None):
     """Programs traced inside use another build of the kernel: ``isa`` (one of
-    :data:`ISAS`; None: as outside) and ``source`` (a kernel source file to build
+    :data:`ISAS` or :data:`EMULATED`; None: as outside) and ``source`` (a kernel source file to build
     instead of :data:`SOURCE`, e.g. an earlier version's, whose FFI calls take the
     same arguments; None: as outside).
 
@@ -165,7 +183,7 @@ def _load(requested_isa: str | None, source: str | None) -> tuple[str | None, Li
 def _load_once(requested_isa: str | None,
                source: str | None) -> tuple[str | None, Library | None]:
     chosen = _choose_isa(requested_isa)
-    if chosen not in ISAS:
+    if chosen not in (*ISAS, EMULATED):
         return chosen, None
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
@@ -194,10 +212,11 @@ def _load_once(requested_isa: str | None,
 
 
 def _choose_isa(requested: str | None) -> str:
-    """The instruction set to build for (one of :data:`ISAS`), else why none can be."""
+    """The instruction set to build for (one of :data:`ISAS` or :data:`EMULATED`),
+    else why none can be."""
     system, machine = platform.system(), platform.machine()
-    if requested is not None and requested not in ISAS:
-        return f"{ISA_ENV}={requested!r} is not one of {', '.join(ISAS)}"
+    if requested is not None and requested not in (*ISAS, EMULATED):
+        return f"{ISA_ENV}={requested!r} is not one of {', '.join((*ISAS, EMULATED))}"
     if system != "Linux" or machine not in _X86_64 + _AARCH64:
         return (f"it needs Linux on x86-64 with AVX2 and FMA, or on aarch64 (this is "
                 f"{system} {machine})")
@@ -209,8 +228,9 @@ def _choose_isa(requested: str | None) -> str:
         return f"{ISA_ENV}=neon needs an aarch64 CPU (this is {machine})"
     flags = _cpu_flags()
     if requested is None:
-        if all(f in flags for f in _X86_NEEDS["avx512"]):
-            return "avx512"
+        for best in ("avx512_bf16", "avx512"):
+            if all(f in flags for f in _X86_NEEDS[best]):
+                return best
         requested = "avx2"
     missing = [f for f in _X86_NEEDS[requested] if f not in flags]
     if missing:
