@@ -18,7 +18,7 @@ from benchmarks import harness
 
 # op modules in the order of `--help`
 OP_MODULES = ("dilated", "ring", "distributed", "block_sparse", "strategies", "packed", "window",
-              "gpu", "lm", "slide")
+              "gpu", "lm", "slide", "dense")
 
 
 def _threads_from(argv: list[str]) -> int:

@@ -420,7 +420,8 @@ class LoadMonitor:
 
 def cpu_description(cpuinfo: str) -> str | None:
     """The CPU from ``/proc/cpuinfo``'s text: its model name, and its family, model
-    number and widest vector unit, e.g. ``"AMD EPYC (family 25, model 17, AVX-512)"``.
+    number, widest vector unit and bfloat16 units, e.g. ``"AMD EPYC (family 25, model
+    17, AVX-512, AVX512-BF16)"``.
 
     Cloud VMs often name the CPU only by its brand ("AMD EPYC"), and machines of one
     name differ: two such 2-core VMs ran the same block matmuls at 183 and 378
@@ -438,9 +439,23 @@ def cpu_description(cpuinfo: str) -> str | None:
     flags = set(fields.get("flags", "").split())
     vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
     details = [f"family {fields['cpu family']}" if "cpu family" in fields else None,
-               f"model {fields['model']}" if "model" in fields else None, vector]
+               f"model {fields['model']}" if "model" in fields else None, vector,
+               "AVX512-BF16" if "avx512_bf16" in flags else None,
+               "AMX-BF16" if "amx_bf16" in flags else None]
     details = [d for d in details if d]
     return f"{name} ({', '.join(details)})" if details else name
+
+
+def cpu_flags() -> set[str]:
+    """The first processor's flags in ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def _cpu_model() -> str | None:

@@ -175,13 +175,17 @@ def test_environment_records_machine_versions_commit_and_load():
 
 
 def test_cpu_description_names_family_model_and_vector_unit():
-    """Two VMs both called "AMD EPYC" are told apart (family, model, AVX-512 or AVX2)."""
+    """Two VMs both called "AMD EPYC" are told apart (family, model, AVX-512 or AVX2),
+    and the bfloat16 units are named."""
     block = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
              "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n\n"
              "processor\t: 1\ncpu family\t: 99\nmodel name\t: other\n")
     assert harness.cpu_description(block) == "AMD EPYC (family 25, model 17, AVX-512)"
     older = block.replace(" avx512f avx512bw", "").replace("25", "23")
     assert harness.cpu_description(older) == "AMD EPYC (family 23, model 17, AVX2)"
+    xeon = block.replace("avx512bw", "avx512bw avx512_bf16 amx_bf16 amx_tile")
+    assert harness.cpu_description(xeon) == (
+        "AMD EPYC (family 25, model 17, AVX-512, AVX512-BF16, AMX-BF16)")
     assert harness.cpu_description("model name\t: Some CPU\n") == "Some CPU"
     assert harness.cpu_description("processor\t: 0\n") is None
 
@@ -508,6 +512,30 @@ def test_window_op_runs_end_to_end_at_a_tiny_size(tmp_path):
     rng = np.random.default_rng(1)
     host = [rng.standard_normal((1, 16, 2, 4), dtype=np.float32) for _ in range(4)]
     assert not window.check_variants({"liar": liar}, host, args)["liar"]["agree"]
+
+
+def test_dense_op_times_every_variant_and_checks_them(tmp_path):
+    """``python -m benchmarks dense --quick`` in this process: XLA's four ways and
+    torch's two (both timed with --quick, whatever the CPU) are timed; XLA's results
+    agree with the float64 product to float32's / bfloat16's precision; the record
+    names XLA_FLAGS and the CPU's bfloat16 unit (flags by name)."""
+    from benchmarks import dense
+    op, args = _op_args("dense", ["--quick", "--repeats", "1", "--warmup", "0",
+                                  "--json", str(tmp_path / "d.json")])
+    harness.resolve_common(args, op)
+    args.load = harness.LoadMonitor(2, busy_seconds=_no_proc, getloadavg=_loads(0.1, 0.1))
+    with contextlib.redirect_stdout(io.StringIO()):
+        payload = op.run(args)
+    got = {r["variant"]: r for r in payload["results"]}
+    xla = [n for n in got if n.startswith("xla")]
+    assert len(xla) == 4 and {"torch float32", "torch bfloat16"} <= set(got)
+    assert all(got[n]["median_s"] > 0 and got[n]["gflops"] > 0 for n in got)
+    assert got["xla float32"]["max_rel_err"] < 1e-5
+    assert all(got[n]["max_rel_err"] < 2e-2 for n in xla)
+    assert "xla_flags" in payload["environment"] and "bf16_unit" in payload["environment"]
+    assert dense.bf16_unit({"avx512f", "avx512_bf16"}) == "AVX512-BF16"
+    assert dense.bf16_unit({"avx512_bf16", "amx_bf16", "amx_tile"}) == "AMX-BF16"
+    assert dense.bf16_unit({"avx2", "fma"}) is None
 
 
 # ------------------------------------------------------ strategies (issue 19)
