@@ -7,7 +7,8 @@
 // compiler's target flags) picks one, with the register-tile shapes that fit its
 // register file. Inputs are float32, bfloat16 or float16; they are converted to
 // float32 where the kernel packs its tiles, and every product, exponential and
-// statistic is float32.
+// statistic is float32 - except on CPUs with AVX512-BF16, where bfloat16 inputs are
+// multiplied as stored (section "bfloat16 pairs").
 //
 // The mathematics is docs/semantics.md, section 1: for each query row p and the keys
 // t it may attend to,
@@ -299,7 +300,9 @@ static_assert(16 % N == 0, "a head_dim that is a multiple of 16 is whole vectors
 // float32 FMA. S = q k^T pairs along the head dimension (q and k as they are stored);
 // O += P v pairs along the keys, so P is rounded to bfloat16 (to nearest even), as
 // every bfloat16 attention kernel on matrix units does; v is packed in pairs of rows.
-// Exponentials, statistics and accumulators stay float32. The emulated build
+// The backward likewise: S and dP from q, k, v and do as stored, and P c and scale dS
+// rounded to bfloat16 for dv, dk and dq. Exponentials, statistics and accumulators
+// stay float32. The emulated build
 // (JD_BF16_DOT_EMULATED: the same pairs, each product a float32 FMA of the halves
 // widened, exact as the instruction's products are) runs this data path on any
 // x86-64 CPU, so its layout is tested where the instruction is missing.
@@ -349,9 +352,12 @@ struct P {
 
 // s[MR][ncols] = scale a[MR][D] . b[D][ncols] in pairs: a's rows (bfloat16 as stored)
 // a_stride elements apart; b in panels of QK_COLS columns, [D / 2][QK_COLS][2] each,
-// panel after panel (QK_COLS D elements apart); s's rows BK floats apart.
+// panel after panel (QK_COLS D elements apart); s's rows SS floats apart. With
+// col_scale, column j is also multiplied by col_scale[j].
+template <int SS>
 __attribute__((noinline)) void qk_tile_pairs(const bf16_t* a, int64_t a_stride, const bf16_t* b,
-                                             float* s, int d_head, int ncols, float scale) {
+                                             float* s, int d_head, int ncols, float scale,
+                                             const float* col_scale = nullptr) {
   for (int c = 0; c < ncols; c += QK_COLS, b += QK_COLS * d_head) {
     VT acc[MR][QK_VECS];
 #pragma GCC unroll 8
@@ -369,17 +375,20 @@ __attribute__((noinline)) void qk_tile_pairs(const bf16_t* a, int64_t a_stride, 
         for (int j = 0; j < QK_VECS; j++) acc[r][j] = P::dot(acc[r][j], x, bv[j]);
       }
     }
-    const VT sc = V::set1(scale);
+    VT sc[QK_VECS];
+#pragma GCC unroll 4
+    for (int j = 0; j < QK_VECS; j++)
+      sc[j] = col_scale ? V::mul(V::set1(scale), V::load(col_scale + c + j * N)) : V::set1(scale);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
-      for (int j = 0; j < QK_VECS; j++) V::store(s + r * BK + c + j * N, V::mul(acc[r][j], sc));
+      for (int j = 0; j < QK_VECS; j++) V::store(s + r * SS + c + j * N, V::mul(acc[r][j], sc[j]));
   }
 }
 
 // o[MR][NV N] += p[MR][:2 npairs] . v[:2 npairs][NV N] in pairs of keys: p's rows
-// (bfloat16) BK elements apart, v's pair rows [NV N][2] vstride elements apart.
-template <int NV>
+// (bfloat16) PS elements apart, v's pair rows [NV N][2] vstride elements apart.
+template <int NV, int PS>
 __attribute__((noinline)) void pv_tile_pairs(const bf16_t* p, const bf16_t* v, int64_t vstride,
                                              float* o, int64_t ostride, int npairs) {
   VT acc[MR][NV];
@@ -393,7 +402,7 @@ __attribute__((noinline)) void pv_tile_pairs(const bf16_t* p, const bf16_t* v, i
     for (int j = 0; j < NV; j++) b[j] = P::load(v + t * vstride + 2 * N * j);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) {
-      const P::T a = P::broadcast(p + r * BK + 2 * t);
+      const P::T a = P::broadcast(p + r * PS + 2 * t);
 #pragma GCC unroll 4
       for (int j = 0; j < NV; j++) acc[r][j] = P::dot(acc[r][j], a, b[j]);
     }
@@ -404,13 +413,33 @@ __attribute__((noinline)) void pv_tile_pairs(const bf16_t* p, const bf16_t* v, i
     for (int j = 0; j < NV; j++) V::store(o + r * ostride + N * j, acc[r][j]);
 }
 
-template <int NV>
+template <int NV, int PS>
 void pv_rest_pairs(const bf16_t* p, const bf16_t* v, int64_t vstride, float* o, int64_t ostride,
                    int npairs, int nv) {
   if constexpr (NV > 0) {
-    if (nv == NV) pv_tile_pairs<NV>(p, v, vstride, o, ostride, npairs);
-    else pv_rest_pairs<NV - 1>(p, v, vstride, o, ostride, npairs, nv);
+    if (nv == NV) pv_tile_pairs<NV, PS>(p, v, vstride, o, ostride, npairs);
+    else pv_rest_pairs<NV - 1, PS>(p, v, vstride, o, ostride, npairs, nv);
   }
+}
+
+// o[MR][D] += p[MR][:2 npairs] . v[:2 npairs][D], v's pair rows [D][2] (not in panels)
+template <int PS>
+void pv_columns_pairs(const bf16_t* p, const bf16_t* v, float* o, int64_t ostride, int d_head,
+                      int npairs) {
+  int c = 0;
+  for (; c + PV_COLS <= d_head; c += PV_COLS)
+    pv_tile_pairs<PV_VECS, PS>(p, v + 2 * c, 2 * d_head, o + c, ostride, npairs);
+  pv_rest_pairs<PV_VECS - 1, PS>(p, v + 2 * c, 2 * d_head, o + c, ostride, npairs,
+                                 (d_head - c) / N);
+}
+
+// rows [n][D] (bfloat16, row i at src + i stride) as pairs of rows [n / 2][D][2]
+// (n even, or the last row's partner 0) at dst
+template <class In>
+void pack_row_pairs(const In* src, int64_t stride, int64_t n, int64_t d_head, bf16_t* dst) {
+  for (int64_t i = 0; i < (n + 1) / 2 * 2; i++)
+    for (int64_t c = 0; c < d_head; c++)
+      dst[(i / 2) * 2 * d_head + 2 * c + i % 2] = i < n ? src[i * stride + c] : bf16_t{0};
 }
 
 // Values in column panels of pairs of rows: the panel of columns [c, c + wc) holds
@@ -431,12 +460,12 @@ inline void pv_panels_pairs(const bf16_t* p, const bf16_t* panels, int64_t rows2
   const int npairs = (nk + 1) / 2;
   int c = 0;
   for (; c + PV_COLS <= d_head; c += PV_COLS)
-    pv_tile_pairs<PV_VECS>(p, panels + c * rows2 + k0 * PV_COLS, 2 * PV_COLS, o + c, d_head,
-                           npairs);
+    pv_tile_pairs<PV_VECS, BK>(p, panels + c * rows2 + k0 * PV_COLS, 2 * PV_COLS, o + c, d_head,
+                               npairs);
   const int wc = d_head - c;
   if (wc > 0)
-    pv_rest_pairs<PV_VECS - 1>(p, panels + c * rows2 + k0 * wc, 2 * wc, o + c, d_head, npairs,
-                               wc / N);
+    pv_rest_pairs<PV_VECS - 1, BK>(p, panels + c * rows2 + k0 * wc, 2 * wc, o + c, d_head,
+                                   npairs, wc / N);
 }
 #else
 #define JD_BF16_PAIRS 0
@@ -786,8 +815,8 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
         const int gcols = (gk + QK_COLS - 1) / QK_COLS * QK_COLS;
 #if JD_BF16_PAIRS
         if constexpr (pairs)
-          qk_tile_pairs(w.qp.data() + t0 * d, d, w.ktp.data() + (k0 / BK) * d * BK, w.s.data(),
-                        (int)d, gcols, cf.scale);
+          qk_tile_pairs<BK>(w.qp.data() + t0 * d, d, w.ktp.data() + (k0 / BK) * d * BK,
+                            w.s.data(), (int)d, gcols, cf.scale);
 #endif
         if constexpr (!pairs)
           qk_tile<QK_COLS, BK>(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, gcols, d);
@@ -914,6 +943,13 @@ struct BwdScratch {
   std::vector<uint8_t> key_ok;
   std::vector<int> key_depth;
   std::vector<int64_t> key_cut0, key_cut1;  // the rows that share key t with the finer branch
+  // the bfloat16 pair path (JD_BF16_PAIRS): q and do as pair panels [D / 2][QK_COLS][2]
+  // per tile (qpp, dopp; S and dP) and as pairs of rows [rows / 2][D][2] (qrp, drp;
+  // dk and dv), each row's c (cvec); the key block's k and v rows as stored (kraw,
+  // vraw) and k as pairs of rows (kpp; dq); P c, ds scale and its transpose in
+  // bfloat16 (pb, dsb, dst)
+  std::vector<bf16_t> qpp, dopp, qrp, drp, kraw, vraw, kpp, pb, dsb, dst;
+  std::vector<float> cvec;
   BwdScratch(int64_t max_lq, int64_t max_lk, int64_t d) {
     const int64_t lqp = (max_lq + BR - 1) / BR * BR, lkp = (max_lk + BC - 1) / BC * BC;
     for (auto* x : {&qst, &qs, &dot, &dos, &dq}) x->resize(lqp * d);
@@ -934,6 +970,14 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
   const int64_t d = cf.d, lq = it.lq, lk = it.lk;
   if (lq == 0 || lk == 0) return;
   const int64_t nqt = (lq + BR - 1) / BR, nkb = (lk + BC - 1) / BC, lqp = nqt * BR;
+  // bfloat16 inputs on the bfloat16 dot products (the forward's pairs, section above)
+  constexpr bool pairs = JD_BF16_PAIRS && std::is_same_v<In, bf16_t>;
+#if JD_BF16_PAIRS
+  if constexpr (pairs) {
+    for (auto* x : {&w.kraw, &w.vraw, &w.kpp}) x->resize(BC * d);
+    for (auto* x : {&w.pb, &w.dsb, &w.dst}) x->resize(BC * BR);
+  }
+#endif
   std::fill(w.dk.begin(), w.dk.begin() + nkb * BC * d, 0.0f);
   std::fill(w.dv.begin(), w.dv.begin() + nkb * BC * d, 0.0f);
   const VT lane = V::iota();
@@ -943,17 +987,42 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
     if ((int64_t)w.mult.size() < nc * lqp) w.mult.resize(nc * lqp);
     // the head's query side, packed once: scale q and c do as rows and as
     // transposed tiles [tile][D][BR]; padding rows hold 0 and lse = +inf (p = 0)
+#if JD_BF16_PAIRS
+    if constexpr (pairs) {
+      for (auto* x : {&w.qpp, &w.dopp, &w.qrp, &w.drp})
+        if ((int64_t)x->size() < lqp * d) x->resize(lqp * d);
+      if ((int64_t)w.cvec.size() < lqp) w.cvec.resize(lqp);
+      pack_row_pairs(hd.q, it.q_stride, lq, d, w.qrp.data());
+      pack_row_pairs(hd.dout, it.q_stride, lq, d, w.drp.data());
+      if (lqp > (lq + 1) / 2 * 2)  // rows of the last tile past the even: 0
+        std::fill(w.qrp.begin() + (lq + 1) / 2 * 2 * d, w.qrp.begin() + lqp * d, bf16_t{0}),
+        std::fill(w.drp.begin() + (lq + 1) / 2 * 2 * d, w.drp.begin() + lqp * d, bf16_t{0});
+    }
+#endif
     for (int64_t i = 0; i < lqp; i++) {
       const bool real = i < lq;
       const float ci = real ? hd.c[i * it.stat_stride] : 0.0f;
-      const float* qrow = real ? as_float(hd.q + i * it.q_stride, d, w.row.data()) : nullptr;
-      const float* drow = real ? as_float(hd.dout + i * it.q_stride, d, w.row2.data()) : nullptr;
-      float* qt = w.qst.data() + (i / BR) * d * BR + i % BR;
-      float* dt = w.dot.data() + (i / BR) * d * BR + i % BR;
-      for (int64_t c = 0; c < d; c++) {
-        const float qv = real ? qrow[c] * cf.scale : 0.0f, dv = real ? drow[c] * ci : 0.0f;
-        w.qs[i * d + c] = qv; qt[c * BR] = qv;
-        w.dos[i * d + c] = dv; dt[c * BR] = dv;
+#if JD_BF16_PAIRS
+      if constexpr (pairs) {  // row i's pairs in its tile's panels, as stored
+        w.cvec[i] = ci;
+        const int64_t at = (i / BR) * BR * d + ((i % BR) / QK_COLS) * QK_COLS * d + 2 * (i % QK_COLS);
+        for (int64_t e = 0; e < d; e += 2)
+          for (int h = 0; h < 2; h++) {
+            w.qpp[at + e * QK_COLS + h] = real ? hd.q[i * it.q_stride + e + h] : bf16_t{0};
+            w.dopp[at + e * QK_COLS + h] = real ? hd.dout[i * it.q_stride + e + h] : bf16_t{0};
+          }
+      }
+#endif
+      if constexpr (!pairs) {
+        const float* qrow = real ? as_float(hd.q + i * it.q_stride, d, w.row.data()) : nullptr;
+        const float* drow = real ? as_float(hd.dout + i * it.q_stride, d, w.row2.data()) : nullptr;
+        float* qt = w.qst.data() + (i / BR) * d * BR + i % BR;
+        float* dt = w.dot.data() + (i / BR) * d * BR + i % BR;
+        for (int64_t c = 0; c < d; c++) {
+          const float qv = real ? qrow[c] * cf.scale : 0.0f, dv = real ? drow[c] * ci : 0.0f;
+          w.qs[i * d + c] = qv; qt[c * BR] = qv;
+          w.dos[i * d + c] = dv; dt[c * BR] = dv;
+        }
       }
       w.lse[i] = real ? hd.lse[i * it.stat_stride] : INFINITY;
       const int dp = real && ns ? ns->depth(it.pos0 + i * it.step) : 0;
@@ -967,12 +1036,22 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
         const bool real = t < nk;
         const In* krow = it.k + (k0 + t) * it.kv_stride;
         const In* vrow = it.v + (k0 + t) * it.kv_stride;
-        const VT zero = V::zero(), scale = V::set1(cf.scale);
-        for (int64_t c = 0; c < d; c += N) {
-          const VT kx = real ? V::load(krow + c) : zero;
-          V::store(w.kb.data() + t * d + c, kx);
-          V::store(w.ks.data() + t * d + c, V::mul(kx, scale));
-          V::store(w.vb.data() + t * d + c, real ? V::load(vrow + c) : zero);
+#if JD_BF16_PAIRS
+        if constexpr (pairs) {
+          for (int64_t c = 0; c < d; c++) {
+            w.kraw[t * d + c] = real ? krow[c] : bf16_t{0};
+            w.vraw[t * d + c] = real ? vrow[c] : bf16_t{0};
+          }
+        }
+#endif
+        if constexpr (!pairs) {
+          const VT zero = V::zero(), scale = V::set1(cf.scale);
+          for (int64_t c = 0; c < d; c += N) {
+            const VT kx = real ? V::load(krow + c) : zero;
+            V::store(w.kb.data() + t * d + c, kx);
+            V::store(w.ks.data() + t * d + c, V::mul(kx, scale));
+            V::store(w.vb.data() + t * d + c, real ? V::load(vrow + c) : zero);
+          }
         }
         w.key_ok[t] = real && (it.valid == nullptr || it.valid[(k0 + t) * it.valid_stride]);
         const int64_t pos = it.pos0 + (k0 + t) * it.step;
@@ -984,6 +1063,9 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
           w.key_cut1[t] = std::min(lq, first_index_at((seg + 1) * ns->finer_w, it.pos0, it.step));
         }
       }
+#if JD_BF16_PAIRS
+      if constexpr (pairs) pack_row_pairs(w.kraw.data(), d, BC, d, w.kpp.data());
+#endif
       // causal: the tiles whose last row reaches the block's first key
       for (int64_t qt = cf.causal ? k0 / BR : 0; qt < nqt; qt++) {
         const int64_t q0 = qt * BR, q1 = std::min(lq, q0 + BR);
@@ -994,9 +1076,21 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
           continue;
         const float* qst = w.qst.data() + qt * d * BR;
         const float* dot = w.dot.data() + qt * d * BR;
-        for (int t0 = 0; t0 < BC; t0 += MR) {
-          qk_tile<BR>(w.kb.data() + t0 * d, qst, w.st.data() + t0 * BR, (int)d, BR);
-          qk_tile<BR>(w.vb.data() + t0 * d, dot, w.dpt.data() + t0 * BR, (int)d, BR);
+#if JD_BF16_PAIRS
+        if constexpr (pairs) {  // s^T = scale k q^T and dp^T = v do^T c from the pairs
+          for (int t0 = 0; t0 < BC; t0 += MR) {
+            qk_tile_pairs<BR>(w.kraw.data() + t0 * d, d, w.qpp.data() + qt * BR * d,
+                              w.st.data() + t0 * BR, (int)d, BR, cf.scale);
+            qk_tile_pairs<BR>(w.vraw.data() + t0 * d, d, w.dopp.data() + qt * BR * d,
+                              w.dpt.data() + t0 * BR, (int)d, BR, 1.0f, w.cvec.data() + q0);
+          }
+        }
+#endif
+        if constexpr (!pairs) {
+          for (int t0 = 0; t0 < BC; t0 += MR) {
+            qk_tile<BR>(w.kb.data() + t0 * d, qst, w.st.data() + t0 * BR, (int)d, BR);
+            qk_tile<BR>(w.vb.data() + t0 * d, dot, w.dpt.data() + t0 * BR, (int)d, BR);
+          }
         }
         // p^T = exp(s^T - lse) (times m(p, t) with shared pairs) and
         // ds^T = p^T (dp^T - delta), in place
@@ -1027,16 +1121,42 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
             V::store(dr + c, ds);
           }
         }
-        for (int t0 = 0; t0 < BC; t0 += MR) {
-          // dv += p^T do', dk += ds^T (scale q)
-          pv_columns<BR, 1>(w.st.data() + t0 * BR, w.dos.data() + q0 * d, d,
-                            w.dv.data() + (k0 + t0) * d, d, (int)d, BR);
-          pv_columns<BR, 1>(w.dpt.data() + t0 * BR, w.qs.data() + q0 * d, d,
-                            w.dk.data() + (k0 + t0) * d, d, (int)d, BR);
+#if JD_BF16_PAIRS
+        if constexpr (pairs) {
+          // dv += (p c)^T do, dk += (scale ds)^T q, dq += (scale ds) k: p c and scale ds
+          // rounded to bfloat16, and scale ds transposed (rows along the keys)
+          const VT sc = V::set1(cf.scale);
+          for (int t = 0; t < BC; t++)
+            for (int c = 0; c < BR; c += N) {
+              V::store(w.pb.data() + t * BR + c, V::mul(V::load(w.st.data() + t * BR + c),
+                                                         V::load(w.cvec.data() + q0 + c)));
+              V::store(w.dsb.data() + t * BR + c, V::mul(V::load(w.dpt.data() + t * BR + c), sc));
+            }
+          for (int t = 0; t < BC; t++)
+            for (int i = 0; i < BR; i++) w.dst[i * BC + t] = w.dsb[t * BR + i];
+          for (int t0 = 0; t0 < BC; t0 += MR) {
+            pv_columns_pairs<BR>(w.pb.data() + t0 * BR, w.drp.data() + q0 * d,
+                                 w.dv.data() + (k0 + t0) * d, d, (int)d, BR / 2);
+            pv_columns_pairs<BR>(w.dsb.data() + t0 * BR, w.qrp.data() + q0 * d,
+                                 w.dk.data() + (k0 + t0) * d, d, (int)d, BR / 2);
+          }
+          for (int r0 = 0; r0 < BR; r0 += MR)
+            pv_columns_pairs<BC>(w.dst.data() + r0 * BC, w.kpp.data(),
+                                 w.dq.data() + (q0 + r0) * d, d, (int)d, BC / 2);
         }
-        for (int r0 = 0; r0 < BR; r0 += MR)  // dq += ds (scale k): ds read transposed
-          pv_columns<1, BR>(w.dpt.data() + r0, w.ks.data(), d, w.dq.data() + (q0 + r0) * d, d,
-                            (int)d, BC);
+#endif
+        if constexpr (!pairs) {
+          for (int t0 = 0; t0 < BC; t0 += MR) {
+            // dv += p^T do', dk += ds^T (scale q)
+            pv_columns<BR, 1>(w.st.data() + t0 * BR, w.dos.data() + q0 * d, d,
+                              w.dv.data() + (k0 + t0) * d, d, (int)d, BR);
+            pv_columns<BR, 1>(w.dpt.data() + t0 * BR, w.qs.data() + q0 * d, d,
+                              w.dk.data() + (k0 + t0) * d, d, (int)d, BR);
+          }
+          for (int r0 = 0; r0 < BR; r0 += MR)  // dq += ds (scale k): ds read transposed
+            pv_columns<1, BR>(w.dpt.data() + r0, w.ks.data(), d, w.dq.data() + (q0 + r0) * d, d,
+                              (int)d, BC);
+        }
       }
     }
     for (int64_t i = 0; i < lq; i++) {

@@ -7,8 +7,8 @@ source serves these instruction sets, chosen for the machine:
 
 - ``avx512_bf16``: x86-64 CPUs with AVX-512 and AVX512-BF16 (AMD Zen 4 and later,
   Intel Cooper Lake, Sapphire Rapids and later; ``-march=native``): bfloat16 inputs
-  are multiplied as bfloat16 pairs by ``vdpbf16ps`` into float32 (the forward),
-  where the other builds convert them to float32 first;
+  are multiplied as bfloat16 pairs by ``vdpbf16ps`` into float32 (the forward and
+  the fused backward), where the other builds convert them to float32 first;
 - ``avx512``: x86-64 CPUs with AVX-512 (``-march=native``, without AVX512-BF16);
 - ``avx2``: x86-64 CPUs with AVX2, FMA and F16C and no AVX-512 (``-mavx2 -mfma
   -mf16c``, tuned for the machine);
