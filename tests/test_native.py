@@ -499,6 +499,28 @@ def test_half_precision_dilated_attention(dtype, mode):
                 assert f"@{native.build.target(call)}(" in hlo, call
 
 
+@pytest.mark.skipif("avx2" not in ISAS, reason="the emulated bfloat16 build needs AVX2")
+def test_a_build_that_fails_its_self_test_is_refused_or_passed_over(monkeypatch):
+    """A build that multiplies bfloat16 itself runs its self-test (a child process)
+    once; its verdict is cached beside the library. Asked for by name, a failing build
+    is refused with the reason; as the machine's choice, the next build down is used."""
+    build = native.build
+    with build.using(isa=build.EMULATED):
+        assert build.load() is None
+        path = build.library().path
+    assert build._self_test(path) is None
+    assert path.with_suffix(".selftest").read_text() == "ok"
+    monkeypatch.setattr(build, "_self_test", lambda path: "its self-test computed a wrong result")
+    reason, lib = build._load_once.__wrapped__(build.EMULATED, None)
+    assert lib is None and "its self-test computed a wrong result" in reason
+    choose = build._choose_isa
+    monkeypatch.setattr(build, "_choose_isa",
+                        lambda r: build.EMULATED if r is None else choose(r))
+    monkeypatch.setattr(build, "FALLBACK", {build.EMULATED: "avx2"})
+    reason, lib = build._load_once.__wrapped__(None, None)
+    assert reason is None and lib.isa == "avx2"
+
+
 @pytest.mark.skipif(not any(i in HALF_ISAS for i in ("avx512_bf16", native.build.EMULATED)),
                     reason="no build with the bfloat16 pair path runs on this CPU")
 @pytest.mark.parametrize("lq,lk,d,causal", [(150, 201, 64, True), (77, 77, 48, False),

@@ -1621,13 +1621,72 @@ ffi::Error DilatedBackward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   });
 }
 
+// A small bfloat16 attention (one head, 45 queries, 61 keys, causal, D = 48) through
+// run_rows against a float64 loop: 0 when the output is within bfloat16's tolerance
+// and the log-sum-exp within float32's, else 1. build.py runs it once per build that
+// multiplies bfloat16 itself (in a child process, so that an instruction the CPU
+// refuses cannot take the caller down) before it uses that build.
+int self_test() {
+  constexpr int64_t lq = 45, lk = 61, d = 48;
+  auto bf16 = [](float x) {  // rounded to nearest even
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    return bf16_t{(uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+  };
+  auto value = [](bf16_t x) {
+    const uint32_t u = (uint32_t)x.bits << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return (double)f;
+  };
+  std::vector<bf16_t> q(lq * d), k(lk * d), v(lk * d), o(lq * d);
+  uint32_t state = 12345u;  // a fixed linear congruential draw in [-2, 2)
+  auto draw = [&state]() {
+    state = state * 1664525u + 1013904223u;
+    return (float)((state >> 8) * (4.0 / 16777216.0) - 2.0);
+  };
+  for (auto* x : {&q, &k, &v})
+    for (auto& e : *x) e = bf16(draw());
+  std::vector<float> m(lq), l(lq);
+  const float scale = 1.0f / std::sqrt((float)d);
+  const Config cf{d, scale, 1.0f, true, false};
+  const Item<bf16_t, bf16_t> it{q.data(), k.data(), v.data(), nullptr, o.data(), m.data(),
+                                l.data(), d, d, 1, 1, lq, lk};
+  Scratch w(lk, d);
+  run_rows(cf, it, w, 0, lq);
+  double worst_o = 0.0, worst_lse = 0.0, largest = 0.0;
+  for (int64_t i = 0; i < lq; i++) {
+    std::vector<double> s(i + 1);
+    double mx = -INFINITY, sum = 0.0;
+    for (int64_t t = 0; t <= i; t++) {
+      double dot = 0.0;
+      for (int64_t c = 0; c < d; c++) dot += value(q[i * d + c]) * value(k[t * d + c]);
+      s[t] = dot * scale;
+      mx = std::max(mx, s[t]);
+    }
+    for (int64_t t = 0; t <= i; t++) sum += std::exp(s[t] - mx);
+    const double lse = mx + std::log(sum), got_lse = m[i] + std::log((double)l[i]);
+    worst_lse = std::max(worst_lse, std::abs(got_lse - lse) / std::max(std::abs(lse), 1.0));
+    for (int64_t c = 0; c < d; c++) {
+      double want = 0.0;
+      for (int64_t t = 0; t <= i; t++) want += std::exp(s[t] - lse) * value(v[t * d + c]);
+      largest = std::max(largest, std::abs(want));
+      worst_o = std::max(worst_o, std::abs(value(o[i * d + c]) - want));
+    }
+  }
+  return worst_o <= 2e-2 * std::max(largest, 1.0) && worst_lse <= 1e-5 ? 0 : 1;
+}
+
 }  // namespace
 
-// The instruction set this library was built for ("avx512", "avx2" or "neon"), which
-// build.py reports (jd.backend_report).
+// The instruction set this library was built for (one of build.py's ISAS or its
+// EMULATED), which build.py reports (jd.backend_report).
 extern "C" __attribute__((visibility("default"))) const char* JaxDilatedNativeIsa() {
   return BUILD_ISA;
 }
+
+// self_test(): 0 when this build's bfloat16 path computes attention.
+extern "C" __attribute__((visibility("default"))) int JaxDilatedSelfTest() { return self_test(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionForwardCpu, Forward,
                               ffi::Ffi::Bind()

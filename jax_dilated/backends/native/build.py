@@ -47,6 +47,7 @@ import pathlib
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 
@@ -62,6 +63,8 @@ _SYMBOLS = {TARGET: "JaxDilatedAttentionForwardCpu",
             TARGET_DILATED_BACKWARD: "JaxDilatedAttentionDilatedBackwardCpu"}
 # the symbol naming the instruction set the library was compiled for
 _ISA_SYMBOL = "JaxDilatedNativeIsa"
+# the symbol of the library's self-test (0: its bfloat16 path computes attention)
+_SELF_TEST_SYMBOL = "JaxDilatedSelfTest"
 
 ISA_ENV = "JAX_DILATED_NATIVE_ISA"
 ISAS = ("avx512_bf16", "avx512", "avx2", "neon")
@@ -70,6 +73,11 @@ EMULATED = "avx2_bf16emu"
 ISA_NAMES = {"avx512_bf16": "AVX-512 with AVX512-BF16 (bfloat16 dot products)",
              "avx512": "AVX-512", "avx2": "AVX2+FMA", "neon": "NEON",
              EMULATED: "AVX2+FMA, bfloat16 dot products emulated"}
+# builds whose bfloat16 products no other build checks where they are built: each is
+# self-tested once (_self_test) before use; the machine's choice falls back past one
+# that fails (FALLBACK)
+SELF_TESTED = ("avx512_bf16", EMULATED)
+FALLBACK = {"avx512_bf16": "avx512"}
 _X86_64 = ("x86_64", "AMD64")
 _AARCH64 = ("aarch64", "arm64")
 # what each x86-64 build needs in /proc/cpuinfo's flags
@@ -191,6 +199,11 @@ def _load_once(requested_isa: str | None,
     source_path = SOURCE if source is None else pathlib.Path(source)
     try:
         path = _build(compiler, chosen, source_path)
+        failed = _self_test(path) if chosen in SELF_TESTED else None
+        if failed is not None:
+            if requested_isa is None and chosen in FALLBACK:  # the machine's choice
+                return _load_once(FALLBACK[chosen], source)
+            raise RuntimeError(failed)
         if path in _registered:
             return None, _registered[path]
         lib = ctypes.cdll.LoadLibrary(str(path))
@@ -287,6 +300,28 @@ def _build(compiler: str, isa_: str, source: pathlib.Path) -> pathlib.Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return library_path
+
+
+def _self_test(path: pathlib.Path) -> str | None:
+    """None when the library's self-test passes (a small bfloat16 attention against a
+    float64 loop, in a child process: an instruction the CPU refuses kills the child
+    alone), else why not. The verdict is cached beside the library."""
+    verdict = path.with_suffix(".selftest")
+    if verdict.exists():
+        text = verdict.read_text()
+        return None if text == "ok" else text
+    code = (f"import ctypes, sys; sys.exit(ctypes.CDLL({str(path)!r}).{_SELF_TEST_SYMBOL}())")
+    try:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120)
+        failed = (None if run.returncode == 0 else
+                  "its self-test computed a wrong result" if run.returncode == 1 else
+                  f"its self-test stopped (exit {run.returncode}: "
+                  f"{(run.stderr.strip().splitlines() or [''])[-1][:200]})")
+    except subprocess.SubprocessError as err:
+        failed = f"its self-test did not finish ({type(err).__name__})"
+    verdict.write_text("ok" if failed is None else failed)
+    return failed
 
 
 def _first_line(err: Exception) -> str:
