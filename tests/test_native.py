@@ -37,9 +37,10 @@ RTOL = 1e-5
 HALF_RTOL = {"bfloat16": 2e-2, "float16": 1e-3}
 # the builds this machine runs (the machine's own first)
 ISAS = tuple(sorted(native.build.available_isas(), key=lambda i: i != native.build.isa()))
-# and for half-precision inputs, the bfloat16 pair path emulated on AVX2 (its layout
-# tested where the CPU has no AVX512-BF16)
-HALF_ISAS = ISAS + ((native.build.EMULATED,) if "avx2" in ISAS else ())
+# and for half-precision inputs, the bfloat16 pair path and the AMX tile path emulated
+# on AVX2 (their layouts tested where the CPU has neither unit)
+HALF_ISAS = ISAS + (native.build.TEST_BUILDS if "avx2" in ISAS else ())
+BF16_PATHS = ("amx", "avx512_bf16", *native.build.TEST_BUILDS)  # builds that multiply bf16
 
 
 @pytest.fixture(params=ISAS)
@@ -521,17 +522,18 @@ def test_a_build_that_fails_its_self_test_is_refused_or_passed_over(monkeypatch)
     assert reason is None and lib.isa == "avx2"
 
 
-@pytest.mark.skipif(not any(i in HALF_ISAS for i in ("avx512_bf16", native.build.EMULATED)),
+@pytest.mark.skipif(not any(i in HALF_ISAS for i in BF16_PATHS),
                     reason="no build with the bfloat16 pair path runs on this CPU")
 @pytest.mark.parametrize("lq,lk,d,causal", [(150, 201, 64, True), (77, 77, 48, False),
                                             (33, 513, 80, False), (600, 601, 32, True)])
 def test_bfloat16_pairs_multiply_the_inputs_as_stored(lq, lk, d, causal):
-    """The bfloat16 pair path (avx512_bf16's vdpbf16ps, or its emulation on AVX2):
-    S = q k^T from the bfloat16 inputs with float32 sums, so the log-sum-exp is
-    float32-exact against the float64 reference on the rounded inputs; P rounded to
-    bfloat16 for P v, so the output is within bfloat16's tolerance and not the
-    float32-P build's. Odd key counts (a value row without its pair partner), head
-    dims of 3 and 5 vectors, masks, causal; float32 inputs unchanged."""
+    """The bfloat16 pair path (avx512_bf16's vdpbf16ps, amx's tiles, or their
+    emulations on AVX2): S = q k^T from the bfloat16 inputs with float32 sums, so the
+    log-sum-exp is float32-exact against the float64 reference on the rounded inputs;
+    P rounded to bfloat16 for P v, so the output is within bfloat16's tolerance and not
+    the float32-P build's. Odd key counts (a value row without its pair partner), head
+    dims that the tiles pad (48, 80), two key blocks, several query tiles, masks,
+    causal; float32 inputs unchanged."""
     q, k, v, valid = _inputs(2, lq, lk, 4, 2, d, seed=lk, mask="2d")
     (qb, q32), (kb, k32), (vb, v32) = (_rounded(x, "bfloat16") for x in (q, k, v))
     args = KernelArgs(scale=d ** -0.5, is_causal=causal)
@@ -542,16 +544,15 @@ def test_bfloat16_pairs_multiply_the_inputs_as_stored(lq, lk, d, causal):
             *qkv)[:2]
 
     got = {}
-    for isa in [i for i in HALF_ISAS if i in ("avx512_bf16", native.build.EMULATED, "avx2")]:
+    for isa in [i for i in HALF_ISAS if i in (*BF16_PATHS, "avx2")]:
         with native.build.using(isa=isa):
             o, lse = forward(qb, kb, vb)
             _close(lse, want_lse, RTOL, what=isa)
             _close(o, want_o, HALF_RTOL["bfloat16"], what=isa)
             got[isa] = (np.asarray(o.astype(jnp.float32)), forward(q32, k32, v32)[0])
-    if native.build.EMULATED in got:  # a path of its own for bfloat16 inputs only
-        emulated, plain = got[native.build.EMULATED], got["avx2"]
-        assert not np.array_equal(emulated[0], plain[0])
-        np.testing.assert_array_equal(emulated[1], plain[1])
+    for emulated in set(native.build.TEST_BUILDS) & set(got):  # paths for bfloat16 alone
+        assert not np.array_equal(got[emulated][0], got["avx2"][0]), emulated
+        np.testing.assert_array_equal(got[emulated][1], got["avx2"][1])
 
 
 # ------------------------------------------- rates that do not divide the segment
@@ -640,8 +641,9 @@ def test_each_build_is_chosen_forced_or_refused(monkeypatch, tmp_path):
     build = native.build
     flags = build._cpu_flags()
     monkeypatch.delenv(build.ISA_ENV, raising=False)
-    if build.isa() in ("avx512_bf16", "avx512", "avx2"):
+    if build.isa() in ("amx", "avx512_bf16", "avx512", "avx2"):
         assert build.isa() == ("avx2" if "avx512f" not in flags else
+                               "amx" if {"avx512_bf16", "amx_bf16", "amx_tile"} <= flags else
                                "avx512_bf16" if "avx512_bf16" in flags else "avx512")
         assert "avx2" in ISAS  # the AVX2 build is tested on every x86-64 CPU with AVX2
     targets = set()
@@ -657,13 +659,13 @@ def test_each_build_is_chosen_forced_or_refused(monkeypatch, tmp_path):
         with build.using(isa=isa):
             assert build.isa() is None and "needs" in build.load(), build.load()
             assert registry.native_reason(selection.DeviceInfo("cpu", "cpu")) == build.load()
-    if "avx2" in ISAS:  # the emulated pair path: asked for by name, never chosen
-        with build.using(isa=build.EMULATED):
-            assert build.load() is None and build.isa() == build.EMULATED
-            assert native.instruction_set() == build.ISA_NAMES[build.EMULATED]
+    for test_build in build.TEST_BUILDS if "avx2" in ISAS else ():  # asked for by name
+        with build.using(isa=test_build):
+            assert build.load() is None and build.isa() == test_build
+            assert native.instruction_set() == build.ISA_NAMES[test_build]
     monkeypatch.setenv(build.ISA_ENV, "sse2")
-    assert ("JAX_DILATED_NATIVE_ISA='sse2' is not one of avx512_bf16, avx512, avx2, neon, "
-            "avx2_bf16emu") in build.load()
+    assert ("JAX_DILATED_NATIVE_ISA='sse2' is not one of amx, avx512_bf16, avx512, avx2, "
+            "neon, avx2_bf16emu, avx2_amxemu") in build.load()
     monkeypatch.delenv(build.ISA_ENV)
     broken = tmp_path / "attention_cpu.cc"
     broken.write_text("#error this source does not compile\n")

@@ -472,6 +472,169 @@ inline void pv_panels_pairs(const bf16_t* p, const bf16_t* panels, int64_t rows2
 #define BUILD_ISA V::isa
 #endif
 
+// ------------------------------------------------------------- AMX tiles
+//
+// Where the CPU has AMX-BF16 (Intel Sapphire Rapids and later), the forward's two
+// products on bfloat16 inputs run on its tile unit: eight tile registers of 16 rows
+// of 64 bytes, and tdpbf16ps, C[16][16] (float32) += A[16][32] (bfloat16) . B[16][16]
+// (bfloat16 pairs: B's row e holds the pairs (2e, 2e + 1) of 16 columns), the same
+// pairs as above. A query tile's S = q k^T (all BQ rows against a key block) and its
+// O += P v (after the rows' softmax) are each one pass of tiles; q and k are padded
+// to a head dimension of a multiple of 32 (DP), and the values to a multiple of 32
+// rows, with zeros. Linux hands a process the tile registers only when it asks
+// (arch_prctl ARCH_REQ_XCOMP_PERM); where that is refused, the pair path above
+// serves. JD_AMX_EMULATED (a test build) computes each tile instruction by loops on
+// any CPU, so the tiles' layout and the driver are tested without the unit.
+#if JD_BF16_PAIRS && ((defined(__AMX_BF16__) && defined(__AMX_TILE__) && JD_AVX512) || \
+                      defined(JD_AMX_EMULATED))
+#define JD_AMX 1
+#if defined(JD_AMX_EMULATED)
+#undef BUILD_ISA
+#define BUILD_ISA "avx2_amxemu"
+// the eight tile registers, 16 rows of 64 bytes, of the calling thread
+struct alignas(64) EmulatedTiles {
+  uint8_t t[8][16][64];
+};
+inline EmulatedTiles& emulated_tiles() {
+  static thread_local EmulatedTiles tiles;
+  return tiles;
+}
+inline bool amx_usable() { return true; }
+inline void amx_configure() {}
+inline void amx_release() {}
+template <int T>
+inline void tile_load(const void* p, int64_t stride_bytes) {
+  for (int r = 0; r < 16; r++)
+    std::memcpy(emulated_tiles().t[T][r], (const uint8_t*)p + r * stride_bytes, 64);
+}
+template <int T>
+inline void tile_store(void* p, int64_t stride_bytes) {
+  for (int r = 0; r < 16; r++)
+    std::memcpy((uint8_t*)p + r * stride_bytes, emulated_tiles().t[T][r], 64);
+}
+template <int T>
+inline void tile_zero() {
+  std::memset(emulated_tiles().t[T], 0, sizeof emulated_tiles().t[T]);
+}
+template <int C, int A, int B>
+inline void tile_dp() {  // C[16][16] += A[16][32] . B[16][16][2] (bfloat16 -> float32)
+  auto value = [](const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  EmulatedTiles& x = emulated_tiles();
+  for (int m = 0; m < 16; m++)
+    for (int n = 0; n < 16; n++) {
+      float c;
+      std::memcpy(&c, x.t[C][m] + 4 * n, 4);
+      for (int e = 0; e < 16; e++) {
+        c = std::fma(value(x.t[A][m] + 4 * e + 2), value(x.t[B][e] + 4 * n + 2), c);
+        c = std::fma(value(x.t[A][m] + 4 * e), value(x.t[B][e] + 4 * n), c);
+      }
+      std::memcpy(x.t[C][m] + 4 * n, &c, 4);
+    }
+}
+#else
+#include <sys/syscall.h>
+#include <unistd.h>
+#undef BUILD_ISA
+#define BUILD_ISA "amx"
+// whether Linux lets this process use the tile registers (asked once)
+inline bool amx_usable() {
+  static const bool granted = [] {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+}
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+// every tile register 16 rows of 64 bytes (per thread; released after each unit)
+inline void amx_configure() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+inline void amx_release() { _tile_release(); }
+// (the compiler's tile intrinsics name their registers by literal numbers)
+#define TILE_LOAD(T, p, stride) _tile_loadd(T, p, stride)
+#define TILE_STORE(T, p, stride) _tile_stored(T, p, stride)
+#define TILE_ZERO(T) _tile_zero(T)
+#define TILE_DP(C, A, B) _tile_dpbf16ps(C, A, B)
+#endif
+#if defined(JD_AMX_EMULATED)
+#define TILE_LOAD(T, p, stride) tile_load<T>(p, stride)
+#define TILE_STORE(T, p, stride) tile_store<T>(p, stride)
+#define TILE_ZERO(T) tile_zero<T>()
+#define TILE_DP(C, A, B) tile_dp<C, A, B>()
+#endif
+
+// the head dimension as the tiles read it: a multiple of 32
+inline int64_t amx_dim(int64_t d) { return (d + 31) / 32 * 32; }
+
+// s[BQ][ncols] = scale q[BQ][DP] . k^T (ncols a multiple of 16): q's rows DP apart,
+// k^T in the pair panels of QK_COLS keys [DP / 2][QK_COLS][2]; s's rows BK apart.
+// Tiles 0-2: the three 16-row blocks of S; 3: q; 4: k^T.
+inline void amx_qk(const bf16_t* q, const bf16_t* kt, float* s, int64_t dp, int ncols,
+                   float scale) {
+  for (int n = 0; n < ncols; n += 16) {
+    const bf16_t* panel = kt + (n / QK_COLS) * QK_COLS * dp + 2 * (n % QK_COLS);
+    TILE_ZERO(0); TILE_ZERO(1); TILE_ZERO(2);
+    for (int64_t e = 0; e < dp; e += 32) {
+      TILE_LOAD(4, panel + e * QK_COLS, 4 * QK_COLS);
+      TILE_LOAD(3, q + e, 2 * dp);
+      TILE_DP(0, 3, 4);
+      TILE_LOAD(3, q + 16 * dp + e, 2 * dp);
+      TILE_DP(1, 3, 4);
+      TILE_LOAD(3, q + 32 * dp + e, 2 * dp);
+      TILE_DP(2, 3, 4);
+    }
+    TILE_STORE(0, s + n, 4 * BK);
+    TILE_STORE(1, s + 16 * BK + n, 4 * BK);
+    TILE_STORE(2, s + 32 * BK + n, 4 * BK);
+  }
+  const VT sc = V::set1(scale);
+  for (int r = 0; r < BQ; r++)
+    for (int j = 0; j < ncols; j += N) V::store(s + r * BK + j, V::mul(V::load(s + r * BK + j), sc));
+}
+
+// o[BQ][D] += p[BQ][nkeys] . v[k0 : k0 + nkeys][D] (nkeys a multiple of 32): p's rows
+// (bfloat16) BK apart, the values in the pair panels of pack_value_row_pairs (rows2
+// rows, a multiple of 32). Tiles 0-2: O's 16-row blocks of 16 columns; 3: p; 4: v.
+inline void amx_pv(const bf16_t* p, const bf16_t* panels, int64_t rows2, int64_t k0, float* o,
+                   int64_t d, int nkeys) {
+  for (int64_t c = 0; c < d; c += 16) {
+    const int64_t c0 = c / PV_COLS * PV_COLS, wc = std::min<int64_t>(PV_COLS, d - c0);
+    const bf16_t* v = panels + c0 * rows2 + k0 * wc + 2 * (c - c0);
+    TILE_LOAD(0, o + c, 4 * d);
+    TILE_LOAD(1, o + 16 * d + c, 4 * d);
+    TILE_LOAD(2, o + 32 * d + c, 4 * d);
+    for (int t = 0; t < nkeys; t += 32) {
+      TILE_LOAD(4, v + t * wc, 4 * wc);
+      TILE_LOAD(3, p + t, 2 * BK);
+      TILE_DP(0, 3, 4);
+      TILE_LOAD(3, p + 16 * BK + t, 2 * BK);
+      TILE_DP(1, 3, 4);
+      TILE_LOAD(3, p + 32 * BK + t, 2 * BK);
+      TILE_DP(2, 3, 4);
+    }
+    TILE_STORE(0, o + c, 4 * d);
+    TILE_STORE(1, o + 16 * d + c, 4 * d);
+    TILE_STORE(2, o + 32 * d + c, 4 * d);
+  }
+}
+#else
+#define JD_AMX 0
+#endif
+
 // exp(x) for the softmax: exp(x) = 2^n e^r, n = round(x log2 e), |r| <= ln2 / 2; e^r
 // by its Taylor polynomial to degree 7 in Horner form (relative error below 2e-7).
 // Arguments below -104 give 0 (as exp's float32 value, up to subnormals). Only
@@ -673,6 +836,7 @@ struct Scratch {
   std::vector<uint8_t> block_masked, block_shared;  // some key masked; some key of depth > 0
   // the bfloat16 pair path's k^T, q, values and P (JD_BF16_PAIRS; empty otherwise)
   std::vector<bf16_t> ktp, qp, vpp, sp;
+  std::vector<float> sfull;  // AMX: S of a whole query tile [BQ][BK]
   Scratch(int64_t max_lk, int64_t d)
       : kt(((max_lk + BK - 1) / BK) * d * BK), s(MR * BK), qs(BQ * d), ot(BQ * d),
         row(MAX_D) {}
@@ -694,16 +858,28 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
   // bfloat16 inputs on the bfloat16 dot products: k^T and the values packed as pairs
   constexpr bool pairs = JD_BF16_PAIRS && std::is_same_v<In, bf16_t>;
 #if JD_BF16_PAIRS
-  const int64_t rows2 = (kend_all + 1) / 2 * 2;
+  // the head dimension of q and k^T as packed, and the value rows (AMX: padded with
+  // zeros to the tiles' multiples of 32; else pairs)
+  const int64_t dp = JD_AMX ? (d + 31) / 32 * 32 : d;
+  const int64_t rows2 = JD_AMX ? (kend_all + 31) / 32 * 32 : (kend_all + 1) / 2 * 2;
+#if JD_AMX
+  const bool amx = pairs && amx_usable();
+  if (amx) amx_configure();
+#else
+  constexpr bool amx = false;
+#endif
   if constexpr (pairs) {
-    if ((int64_t)w.ktp.size() < nblocks * d * BK) w.ktp.resize(nblocks * d * BK);
+    if ((int64_t)w.ktp.size() < nblocks * dp * BK) w.ktp.resize(nblocks * dp * BK);
     if ((int64_t)w.vpp.size() < rows2 * d) w.vpp.resize(rows2 * d);
-    if ((int64_t)w.qp.size() < BQ * d) w.qp.resize(BQ * d);
-    if ((int64_t)w.sp.size() < MR * BK) w.sp.resize(MR * BK);
+    if ((int64_t)w.qp.size() < BQ * dp) w.qp.resize(BQ * dp);
+    if ((int64_t)w.sp.size() < BQ * BK) w.sp.resize(BQ * BK);
+    if (amx && (int64_t)w.sfull.size() < BQ * BK) w.sfull.resize(BQ * BK);
     static const bf16_t zeros[MAX_D] = {};
-    if (rows2 != kend_all)  // the last value row's partner
-      pack_value_row_pairs(zeros, w.vpp.data(), rows2, kend_all, d);
+    for (int64_t t = kend_all; t < rows2; t++)  // the value rows past the last: 0
+      pack_value_row_pairs(zeros, w.vpp.data(), rows2, t, d);
   }
+#else
+  constexpr bool amx = false;
 #endif
   // k^T of the keys this run can see, in blocks of BK keys, each in panels
   // [BK / QK_COLS][d][QK_COLS] (zero-padded to whole panels), their mask and
@@ -713,14 +889,15 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
     const int64_t nk = std::min<int64_t>(BK, kend_all - b0);
 #if JD_BF16_PAIRS
     if constexpr (pairs) {  // panels [D / 2][QK_COLS][2]: key t's pair e at 2 (e QK_COLS + t)
-      bf16_t* ktp = w.ktp.data() + (b0 / BK) * d * BK;
+      bf16_t* ktp = w.ktp.data() + (b0 / BK) * dp * BK;
       const int64_t ncols = (nk + QK_COLS - 1) / QK_COLS * QK_COLS;
       for (int64_t t = 0; t < ncols; t++) {
-        bf16_t* panel = ktp + (t / QK_COLS) * QK_COLS * d + 2 * (t % QK_COLS);
+        bf16_t* panel = ktp + (t / QK_COLS) * QK_COLS * dp + 2 * (t % QK_COLS);
         const bf16_t* src = it.k + (b0 + t) * it.kv_stride;
-        for (int64_t e = 0; e < d; e += 2) {
-          panel[e * QK_COLS] = t < nk ? src[e] : bf16_t{0};
-          panel[e * QK_COLS + 1] = t < nk ? src[e + 1] : bf16_t{0};
+        for (int64_t e = 0; e < dp; e += 2) {
+          const bool real = t < nk && e < d;
+          panel[e * QK_COLS] = real ? src[e] : bf16_t{0};
+          panel[e * QK_COLS + 1] = real ? src[e + 1] : bf16_t{0};
         }
         if (t < nk)
           pack_value_row_pairs(it.v + (b0 + t) * it.kv_stride, w.vpp.data(), rows2, b0 + t, d);
@@ -777,7 +954,7 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
       const In* src = it.q + (q0 + i) * it.q_stride;
 #if JD_BF16_PAIRS
       if constexpr (pairs) {  // as stored (the scale multiplies S)
-        for (int64_t c = 0; c < d; c++) w.qp[i * d + c] = i < nq ? src[c] : bf16_t{0};
+        for (int64_t c = 0; c < dp; c++) w.qp[i * dp + c] = i < nq && c < d ? src[c] : bf16_t{0};
       }
 #endif
       if constexpr (!pairs) {
@@ -806,23 +983,49 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
       const float* kmul = w.kmul.data() + (k0 / BK) * nc * BK;
       const bool masked = w.block_masked[k0 / BK], shared = w.block_shared[k0 / BK];
       const float* kt = w.kt.data() + (k0 / BK) * d * BK;
+#if JD_AMX
+      // AMX: S of every row of the tile against the keys any of them sees, at once;
+      // P v after every group's softmax, over kpv keys (P's columns past a group's own
+      // and the rows of skipped groups 0)
+      int kpv = 0;
+      if (amx) {
+        const int64_t kmax = cf.causal ? std::min<int64_t>(nk, q1 - k0) : nk;
+        amx_qk(w.qp.data(), w.ktp.data() + (k0 / BK) * dp * BK, w.sfull.data(), dp,
+               (int)((kmax + QK_COLS - 1) / QK_COLS * QK_COLS), cf.scale);
+        kpv = (int)((kmax + 31) / 32 * 32);
+        for (int i = nqp; i < BQ; i++)
+          std::fill(w.sp.data() + i * BK, w.sp.data() + i * BK + kpv, bf16_t{0});
+      }
+#endif
       for (int t0 = 0; t0 < nqp; t0 += MR) {
         // causal: the group's columns end at its last row's own index (the diagonal
         // block's keys after every row of the group are not computed)
         const int gk = cf.causal ? (int)std::min<int64_t>(nk, q0 + std::min(t0 + MR, nq) - k0)
                                  : nk;
-        if (gk <= 0 || (x0 <= 0 && x1 >= gk)) continue;  // nothing of the block for it
+        if (gk <= 0 || (x0 <= 0 && x1 >= gk)) {  // nothing of the block for it
+#if JD_AMX
+          if (amx)
+            for (int i = t0; i < t0 + MR; i++)
+              std::fill(w.sp.data() + i * BK, w.sp.data() + i * BK + kpv, bf16_t{0});
+#endif
+          continue;
+        }
         const int gcols = (gk + QK_COLS - 1) / QK_COLS * QK_COLS;
+        float* sg = w.s.data();  // the group's S rows, BK apart
+#if JD_AMX
+        if (amx) sg = w.sfull.data() + t0 * BK;
+#endif
 #if JD_BF16_PAIRS
         if constexpr (pairs)
-          qk_tile_pairs<BK>(w.qp.data() + t0 * d, d, w.ktp.data() + (k0 / BK) * d * BK,
-                            w.s.data(), (int)d, gcols, cf.scale);
+          if (!amx)
+            qk_tile_pairs<BK>(w.qp.data() + t0 * dp, dp, w.ktp.data() + (k0 / BK) * dp * BK,
+                              sg, (int)dp, gcols, cf.scale);
 #endif
         if constexpr (!pairs)
-          qk_tile<QK_COLS, BK>(w.qs.data() + t0 * d, kt, w.s.data(), (int)d, gcols, d);
+          qk_tile<QK_COLS, BK>(w.qs.data() + t0 * d, kt, sg, (int)d, gcols, d);
         for (int r = 0; r < MR; r++) {
           const int i = t0 + r;
-          float* sr = w.s.data() + r * BK;
+          float* sr = sg + r * BK;
           VT mx = V::set1(-INFINITY);
           if (masked) {
             for (int j = 0; j < gcols; j += N) {
@@ -880,15 +1083,22 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
         }
 #if JD_BF16_PAIRS
         if constexpr (pairs) {  // P rounded to bfloat16; its columns past gk are 0
-          for (int r = 0; r < MR; r++)
-            for (int j = 0; j < gcols; j += N)
-              V::store(w.sp.data() + r * BK + j, V::load(w.s.data() + r * BK + j));
-          pv_panels_pairs(w.sp.data(), w.vpp.data(), rows2, k0, w.ot.data() + t0 * d, (int)d, gk);
+          bf16_t* sp = w.sp.data() + (amx ? t0 * BK : 0);
+          for (int r = 0; r < MR; r++) {
+            for (int j = 0; j < gcols; j += N) V::store(sp + r * BK + j, V::load(sg + r * BK + j));
+#if JD_AMX
+            if (amx) std::fill(sp + r * BK + gcols, sp + r * BK + std::max(gcols, kpv), bf16_t{0});
+#endif
+          }
+          if (!amx) pv_panels_pairs(sp, w.vpp.data(), rows2, k0, w.ot.data() + t0 * d, (int)d, gk);
         }
 #endif
         if constexpr (!pairs)
-          pv_panels(w.s.data(), w.vp.data(), kend_all, k0, w.ot.data() + t0 * d, (int)d, gk);
+          pv_panels(sg, w.vp.data(), kend_all, k0, w.ot.data() + t0 * d, (int)d, gk);
       }
+#if JD_AMX
+      if (amx && kpv > 0) amx_pv(w.sp.data(), w.vpp.data(), rows2, k0, w.ot.data(), d, kpv);
+#endif
     }
     for (int i = 0; i < nq; i++) {
       const VT inv = V::set1(l[i] > 0.0f ? cf.out_scale / l[i] : 0.0f);
@@ -899,6 +1109,9 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
       it.l[stat] = l[i];
     }
   }
+#if JD_AMX
+  if (amx) amx_release();
+#endif
 }
 
 // ------------------------------------------------------------------ backward

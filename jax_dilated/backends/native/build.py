@@ -5,6 +5,9 @@ The kernel (``attention_cpu.cc``) is C++ against XLA's FFI headers, which ship w
 its CPU and its jaxlib, by the system's C++ compiler (``$CXX``, else ``c++``). One
 source serves these instruction sets, chosen for the machine:
 
+- ``amx``: x86-64 CPUs with AMX-BF16 (Intel Sapphire Rapids and later): as
+  ``avx512_bf16``, with the forward's two products on bfloat16 inputs on the tile unit
+  (where Linux grants the process its tile registers; else as ``avx512_bf16``);
 - ``avx512_bf16``: x86-64 CPUs with AVX-512 and AVX512-BF16 (AMD Zen 4 and later,
   Intel Cooper Lake, Sapphire Rapids and later; ``-march=native``): bfloat16 inputs
   are multiplied as bfloat16 pairs by ``vdpbf16ps`` into float32 (the forward and
@@ -16,12 +19,13 @@ source serves these instruction sets, chosen for the machine:
 
 ``JAX_DILATED_NATIVE_ISA=avx2`` forces the AVX2 build on a CPU with AVX-512 (AVX2
 code runs there), so that build is tested and measured on any x86-64 machine;
-``avx512`` forces the AVX-512 build without the bfloat16 products on a CPU that has
-them; ``avx512_bf16`` and ``neon`` may be named too, and every build is refused
-where the CPU lacks its instructions. ``avx2_bf16emu`` (:data:`EMULATED`), never
-chosen by itself, is the AVX2 build with the bfloat16 pair path of ``avx512_bf16``,
-each pair's products computed by FMAs: it tests that path's data layout on any
-x86-64 CPU.
+``avx512_bf16`` forces the build without AMX, ``avx512`` the AVX-512 build without
+the bfloat16 products; ``amx`` and ``neon`` may be named too, and every build is
+refused where the CPU lacks its instructions. Two test builds, never chosen by
+themselves (:data:`EMULATED`, :data:`EMULATED_AMX`), are the AVX2 build with the
+bfloat16 pair path of ``avx512_bf16`` (each pair's products computed by FMAs), and
+with the tile path of ``amx`` too (each tile instruction computed by loops): they test
+those paths' data layouts on any x86-64 CPU.
 The shared library is cached under ``$JAX_DILATED_CACHE`` (default
 ``$XDG_CACHE_HOME/jax_dilated`` or ``~/.cache/jax_dilated``), named by the
 instruction set and a hash of the source, the compiler, the flags, jaxlib's version
@@ -67,28 +71,38 @@ _ISA_SYMBOL = "JaxDilatedNativeIsa"
 _SELF_TEST_SYMBOL = "JaxDilatedSelfTest"
 
 ISA_ENV = "JAX_DILATED_NATIVE_ISA"
-ISAS = ("avx512_bf16", "avx512", "avx2", "neon")
-# the test build of the bfloat16 pair path (not among the machine's choices)
+ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "neon")
+# the test builds of the bfloat16 pair path and of the tile path (not among the
+# machine's choices)
 EMULATED = "avx2_bf16emu"
-ISA_NAMES = {"avx512_bf16": "AVX-512 with AVX512-BF16 (bfloat16 dot products)",
+EMULATED_AMX = "avx2_amxemu"
+TEST_BUILDS = (EMULATED, EMULATED_AMX)
+ISA_NAMES = {"amx": "AVX-512 with AVX512-BF16 and AMX-BF16 (bfloat16 tiles)",
+             "avx512_bf16": "AVX-512 with AVX512-BF16 (bfloat16 dot products)",
              "avx512": "AVX-512", "avx2": "AVX2+FMA", "neon": "NEON",
-             EMULATED: "AVX2+FMA, bfloat16 dot products emulated"}
+             EMULATED: "AVX2+FMA, bfloat16 dot products emulated",
+             EMULATED_AMX: "AVX2+FMA, bfloat16 dot products and AMX tiles emulated"}
 # builds whose bfloat16 products no other build checks where they are built: each is
 # self-tested once (_self_test) before use; the machine's choice falls back past one
 # that fails (FALLBACK)
-SELF_TESTED = ("avx512_bf16", EMULATED)
-FALLBACK = {"avx512_bf16": "avx512"}
+SELF_TESTED = ("amx", "avx512_bf16", EMULATED, EMULATED_AMX)
+FALLBACK = {"amx": "avx512_bf16", "avx512_bf16": "avx512"}
 _X86_64 = ("x86_64", "AMD64")
 _AARCH64 = ("aarch64", "arm64")
 # what each x86-64 build needs in /proc/cpuinfo's flags
-_X86_NEEDS = {"avx512_bf16": ("avx512f", "avx512_bf16"), "avx512": ("avx512f",),
-              "avx2": ("avx2", "fma", "f16c"), EMULATED: ("avx2", "fma", "f16c")}
+_AVX2_NEEDS = ("avx2", "fma", "f16c")
+_X86_NEEDS = {"amx": ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile"),
+              "avx512_bf16": ("avx512f", "avx512_bf16"), "avx512": ("avx512f",),
+              "avx2": _AVX2_NEEDS, EMULATED: _AVX2_NEEDS, EMULATED_AMX: _AVX2_NEEDS}
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c", "-mtune=native")
-_ISA_FLAGS = {"avx512_bf16": ("-march=native", "-mavx512bf16"),
-              "avx512": ("-march=native", "-mno-avx512bf16"),
+_NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+_ISA_FLAGS = {"amx": ("-march=native", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+              "avx512_bf16": ("-march=native", "-mavx512bf16", *_NO_AMX),
+              "avx512": ("-march=native", "-mno-avx512bf16", *_NO_AMX),
               # no -march=native: it would turn on AVX-512 where the CPU has it
               "avx2": _AVX2_FLAGS,
               EMULATED: (*_AVX2_FLAGS, "-DJD_BF16_DOT_EMULATED"),
+              EMULATED_AMX: (*_AVX2_FLAGS, "-DJD_BF16_DOT_EMULATED", "-DJD_AMX_EMULATED"),
               "neon": ("-mcpu=native",)}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 
@@ -126,8 +140,8 @@ def library() -> Library | None:
 
 
 def isa() -> str | None:
-    """The instruction set of the build in use (one of :data:`ISAS`, or
-    :data:`EMULATED`), or None where it cannot run."""
+    """The instruction set of the build in use (one of :data:`ISAS`, or a test build),
+    or None where it cannot run."""
     lib = library()
     return None if lib is None else lib.isa
 
@@ -135,7 +149,7 @@ def isa() -> str | None:
 def available_isas() -> tuple[str, ...]:
     """The instruction sets of the builds this machine can run (on an x86-64 CPU with
     AVX-512 and no AVX512-BF16: ``("avx512", "avx2")``), whether or not a compiler is
-    at hand. (:data:`EMULATED` is not among them: it is asked for by name.)"""
+    at hand. (The test builds are not among them: they are asked for by name.)"""
     return tuple(i for i in ISAS if _choose_isa(i) == i)
 
 
@@ -151,7 +165,7 @@ def target(call: str) -> str:
 @contextlib.contextmanager
 def using(isa: str | None = None, source: str | os.PathLike | None = None):
     """Programs traced inside use another build of the kernel: ``isa`` (one of
-    :data:`ISAS` or :data:`EMULATED`; None: as outside) and ``source`` (a kernel source file to build
+    :data:`ISAS` or a test build; None: as outside) and ``source`` (a kernel source file to build
     instead of :data:`SOURCE`, e.g. an earlier version's, whose FFI calls take the
     same arguments; None: as outside).
 
@@ -191,7 +205,7 @@ def _load(requested_isa: str | None, source: str | None) -> tuple[str | None, Li
 def _load_once(requested_isa: str | None,
                source: str | None) -> tuple[str | None, Library | None]:
     chosen = _choose_isa(requested_isa)
-    if chosen not in (*ISAS, EMULATED):
+    if chosen not in (*ISAS, *TEST_BUILDS):
         return chosen, None
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
@@ -225,11 +239,11 @@ def _load_once(requested_isa: str | None,
 
 
 def _choose_isa(requested: str | None) -> str:
-    """The instruction set to build for (one of :data:`ISAS` or :data:`EMULATED`),
-    else why none can be."""
+    """The instruction set to build for (one of :data:`ISAS` or a test build), else
+    why none can be."""
     system, machine = platform.system(), platform.machine()
-    if requested is not None and requested not in (*ISAS, EMULATED):
-        return f"{ISA_ENV}={requested!r} is not one of {', '.join((*ISAS, EMULATED))}"
+    if requested is not None and requested not in (*ISAS, *TEST_BUILDS):
+        return f"{ISA_ENV}={requested!r} is not one of {', '.join((*ISAS, *TEST_BUILDS))}"
     if system != "Linux" or machine not in _X86_64 + _AARCH64:
         return (f"it needs Linux on x86-64 with AVX2 and FMA, or on aarch64 (this is "
                 f"{system} {machine})")
@@ -241,7 +255,7 @@ def _choose_isa(requested: str | None) -> str:
         return f"{ISA_ENV}=neon needs an aarch64 CPU (this is {machine})"
     flags = _cpu_flags()
     if requested is None:
-        for best in ("avx512_bf16", "avx512"):
+        for best in ("amx", "avx512_bf16", "avx512"):
             if all(f in flags for f in _X86_NEEDS[best]):
                 return best
         requested = "avx2"
