@@ -114,8 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="jd.dilated_attention implementation (default: by device kind)")
     p.add_argument("--native-builds", type=str_list, default=(),
                    help="extra jax-dilated entries, each on another build of the native CPU "
-                        "kernel, in the same sets: an instruction set (avx2, avx512: "
-                        "JAX_DILATED_NATIVE_ISA picks the default entry's) or git:REV, the "
+                        "kernel, in the same sets: an instruction set (amx, avx512_bf16, "
+                        "avx512, avx2: JAX_DILATED_NATIVE_ISA picks the default entry's; "
+                        "with --dtype bfloat16, avx512 against avx512_bf16 and amx times the "
+                        "CPU's bfloat16 units against conversion to float32) or git:REV, the "
                         "kernel source of commit REV (e.g. git:688b85e) built for this "
                         "machine, called by today's Python side (float32)")
     p.add_argument("--native-dtypes", type=str_list, default=(),
@@ -190,7 +192,8 @@ def _resolve(args: argparse.Namespace) -> None:
     args.causals = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
     from jax_dilated.backends.native import build
     for spec in args.native_builds:
-        if spec not in build.ISAS and not (spec.startswith("git:") and len(spec) > 4):
+        if (spec not in (*build.ISAS, *build.TEST_BUILDS)
+                and not (spec.startswith("git:") and len(spec) > 4)):
             raise SystemExit(f"--native-builds: {spec!r} is neither an instruction set "
                              f"({', '.join(build.ISAS)}) nor git:REV")
     for dtype in args.native_dtypes:

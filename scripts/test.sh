@@ -6,4 +6,5 @@
 source "$(dirname "$0")/_env.sh"
 workers="${JD_TEST_WORKERS:-$(python -c 'import os; print(min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))')}"
 [ "$workers" = 1 ] && workers=0  # one worker: no point in a separate process
-python -m pytest -q -n "$workers" --dist loadfile "$@"
+# --durations: the slowest tests in the log, where the suite's time goes
+python -m pytest -q -n "$workers" --dist loadfile --durations=25 "$@"
