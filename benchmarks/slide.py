@@ -75,8 +75,11 @@ import numpy as np
 from benchmarks import harness
 from benchmarks.harness import fmt_bytes, fmt_ms, fmt_spread, int_list
 
-TIME_TARGET = 1.5      # torch median / ours
+TIME_TARGET = 1.5      # torch median / ours (float32; issue 49)
+BF16_TIME_TARGET = 0.8  # torch median / ours in bfloat16 (issue 50's encoder layer)
 CHECK_RTOL = 1e-5      # max |ours - torch| / max |torch|
+# bfloat16: ours against torch's autocast, each with its own bfloat16 roundings
+BF16_CHECK_RTOL = 5e-2
 LINEAR_TARGET = 1.5    # temp per tile at the largest count / at the smallest
 MESH_TARGET = 0.25     # per-device temp over 8 devices / one device's (2x the 1/8 share)
 MESH_RTOL = 1e-5       # max |mesh - one device| / max |one device|
@@ -128,6 +131,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--quick 300)")
     p.add_argument("--allow-cpu", action="store_true",
                    help="gpu: run on a machine without one (the CPU stands in; a rehearsal)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="time: the models' compute dtype (bfloat16: ours with dtype=bfloat16, "
+                        "Prov-GigaPath under torch.autocast('cpu', bfloat16); e.g. --layers 1 "
+                        "--tiles 8191 for one encoder layer at 8192 tokens)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -253,7 +260,9 @@ def bench_time(args, progress: harness.Progress) -> dict:
     _perturb(peer, args.seed + 1)
     build_s = time.perf_counter() - t0
     cfg = model_config(args)
-    ours = jd.models.SlideEncoder.from_torch_state_dict(peer.state_dict(), cfg)
+    bf16 = args.dtype == "bfloat16"
+    ours = jd.models.SlideEncoder.from_torch_state_dict(
+        peer.state_dict(), cfg, dtype=jnp.bfloat16 if bf16 else None)
     progress.done()
 
     progress.start(f"time: compile ours and check both at {args.tiles} tiles")
@@ -266,8 +275,8 @@ def bench_time(args, progress: harness.Progress) -> dict:
     compile_s = time.perf_counter() - t0
 
     def torch_call():
-        with torch.inference_mode():
-            return peer(x_t, c_t)[0]
+        with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            return peer(x_t, c_t)[0].float()
 
     def jax_call():
         return compiled(state, x_j, c_j)
@@ -278,29 +287,33 @@ def bench_time(args, progress: harness.Progress) -> dict:
         want = torch_call().numpy()
         got = (np.asarray(jax_call()) if not pool else
                np.asarray(jitted_forward(ours, global_pool=True)[0](state, x_j, c_j)))
-        check[name] = harness.max_rel_diff(got, want)
+        check[name] = harness.max_rel_diff(np.asarray(got, np.float32), want)
     peer.global_pool = False
     worst = max(c["rel_to_max"] for c in check.values())
-    check["agree"] = bool(worst <= CHECK_RTOL)
+    rtol = BF16_CHECK_RTOL if bf16 else CHECK_RTOL
+    check["agree"] = bool(worst <= rtol)
+    check["rtol"] = rtol
     progress.done()
-    progress.write(f"time: outputs agree to {worst:.2e} relative (target <= {CHECK_RTOL:g})")
+    progress.write(f"time: outputs agree to {worst:.2e} relative (target <= {rtol:g})")
 
     progress.start(f"time: {args.repeats} interleaved rounds at {args.tiles} tiles")
-    names = {"torch": "Prov-GigaPath (PyTorch, CPU flash)", "ours": "jax-dilated"}
+    names = {"torch": "Prov-GigaPath (PyTorch, CPU flash" + (", autocast bf16)" if bf16 else ")"),
+             "ours": "jax-dilated" + (" (bfloat16)" if bf16 else "")}
     timings = harness.time_interleaved({names["torch"]: torch_call, names["ours"]: jax_call},
                                        repeats=args.repeats, warmup=args.warmup)
     progress.done()
     t_torch, t_ours = timings[names["torch"]], timings[names["ours"]]
     speedup = t_torch.median / t_ours.median
+    target = BF16_TIME_TARGET if bf16 else TIME_TARGET
     progress.write(f"time: torch {t_torch.median:.3f} s, ours {t_ours.median:.3f} s, "
                    f"{speedup:.2f}x")
     return {"tiles": args.tiles, "tokens": args.tiles + 1, "torch_threads": torch.get_num_threads(),
             "peer_build_s": round(build_s, 1), "compile_s": round(compile_s, 1),
             "check": check, "variants": {k: v.to_json() for k, v in timings.items()},
             "torch_name": names["torch"], "ours_name": names["ours"],
-            "speedup": round(speedup, 3),
+            "dtype": args.dtype, "speedup": round(speedup, 3),
             "paired_speedup": round(harness.paired_ratio(t_torch, t_ours), 3),
-            "target": TIME_TARGET, "pass": bool(speedup >= TIME_TARGET)}
+            "target": target, "pass": bool(speedup >= target)}
 
 
 # -------------------------------------------------------------------------- gpu
@@ -646,12 +659,14 @@ def targets(result: dict) -> list[dict]:
     out = []
     tm = result.get("time", {})
     if "check" in tm:
-        worst = max(v["rel_to_max"] for k, v in tm["check"].items() if k != "agree")
-        out.append({"target": f"time: outputs equal Prov-GigaPath's, max rel diff <= "
-                              f"{CHECK_RTOL:g}", "value": worst, "pass": tm["check"]["agree"]})
-        out.append({"target": f"time: forward at {tm['tiles']} tiles >= {TIME_TARGET}x faster "
-                              f"than Prov-GigaPath's PyTorch", "value": tm["speedup"],
-                    "pass": tm["pass"]})
+        worst = max(v["rel_to_max"] for k, v in tm["check"].items() if isinstance(v, dict))
+        dtype = tm.get("dtype", "float32")
+        out.append({"target": f"time: outputs ({dtype}) equal Prov-GigaPath's, max rel diff <= "
+                              f"{tm['check'].get('rtol', CHECK_RTOL):g}", "value": worst,
+                    "pass": tm["check"]["agree"]})
+        out.append({"target": f"time: forward ({dtype}) at {tm['tiles']} tiles >= "
+                              f"{tm['target']}x Prov-GigaPath's PyTorch's speed",
+                    "value": tm["speedup"], "pass": tm["pass"]})
     mem = result.get("memory", {})
     if "tiles" in mem and len(mem["tiles"]) > 1:
         out.append({"target": f"memory: temp per tile at {mem['largest']} tiles <= "
@@ -694,13 +709,14 @@ def print_summary(result: dict, file=None) -> None:
             rows = [[name, fmt_ms(v["median_s"]), fmt_ms(v["min_s"]), fmt_spread(v["spread"])]
                     for name, v in tm["variants"].items()]
             harness.print_table(
-                f"forward, {tm['tiles']} tiles, float32, batch 1 (interleaved, "
-                f"{len(next(iter(tm['variants'].values()))['samples_s'])} rounds)",
+                f"forward, {tm['tiles']} tiles, {tm.get('dtype', 'float32')}, batch 1 "
+                f"(interleaved, {len(next(iter(tm['variants'].values()))['samples_s'])} rounds)",
                 ["variant", "ms (median)", "min", "spread"], rows, env=env, file=file)
             print(f"speedup {tm['speedup']:.2f}x (paired {tm['paired_speedup']:.2f}x; target >= "
-                  f"{TIME_TARGET}: {'ok' if tm['pass'] else 'MISSED'}); outputs: "
-                  + ", ".join(f"{k} {v['rel_to_max']:.2e}" for k, v in tm["check"].items()
-                              if k != "agree") + " relative\n", file=file)
+                  f"{tm.get('target', TIME_TARGET)}: {'ok' if tm['pass'] else 'MISSED'}); "
+                  "outputs: " + ", ".join(f"{k} {v['rel_to_max']:.2e}"
+                                         for k, v in tm["check"].items() if isinstance(v, dict))
+                  + " relative\n", file=file)
     mem = result.get("memory")
     if mem is not None:
         rows = [[str(n), f"{r['temp_mib']:.1f}", f"{r['temp_bytes_per_tile']:.0f}",
