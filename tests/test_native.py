@@ -504,7 +504,8 @@ def test_half_precision_dilated_attention(dtype, mode):
 def test_a_build_that_fails_its_self_test_is_refused_or_passed_over(monkeypatch):
     """A build that multiplies bfloat16 itself runs its self-test (a child process)
     once; its verdict is cached beside the library. Asked for by name, a failing build
-    is refused with the reason; as the machine's choice, the next build down is used."""
+    is refused with the reason; as the machine's choice, the next build down is used
+    (as for a build that does not compile)."""
     build = native.build
     with build.using(isa=build.EMULATED):
         assert build.load() is None

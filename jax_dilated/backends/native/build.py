@@ -83,10 +83,11 @@ ISA_NAMES = {"amx": "AVX-512 with AVX512-BF16 and AMX-BF16 (bfloat16 tiles)",
              EMULATED: "AVX2+FMA, bfloat16 dot products emulated",
              EMULATED_AMX: "AVX2+FMA, bfloat16 dot products and AMX tiles emulated"}
 # builds whose bfloat16 products no other build checks where they are built: each is
-# self-tested once (_self_test) before use; the machine's choice falls back past one
-# that fails (FALLBACK)
+# self-tested once (_self_test) before use
 SELF_TESTED = ("amx", "avx512_bf16", EMULATED, EMULATED_AMX)
-FALLBACK = {"amx": "avx512_bf16", "avx512_bf16": "avx512"}
+# the build below each x86-64 one: the machine's choice falls back to it where a build
+# cannot be used (AVX2 code runs on every AVX-512 CPU)
+FALLBACK = {"amx": "avx512_bf16", "avx512_bf16": "avx512", "avx512": "avx2"}
 _X86_64 = ("x86_64", "AMD64")
 _AARCH64 = ("aarch64", "arm64")
 # what each x86-64 build needs in /proc/cpuinfo's flags
@@ -165,9 +166,9 @@ def target(call: str) -> str:
 @contextlib.contextmanager
 def using(isa: str | None = None, source: str | os.PathLike | None = None):
     """Programs traced inside use another build of the kernel: ``isa`` (one of
-    :data:`ISAS` or a test build; None: as outside) and ``source`` (a kernel source file to build
-    instead of :data:`SOURCE`, e.g. an earlier version's, whose FFI calls take the
-    same arguments; None: as outside).
+    :data:`ISAS` or a test build; None: as outside) and ``source`` (a kernel source
+    file to build instead of :data:`SOURCE`, e.g. an earlier version's, whose FFI calls
+    take the same arguments; None: as outside).
 
     JAX's caches are cleared on entry and exit, so that nothing traced under one
     build is reused under another; programs already compiled keep their build.
@@ -207,6 +208,17 @@ def _load_once(requested_isa: str | None,
     chosen = _choose_isa(requested_isa)
     if chosen not in (*ISAS, *TEST_BUILDS):
         return chosen, None
+    reason, lib = _load_build(chosen, source)
+    # the machine's choice: a build that does not compile (an older compiler), load or
+    # pass its self-test is passed over for the next one down
+    while lib is None and requested_isa is None and chosen in FALLBACK:
+        chosen = FALLBACK[chosen]
+        reason, lib = _load_build(chosen, source)
+    return reason, lib
+
+
+def _load_build(chosen: str, source: str | None) -> tuple[str | None, Library | None]:
+    """Build (or find), self-test where SELF_TESTED, load and register build ``chosen``."""
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
         return f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} not found) to build it", None
@@ -215,8 +227,6 @@ def _load_once(requested_isa: str | None,
         path = _build(compiler, chosen, source_path)
         failed = _self_test(path) if chosen in SELF_TESTED else None
         if failed is not None:
-            if requested_isa is None and chosen in FALLBACK:  # the machine's choice
-                return _load_once(FALLBACK[chosen], source)
             raise RuntimeError(failed)
         if path in _registered:
             return None, _registered[path]
