@@ -603,7 +603,8 @@ inline void amx_qk(const bf16_t* q, const bf16_t* kt, float* s, int64_t dp, int 
   }
   const VT sc = V::set1(scale);
   for (int r = 0; r < BQ; r++)
-    for (int j = 0; j < ncols; j += N) V::store(s + r * BK + j, V::mul(V::load(s + r * BK + j), sc));
+    for (int j = 0; j < ncols; j += N)
+      V::store(s + r * BK + j, V::mul(V::load(s + r * BK + j), sc));
 }
 
 // o[BQ][D] += p[BQ][nkeys] . v[k0 : k0 + nkeys][D] (nkeys a multiple of 32): p's rows
@@ -1207,9 +1208,8 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
       if ((int64_t)w.cvec.size() < lqp) w.cvec.resize(lqp);
       pack_row_pairs(hd.q, it.q_stride, lq, d, w.qrp.data());
       pack_row_pairs(hd.dout, it.q_stride, lq, d, w.drp.data());
-      if (lqp > (lq + 1) / 2 * 2)  // rows of the last tile past the even: 0
-        std::fill(w.qrp.begin() + (lq + 1) / 2 * 2 * d, w.qrp.begin() + lqp * d, bf16_t{0}),
-        std::fill(w.drp.begin() + (lq + 1) / 2 * 2 * d, w.drp.begin() + lqp * d, bf16_t{0});
+      for (auto* x : {&w.qrp, &w.drp})  // the last tile's rows past the pairs: 0
+        std::fill(x->begin() + (lq + 1) / 2 * 2 * d, x->begin() + lqp * d, bf16_t{0});
     }
 #endif
     for (int64_t i = 0; i < lqp; i++) {
@@ -1218,7 +1218,8 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
 #if JD_BF16_PAIRS
       if constexpr (pairs) {  // row i's pairs in its tile's panels, as stored
         w.cvec[i] = ci;
-        const int64_t at = (i / BR) * BR * d + ((i % BR) / QK_COLS) * QK_COLS * d + 2 * (i % QK_COLS);
+        const int64_t at =
+            (i / BR) * BR * d + ((i % BR) / QK_COLS) * QK_COLS * d + 2 * (i % QK_COLS);
         for (int64_t e = 0; e < d; e += 2)
           for (int h = 0; h < 2; h++) {
             w.qpp[at + e * QK_COLS + h] = real ? hd.q[i * it.q_stride + e + h] : bf16_t{0};
