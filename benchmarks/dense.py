@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.quick:
         args.tokens, args.outs = 256, (128,)
-    flags = harness.cpu_flags()
-    unit = bf16_unit(flags)
+    from jax_dilated.backends.native.build import cpu_flags
+    unit = bf16_unit(cpu_flags())
     torch = None
     if not args.no_torch:
         try:

@@ -446,18 +446,6 @@ def cpu_description(cpuinfo: str) -> str | None:
     return f"{name} ({', '.join(details)})" if details else name
 
 
-def cpu_flags() -> set[str]:
-    """The first processor's flags in ``/proc/cpuinfo`` (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _cpu_model() -> str | None:
     try:
         with open("/proc/cpuinfo") as f:

@@ -640,7 +640,7 @@ def test_each_build_is_chosen_forced_or_refused(monkeypatch, tmp_path):
     registering calls of its own; what the CPU lacks, an unknown name and a source
     that does not compile are refused with the reason."""
     build = native.build
-    flags = build._cpu_flags()
+    flags = build.cpu_flags()
     monkeypatch.delenv(build.ISA_ENV, raising=False)
     if build.isa() in ("amx", "avx512_bf16", "avx512", "avx2"):
         assert build.isa() == ("avx2" if "avx512f" not in flags else

@@ -577,8 +577,19 @@ inline void amx_release() { _tile_release(); }
 #define TILE_DP(C, A, B) tile_dp<C, A, B>()
 #endif
 
-// the head dimension as the tiles read it: a multiple of 32
-inline int64_t amx_dim(int64_t d) { return (d + 31) / 32 * 32; }
+// Tiles 0-2 += the three 16-row blocks of a (rows a_stride elements apart, 32 columns
+// from a) . b (16 pair rows b_stride elements apart, 16 columns): tile 3 holds each
+// block of a in turn, tile 4 b.
+inline void amx_three_blocks(const bf16_t* a, int64_t a_stride, const bf16_t* b,
+                             int64_t b_stride) {
+  TILE_LOAD(4, b, 2 * b_stride);
+  TILE_LOAD(3, a, 2 * a_stride);
+  TILE_DP(0, 3, 4);
+  TILE_LOAD(3, a + 16 * a_stride, 2 * a_stride);
+  TILE_DP(1, 3, 4);
+  TILE_LOAD(3, a + 32 * a_stride, 2 * a_stride);
+  TILE_DP(2, 3, 4);
+}
 
 // s[BQ][ncols] = scale q[BQ][DP] . k^T (ncols a multiple of 16): q's rows DP apart,
 // k^T in the pair panels of QK_COLS keys [DP / 2][QK_COLS][2]; s's rows BK apart.
@@ -588,15 +599,8 @@ inline void amx_qk(const bf16_t* q, const bf16_t* kt, float* s, int64_t dp, int 
   for (int n = 0; n < ncols; n += 16) {
     const bf16_t* panel = kt + (n / QK_COLS) * QK_COLS * dp + 2 * (n % QK_COLS);
     TILE_ZERO(0); TILE_ZERO(1); TILE_ZERO(2);
-    for (int64_t e = 0; e < dp; e += 32) {
-      TILE_LOAD(4, panel + e * QK_COLS, 4 * QK_COLS);
-      TILE_LOAD(3, q + e, 2 * dp);
-      TILE_DP(0, 3, 4);
-      TILE_LOAD(3, q + 16 * dp + e, 2 * dp);
-      TILE_DP(1, 3, 4);
-      TILE_LOAD(3, q + 32 * dp + e, 2 * dp);
-      TILE_DP(2, 3, 4);
-    }
+    for (int64_t e = 0; e < dp; e += 32)
+      amx_three_blocks(q + e, dp, panel + e * QK_COLS, 2 * QK_COLS);
     TILE_STORE(0, s + n, 4 * BK);
     TILE_STORE(1, s + 16 * BK + n, 4 * BK);
     TILE_STORE(2, s + 32 * BK + n, 4 * BK);
@@ -618,15 +622,7 @@ inline void amx_pv(const bf16_t* p, const bf16_t* panels, int64_t rows2, int64_t
     TILE_LOAD(0, o + c, 4 * d);
     TILE_LOAD(1, o + 16 * d + c, 4 * d);
     TILE_LOAD(2, o + 32 * d + c, 4 * d);
-    for (int t = 0; t < nkeys; t += 32) {
-      TILE_LOAD(4, v + t * wc, 4 * wc);
-      TILE_LOAD(3, p + t, 2 * BK);
-      TILE_DP(0, 3, 4);
-      TILE_LOAD(3, p + 16 * BK + t, 2 * BK);
-      TILE_DP(1, 3, 4);
-      TILE_LOAD(3, p + 32 * BK + t, 2 * BK);
-      TILE_DP(2, 3, 4);
-    }
+    for (int t = 0; t < nkeys; t += 32) amx_three_blocks(p + t, BK, v + t * wc, 2 * wc);
     TILE_STORE(0, o + c, 4 * d);
     TILE_STORE(1, o + 16 * d + c, 4 * d);
     TILE_STORE(2, o + 32 * d + c, 4 * d);

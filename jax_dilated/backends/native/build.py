@@ -263,7 +263,7 @@ def _choose_isa(requested: str | None) -> str:
         return "neon"
     if requested == "neon":
         return f"{ISA_ENV}=neon needs an aarch64 CPU (this is {machine})"
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if requested is None:
         for best in ("amx", "avx512_bf16", "avx512"):
             if all(f in flags for f in _X86_NEEDS[best]):
@@ -276,7 +276,9 @@ def _choose_isa(requested: str | None) -> str:
     return requested
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's flags from /proc/cpuinfo (x86-64 "flags", aarch64 "Features"); empty
+    where it cannot be read."""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):  # x86-64; aarch64
@@ -304,7 +306,7 @@ def _build(compiler: str, isa_: str, source: pathlib.Path) -> pathlib.Path:
     flags = (*_FLAGS, *_ISA_FLAGS[isa_])
     key = hashlib.sha256()
     for part in (source.read_bytes(), compiler.encode(), " ".join(flags).encode(),
-                 jaxlib.__version__.encode(), " ".join(sorted(_cpu_flags())).encode(),
+                 jaxlib.__version__.encode(), " ".join(sorted(cpu_flags())).encode(),
                  platform.processor().encode(), platform.machine().encode()):
         key.update(part + b"\0")
     cache = _cache_dir()
