@@ -414,18 +414,35 @@ def test_vmap_and_a_ring_over_devices():
 
 
 def test_build_uses_the_cache_directory(tmp_path):
-    """A fresh process with JAX_DILATED_CACHE set builds the library there once and a
-    second process loads it from there."""
+    """A fresh process with JAX_DILATED_CACHE set builds the library there once (one
+    compiler run, into a temporary file renamed into place) and a second process loads
+    it from there. The compiler (``$CXX``) is a stand-in that logs its call and copies
+    the library this process built with the real one: what is tested is where the build
+    goes and that it is reused; the real compiler's output is every other test's."""
+    built = native.build.library()
+    assert built is not None, native.build.load()
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "c++"
+    compiler.write_text(
+        "#!/bin/sh\n"
+        f"echo \"$*\" >> '{calls}'\n"
+        'while [ "$#" -gt 1 ] && [ "$1" != -o ]; do shift; done\n'
+        f"cp '{built.path}' \"$2\"\n")
+    compiler.chmod(0o755)
+    cache = tmp_path / "cache"
     code = ("from jax_dilated.backends.native import build; import sys; "
             "r = build.load(); print(r); sys.exit(r is not None)")
-    env = dict(os.environ, JAX_DILATED_CACHE=str(tmp_path))
+    env = dict(os.environ, JAX_DILATED_CACHE=str(cache), CXX=str(compiler),
+               JAX_DILATED_NATIVE_ISA=built.isa)
     for _ in range(2):
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, timeout=600)
         assert run.returncode == 0, run.stdout + run.stderr
-        libs = list(tmp_path.glob("attention_cpu-*.so"))
+        libs = list(cache.glob(f"attention_cpu-{built.isa}-*.so"))
         assert len(libs) == 1, libs
-    assert not list(tmp_path.glob("*.so.tmp*"))
+    assert len(calls.read_text().splitlines()) == 1, calls.read_text()
+    assert str(native.build.SOURCE) in calls.read_text()
+    assert not list(cache.glob("*.so.tmp*")) and not list(cache.glob("tmp*"))
 
 
 def test_backend_report_names_it(capsys):
