@@ -573,6 +573,42 @@ def test_bfloat16_pairs_multiply_the_inputs_as_stored(lq, lk, d, causal):
         np.testing.assert_array_equal(got[emulated][1], got["avx2"][1])
 
 
+@pytest.mark.skipif(not any(i in HALF_ISAS for i in BF16_PATHS),
+                    reason="no build with the bfloat16 pair path runs on this CPU")
+@pytest.mark.parametrize("d,mode,causal", [(48, "longnet", True), (80, "head_groups", False)])
+def test_bfloat16_backward_multiplies_the_inputs_as_stored(d, mode, causal):
+    """The fused dilated backward on the bfloat16 builds (avx512_bf16's pairs, amx's
+    tiles, or their emulations): s and dp from q, k, v and do as stored, p c and
+    scale ds rounded to bfloat16 for dv, dk and dq; the gradients within bfloat16's
+    tolerance of the float64 reference on the rounded inputs, and not the converting
+    build's. Head dims the tiles pad (48 to 64, 80 to 96), 203 rows (several query
+    tiles of the backward, a last segment short of its length, odd key counts), a
+    padding mask."""
+    rng = np.random.default_rng(d)
+    t, h, hkv = 203, 4, 2
+    (q, q32), (k, k32), (v, v32), (do, do32) = (
+        _rounded(rng.standard_normal(shape), "bfloat16")
+        for shape in ((1, t, h, d), (1, t, hkv, d), (1, t, hkv, d), (1, t, h, d)))
+    branches, mask = ((64, 1), (128, 2)), rng.random((1, t)) < 0.85
+    kw = dict(segment_lengths=[w for w, _ in branches], dilation_rates=[r for _, r in branches],
+              mode=mode, is_causal=causal, kv_mask=mask)
+    _, _, *want = _dilated_reference(q32, k32, v32, do32, np.zeros(q.shape[:-1]), branches,
+                                     mode, causal, d ** -0.5, kv_mask=mask)
+
+    def grads(q, k, v, do):
+        return jax.vjp(functools.partial(jd.dilated_attention, **kw), q, k, v)[1](do)
+
+    got = {}
+    for isa in [i for i in HALF_ISAS if i in (*BF16_PATHS, "avx2")]:
+        with native.build.using(isa=isa):
+            got[isa] = jax.jit(grads)(q, k, v, do)
+            for name, g, w in zip(("dq", "dk", "dv"), got[isa], want):
+                _close(g, w, HALF_RTOL["bfloat16"], what=f"{isa} {name}")
+    for emulated in set(native.build.TEST_BUILDS) & set(got):  # the bfloat16 path ran
+        assert not np.array_equal(np.asarray(got[emulated][0], np.float32),
+                                  np.asarray(got["avx2"][0], np.float32)), emulated
+
+
 # ------------------------------------------- rates that do not divide the segment
 
 

@@ -474,9 +474,9 @@ inline void pv_panels_pairs(const bf16_t* p, const bf16_t* panels, int64_t rows2
 
 // ------------------------------------------------------------- AMX tiles
 //
-// Where the CPU has AMX-BF16 (Intel Sapphire Rapids and later), the forward's two
-// products on bfloat16 inputs run on its tile unit: eight tile registers of 16 rows
-// of 64 bytes, and tdpbf16ps, C[16][16] (float32) += A[16][32] (bfloat16) . B[16][16]
+// Where the CPU has AMX-BF16 (Intel Sapphire Rapids and later), the products on
+// bfloat16 inputs run on its tile unit (the forward's two here, the backward's five
+// through amx_gemm): eight tile registers of 16 rows of 64 bytes, and tdpbf16ps, C[16][16] (float32) += A[16][32] (bfloat16) . B[16][16]
 // (bfloat16 pairs: B's row e holds the pairs (2e, 2e + 1) of 16 columns), the same
 // pairs as above. A query tile's S = q k^T (all BQ rows against a key block) and its
 // O += P v (after the rows' softmax) are each one pass of tiles; q and k are padded
@@ -627,6 +627,29 @@ inline void amx_pv(const bf16_t* p, const bf16_t* panels, int64_t rows2, int64_t
     TILE_STORE(1, o + 16 * d + c, 4 * d);
     TILE_STORE(2, o + 32 * d + c, 4 * d);
   }
+}
+
+// c[M][N] (float32, rows ldc apart; zeroed first where `zero`) += a[M][K] . b: a's
+// rows (bfloat16) lda apart; b as pairs of rows, pair row e (rows 2e and 2e + 1) at
+// b + e ldb with column j's pair at 2j. M and N multiples of 16, K of 32. The
+// backward's five products: tile 0 a 16 x 16 block of c, 1 of a, 2 of b.
+inline void amx_gemm(const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, float* c,
+                     int64_t ldc, int64_t m, int64_t n, int64_t k, bool zero) {
+  for (int64_t i = 0; i < m; i += 16)
+    for (int64_t j = 0; j < n; j += 16) {
+      float* cij = c + i * ldc + j;
+      if (zero) {
+        TILE_ZERO(0);
+      } else {
+        TILE_LOAD(0, cij, 4 * ldc);
+      }
+      for (int64_t e = 0; e < k; e += 32) {
+        TILE_LOAD(1, a + i * lda + e, 2 * lda);
+        TILE_LOAD(2, b + (e / 2) * ldb + 2 * j, 2 * ldb);
+        TILE_DP(0, 1, 2);
+      }
+      TILE_STORE(0, cij, 4 * ldc);
+    }
 }
 #else
 #define JD_AMX 0
@@ -1160,6 +1183,9 @@ struct BwdScratch {
   // bfloat16 (pb, dsb, dst)
   std::vector<bf16_t> qpp, dopp, qrp, drp, kraw, vraw, kpp, pb, dsb, dst;
   std::vector<float> cvec;
+  // AMX (JD_AMX): q and do per tile as pairs of their head dimension [DP / 2][BR][2]
+  // (qam, doam; S^T and dP^T), the key block's k and v rows padded to DP (kam, vam)
+  std::vector<bf16_t> qam, doam, kam, vam;
   BwdScratch(int64_t max_lq, int64_t max_lk, int64_t d) {
     const int64_t lqp = (max_lq + BR - 1) / BR * BR, lkp = (max_lk + BC - 1) / BC * BC;
     for (auto* x : {&qst, &qs, &dot, &dos, &dq}) x->resize(lqp * d);
@@ -1182,10 +1208,26 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
   const int64_t nqt = (lq + BR - 1) / BR, nkb = (lk + BC - 1) / BC, lqp = nqt * BR;
   // bfloat16 inputs on the bfloat16 dot products (the forward's pairs, section above)
   constexpr bool pairs = JD_BF16_PAIRS && std::is_same_v<In, bf16_t>;
+  // AMX: the five products on tiles, S^T and dP^T over the head dimension padded to
+  // dp, dq over the key block padded to BCP keys (pairs of rows past the block's 0)
+  constexpr int64_t BCP = (BC + 31) / 32 * 32;
+  const int64_t dp = (d + 31) / 32 * 32;
+#if JD_AMX
+  const bool amx = pairs && amx_usable();
+  if (amx) amx_configure();
+#else
+  constexpr bool amx = false;
+#endif
+  const int64_t dst_ld = amx ? BCP : BC;
 #if JD_BF16_PAIRS
   if constexpr (pairs) {
     for (auto* x : {&w.kraw, &w.vraw, &w.kpp}) x->resize(BC * d);
     for (auto* x : {&w.pb, &w.dsb, &w.dst}) x->resize(BC * BR);
+    if (amx) {
+      w.kpp.assign(BCP * d, bf16_t{0});
+      w.dst.assign(BR * BCP, bf16_t{0});
+      for (auto* x : {&w.kam, &w.vam}) x->resize(BC * dp);
+    }
   }
 #endif
   std::fill(w.dk.begin(), w.dk.begin() + nkb * BC * d, 0.0f);
@@ -1201,6 +1243,9 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
     if constexpr (pairs) {
       for (auto* x : {&w.qpp, &w.dopp, &w.qrp, &w.drp})
         if ((int64_t)x->size() < lqp * d) x->resize(lqp * d);
+      if (amx)
+        for (auto* x : {&w.qam, &w.doam})
+          if ((int64_t)x->size() < lqp * dp) x->resize(lqp * dp);
       if ((int64_t)w.cvec.size() < lqp) w.cvec.resize(lqp);
       pack_row_pairs(hd.q, it.q_stride, lq, d, w.qrp.data());
       pack_row_pairs(hd.dout, it.q_stride, lq, d, w.drp.data());
@@ -1214,13 +1259,24 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
 #if JD_BF16_PAIRS
       if constexpr (pairs) {  // row i's pairs in its tile's panels, as stored
         w.cvec[i] = ci;
-        const int64_t at =
-            (i / BR) * BR * d + ((i % BR) / QK_COLS) * QK_COLS * d + 2 * (i % QK_COLS);
-        for (int64_t e = 0; e < d; e += 2)
-          for (int h = 0; h < 2; h++) {
-            w.qpp[at + e * QK_COLS + h] = real ? hd.q[i * it.q_stride + e + h] : bf16_t{0};
-            w.dopp[at + e * QK_COLS + h] = real ? hd.dout[i * it.q_stride + e + h] : bf16_t{0};
+        if (!amx) {
+          const int64_t at =
+              (i / BR) * BR * d + ((i % BR) / QK_COLS) * QK_COLS * d + 2 * (i % QK_COLS);
+          for (int64_t e = 0; e < d; e += 2)
+            for (int h = 0; h < 2; h++) {
+              w.qpp[at + e * QK_COLS + h] = real ? hd.q[i * it.q_stride + e + h] : bf16_t{0};
+              w.dopp[at + e * QK_COLS + h] =
+                  real ? hd.dout[i * it.q_stride + e + h] : bf16_t{0};
+            }
+        } else {  // AMX: pairs along the head dimension, [dp / 2][BR][2] per tile
+          const int64_t at = (i / BR) * BR * dp + 2 * (i % BR);
+          for (int64_t e = 0; e < dp; e++) {
+            const bool in = real && e < d;
+            w.qam[at + (e / 2) * 2 * BR + e % 2] = in ? hd.q[i * it.q_stride + e] : bf16_t{0};
+            w.doam[at + (e / 2) * 2 * BR + e % 2] =
+                in ? hd.dout[i * it.q_stride + e] : bf16_t{0};
           }
+        }
       }
 #endif
       if constexpr (!pairs) {
@@ -1252,6 +1308,11 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
             w.kraw[t * d + c] = real ? krow[c] : bf16_t{0};
             w.vraw[t * d + c] = real ? vrow[c] : bf16_t{0};
           }
+          if (amx)
+            for (int64_t c = 0; c < dp; c++) {
+              w.kam[t * dp + c] = real && c < d ? krow[c] : bf16_t{0};
+              w.vam[t * dp + c] = real && c < d ? vrow[c] : bf16_t{0};
+            }
         }
 #endif
         if constexpr (!pairs) {
@@ -1288,6 +1349,22 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
         const float* dot = w.dot.data() + qt * d * BR;
 #if JD_BF16_PAIRS
         if constexpr (pairs) {  // s^T = scale k q^T and dp^T = v do^T c from the pairs
+#if JD_AMX
+          if (amx) {
+            amx_gemm(w.kam.data(), dp, w.qam.data() + qt * BR * dp, 2 * BR, w.st.data(), BR,
+                     BC, BR, dp, true);
+            amx_gemm(w.vam.data(), dp, w.doam.data() + qt * BR * dp, 2 * BR, w.dpt.data(), BR,
+                     BC, BR, dp, true);
+            const VT sc = V::set1(cf.scale);
+            for (int t = 0; t < BC; t++)
+              for (int c = 0; c < BR; c += N) {
+                float* sr = w.st.data() + t * BR + c;
+                float* dr = w.dpt.data() + t * BR + c;
+                V::store(sr, V::mul(V::load(sr), sc));
+                V::store(dr, V::mul(V::load(dr), V::load(w.cvec.data() + q0 + c)));
+              }
+          } else
+#endif
           for (int t0 = 0; t0 < BC; t0 += MR) {
             qk_tile_pairs<BR>(w.kraw.data() + t0 * d, d, w.qpp.data() + qt * BR * d,
                               w.st.data() + t0 * BR, (int)d, BR, cf.scale);
@@ -1343,16 +1420,28 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
               V::store(w.dsb.data() + t * BR + c, V::mul(V::load(w.dpt.data() + t * BR + c), sc));
             }
           for (int t = 0; t < BC; t++)
-            for (int i = 0; i < BR; i++) w.dst[i * BC + t] = w.dsb[t * BR + i];
-          for (int t0 = 0; t0 < BC; t0 += MR) {
-            pv_columns_pairs<BR>(w.pb.data() + t0 * BR, w.drp.data() + q0 * d,
-                                 w.dv.data() + (k0 + t0) * d, d, (int)d, BR / 2);
-            pv_columns_pairs<BR>(w.dsb.data() + t0 * BR, w.qrp.data() + q0 * d,
-                                 w.dk.data() + (k0 + t0) * d, d, (int)d, BR / 2);
+            for (int i = 0; i < BR; i++) w.dst[i * dst_ld + t] = w.dsb[t * BR + i];
+#if JD_AMX
+          if (amx) {
+            amx_gemm(w.pb.data(), BR, w.drp.data() + q0 * d, 2 * d, w.dv.data() + k0 * d, d,
+                     BC, d, BR, false);
+            amx_gemm(w.dsb.data(), BR, w.qrp.data() + q0 * d, 2 * d, w.dk.data() + k0 * d, d,
+                     BC, d, BR, false);
+            amx_gemm(w.dst.data(), BCP, w.kpp.data(), 2 * d, w.dq.data() + q0 * d, d, BR, d,
+                     BCP, false);
+          } else
+#endif
+          {
+            for (int t0 = 0; t0 < BC; t0 += MR) {
+              pv_columns_pairs<BR>(w.pb.data() + t0 * BR, w.drp.data() + q0 * d,
+                                   w.dv.data() + (k0 + t0) * d, d, (int)d, BR / 2);
+              pv_columns_pairs<BR>(w.dsb.data() + t0 * BR, w.qrp.data() + q0 * d,
+                                   w.dk.data() + (k0 + t0) * d, d, (int)d, BR / 2);
+            }
+            for (int r0 = 0; r0 < BR; r0 += MR)
+              pv_columns_pairs<BC>(w.dst.data() + r0 * BC, w.kpp.data(),
+                                   w.dq.data() + (q0 + r0) * d, d, (int)d, BC / 2);
           }
-          for (int r0 = 0; r0 < BR; r0 += MR)
-            pv_columns_pairs<BC>(w.dst.data() + r0 * BC, w.kpp.data(),
-                                 w.dq.data() + (q0 + r0) * d, d, (int)d, BC / 2);
         }
 #endif
         if constexpr (!pairs) {
@@ -1382,6 +1471,9 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
       dvr[c] += w.dv[t * d + c];
     }
   }
+#if JD_AMX
+  if (amx) amx_release();
+#endif
 }
 
 // units [0, count) of work shared by an atomic counter among the calling thread and
@@ -1832,8 +1924,9 @@ ffi::Error DilatedBackward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 }
 
 // A small bfloat16 attention (one head, 45 queries, 61 keys, causal, D = 48) through
-// run_rows against a float64 loop: 0 when the output is within bfloat16's tolerance
-// and the log-sum-exp within float32's, else 1. build.py runs it once per build that
+// run_rows and backward_item against float64 loops: 0 when the output and the
+// gradients are within bfloat16's tolerance and the log-sum-exp within float32's, else
+// 1. build.py runs it once per build that
 // multiplies bfloat16 itself (in a child process, so that an instruction the CPU
 // refuses cannot take the caller down) before it uses that build.
 int self_test() {
@@ -1884,7 +1977,54 @@ int self_test() {
       worst_o = std::max(worst_o, std::abs(value(o[i * d + c]) - want));
     }
   }
-  return worst_o <= 2e-2 * std::max(largest, 1.0) && worst_lse <= 1e-5 ? 0 : 1;
+  if (!(worst_o <= 2e-2 * std::max(largest, 1.0) && worst_lse <= 1e-5)) return 1;
+
+  // the backward of the same attention for a drawn do and row factors c (the kernel
+  // reads do c, and delta = c rowsum(do o) as given), against float64 gradients from
+  // p = exp(s - lse) with the same delta
+  std::vector<bf16_t> dout(lq * d);
+  for (auto& e : dout) e = bf16(draw());
+  std::vector<float> lse(lq), delta(lq), c(lq), dq(lq * d), dk(lk * d), dv(lk * d);
+  for (int64_t i = 0; i < lq; i++) {
+    lse[i] = m[i] + std::log(l[i]);
+    c[i] = 1.0f + 0.25f * draw();
+    double dot = 0.0;
+    for (int64_t e = 0; e < d; e++) dot += value(dout[i * d + e]) * value(o[i * d + e]);
+    delta[i] = (float)(c[i] * dot);
+  }
+  BwdItem<bf16_t> bi;
+  bi.heads.push_back({q.data(), dout.data(), lse.data(), delta.data(), c.data(), dq.data(), nullptr});
+  bi.k = k.data(), bi.v = v.data(), bi.valid = nullptr, bi.dk = dk.data(), bi.dv = dv.data();
+  bi.q_stride = d, bi.stat_stride = 1, bi.kv_stride = d, bi.valid_stride = 1;
+  bi.lq = lq, bi.lk = lk, bi.pos0 = 0, bi.step = 1;
+  BwdScratch bw(lq, lk, d);
+  backward_item(cf, bi, bw);
+  std::vector<double> wq(lq * d, 0.0), wk(lk * d, 0.0), wv(lk * d, 0.0);
+  for (int64_t i = 0; i < lq; i++) {
+    const double lse_i = m[i] + std::log((double)l[i]);
+    for (int64_t t = 0; t <= i; t++) {
+      double s = 0.0, dpt = 0.0;
+      for (int64_t e = 0; e < d; e++) {
+        s += value(q[i * d + e]) * value(k[t * d + e]);
+        dpt += c[i] * value(dout[i * d + e]) * value(v[t * d + e]);
+      }
+      const double p = std::exp(s * scale - lse_i), ds = p * (dpt - delta[i]);
+      for (int64_t e = 0; e < d; e++) {
+        wv[t * d + e] += p * c[i] * value(dout[i * d + e]);
+        wq[i * d + e] += scale * ds * value(k[t * d + e]);
+        wk[t * d + e] += scale * ds * value(q[i * d + e]);
+      }
+    }
+  }
+  auto close = [](const std::vector<float>& got, const std::vector<double>& want) {
+    double worst = 0.0, large = 0.0;
+    for (size_t j = 0; j < want.size(); j++) {
+      worst = std::max(worst, std::abs(got[j] - want[j]));
+      large = std::max(large, std::abs(want[j]));
+    }
+    return worst <= 2e-2 * large;
+  };
+  return close(dq, wq) && close(dk, wk) && close(dv, wv) ? 0 : 1;
 }
 
 }  // namespace
@@ -1895,7 +2035,7 @@ extern "C" __attribute__((visibility("default"))) const char* JaxDilatedNativeIs
   return BUILD_ISA;
 }
 
-// self_test(): 0 when this build's bfloat16 path computes attention.
+// self_test(): 0 when this build's bfloat16 path computes attention and its gradients.
 extern "C" __attribute__((visibility("default"))) int JaxDilatedSelfTest() { return self_test(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDilatedAttentionForwardCpu, Forward,

@@ -6,8 +6,9 @@ its CPU and its jaxlib, by the system's C++ compiler (``$CXX``, else ``c++``). O
 source serves these instruction sets, chosen for the machine:
 
 - ``amx``: x86-64 CPUs with AMX-BF16 (Intel Sapphire Rapids and later): as
-  ``avx512_bf16``, with the forward's two products on bfloat16 inputs on the tile unit
-  (where Linux grants the process its tile registers; else as ``avx512_bf16``);
+  ``avx512_bf16``, with the products of the forward and the fused backward on
+  bfloat16 inputs on the tile unit (where Linux grants the process its tile
+  registers; else as ``avx512_bf16``);
 - ``avx512_bf16``: x86-64 CPUs with AVX-512 and AVX512-BF16 (AMD Zen 4 and later,
   Intel Cooper Lake, Sapphire Rapids and later; ``-march=native``): bfloat16 inputs
   are multiplied as bfloat16 pairs by ``vdpbf16ps`` into float32 (the forward and
@@ -67,7 +68,8 @@ _SYMBOLS = {TARGET: "JaxDilatedAttentionForwardCpu",
             TARGET_DILATED_BACKWARD: "JaxDilatedAttentionDilatedBackwardCpu"}
 # the symbol naming the instruction set the library was compiled for
 _ISA_SYMBOL = "JaxDilatedNativeIsa"
-# the symbol of the library's self-test (0: its bfloat16 path computes attention)
+# the symbol of the library's self-test (0: its bfloat16 path computes attention and
+# its gradients)
 _SELF_TEST_SYMBOL = "JaxDilatedSelfTest"
 
 ISA_ENV = "JAX_DILATED_NATIVE_ISA"
@@ -329,9 +331,10 @@ def _build(compiler: str, isa_: str, source: pathlib.Path) -> pathlib.Path:
 
 
 def _self_test(path: pathlib.Path) -> str | None:
-    """None when the library's self-test passes (a small bfloat16 attention against a
-    float64 loop, in a child process: an instruction the CPU refuses kills the child
-    alone), else why not. The verdict is cached beside the library."""
+    """None when the library's self-test passes (a small bfloat16 attention and its
+    gradients against float64 loops, in a child process: an instruction the CPU
+    refuses kills the child alone), else why not. The verdict is cached beside the
+    library."""
     verdict = path.with_suffix(".selftest")
     if verdict.exists():
         text = verdict.read_text()
