@@ -631,24 +631,25 @@ inline void amx_pv(const bf16_t* p, const bf16_t* panels, int64_t rows2, int64_t
 
 // c[M][N] (float32, rows ldc apart; zeroed first where `zero`) += a[M][K] . b: a's
 // rows (bfloat16) lda apart; b as pairs of rows, pair row e (rows 2e and 2e + 1) at
-// b + e ldb with column j's pair at 2j. M and N multiples of 16, K of 32. The
-// backward's five products: tile 0 a 16 x 16 block of c, 1 of a, 2 of b.
+// b + e ldb with column j's pair at 2j. M a multiple of 48, N of 16, K of 32: the
+// backward's five products, 48 rows of c at a time (amx_three_blocks: tiles 0-2).
 inline void amx_gemm(const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, float* c,
                      int64_t ldc, int64_t m, int64_t n, int64_t k, bool zero) {
-  for (int64_t i = 0; i < m; i += 16)
+  for (int64_t i = 0; i < m; i += 48)
     for (int64_t j = 0; j < n; j += 16) {
       float* cij = c + i * ldc + j;
       if (zero) {
-        TILE_ZERO(0);
+        TILE_ZERO(0); TILE_ZERO(1); TILE_ZERO(2);
       } else {
         TILE_LOAD(0, cij, 4 * ldc);
+        TILE_LOAD(1, cij + 16 * ldc, 4 * ldc);
+        TILE_LOAD(2, cij + 32 * ldc, 4 * ldc);
       }
-      for (int64_t e = 0; e < k; e += 32) {
-        TILE_LOAD(1, a + i * lda + e, 2 * lda);
-        TILE_LOAD(2, b + (e / 2) * ldb + 2 * j, 2 * ldb);
-        TILE_DP(0, 1, 2);
-      }
+      for (int64_t e = 0; e < k; e += 32)
+        amx_three_blocks(a + i * lda + e, lda, b + (e / 2) * ldb + 2 * j, ldb);
       TILE_STORE(0, cij, 4 * ldc);
+      TILE_STORE(1, cij + 16 * ldc, 4 * ldc);
+      TILE_STORE(2, cij + 32 * ldc, 4 * ldc);
     }
 }
 #else
@@ -1211,6 +1212,7 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
   // AMX: the five products on tiles, S^T and dP^T over the head dimension padded to
   // dp, dq over the key block padded to BCP keys (pairs of rows past the block's 0)
   constexpr int64_t BCP = (BC + 31) / 32 * 32;
+  static_assert(BC % 48 == 0 && BR % 48 == 0, "amx_gemm's rows: multiples of 48");
   const int64_t dp = (d + 31) / 32 * 32;
 #if JD_AMX
   const bool amx = pairs && amx_usable();
