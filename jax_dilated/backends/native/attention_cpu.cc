@@ -476,15 +476,16 @@ inline void pv_panels_pairs(const bf16_t* p, const bf16_t* panels, int64_t rows2
 //
 // Where the CPU has AMX-BF16 (Intel Sapphire Rapids and later), the products on
 // bfloat16 inputs run on its tile unit (the forward's two here, the backward's five
-// through amx_gemm): eight tile registers of 16 rows of 64 bytes, and tdpbf16ps, C[16][16] (float32) += A[16][32] (bfloat16) . B[16][16]
-// (bfloat16 pairs: B's row e holds the pairs (2e, 2e + 1) of 16 columns), the same
-// pairs as above. A query tile's S = q k^T (all BQ rows against a key block) and its
-// O += P v (after the rows' softmax) are each one pass of tiles; q and k are padded
-// to a head dimension of a multiple of 32 (DP), and the values to a multiple of 32
-// rows, with zeros. Linux hands a process the tile registers only when it asks
-// (arch_prctl ARCH_REQ_XCOMP_PERM); where that is refused, the pair path above
-// serves. JD_AMX_EMULATED (a test build) computes each tile instruction by loops on
-// any CPU, so the tiles' layout and the driver are tested without the unit.
+// through amx_gemm): eight tile registers of 16 rows of 64 bytes, and tdpbf16ps,
+// C[16][16] (float32) += A[16][32] (bfloat16) . B[16][16] (bfloat16 pairs: B's row e
+// holds the pairs (2e, 2e + 1) of 16 columns), the same pairs as above. A query
+// tile's S = q k^T (all BQ rows against a key block) and its O += P v (after the
+// rows' softmax) are each one pass of tiles; q and k are padded to a head dimension
+// of a multiple of 32 (DP), and the values to a multiple of 32 rows, with zeros.
+// Linux hands a process the tile registers only when it asks (arch_prctl
+// ARCH_REQ_XCOMP_PERM); where that is refused, the pair path above serves.
+// JD_AMX_EMULATED (a test build) computes each tile instruction by loops on any CPU,
+// so the tiles' layout and the driver are tested without the unit.
 #if JD_BF16_PAIRS && ((defined(__AMX_BF16__) && defined(__AMX_TILE__) && JD_AVX512) || \
                       defined(JD_AMX_EMULATED))
 #define JD_AMX 1
@@ -1927,10 +1928,10 @@ ffi::Error DilatedBackward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 
 // A small bfloat16 attention (one head, 45 queries, 61 keys, causal, D = 48) through
 // run_rows and backward_item against float64 loops: 0 when the output and the
-// gradients are within bfloat16's tolerance and the log-sum-exp within float32's, else
-// 1. build.py runs it once per build that
-// multiplies bfloat16 itself (in a child process, so that an instruction the CPU
-// refuses cannot take the caller down) before it uses that build.
+// gradients are within bfloat16's tolerance and the log-sum-exp within float32's,
+// else 1. build.py runs it once per build that multiplies bfloat16 itself (in a child
+// process, so that an instruction the CPU refuses cannot take the caller down) before
+// it uses that build.
 int self_test() {
   constexpr int64_t lq = 45, lk = 61, d = 48;
   auto bf16 = [](float x) {  // rounded to nearest even
@@ -1995,7 +1996,8 @@ int self_test() {
     delta[i] = (float)(c[i] * dot);
   }
   BwdItem<bf16_t> bi;
-  bi.heads.push_back({q.data(), dout.data(), lse.data(), delta.data(), c.data(), dq.data(), nullptr});
+  bi.heads.push_back(
+      {q.data(), dout.data(), lse.data(), delta.data(), c.data(), dq.data(), nullptr});
   bi.k = k.data(), bi.v = v.data(), bi.valid = nullptr, bi.dk = dk.data(), bi.dv = dv.data();
   bi.q_stride = d, bi.stat_stride = 1, bi.kv_stride = d, bi.valid_stride = 1;
   bi.lq = lq, bi.lk = lk, bi.pos0 = 0, bi.step = 1;
