@@ -301,7 +301,9 @@ def _cache_dir() -> pathlib.Path:
 def _build(compiler: str, isa_: str, source: pathlib.Path) -> pathlib.Path:
     """The cached library for this source, instruction set, compiler, jaxlib and CPU;
     compiled if absent (into a temporary file renamed into place, so that concurrent
-    processes agree)."""
+    processes agree). Processes that start together (the processes of one host, test
+    workers) compile it once: the first holds a lock beside it while it compiles, and
+    the others wait and then find it."""
     import jaxlib
 
     include = jax.ffi.include_dir()
@@ -316,6 +318,32 @@ def _build(compiler: str, isa_: str, source: pathlib.Path) -> pathlib.Path:
     if library_path.exists():
         return library_path
     cache.mkdir(parents=True, exist_ok=True)
+    with _locked(library_path.with_suffix(".lock")):
+        if not library_path.exists():
+            _compile(compiler, flags, source, include, cache, library_path)
+    return library_path
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    """An exclusive lock on ``path`` (created if absent) while the block runs; none
+    where the platform has no fcntl (the rename still keeps the library whole)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(compiler: str, flags: tuple, source: pathlib.Path, include: str,
+             cache: pathlib.Path, library_path: pathlib.Path) -> None:
+    """``source`` compiled to ``library_path`` through a temporary file in ``cache``."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
@@ -327,7 +355,6 @@ def _build(compiler: str, isa_: str, source: pathlib.Path) -> pathlib.Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return library_path
 
 
 def _self_test(path: pathlib.Path) -> str | None:
