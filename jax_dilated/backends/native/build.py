@@ -30,7 +30,8 @@ those paths' data layouts on any x86-64 CPU.
 The shared library is cached under ``$JAX_DILATED_CACHE`` (default
 ``$XDG_CACHE_HOME/jax_dilated`` or ``~/.cache/jax_dilated``), named by the
 instruction set and a hash of the source, the compiler, the flags, jaxlib's version
-and the CPU, so a later process loads it in milliseconds. Where it cannot be built
+and the CPU, so a later process loads it in milliseconds (processes that start
+together, such as the processes of one host, compile it once). Where it cannot be built
 (no compiler, not Linux on x86-64 with AVX2 or aarch64) :func:`load` says why and
 the XLA kernel serves every call.
 
