@@ -657,6 +657,24 @@ inline void amx_gemm(const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb,
 #define JD_AMX 0
 #endif
 
+// The tile unit for one run over bfloat16 pairs: on (configured on entry, released on
+// exit) where this build has AMX and Linux grants the tiles; else off, and the pair
+// path serves.
+struct AmxScope {
+#if JD_AMX
+  const bool on;
+  explicit AmxScope(bool pairs) : on(pairs && amx_usable()) {
+    if (on) amx_configure();
+  }
+  ~AmxScope() {
+    if (on) amx_release();
+  }
+#else
+  static constexpr bool on = false;
+  explicit AmxScope(bool) {}
+#endif
+};
+
 // exp(x) for the softmax: exp(x) = 2^n e^r, n = round(x log2 e), |r| <= ln2 / 2; e^r
 // by its Taylor polynomial to degree 7 in Horner form (relative error below 2e-7).
 // Arguments below -104 give 0 (as exp's float32 value, up to subnormals). Only
@@ -879,17 +897,13 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
   w.block_shared.resize(nblocks);
   // bfloat16 inputs on the bfloat16 dot products: k^T and the values packed as pairs
   constexpr bool pairs = JD_BF16_PAIRS && std::is_same_v<In, bf16_t>;
+  const AmxScope tiles(pairs);
+  const bool amx = tiles.on;
 #if JD_BF16_PAIRS
   // the head dimension of q and k^T as packed, and the value rows (AMX: padded with
   // zeros to the tiles' multiples of 32; else pairs)
   const int64_t dp = JD_AMX ? (d + 31) / 32 * 32 : d;
   const int64_t rows2 = JD_AMX ? (kend_all + 31) / 32 * 32 : (kend_all + 1) / 2 * 2;
-#if JD_AMX
-  const bool amx = pairs && amx_usable();
-  if (amx) amx_configure();
-#else
-  constexpr bool amx = false;
-#endif
   if constexpr (pairs) {
     if ((int64_t)w.ktp.size() < nblocks * dp * BK) w.ktp.resize(nblocks * dp * BK);
     if ((int64_t)w.vpp.size() < rows2 * d) w.vpp.resize(rows2 * d);
@@ -900,8 +914,6 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
     for (int64_t t = kend_all; t < rows2; t++)  // the value rows past the last: 0
       pack_value_row_pairs(zeros, w.vpp.data(), rows2, t, d);
   }
-#else
-  constexpr bool amx = false;
 #endif
   // k^T of the keys this run can see, in blocks of BK keys, each in panels
   // [BK / QK_COLS][d][QK_COLS] (zero-padded to whole panels), their mask and
@@ -1131,9 +1143,6 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
       it.l[stat] = l[i];
     }
   }
-#if JD_AMX
-  if (amx) amx_release();
-#endif
 }
 
 // ------------------------------------------------------------------ backward
@@ -1179,15 +1188,13 @@ struct BwdScratch {
   std::vector<int> key_depth;
   std::vector<int64_t> key_cut0, key_cut1;  // the rows that share key t with the finer branch
   // the bfloat16 pair path (JD_BF16_PAIRS): q and do as pair panels [D / 2][QK_COLS][2]
-  // per tile (qpp, dopp; S and dP) and as pairs of rows [rows / 2][D][2] (qrp, drp;
-  // dk and dv), each row's c (cvec); the key block's k and v rows as stored (kraw,
-  // vraw) and k as pairs of rows (kpp; dq); P c, ds scale and its transpose in
-  // bfloat16 (pb, dsb, dst)
+  // per tile (qpp, dopp; S and dP; on AMX tiles [DP / 2][BR][2], the head dimension
+  // padded to a multiple of 32) and as pairs of rows [rows / 2][D][2] (qrp, drp; dk
+  // and dv), each row's c (cvec); the key block's k and v rows as stored (kraw, vraw;
+  // on AMX padded to DP) and k as pairs of rows (kpp; dq); P c, ds scale and its
+  // transpose in bfloat16 (pb, dsb, dst)
   std::vector<bf16_t> qpp, dopp, qrp, drp, kraw, vraw, kpp, pb, dsb, dst;
   std::vector<float> cvec;
-  // AMX (JD_AMX): q and do per tile as pairs of their head dimension [DP / 2][BR][2]
-  // (qam, doam; S^T and dP^T), the key block's k and v rows padded to DP (kam, vam)
-  std::vector<bf16_t> qam, doam, kam, vam;
   BwdScratch(int64_t max_lq, int64_t max_lk, int64_t d) {
     const int64_t lqp = (max_lq + BR - 1) / BR * BR, lkp = (max_lk + BC - 1) / BC * BC;
     for (auto* x : {&qst, &qs, &dot, &dos, &dq}) x->resize(lqp * d);
@@ -1211,26 +1218,18 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
   // bfloat16 inputs on the bfloat16 dot products (the forward's pairs, section above)
   constexpr bool pairs = JD_BF16_PAIRS && std::is_same_v<In, bf16_t>;
   // AMX: the five products on tiles, S^T and dP^T over the head dimension padded to
-  // dp, dq over the key block padded to BCP keys (pairs of rows past the block's 0)
-  constexpr int64_t BCP = (BC + 31) / 32 * 32;
+  // kd, dq over the key block padded to kpad keys (k's pairs of rows and ds^T's columns
+  // past the block's 0)
+  const AmxScope tiles(pairs);
+  const bool amx = tiles.on;
   static_assert(BC % 48 == 0 && BR % 48 == 0, "amx_gemm's rows: multiples of 48");
-  const int64_t dp = (d + 31) / 32 * 32;
-#if JD_AMX
-  const bool amx = pairs && amx_usable();
-  if (amx) amx_configure();
-#else
-  constexpr bool amx = false;
-#endif
-  const int64_t dst_ld = amx ? BCP : BC;
+  const int64_t kd = amx ? (d + 31) / 32 * 32 : d, kpad = amx ? (BC + 31) / 32 * 32 : BC;
 #if JD_BF16_PAIRS
   if constexpr (pairs) {
-    for (auto* x : {&w.kraw, &w.vraw, &w.kpp}) x->resize(BC * d);
-    for (auto* x : {&w.pb, &w.dsb, &w.dst}) x->resize(BC * BR);
-    if (amx) {
-      w.kpp.assign(BCP * d, bf16_t{0});
-      w.dst.assign(BR * BCP, bf16_t{0});
-      for (auto* x : {&w.kam, &w.vam}) x->resize(BC * dp);
-    }
+    for (auto* x : {&w.kraw, &w.vraw}) x->resize(BC * kd);
+    for (auto* x : {&w.pb, &w.dsb}) x->resize(BC * BR);
+    w.kpp.assign(kpad * d, bf16_t{0});
+    w.dst.assign(BR * kpad, bf16_t{0});
   }
 #endif
   std::fill(w.dk.begin(), w.dk.begin() + nkb * BC * d, 0.0f);
@@ -1245,10 +1244,7 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
 #if JD_BF16_PAIRS
     if constexpr (pairs) {
       for (auto* x : {&w.qpp, &w.dopp, &w.qrp, &w.drp})
-        if ((int64_t)x->size() < lqp * d) x->resize(lqp * d);
-      if (amx)
-        for (auto* x : {&w.qam, &w.doam})
-          if ((int64_t)x->size() < lqp * dp) x->resize(lqp * dp);
+        if ((int64_t)x->size() < lqp * kd) x->resize(lqp * kd);
       if ((int64_t)w.cvec.size() < lqp) w.cvec.resize(lqp);
       pack_row_pairs(hd.q, it.q_stride, lq, d, w.qrp.data());
       pack_row_pairs(hd.dout, it.q_stride, lq, d, w.drp.data());
@@ -1271,12 +1267,12 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
               w.dopp[at + e * QK_COLS + h] =
                   real ? hd.dout[i * it.q_stride + e + h] : bf16_t{0};
             }
-        } else {  // AMX: pairs along the head dimension, [dp / 2][BR][2] per tile
-          const int64_t at = (i / BR) * BR * dp + 2 * (i % BR);
-          for (int64_t e = 0; e < dp; e++) {
+        } else {  // AMX: pairs along the head dimension, [kd / 2][BR][2] per tile
+          const int64_t at = (i / BR) * BR * kd + 2 * (i % BR);
+          for (int64_t e = 0; e < kd; e++) {
             const bool in = real && e < d;
-            w.qam[at + (e / 2) * 2 * BR + e % 2] = in ? hd.q[i * it.q_stride + e] : bf16_t{0};
-            w.doam[at + (e / 2) * 2 * BR + e % 2] =
+            w.qpp[at + (e / 2) * 2 * BR + e % 2] = in ? hd.q[i * it.q_stride + e] : bf16_t{0};
+            w.dopp[at + (e / 2) * 2 * BR + e % 2] =
                 in ? hd.dout[i * it.q_stride + e] : bf16_t{0};
           }
         }
@@ -1306,16 +1302,11 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
         const In* krow = it.k + (k0 + t) * it.kv_stride;
         const In* vrow = it.v + (k0 + t) * it.kv_stride;
 #if JD_BF16_PAIRS
-        if constexpr (pairs) {
-          for (int64_t c = 0; c < d; c++) {
-            w.kraw[t * d + c] = real ? krow[c] : bf16_t{0};
-            w.vraw[t * d + c] = real ? vrow[c] : bf16_t{0};
+        if constexpr (pairs) {  // rows kd apart, 0 past d
+          for (int64_t c = 0; c < kd; c++) {
+            w.kraw[t * kd + c] = real && c < d ? krow[c] : bf16_t{0};
+            w.vraw[t * kd + c] = real && c < d ? vrow[c] : bf16_t{0};
           }
-          if (amx)
-            for (int64_t c = 0; c < dp; c++) {
-              w.kam[t * dp + c] = real && c < d ? krow[c] : bf16_t{0};
-              w.vam[t * dp + c] = real && c < d ? vrow[c] : bf16_t{0};
-            }
         }
 #endif
         if constexpr (!pairs) {
@@ -1338,7 +1329,7 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
         }
       }
 #if JD_BF16_PAIRS
-      if constexpr (pairs) pack_row_pairs(w.kraw.data(), d, BC, d, w.kpp.data());
+      if constexpr (pairs) pack_row_pairs(w.kraw.data(), kd, BC, d, w.kpp.data());
 #endif
       // causal: the tiles whose last row reaches the block's first key
       for (int64_t qt = cf.causal ? k0 / BR : 0; qt < nqt; qt++) {
@@ -1354,10 +1345,10 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
         if constexpr (pairs) {  // s^T = scale k q^T and dp^T = v do^T c from the pairs
 #if JD_AMX
           if (amx) {
-            amx_gemm(w.kam.data(), dp, w.qam.data() + qt * BR * dp, 2 * BR, w.st.data(), BR,
-                     BC, BR, dp, true);
-            amx_gemm(w.vam.data(), dp, w.doam.data() + qt * BR * dp, 2 * BR, w.dpt.data(), BR,
-                     BC, BR, dp, true);
+            amx_gemm(w.kraw.data(), kd, w.qpp.data() + qt * BR * kd, 2 * BR, w.st.data(), BR,
+                     BC, BR, kd, true);
+            amx_gemm(w.vraw.data(), kd, w.dopp.data() + qt * BR * kd, 2 * BR, w.dpt.data(), BR,
+                     BC, BR, kd, true);
             const VT sc = V::set1(cf.scale);
             for (int t = 0; t < BC; t++)
               for (int c = 0; c < BR; c += N) {
@@ -1369,9 +1360,9 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
           } else
 #endif
           for (int t0 = 0; t0 < BC; t0 += MR) {
-            qk_tile_pairs<BR>(w.kraw.data() + t0 * d, d, w.qpp.data() + qt * BR * d,
+            qk_tile_pairs<BR>(w.kraw.data() + t0 * kd, kd, w.qpp.data() + qt * BR * d,
                               w.st.data() + t0 * BR, (int)d, BR, cf.scale);
-            qk_tile_pairs<BR>(w.vraw.data() + t0 * d, d, w.dopp.data() + qt * BR * d,
+            qk_tile_pairs<BR>(w.vraw.data() + t0 * kd, kd, w.dopp.data() + qt * BR * d,
                               w.dpt.data() + t0 * BR, (int)d, BR, 1.0f, w.cvec.data() + q0);
           }
         }
@@ -1423,15 +1414,15 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
               V::store(w.dsb.data() + t * BR + c, V::mul(V::load(w.dpt.data() + t * BR + c), sc));
             }
           for (int t = 0; t < BC; t++)
-            for (int i = 0; i < BR; i++) w.dst[i * dst_ld + t] = w.dsb[t * BR + i];
+            for (int i = 0; i < BR; i++) w.dst[i * kpad + t] = w.dsb[t * BR + i];
 #if JD_AMX
           if (amx) {
             amx_gemm(w.pb.data(), BR, w.drp.data() + q0 * d, 2 * d, w.dv.data() + k0 * d, d,
                      BC, d, BR, false);
             amx_gemm(w.dsb.data(), BR, w.qrp.data() + q0 * d, 2 * d, w.dk.data() + k0 * d, d,
                      BC, d, BR, false);
-            amx_gemm(w.dst.data(), BCP, w.kpp.data(), 2 * d, w.dq.data() + q0 * d, d, BR, d,
-                     BCP, false);
+            amx_gemm(w.dst.data(), kpad, w.kpp.data(), 2 * d, w.dq.data() + q0 * d, d, BR, d,
+                     kpad, false);
           } else
 #endif
           {
@@ -1474,9 +1465,6 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
       dvr[c] += w.dv[t * d + c];
     }
   }
-#if JD_AMX
-  if (amx) amx_release();
-#endif
 }
 
 // units [0, count) of work shared by an atomic counter among the calling thread and

@@ -327,13 +327,10 @@ def _build(compiler: str, isa_: str, source: pathlib.Path) -> pathlib.Path:
 
 @contextlib.contextmanager
 def _locked(path: pathlib.Path):
-    """An exclusive lock on ``path`` (created if absent) while the block runs; none
-    where the platform has no fcntl (the rename still keeps the library whole)."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
+    """An exclusive lock on ``path`` (created if absent) while the block runs (builds
+    happen on Linux only: _choose_isa)."""
+    import fcntl
+
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
