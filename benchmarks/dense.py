@@ -10,6 +10,9 @@ interleaved, in the ways a layer can ask for them, beside PyTorch's:
 - ``xla bfloat16, float32 sums``: bfloat16 inputs, ``preferred_element_type=float32``,
   the result rounded to bfloat16;
 - ``xla bfloat16 via float32``: the inputs converted to float32 inside the program;
+- ``jax-dilated float32 (BLAS)``: the models' product
+  (:func:`jax_dilated.backends.native.gemm.dot_general`: OpenBLAS's GEMM by an FFI
+  call), where it is available;
 - ``torch float32`` and ``torch bfloat16`` (oneDNN): PyTorch's ``matmul``.
 
 Where the CPU has no bfloat16 unit (no ``avx512_bf16`` or ``amx_bf16`` flag), torch's
@@ -59,16 +62,22 @@ def xla_variants(x32, w32):
     import jax
     import jax.numpy as jnp
 
+    from jax_dilated.backends.native import gemm
+
     x16, w16 = x32.astype(jnp.bfloat16), w32.astype(jnp.bfloat16)
     plain = jax.jit(lambda x, w: x @ w)
+    blas = jax.jit(lambda x, w: gemm.dot_general(x, w, (((1,), (0,)), ((), ()))))
     f32_sums = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
                        .astype(jnp.bfloat16))
     via_f32 = jax.jit(lambda x, w: (x.astype(jnp.float32) @ w.astype(jnp.float32))
                       .astype(jnp.bfloat16))
-    return {"xla float32": lambda: plain(x32, w32),
+    calls = {"xla float32": lambda: plain(x32, w32),
             "xla bfloat16": lambda: plain(x16, w16),
             "xla bfloat16, float32 sums": lambda: f32_sums(x16, w16),
             "xla bfloat16 via float32": lambda: via_f32(x16, w16)}
+    if gemm.unavailable_reason() is None:
+        calls["jax-dilated float32 (BLAS)"] = lambda: blas(x32, w32)
+    return calls
 
 
 @harness.register("dense", "The dense layers' matrix products in float32 and bfloat16: XLA's "

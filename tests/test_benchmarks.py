@@ -515,9 +515,10 @@ def test_window_op_runs_end_to_end_at_a_tiny_size(tmp_path):
 
 
 def test_dense_op_times_every_variant_and_checks_them(tmp_path):
-    """``python -m benchmarks dense --quick`` in this process: XLA's four ways and
-    torch's two (both timed with --quick, whatever the CPU) are timed; XLA's results
-    agree with the float64 product to float32's / bfloat16's precision; the record
+    """``python -m benchmarks dense --quick`` in this process: XLA's four ways, the
+    models' BLAS product and torch's two (both timed with --quick, whatever the CPU)
+    are timed; XLA's and the BLAS's results agree with the float64 product to
+    float32's / bfloat16's precision; the record
     names XLA_FLAGS and the CPU's bfloat16 unit (flags by name)."""
     from benchmarks import dense
     op, args = _op_args("dense", ["--quick", "--repeats", "1", "--warmup", "0",
@@ -532,6 +533,9 @@ def test_dense_op_times_every_variant_and_checks_them(tmp_path):
     assert all(got[n]["median_s"] > 0 and got[n]["gflops"] > 0 for n in got)
     assert got["xla float32"]["max_rel_err"] < 1e-5
     assert all(got[n]["max_rel_err"] < 2e-2 for n in xla)
+    from jax_dilated.backends.native import gemm
+    if gemm.unavailable_reason() is None:  # (tests/test_dense_products.py says why not)
+        assert got["jax-dilated float32 (BLAS)"]["max_rel_err"] < 1e-5
     assert "xla_flags" in payload["environment"] and "bf16_unit" in payload["environment"]
     assert dense.bf16_unit({"avx512f", "avx512_bf16"}) == "AVX512-BF16"
     assert dense.bf16_unit({"avx512_bf16", "amx_bf16", "amx_tile"}) == "AMX-BF16"

@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
+from jax_dilated.backends.native import gemm
 from jax_dilated.backends.registry import IMPLEMENTATIONS
 from jax_dilated.core import branch_plans, validation
 from jax_dilated.core.branches import is_window
@@ -184,12 +185,20 @@ def _scaled_uniform(bound: float):
     return init
 
 
+def dense_product(mesh: jax.sharding.Mesh | None):
+    """The ``dot_general`` of a model's Linear layers: on one device the BLAS's for the
+    float32 products on a CPU (:mod:`jax_dilated.backends.native.gemm`), over a mesh
+    XLA's (which XLA partitions over the mesh; the FFI call would be gathered whole)."""
+    return gemm.dot_general if mesh is None else jax.lax.dot_general
+
+
 def _linear(cfg: LongNetEncoderConfig, n_in: int, n_out: int, axes, *, gain: float,
-            init: str, rngs: nnx.Rngs) -> nnx.Linear:
+            init: str, rngs: nnx.Rngs, dot_general) -> nnx.Linear:
     """A biased Linear ``n_in -> n_out``, initialised as torchscale does (``init=
     "torchscale"``: torch's default ``U(+-1/sqrt(n_in))`` for weight and bias, times
     ``gain``) or as Prov-GigaPath's ``initialize_vit_weights`` (``"vit"``:
-    xavier-uniform weight, zero bias)."""
+    xavier-uniform weight, zero bias), its product by ``dot_general``
+    (:func:`dense_product`)."""
     if init == "vit":
         kernel_init = _scaled_uniform(math.sqrt(6.0 / (n_in + n_out)))
         bias_init = jax.nn.initializers.zeros
@@ -198,7 +207,7 @@ def _linear(cfg: LongNetEncoderConfig, n_in: int, n_out: int, axes, *, gain: flo
     return nnx.Linear(n_in, n_out, use_bias=True, dtype=cfg.dtype,
                       param_dtype=cfg.param_dtype, kernel_init=kernel_init,
                       bias_init=bias_init, kernel_metadata=_meta(*axes),
-                      bias_metadata=_meta(axes[1]), rngs=rngs)
+                      bias_metadata=_meta(axes[1]), dot_general=dot_general, rngs=rngs)
 
 
 def _layer_norm(cfg: LongNetEncoderConfig, n: int, axis: str, rngs: nnx.Rngs,
@@ -231,9 +240,9 @@ class _SelfAttention(nnx.Module):
     """torchscale's ``DilatedAttention`` module with Sub-LN: ``[B, L, D] -> [B, L, D]``,
     ``out_proj(inner_attn_ln(attend(q_proj x, k_proj x, v_proj x)))``."""
 
-    def __init__(self, cfg: LongNetEncoderConfig, init: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: LongNetEncoderConfig, init: str, rngs: nnx.Rngs, dot_general):
         d, gamma = cfg.embed_dim, _subln_gain(cfg)
-        dense = functools.partial(_linear, cfg, init=init, rngs=rngs)
+        dense = functools.partial(_linear, cfg, init=init, rngs=rngs, dot_general=dot_general)
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.dropout_rate = cfg.attention_dropout_rate
         self.k_proj = dense(d, d, ("embed", "heads"), gain=1.0)
@@ -257,10 +266,12 @@ class _SelfAttention(nnx.Module):
 class _FeedForward(nnx.Module):
     """``fc2(ffn_layernorm(activation_dropout(gelu(fc1 x))))`` then dropout."""
 
-    def __init__(self, cfg: LongNetEncoderConfig, init: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: LongNetEncoderConfig, init: str, rngs: nnx.Rngs, dot_general):
         d, f, gamma = cfg.embed_dim, cfg.ffn_dim, _subln_gain(cfg)
-        self.fc1 = _linear(cfg, d, f, ("embed", "mlp"), gain=gamma, init=init, rngs=rngs)
-        self.fc2 = _linear(cfg, f, d, ("mlp", "embed"), gain=gamma, init=init, rngs=rngs)
+        dense = functools.partial(_linear, cfg, gain=gamma, init=init, rngs=rngs,
+                                  dot_general=dot_general)
+        self.fc1 = dense(d, f, ("embed", "mlp"))
+        self.fc2 = dense(f, d, ("mlp", "embed"))
         self.ffn_layernorm = _layer_norm(cfg, f, "mlp", rngs)
         self.activation_dropout_module = nnx.Dropout(cfg.activation_dropout_rate, rngs=rngs)
         self.dropout_module = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
@@ -278,12 +289,13 @@ class _FeedForward(nnx.Module):
 class _EncoderLayer(nnx.Module):
     """One Sub-LN encoder layer ``[B, L, D] -> [B, L, D]`` (the module docstring)."""
 
-    def __init__(self, cfg: LongNetEncoderConfig, depth: int, init: str, rngs: nnx.Rngs):
-        self.self_attn = _SelfAttention(cfg, init, rngs)
+    def __init__(self, cfg: LongNetEncoderConfig, depth: int, init: str, rngs: nnx.Rngs,
+                 dot_general):
+        self.self_attn = _SelfAttention(cfg, init, rngs, dot_general)
         self.self_attn_layer_norm = _layer_norm(cfg, cfg.embed_dim, "embed", rngs)
         self.dropout_module = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
         self.drop_path = _DropPath(cfg.drop_path_rates[depth], rngs)
-        self.ffn = _FeedForward(cfg, init, rngs)
+        self.ffn = _FeedForward(cfg, init, rngs, dot_general)
         self.final_layer_norm = _layer_norm(cfg, cfg.embed_dim, "embed", rngs)
 
     def __call__(self, x, *, attend, deterministic: bool):
@@ -487,7 +499,7 @@ class LongNetEncoder(nnx.Module):
         self.mesh = mesh
         self.seq_axis = tuple(seq_axis) if isinstance(seq_axis, list) else seq_axis
         self.dropout_module = nnx.Dropout(config.dropout_rate, rngs=rngs)
-        self.layers = nnx.List([_EncoderLayer(config, i, _init, rngs)
+        self.layers = nnx.List([_EncoderLayer(config, i, _init, rngs, dense_product(mesh))
                                 for i in range(config.num_layers)])
         self.layer_norm = _layer_norm(config, config.embed_dim, "embed", rngs)
 

@@ -246,7 +246,7 @@ def _check_coords_concrete(coords, tile_size: int, grid_size: int) -> None:
 class _PatchEmbed(nnx.Module):
     """Prov-GigaPath's ``PatchEmbed``: ``proj`` (Linear in_features -> D)."""
 
-    def __init__(self, cfg: SlideEncoderConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: SlideEncoderConfig, rngs: nnx.Rngs, dot_general):
         # Prov-GigaPath's initialize_vit_weights: xavier-uniform weights, zero biases
         self.proj = nnx.Linear(cfg.in_features, cfg.embed_dim, use_bias=True, dtype=cfg.dtype,
                                param_dtype=cfg.param_dtype,
@@ -255,7 +255,7 @@ class _PatchEmbed(nnx.Module):
                                                 "eager_sharding": False},
                                bias_metadata={"out_sharding": ("embed",),
                                               "eager_sharding": False},
-                               rngs=rngs)
+                               dot_general=dot_general, rngs=rngs)
 
     def __call__(self, x):
         return self.proj(x)
@@ -307,7 +307,7 @@ class SlideEncoder(nnx.Module):
         if not isinstance(rngs, nnx.Rngs):
             raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}.")
         self.config = config
-        self.patch_embed = _PatchEmbed(config, rngs)
+        self.patch_embed = _PatchEmbed(config, rngs, encoder_lib.dense_product(mesh))
         self.cls_token = nnx.Param(
             jax.nn.initializers.normal(0.02)(rngs.params(), (1, 1, config.embed_dim),
                                              config.param_dtype),

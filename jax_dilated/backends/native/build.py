@@ -60,13 +60,18 @@ import threading
 import jax
 
 SOURCE = pathlib.Path(__file__).with_name("attention_cpu.cc")
+# compiled into every build beside the kernel's source: the dense products' call into a
+# BLAS GEMM (jax_dilated/backends/native/gemm.py)
+GEMM_SOURCE = pathlib.Path(__file__).with_name("gemm_cpu.cc")
 # the FFI calls (the stem of their targets' names in XLA) and their handlers' symbols
 TARGET = "jax_dilated_attention_forward_cpu"
 TARGET_DILATED = "jax_dilated_dilated_attention_forward_cpu"
 TARGET_DILATED_BACKWARD = "jax_dilated_dilated_attention_backward_cpu"
+TARGET_GEMM = "jax_dilated_gemm_cpu"
 _SYMBOLS = {TARGET: "JaxDilatedAttentionForwardCpu",
             TARGET_DILATED: "JaxDilatedAttentionDilatedForwardCpu",
-            TARGET_DILATED_BACKWARD: "JaxDilatedAttentionDilatedBackwardCpu"}
+            TARGET_DILATED_BACKWARD: "JaxDilatedAttentionDilatedBackwardCpu",
+            TARGET_GEMM: "JaxDilatedGemmCpu"}
 # the symbol naming the instruction set the library was compiled for
 _ISA_SYMBOL = "JaxDilatedNativeIsa"
 # the symbol of the library's self-test (0: its bfloat16 path computes attention and
@@ -118,6 +123,7 @@ class Library:
     isa: str
     path: pathlib.Path
     targets: dict
+    handle: ctypes.CDLL
 
 
 # the builds `using` selects, innermost last: (isa or None, source path or None)
@@ -247,7 +253,7 @@ def _load_build(chosen: str, source: str | None) -> tuple[str | None, Library | 
                                         platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
         return f"it did not build or load ({type(err).__name__}: {_first_line(err)})", None
-    _registered[path] = Library(chosen, path, targets)
+    _registered[path] = Library(chosen, path, targets, lib)
     return None, _registered[path]
 
 
@@ -310,7 +316,8 @@ def _build(compiler: str, isa_: str, source: pathlib.Path) -> pathlib.Path:
     include = jax.ffi.include_dir()
     flags = (*_FLAGS, *_ISA_FLAGS[isa_])
     key = hashlib.sha256()
-    for part in (source.read_bytes(), compiler.encode(), " ".join(flags).encode(),
+    for part in (source.read_bytes(), GEMM_SOURCE.read_bytes(), compiler.encode(),
+                 " ".join(flags).encode(),
                  jaxlib.__version__.encode(), " ".join(sorted(cpu_flags())).encode(),
                  platform.processor().encode(), platform.machine().encode()):
         key.update(part + b"\0")
@@ -321,7 +328,7 @@ def _build(compiler: str, isa_: str, source: pathlib.Path) -> pathlib.Path:
     cache.mkdir(parents=True, exist_ok=True)
     with _locked(library_path.with_suffix(".lock")):
         if not library_path.exists():
-            _compile(compiler, flags, source, include, cache, library_path)
+            _compile(compiler, flags, (source, GEMM_SOURCE), include, cache, library_path)
     return library_path
 
 
@@ -339,13 +346,13 @@ def _locked(path: pathlib.Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _compile(compiler: str, flags: tuple, source: pathlib.Path, include: str,
+def _compile(compiler: str, flags: tuple, sources: tuple[pathlib.Path, ...], include: str,
              cache: pathlib.Path, library_path: pathlib.Path) -> None:
-    """``source`` compiled to ``library_path`` through a temporary file in ``cache``."""
+    """``sources`` compiled to ``library_path`` through a temporary file in ``cache``."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        run = subprocess.run([compiler, *flags, f"-I{include}", str(source), "-o", tmp],
+        run = subprocess.run([compiler, *flags, f"-I{include}", *map(str, sources), "-o", tmp],
                              capture_output=True, text=True, timeout=300)
         if run.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-500:]}")

@@ -1,0 +1,147 @@
+"""Dense products on the CPU through a tuned BLAS GEMM, for the models' linear layers.
+
+XLA's CPU dot reaches about 60% of the cores' FMA peak at the dense layers' shapes
+(tokens x 768 x 3072), OpenBLAS's GEMM 80-85% (docs/benchmarks.md, "CPU: the dense
+layers' products"). :func:`dot_general` is a drop-in for :func:`jax.lax.dot_general`
+(nnx.Linear's ``dot_general=``) that sends the products a linear layer makes
+(``x [..., K] . w [K, N]``, float32) to OpenBLAS's ``cblas_sgemm`` by an XLA FFI call
+(``gemm_cpu.cc``, in the native kernel's library), and every other product, or any
+product on another platform than the CPU, to ``jax.lax.dot_general`` unchanged:
+
+    y [..., N] = x [..., K] . w [K, N]      (float32 in, float32 sums, float32 out)
+
+Its derivatives are those of the same product by XLA (a ``custom_jvp`` whose tangents
+are ``jax.lax.dot_general``, which JAX transposes for reverse mode), so forward- and
+reverse-mode differentiation, ``vmap`` and ``jit`` work as for ``jax.lax.dot_general``;
+only the primal product runs on the BLAS (inference, and the forward of training).
+
+The BLAS is OpenBLAS from the ``scipy-openblas32`` wheel (a dependency on Linux, the
+OpenBLAS NumPy and SciPy ship). Where it or the native library is missing, or
+``JAX_DILATED_DENSE=xla`` is set (read once, on the first product), every product is XLA's and :func:`unavailable_reason`
+says why. The product runs on one device's buffers, so a program sharded over a
+mesh by XLA (GSPMD) keeps XLA's dot: the models pass ``dot_general`` to their layers
+only when they run without a mesh (inside ``shard_map`` each device's product is
+local and may use it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dilated.backends.native import build
+
+__all__ = ["dot_general", "unavailable_reason", "library_name", "ENV"]
+
+# "xla" sends every product to XLA's dot
+ENV = "JAX_DILATED_DENSE"
+_INT32_MAX = 2**31 - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _blas() -> tuple[str | None, str | None]:
+    """``(description, None)`` once the native library calls OpenBLAS's GEMM, else
+    ``(None, why not)`` (once per process)."""
+    if os.environ.get(ENV, "").lower() == "xla":
+        return None, f"{ENV}=xla"
+    # OpenBLAS's idle threads spin for about 2**28 cycles after each product, taking the
+    # cores from the XLA ops and the attention kernel that follow it, which cancels
+    # most of the faster product (docs/benchmarks.md, "CPU: the dense layers'
+    # products"); 2**4 lets them sleep at once. Read when the library loads.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    try:
+        import scipy_openblas32  # loads the library into the process
+    except ImportError:
+        return None, "scipy-openblas32 is not installed (pip install scipy-openblas32)"
+    why = build.load()
+    if why is not None:
+        return None, f"the native library is not available ({why})"
+    lib_dir = scipy_openblas32.get_lib_dir()
+    blas = ctypes.CDLL(os.path.join(lib_dir, scipy_openblas32.get_library(fullname=True)))
+    sgemm = getattr(blas, "scipy_cblas_sgemm", None) or getattr(blas, "cblas_sgemm", None)
+    if sgemm is None:
+        return None, f"no cblas_sgemm in {lib_dir}"
+    handle = build.library().handle
+    handle.JaxDilatedSetSgemm.argtypes = [ctypes.c_void_p]
+    handle.JaxDilatedSetSgemm(ctypes.cast(sgemm, ctypes.c_void_p).value)
+    return f"OpenBLAS {scipy_openblas32.__version__} cblas_sgemm", None
+
+
+def unavailable_reason() -> str | None:
+    """None where :func:`dot_general` sends float32 layer products to the BLAS, else why
+    not."""
+    return _blas()[1]
+
+
+def library_name() -> str | None:
+    """The GEMM the float32 products call (for ``jd.backend_report()``), or None."""
+    return _blas()[0]
+
+
+def _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding) -> bool:
+    """Whether the product is a linear layer's that the BLAS computes: ``lhs [..., K]``
+    contracted on its last axis with ``rhs [K, N]``'s first, float32, no batch axes,
+    every dimension non-empty and within 32-bit BLAS integers."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    if lhs.ndim < 1 or rhs.ndim != 2 or lb or rb or out_sharding is not None:
+        return False
+    if tuple(lc) != (lhs.ndim - 1,) or tuple(rc) != (0,):
+        return False
+    if lhs.dtype != jnp.float32 or rhs.dtype != jnp.float32:
+        return False
+    if preferred_element_type not in (None, jnp.float32, np.float32):
+        return False
+    m = int(np.prod(lhs.shape[:-1], dtype=np.int64))
+    k, n = rhs.shape
+    if min(m, k, n) == 0 or max(m, k, n) > _INT32_MAX:
+        return False
+    return unavailable_reason() is None
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                out_sharding=None):
+    """:func:`jax.lax.dot_general`, with a linear layer's float32 product on the CPU
+    computed by the BLAS (module docstring). Same arguments and result."""
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    if not _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding):
+        kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type, **kw)
+    lead = lhs.shape[:-1]
+    y = _matmul(lhs.reshape(-1, lhs.shape[-1]), rhs)
+    return y.reshape(*lead, rhs.shape[1])
+
+
+@jax.custom_jvp
+def _matmul(a, b):
+    """``a [M, K] . b [K, N]`` by the BLAS on the CPU, by XLA elsewhere."""
+    return jax.lax.platform_dependent(a, b, cpu=_blas_matmul, default=jnp.matmul)
+
+
+def _matmul_jvp(primals, tangents):
+    a, b = primals
+    # XLA's products, which JAX can transpose (the FFI call it could not); a zero
+    # tangent (an input not differentiated) adds no product
+    terms = [jnp.matmul(t, b) for t in tangents[:1] if not _zero(t)]
+    terms += [jnp.matmul(a, t) for t in tangents[1:] if not _zero(t)]
+    y = _matmul(a, b)
+    return y, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(y)
+
+
+def _zero(tangent) -> bool:
+    return isinstance(tangent, jax.custom_derivatives.SymbolicZero)
+
+
+_matmul.defjvp(_matmul_jvp, symbolic_zeros=True)
+
+
+def _blas_matmul(a, b):
+    call = jax.ffi.ffi_call(build.target(build.TARGET_GEMM),
+                            jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), jnp.float32),
+                            vmap_method="sequential")
+    return call(a, b)

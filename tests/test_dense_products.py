@@ -1,0 +1,149 @@
+"""The models' dense products through the BLAS (jax_dilated/backends/native/gemm.py):
+``gemm.dot_general`` equals a float64 product to float32's precision, forward and in
+every derivative, actually calls the BLAS for a linear layer's float32 product on
+the CPU, leaves every other product to ``jax.lax.dot_general`` unchanged, and the
+models use it on one device and XLA's dot over a mesh."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_dilated as jd
+from jax_dilated.backends.native import build, gemm
+
+pytestmark = pytest.mark.skipif(gemm.unavailable_reason() is not None,
+                                reason=f"no BLAS product: {gemm.unavailable_reason()}")
+
+LINEAR = lambda nd: (((nd - 1,), (0,)), ((), ()))  # noqa: E731 (a Linear's contraction)
+TOL = 1e-5  # float32 against float64, relative to the largest entry
+
+
+def _draw(*shapes, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.abs(got - want).max() / np.abs(want).max()
+
+
+def _calls_blas(fn, *args) -> bool:
+    return build.target(build.TARGET_GEMM) in jax.jit(fn).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("x_shape, n", [((3, 37, 50), 29), ((1, 7), 1), ((2, 300, 96), 130)])
+def test_linear_products_run_on_the_blas_and_equal_float64(x_shape, n):
+    x, w = _draw(x_shape, (x_shape[-1], n))
+    fn = lambda x, w: gemm.dot_general(x, w, LINEAR(x.ndim))  # noqa: E731
+    assert _calls_blas(fn, x, w)
+    want = np.einsum("...k,kn->...n", x.astype(np.float64), w.astype(np.float64))
+    assert _rel(jax.jit(fn)(x, w), want) < TOL
+    assert _rel(fn(x, w), want) < TOL  # eagerly too
+
+
+def test_derivatives_equal_float64_in_both_modes_and_under_vmap():
+    """Reverse mode (both arguments, one of them), forward mode, a second derivative
+    and vmap against float64 formulas: the BLAS runs the primal, XLA the tangents."""
+    x, w, g = _draw((4, 23, 40), (40, 17), (4, 23, 17), seed=1)
+    x64, w64, g64 = (a.astype(np.float64) for a in (x, w, g))
+    loss = lambda x, w: jnp.sum(gemm.dot_general(x, w, LINEAR(3)) * g)  # noqa: E731
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    assert _rel(dx, np.einsum("btn,kn->btk", g64, w64)) < TOL
+    assert _rel(dw, np.einsum("btk,btn->kn", x64, g64)) < TOL
+    assert _rel(jax.grad(loss, argnums=1)(x, w), np.einsum("btk,btn->kn", x64, g64)) < TOL
+    tx, tw = _draw((4, 23, 40), (40, 17), seed=2)
+    _, tangent = jax.jvp(lambda x, w: gemm.dot_general(x, w, LINEAR(3)), (x, w), (tx, tw))
+    want = (np.einsum("btk,kn->btn", tx.astype(np.float64), w64)
+            + np.einsum("btk,kn->btn", x64, tw.astype(np.float64)))
+    assert _rel(tangent, want) < TOL
+    # d/dw of sum((x w)^2) = 2 x^T (x w); its derivative along tw: 2 x^T (x tw)
+    hvp = jax.jvp(jax.grad(lambda w: jnp.sum(gemm.dot_general(x, w, LINEAR(3)) ** 2)),
+                  (w,), (tw,))[1]
+    assert _rel(hvp, 2 * np.einsum("btk,btn->kn", x64,
+                                   np.einsum("btk,kn->btn", x64, tw.astype(np.float64)))) < TOL
+    batched = jax.vmap(lambda x: gemm.dot_general(x, w, LINEAR(2)))(x)
+    assert _rel(batched, np.einsum("btk,kn->btn", x64, w64)) < TOL
+
+
+@pytest.mark.parametrize("case", ["float64", "bfloat16", "f32_sums_of_bf16", "batch_axes",
+                                  "other_contraction", "empty_rows", "empty_sum"])
+def test_other_products_are_xla_dot_general_unchanged(case):
+    """Everything but a linear layer's non-empty float32 product is
+    ``jax.lax.dot_general``'s own (no BLAS call; the same result bit for bit)."""
+    x, w = _draw((5, 6), (6, 3), seed=3)
+    dn, kw = LINEAR(2), {}
+    if case == "float64":
+        x, w = x.astype(np.float64), w.astype(np.float64)
+    elif case == "bfloat16":
+        x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    elif case == "f32_sums_of_bf16":
+        x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+        kw = {"preferred_element_type": jnp.float32}
+    elif case == "batch_axes":
+        (x, w), dn = _draw((2, 5, 6), (2, 6, 3), seed=3), (((2,), (1,)), ((0,), (0,)))
+    elif case == "other_contraction":
+        (x, w), dn = _draw((6, 5), (6, 3), seed=3), (((0,), (0,)), ((), ()))
+    elif case == "empty_rows":
+        x = np.zeros((0, 6), np.float32)
+    else:
+        x, w = np.zeros((5, 0), np.float32), np.zeros((0, 3), np.float32)
+    fn = lambda x, w: gemm.dot_general(x, w, dn, **kw)  # noqa: E731
+    assert not _calls_blas(fn, x, w)
+    got = jax.jit(fn)(x, w)
+    want = jax.jit(lambda x, w: jax.lax.dot_general(x, w, dn, **kw))(x, w)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+
+
+def test_models_use_it_on_one_device_and_xla_over_a_mesh():
+    """The encoder's and the slide encoder's Linear layers take the BLAS product
+    without a mesh (their program calls it) and XLA's over one; the encoder's output
+    is XLA's to float32 precision."""
+    cfg = jd.models.LongNetEncoderConfig(embed_dim=32, num_layers=1, num_heads=2, ffn_dim=48,
+                                         segment_lengths=(8, 16), dilation_rates=(1, 2))
+    enc = jd.models.LongNetEncoder(cfg, rngs=nnx.Rngs(0))
+    linears = [m for _, m in nnx.iter_modules(enc) if isinstance(m, nnx.Linear)]
+    assert len(linears) == 6 and all(m.dot_general is gemm.dot_general for m in linears)
+    (x,) = _draw((2, 21, 32), seed=4)
+    def program(module):
+        graph, state = nnx.split(module)
+        return (lambda state, x: nnx.merge(graph, state)(x)), state
+
+    run, state = program(enc)
+    assert _calls_blas(run, state, x)
+    got = jax.jit(run)(state, x)
+    for m in linears:
+        m.dot_general = jax.lax.dot_general
+    run, state = program(enc)
+    assert not _calls_blas(run, state, x)
+    assert _rel(got, jax.jit(run)(state, x)) < TOL
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("seq",))
+    slide = jd.models.SlideEncoder(
+        jd.models.SlideEncoderConfig(in_features=12, embed_dim=32, num_layers=1, num_heads=2,
+                                     ffn_dim=48, max_wsi_size=4096),
+        rngs=nnx.Rngs(0), mesh=mesh, seq_axis="seq")
+    assert all(m.dot_general is jax.lax.dot_general
+               for _, m in nnx.iter_modules(slide) if isinstance(m, nnx.Linear))
+    one = jd.models.SlideEncoder(slide.config, rngs=nnx.Rngs(0))
+    assert one.patch_embed.proj.dot_general is gemm.dot_general
+
+
+def test_the_environment_variable_turns_it_off():
+    """``JAX_DILATED_DENSE=xla``: no BLAS, the reason says so, the product is XLA's."""
+    code = ("import jax, numpy as np; from jax_dilated.backends.native import build, gemm\n"
+            "x = np.ones((3, 4), np.float32)\n"
+            "f = lambda x: gemm.dot_general(x, x.T, (((1,), (0,)), ((), ())))\n"
+            "print(gemm.unavailable_reason(), build.target(build.TARGET_GEMM) in "
+            "jax.jit(f).lower(x).as_text())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, JAX_DILATED_DENSE="xla"), timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "JAX_DILATED_DENSE=xla False"
