@@ -147,3 +147,32 @@ def test_the_environment_variable_turns_it_off():
                          env=dict(os.environ, JAX_DILATED_DENSE="xla"), timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "JAX_DILATED_DENSE=xla False"
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_attention_layers_project_on_the_blas_and_equal_float64(api):
+    """The multi-head layers' q/k/v and output projections (``[B, T, E] . [E, H D]``
+    and ``[B, T, H D] . [H D, E]``) run on the BLAS without a mesh; the layer equals
+    itself computed in float64 (where every product is XLA's) to float32 precision.
+    LongNetLM's feed-forward and head take it too."""
+    (x,) = _draw((2, 24, 32), seed=5)
+    options = dict(segment_lengths=(8, 24), dilation_rates=(1, 2), layer_norm=True)
+    if api == "nnx":
+        layer = jd.nnx.MultiheadDilatedAttention(32, 4, **options, rngs=nnx.Rngs(0))
+        graph, state = nnx.split(layer)
+        run = lambda state, x: nnx.merge(graph, state)(x)  # noqa: E731
+    else:
+        layer = jd.linen.MultiheadDilatedAttention(32, 4, **options)
+        state = layer.init(jax.random.key(0), x)
+        run = layer.apply
+    wide = lambda a: a.astype(np.float64) if a.dtype == np.float32 else a  # noqa: E731
+    assert _calls_blas(run, state, x)
+    want = jax.jit(run)(jax.tree.map(wide, state), x.astype(np.float64))
+    assert not _calls_blas(run, jax.tree.map(wide, state), x.astype(np.float64))
+    assert _rel(jax.jit(run)(state, x), want) < TOL
+
+    lm = jd.models.LongNetLM(jd.models.LongNetConfig(
+        vocab_size=50, embed_dim=32, num_heads=4, num_layers=1, segment_lengths=(8,),
+        dilation_rates=(1,), max_len=16, tie_embeddings=False), rngs=nnx.Rngs(0))
+    assert lm.blocks[0].ffn.fc1.dot_general is gemm.dot_general
+    assert lm.head.dot_general is gemm.dot_general

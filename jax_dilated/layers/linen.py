@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jax_dilated.block_patterns import BlockPattern
+from jax_dilated.backends.native import gemm
 from jax_dilated.core import validation
 from jax_dilated.core.types import (Array, ArrayLike, DTypeLike, HeadOffsets, Implementation,
                                     Layout, Mode, SegmentLengths, Strategy, StrategyLike)
@@ -293,8 +294,9 @@ class _Multihead(nn.Module):
         params = {group: _ParamGroup(specs, self.param_dtype, name=group)()
                   for group, specs in projections.param_specs(heads).items()}
         dropout_rng = _dropout_key(self, rate, deterministic, dropout_rng)
+        dot_general = gemm.for_mesh(core.mesh)
         q, k, v = projections.project_qkv(params, query, key, value, dtype=self.dtype,
-                                     precision=self.precision)
+                                          precision=self.precision, dot_general=dot_general)
         if self.decode if decode is None else decode:
             common.check_decode_segment_ids(segment_ids)
             attn = self._decode(core, q, k, v, kv_mask, dropout_rng,
@@ -308,7 +310,7 @@ class _Multihead(nn.Module):
                             dropout_rate=rate if dropout_rng is not None else 0.0,
                             dropout_rng=dropout_rng)
         return projections.project_out(params, heads, attn, dtype=self.dtype,
-                                  precision=self.precision)
+                                       precision=self.precision, dot_general=dot_general)
 
 
 class MultiheadDilatedAttention(_Multihead):

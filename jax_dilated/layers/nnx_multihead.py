@@ -9,6 +9,7 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_dilated.backends.native import gemm
 from jax_dilated.core import validation
 from jax_dilated.core.types import Array, ArrayLike, DTypeLike
 from jax_dilated.layers import common, nnx_rngs, projections
@@ -107,8 +108,9 @@ class MultiheadBody(nnx_rngs.DropoutMixin, nnx.Module):
         params = self._params()
         dropout_rng = self._dropout_key(self.dropout_rate, deterministic, rngs,
                                         type(self).__name__)
+        dot_general = gemm.for_mesh(self.core.mesh)
         q, k, v = projections.project_qkv(params, query, key, value, dtype=self.dtype,
-                                     precision=self.precision)
+                                          precision=self.precision, dot_general=dot_general)
         if self.decode if decode is None else decode:
             common.check_decode_segment_ids(segment_ids)
             if self.cache_index is None:
@@ -135,4 +137,4 @@ class MultiheadBody(nnx_rngs.DropoutMixin, nnx.Module):
                                                else 0.0),
                                  dropout_rng=dropout_rng)
         return projections.project_out(params, self.heads, attn, dtype=self.dtype,
-                                  precision=self.precision)
+                                       precision=self.precision, dot_general=dot_general)

@@ -169,23 +169,38 @@ def _promote(dtype, *xs):
     return [jnp.asarray(x, dtype) for x in xs]
 
 
-def _dense(group, x, subscripts, dtype, precision):
+# the two products of the layers: "bte,ehd->bthd" (in) and "bthd,hde->bte" (out)
+_IN, _OUT = "bte,ehd->bthd", "bthd,hde->bte"
+
+
+def _dense(group, x, subscripts, dtype, precision, dot_general):
+    """``x`` times the group's kernel (plus its bias): by ``jnp.einsum``, or with a
+    ``dot_general`` (:func:`jax_dilated.backends.native.gemm.for_mesh`) as the one
+    matrix product ``[B T, K] . [K, N]`` that each einsum is."""
     kernel = group["kernel"]
     bias = group.get("bias")
     if bias is None:
         x, kernel = _promote(dtype, x, kernel)
     else:
         x, kernel, bias = _promote(dtype, x, kernel, bias)
-    y = jnp.einsum(subscripts, x, kernel, precision=precision)
+    if dot_general is None:
+        y = jnp.einsum(subscripts, x, kernel, precision=precision)
+    else:
+        b, t = x.shape[:2]
+        n_in = x.shape[2] if subscripts == _IN else x.shape[2] * x.shape[3]
+        w = kernel.reshape(n_in, -1)
+        y = dot_general(x.reshape(b, t, n_in), w, (((2,), (0,)), ((), ())),
+                        precision=precision)
+        y = y.reshape(b, t, *kernel.shape[1:]) if subscripts == _IN else y
     return y if bias is None else y + bias
 
 
-def project_qkv(params, query, key, value, *, dtype=None, precision=None):
-    """``[B, T, E]`` inputs -> q ``[B, T, H, D]``, k / v ``[B, T, Hkv, D]``."""
-    sub = "bte,ehd->bthd"
-    return (_dense(params["query"], query, sub, dtype, precision),
-            _dense(params["key"], key, sub, dtype, precision),
-            _dense(params["value"], value, sub, dtype, precision))
+def project_qkv(params, query, key, value, *, dtype=None, precision=None, dot_general=None):
+    """``[B, T, E]`` inputs -> q ``[B, T, H, D]``, k / v ``[B, T, Hkv, D]``
+    (``dot_general``: see :func:`_dense`; None: ``jnp.einsum``)."""
+    return (_dense(params["query"], query, _IN, dtype, precision, dot_general),
+            _dense(params["key"], key, _IN, dtype, precision, dot_general),
+            _dense(params["value"], value, _IN, dtype, precision, dot_general))
 
 
 def _sub_layer_norm(group, x, eps, dtype):
@@ -199,11 +214,12 @@ def _sub_layer_norm(group, x, eps, dtype):
     return y * scale + bias
 
 
-def project_out(params, cfg: HeadsConfig, attn, *, dtype=None, precision=None):
+def project_out(params, cfg: HeadsConfig, attn, *, dtype=None, precision=None,
+                dot_general=None):
     """Attention output ``[B, T, H, D]`` -> (sub-LayerNorm) -> ``[B, T, E]``."""
     if cfg.layer_norm:
         attn = _sub_layer_norm(params["sub_ln"], attn, cfg.layer_norm_eps, dtype)
-    return _dense(params["out"], attn, "bthd,hde->bte", dtype, precision)
+    return _dense(params["out"], attn, _OUT, dtype, precision, dot_general)
 
 
 # ------------------------------------------------------------------ q/k transform

@@ -185,20 +185,13 @@ def _scaled_uniform(bound: float):
     return init
 
 
-def dense_product(mesh: jax.sharding.Mesh | None):
-    """The ``dot_general`` of a model's Linear layers: on one device the BLAS's for the
-    float32 products on a CPU (:mod:`jax_dilated.backends.native.gemm`), over a mesh
-    XLA's (which XLA partitions over the mesh; the FFI call would be gathered whole)."""
-    return gemm.dot_general if mesh is None else jax.lax.dot_general
-
-
 def _linear(cfg: LongNetEncoderConfig, n_in: int, n_out: int, axes, *, gain: float,
             init: str, rngs: nnx.Rngs, dot_general) -> nnx.Linear:
     """A biased Linear ``n_in -> n_out``, initialised as torchscale does (``init=
     "torchscale"``: torch's default ``U(+-1/sqrt(n_in))`` for weight and bias, times
     ``gain``) or as Prov-GigaPath's ``initialize_vit_weights`` (``"vit"``:
     xavier-uniform weight, zero bias), its product by ``dot_general``
-    (:func:`dense_product`)."""
+    (:func:`jax_dilated.backends.native.gemm.for_mesh`)."""
     if init == "vit":
         kernel_init = _scaled_uniform(math.sqrt(6.0 / (n_in + n_out)))
         bias_init = jax.nn.initializers.zeros
@@ -499,7 +492,7 @@ class LongNetEncoder(nnx.Module):
         self.mesh = mesh
         self.seq_axis = tuple(seq_axis) if isinstance(seq_axis, list) else seq_axis
         self.dropout_module = nnx.Dropout(config.dropout_rate, rngs=rngs)
-        self.layers = nnx.List([_EncoderLayer(config, i, _init, rngs, dense_product(mesh))
+        self.layers = nnx.List([_EncoderLayer(config, i, _init, rngs, gemm.for_mesh(mesh))
                                 for i in range(config.num_layers)])
         self.layer_norm = _layer_norm(config, config.embed_dim, "embed", rngs)
 

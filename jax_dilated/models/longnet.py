@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_dilated.backends.native import gemm
 from jax_dilated.core import validation
 from jax_dilated.core.types import Array, ArrayLike, DTypeLike, StrategyLike
 from jax_dilated.layers import nnx as jd_nnx
@@ -62,11 +63,12 @@ class _FeedForward(nnx.Module):
     """``[B, T, E] -> [B, T, E]``: GELU (``fc2(gelu(fc1 x))``) or SwiGLU
     (``fc2(silu(fc1 x) * gate x)``), with a LayerNorm before ``fc2`` under Sub-LN."""
 
-    def __init__(self, cfg: LongNetConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LongNetConfig, rngs: nnx.Rngs, dot_general):
         e, f = cfg.embed_dim, cfg.hidden_dim
         init = projections.xavier_normal(cfg.gamma, 0, 1)
         dense = functools.partial(nnx.Linear, use_bias=cfg.use_bias, dtype=cfg.dtype,
-                                  param_dtype=cfg.param_dtype, kernel_init=init, rngs=rngs)
+                                  param_dtype=cfg.param_dtype, kernel_init=init,
+                                  dot_general=dot_general, rngs=rngs)
         self.fc1 = dense(e, f, kernel_metadata=_meta("embed", "mlp"),
                          bias_metadata=_meta("mlp"))
         self.gate = (dense(e, f, kernel_metadata=_meta("embed", "mlp"),
@@ -112,7 +114,7 @@ class _Block(nnx.Module):
             logit_soft_cap=cfg.logit_soft_cap, sinks=cfg.attention_sinks,
             deterministic=False, rngs=rngs)
         self.ln_ffn = ln()
-        self.ffn = _FeedForward(cfg, rngs)
+        self.ffn = _FeedForward(cfg, rngs, gemm.for_mesh(mesh))
         self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
 
     def __call__(self, x, *, kv_mask=None, segment_ids=None, decode=False,
@@ -230,7 +232,8 @@ class LongNetLM(nnx.Module):
                                       bias_metadata=_meta("embed"), rngs=rngs)
         self.head = None if config.tie_embeddings else nnx.Linear(
             e, v, use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype,
-            kernel_init=init, kernel_metadata=_meta("embed", "vocab"), rngs=rngs)
+            kernel_init=init, kernel_metadata=_meta("embed", "vocab"),
+            dot_general=gemm.for_mesh(mesh), rngs=rngs)
 
     # ------------------------------------------------------------------ forward
 

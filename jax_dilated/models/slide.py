@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_dilated.backends.native import gemm
 from jax_dilated.core import validation
 from jax_dilated.core.types import Array, ArrayLike, DTypeLike, Implementation, Mode
 from jax_dilated.models import encoder as encoder_lib
@@ -307,7 +308,7 @@ class SlideEncoder(nnx.Module):
         if not isinstance(rngs, nnx.Rngs):
             raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}.")
         self.config = config
-        self.patch_embed = _PatchEmbed(config, rngs, encoder_lib.dense_product(mesh))
+        self.patch_embed = _PatchEmbed(config, rngs, gemm.for_mesh(mesh))
         self.cls_token = nnx.Param(
             jax.nn.initializers.normal(0.02)(rngs.params(), (1, 1, config.embed_dim),
                                              config.param_dtype),

@@ -36,7 +36,7 @@ import numpy as np
 
 from jax_dilated.backends.native import build
 
-__all__ = ["dot_general", "unavailable_reason", "library_name", "ENV"]
+__all__ = ["dot_general", "for_mesh", "unavailable_reason", "library_name", "ENV"]
 
 # "xla" sends every product to XLA's dot
 ENV = "JAX_DILATED_DENSE"
@@ -138,6 +138,13 @@ def _zero(tangent) -> bool:
 
 
 _matmul.defjvp(_matmul_jvp, symbolic_zeros=True)
+
+
+def for_mesh(mesh: jax.sharding.Mesh | None):
+    """The ``dot_general`` of a layer's products: :func:`dot_general` on one device,
+    ``jax.lax.dot_general`` over a mesh (which XLA partitions over the mesh; the FFI
+    call would be gathered whole onto each device)."""
+    return dot_general if mesh is None else jax.lax.dot_general
 
 
 def _blas_matmul(a, b):
