@@ -234,6 +234,9 @@ def test_backend_report(capsys):
     # this machine: a CPU; the native kernel (where it builds) serves bfloat16 too
     assert rows[0].kernel == CPU_DEFAULT and all(r.kernel in ("xla", CPU_DEFAULT) for r in rows)
     assert "cpu" in out and "not used" in out and "implementation='cudnn'" in out
+    from jax_dilated.backends.native import gemm  # the dense products' line names the GEMM
+    dense = gemm.library_name() or f"XLA's dot ({gemm.unavailable_reason()})"
+    assert f"dense products of the layers and models (float32, one device): {dense}" in out
 
 
 @pytest.mark.parametrize("device, head_dim, expected", [

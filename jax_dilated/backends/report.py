@@ -8,6 +8,7 @@ from typing import NamedTuple, TextIO
 import jax
 
 from jax_dilated.backends import native, registry, selection
+from jax_dilated.backends.native import gemm
 from jax_dilated.core import validation
 from jax_dilated.core.types import DTypeLike
 
@@ -117,6 +118,9 @@ def backend_report(device: jax.Device | selection.DeviceInfo | None = None, *,
             print("native CPU kernel: " + (
                 f"available ({native.instruction_set()} build; float32, bfloat16 and "
                 f"float16 inputs)" if why is None else f"not used ({why})"), file=file)
+            dense = gemm.unavailable_reason()
+            print("dense products of the layers and models (float32, one device): " + (
+                gemm.library_name() if dense is None else f"XLA's dot ({dense})"), file=file)
         width = max(len(r.operation) for r in rows)
         for r in rows:
             print(f"  {r.operation:<{width}}  {r.kernel:<6}  {r.reason}", file=file)

@@ -1,6 +1,7 @@
 """Compile the native CPU kernel on first use, cache it, and register it with XLA.
 
-The kernel (``attention_cpu.cc``) is C++ against XLA's FFI headers, which ship with
+The kernel (``attention_cpu.cc``, with ``gemm_cpu.cc``: the dense products' call into a
+BLAS, :mod:`.gemm`) is C++ against XLA's FFI headers, which ship with
 ``jaxlib`` (``jax.ffi.include_dir()``), so it is compiled on the user's machine, for
 its CPU and its jaxlib, by the system's C++ compiler (``$CXX``, else ``c++``). One
 source serves these instruction sets, chosen for the machine:

@@ -1,7 +1,8 @@
-"""Dense products on the CPU through a tuned BLAS GEMM, for the models' linear layers.
+"""Dense products on the CPU through a tuned BLAS GEMM, for the layers' and models' linear
+products.
 
-XLA's CPU dot reaches about 60% of the cores' FMA peak at the dense layers' shapes
-(tokens x 768 x 3072), OpenBLAS's GEMM 80-85% (docs/benchmarks.md, "CPU: the dense
+OpenBLAS's GEMM computes the dense layers' float32 products (tokens x 768 x 3072)
+faster than XLA's CPU dot, and more accurately (docs/benchmarks.md, "CPU: the dense
 layers' products"). :func:`dot_general` is a drop-in for :func:`jax.lax.dot_general`
 (nnx.Linear's ``dot_general=``) that sends the products a linear layer makes
 (``x [..., K] . w [K, N]``, float32) to OpenBLAS's ``cblas_sgemm`` by an XLA FFI call
@@ -17,11 +18,11 @@ only the primal product runs on the BLAS (inference, and the forward of training
 
 The BLAS is OpenBLAS from the ``scipy-openblas32`` wheel (a dependency on Linux, the
 OpenBLAS NumPy and SciPy ship). Where it or the native library is missing, or
-``JAX_DILATED_DENSE=xla`` is set (read once, on the first product), every product is XLA's and :func:`unavailable_reason`
-says why. The product runs on one device's buffers, so a program sharded over a
-mesh by XLA (GSPMD) keeps XLA's dot: the models pass ``dot_general`` to their layers
-only when they run without a mesh (inside ``shard_map`` each device's product is
-local and may use it).
+``JAX_DILATED_DENSE=xla`` is set (read once, on the first product), every product is
+XLA's and :func:`unavailable_reason` says why. The product runs on one device's
+buffers, so a program sharded over a mesh by XLA (GSPMD) keeps XLA's dot: the layers
+and models take :func:`for_mesh`'s choice, the BLAS only when they run without a mesh
+(inside ``shard_map`` each device's product is local and may use it).
 """
 
 from __future__ import annotations
