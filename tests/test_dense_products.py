@@ -176,3 +176,16 @@ def test_attention_layers_project_on_the_blas_and_equal_float64(api):
         dilation_rates=(1,), max_len=16, tie_embeddings=False), rngs=nnx.Rngs(0))
     assert lm.blocks[0].ffn.fc1.dot_general is gemm.dot_general
     assert lm.head.dot_general is gemm.dot_general
+
+
+def test_a_product_traced_under_another_build_calls_that_build():
+    """Under ``build.using(...)`` (tests and benchmarks switch builds) the product calls
+    the GEMM of the build in use, which is set for it too."""
+    x, w = _draw((9, 20), (20, 7), seed=6)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    fn = lambda x, w: gemm.dot_general(x, w, LINEAR(2))  # noqa: E731
+    with build.using(isa=build.EMULATED):
+        if build.library() is None:
+            pytest.skip(f"no {build.EMULATED} build here: {build.load()}")
+        assert build.target(build.TARGET_GEMM) in jax.jit(fn).lower(x, w).as_text()
+        assert _rel(jax.jit(fn)(x, w), want) < TOL

@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jax_dilated.block_patterns import BlockPattern
 from jax_dilated.backends.native import gemm
+from jax_dilated.block_patterns import BlockPattern
 from jax_dilated.core import validation
 from jax_dilated.core.types import (Array, ArrayLike, DTypeLike, HeadOffsets, Implementation,
                                     Layout, Mode, SegmentLengths, Strategy, StrategyLike)

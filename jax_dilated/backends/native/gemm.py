@@ -45,38 +45,49 @@ _INT32_MAX = 2**31 - 1
 
 
 @functools.lru_cache(maxsize=None)
-def _blas() -> tuple[str | None, str | None]:
-    """``(description, None)`` once the native library calls OpenBLAS's GEMM, else
-    ``(None, why not)`` (once per process)."""
+def _blas() -> tuple[str | None, int | None, str | None]:
+    """``(description, address of its cblas_sgemm, None)`` where the native library can
+    call OpenBLAS's GEMM, else ``(None, None, why not)`` (once per process)."""
     if os.environ.get(ENV, "").lower() == "xla":
-        return None, f"{ENV}=xla"
-    # OpenBLAS's idle threads spin for about 2**28 cycles after each product, taking the
-    # cores from the XLA ops and the attention kernel that follow it, which cancels
-    # most of the faster product (docs/benchmarks.md, "CPU: the dense layers'
-    # products"); 2**4 lets them sleep at once. Read when the library loads.
+        return None, None, f"{ENV}=xla"
+    # OpenBLAS's idle threads spin for about 2**28 cycles after each product, competing
+    # for the cores with the XLA ops and the attention kernel that run next; 2**4 lets
+    # them sleep at once. Read when the library loads.
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     try:
         import scipy_openblas32  # loads the library into the process
     except ImportError:
-        return None, "scipy-openblas32 is not installed (pip install scipy-openblas32)"
+        return None, None, "scipy-openblas32 is not installed (pip install scipy-openblas32)"
     why = build.load()
     if why is not None:
-        return None, f"the native library is not available ({why})"
+        return None, None, f"the native library is not available ({why})"
     lib_dir = scipy_openblas32.get_lib_dir()
     blas = ctypes.CDLL(os.path.join(lib_dir, scipy_openblas32.get_library(fullname=True)))
     sgemm = getattr(blas, "scipy_cblas_sgemm", None) or getattr(blas, "cblas_sgemm", None)
     if sgemm is None:
-        return None, f"no cblas_sgemm in {lib_dir}"
-    handle = build.library().handle
-    handle.JaxDilatedSetSgemm.argtypes = [ctypes.c_void_p]
-    handle.JaxDilatedSetSgemm(ctypes.cast(sgemm, ctypes.c_void_p).value)
-    return f"OpenBLAS {scipy_openblas32.__version__} cblas_sgemm", None
+        return None, None, f"no cblas_sgemm in {lib_dir}"
+    address = ctypes.cast(sgemm, ctypes.c_void_p).value
+    return f"OpenBLAS {scipy_openblas32.__version__} cblas_sgemm", address, None
+
+
+# the libraries (by path) whose GEMM is set
+_pointed: set = set()
+
+
+def _target(library: build.Library) -> str:
+    """The GEMM call's target in ``library`` (the build in use, which
+    :func:`jax_dilated.backends.native.build.using` may switch), its GEMM set first."""
+    if library.path not in _pointed:
+        library.handle.JaxDilatedSetSgemm.argtypes = [ctypes.c_void_p]
+        library.handle.JaxDilatedSetSgemm(_blas()[1])
+        _pointed.add(library.path)
+    return library.targets[build.TARGET_GEMM]
 
 
 def unavailable_reason() -> str | None:
     """None where :func:`dot_general` sends float32 layer products to the BLAS, else why
     not."""
-    return _blas()[1]
+    return _blas()[2]
 
 
 def library_name() -> str | None:
@@ -101,7 +112,8 @@ def _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding)
     k, n = rhs.shape
     if min(m, k, n) == 0 or max(m, k, n) > _INT32_MAX:
         return False
-    return unavailable_reason() is None
+    # (where JAX runs on an accelerator, no native build for a product it will not run)
+    return jax.default_backend() == "cpu" and unavailable_reason() is None
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
@@ -149,7 +161,7 @@ def for_mesh(mesh: jax.sharding.Mesh | None):
 
 
 def _blas_matmul(a, b):
-    call = jax.ffi.ffi_call(build.target(build.TARGET_GEMM),
+    call = jax.ffi.ffi_call(_target(build.library()),
                             jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), jnp.float32),
                             vmap_method="sequential")
     return call(a, b)
