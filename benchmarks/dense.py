@@ -10,9 +10,10 @@ interleaved, in the ways a layer can ask for them, beside PyTorch's:
 - ``xla bfloat16, float32 sums``: bfloat16 inputs, ``preferred_element_type=float32``,
   the result rounded to bfloat16;
 - ``xla bfloat16 via float32``: the inputs converted to float32 inside the program;
-- ``jax-dilated float32 (BLAS)``: the models' product
-  (:func:`jax_dilated.backends.native.gemm.dot_general`: OpenBLAS's GEMM by an FFI
-  call), where it is available;
+- ``jax-dilated float32 (BLAS)`` and ``jax-dilated bfloat16 (BLAS)``: the layers' and
+  models' product (:func:`jax_dilated.backends.native.gemm.dot_general`: OpenBLAS's
+  float32 GEMM by an FFI call, bfloat16 inputs widened to float32 and the result
+  rounded back), where it is available;
 - ``torch float32`` and ``torch bfloat16`` (oneDNN): PyTorch's ``matmul``.
 
 Where the CPU has no bfloat16 unit (no ``avx512_bf16`` or ``amx_bf16`` flag), torch's
@@ -77,6 +78,7 @@ def xla_variants(x32, w32):
             "xla bfloat16 via float32": lambda: via_f32(x16, w16)}
     if gemm.unavailable_reason() is None:
         calls["jax-dilated float32 (BLAS)"] = lambda: blas(x32, w32)
+        calls["jax-dilated bfloat16 (BLAS)"] = lambda: blas(x16, w16)
     return calls
 
 

@@ -48,6 +48,28 @@ def test_linear_products_run_on_the_blas_and_equal_float64(x_shape, n):
     assert _rel(fn(x, w), want) < TOL  # eagerly too
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("preferred", [None, jnp.float32])
+def test_half_precision_products_run_on_the_blas_in_float32(dtype, preferred):
+    """bfloat16 / float16 inputs are widened to float32 for the BLAS and the result
+    rounded to their dtype (or kept in float32 when asked): the float64 product of the
+    rounded inputs within one rounding of the result dtype, as XLA's own dot; and the
+    gradients through XLA's products, in the inputs' dtype."""
+    x, w = (jnp.asarray(a, dtype) for a in _draw((4, 33, 64), (64, 40), seed=7))
+    fn = lambda x, w: gemm.dot_general(x, w, LINEAR(3),  # noqa: E731
+                                       preferred_element_type=preferred)
+    assert _calls_blas(fn, x, w)
+    got = jax.jit(fn)(x, w)
+    xla = jax.lax.dot_general(x, w, LINEAR(3), preferred_element_type=preferred)
+    assert got.dtype == xla.dtype == (dtype if preferred is None else jnp.float32)
+    want = np.einsum("btk,kn->btn", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    rounding = float(jnp.finfo(got.dtype).eps)
+    assert _rel(got, want) < max(TOL, rounding) and _rel(xla, want) < max(TOL, rounding)
+    dx = jax.grad(lambda x: jnp.sum(fn(x, w).astype(jnp.float32)))(x)
+    assert dx.dtype == dtype
+    assert _rel(dx, np.broadcast_to(np.asarray(w, np.float64).sum(1), dx.shape)) < 1e-2
+
+
 def test_derivatives_equal_float64_in_both_modes_and_under_vmap():
     """Reverse mode (both arguments, one of them), forward mode, a second derivative
     and vmap against float64 formulas: the BLAS runs the primal, XLA the tangents."""
@@ -72,20 +94,17 @@ def test_derivatives_equal_float64_in_both_modes_and_under_vmap():
     assert _rel(batched, np.einsum("btk,kn->btn", x64, w64)) < TOL
 
 
-@pytest.mark.parametrize("case", ["float64", "bfloat16", "f32_sums_of_bf16", "batch_axes",
+@pytest.mark.parametrize("case", ["float64", "mixed_dtypes", "batch_axes",
                                   "other_contraction", "empty_rows", "empty_sum"])
 def test_other_products_are_xla_dot_general_unchanged(case):
-    """Everything but a linear layer's non-empty float32 product is
-    ``jax.lax.dot_general``'s own (no BLAS call; the same result bit for bit)."""
+    """Everything but a linear layer's non-empty float32, bfloat16 or float16 product
+    is ``jax.lax.dot_general``'s own (no BLAS call; the same result bit for bit)."""
     x, w = _draw((5, 6), (6, 3), seed=3)
     dn, kw = LINEAR(2), {}
     if case == "float64":
         x, w = x.astype(np.float64), w.astype(np.float64)
-    elif case == "bfloat16":
-        x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-    elif case == "f32_sums_of_bf16":
-        x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-        kw = {"preferred_element_type": jnp.float32}
+    elif case == "mixed_dtypes":
+        w = jnp.asarray(w, jnp.bfloat16)
     elif case == "batch_axes":
         (x, w), dn = _draw((2, 5, 6), (2, 6, 3), seed=3), (((2,), (1,)), ((0,), (0,)))
     elif case == "other_contraction":

@@ -119,7 +119,7 @@ def backend_report(device: jax.Device | selection.DeviceInfo | None = None, *,
                 f"available ({native.instruction_set()} build; float32, bfloat16 and "
                 f"float16 inputs)" if why is None else f"not used ({why})"), file=file)
             dense = gemm.unavailable_reason()
-            print("dense products of the layers and models (float32, one device): " + (
+            print("dense products of the layers and models (one device): " + (
                 gemm.library_name() if dense is None else f"XLA's dot ({dense})"), file=file)
         width = max(len(r.operation) for r in rows)
         for r in rows:

@@ -1,15 +1,20 @@
 """Dense products on the CPU through a tuned BLAS GEMM, for the layers' and models' linear
 products.
 
-OpenBLAS's GEMM computes the dense layers' float32 products (tokens x 768 x 3072)
-faster than XLA's CPU dot, and more accurately (docs/benchmarks.md, "CPU: the dense
+OpenBLAS's GEMM computes the dense layers' products (tokens x 768 x 3072) faster than
+XLA's CPU dot, and more accurately (docs/benchmarks.md, "CPU: the dense
 layers' products"). :func:`dot_general` is a drop-in for :func:`jax.lax.dot_general`
 (nnx.Linear's ``dot_general=``) that sends the products a linear layer makes
-(``x [..., K] . w [K, N]``, float32) to OpenBLAS's ``cblas_sgemm`` by an XLA FFI call
+(``x [..., K] . w [K, N]``) to OpenBLAS's ``cblas_sgemm`` by an XLA FFI call
 (``gemm_cpu.cc``, in the native kernel's library), and every other product, or any
 product on another platform than the CPU, to ``jax.lax.dot_general`` unchanged:
 
-    y [..., N] = x [..., K] . w [K, N]      (float32 in, float32 sums, float32 out)
+    y [..., N] = x [..., K] . w [K, N]      (float32 products and sums)
+
+bfloat16 and float16 inputs are widened to float32 (exactly) and the result rounded to
+their dtype, or left in float32 for ``preferred_element_type=float32``: what XLA's own
+half-precision dot computes on a CPU, and faster than it on CPUs measured so far,
+which have no bfloat16 GEMM in XLA or in this OpenBLAS (docs/benchmarks.md).
 
 Its derivatives are those of the same product by XLA (a ``custom_jvp`` whose tangents
 are ``jax.lax.dot_general``, which JAX transposes for reverse mode), so forward- and
@@ -42,6 +47,8 @@ __all__ = ["dot_general", "for_mesh", "unavailable_reason", "library_name", "ENV
 # "xla" sends every product to XLA's dot
 ENV = "JAX_DILATED_DENSE"
 _INT32_MAX = 2**31 - 1
+# the input dtypes the BLAS multiplies (half precision widened to float32: exact)
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,35 +92,39 @@ def _target(library: build.Library) -> str:
 
 
 def unavailable_reason() -> str | None:
-    """None where :func:`dot_general` sends float32 layer products to the BLAS, else why
-    not."""
+    """None where :func:`dot_general` sends a linear layer's products to the BLAS, else
+    why not."""
     return _blas()[2]
 
 
 def library_name() -> str | None:
-    """The GEMM the float32 products call (for ``jd.backend_report()``), or None."""
+    """The GEMM the products call (for ``jd.backend_report()``), or None."""
     return _blas()[0]
 
 
-def _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding) -> bool:
-    """Whether the product is a linear layer's that the BLAS computes: ``lhs [..., K]``
-    contracted on its last axis with ``rhs [K, N]``'s first, float32, no batch axes,
-    every dimension non-empty and within 32-bit BLAS integers."""
+def _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding):
+    """The dtype of the BLAS's result where the product is a linear layer's that it
+    computes (``lhs [..., K]`` contracted on its last axis with ``rhs [K, N]``'s first,
+    no batch axes, both float32 or both bfloat16 / float16, every dimension non-empty
+    and within 32-bit BLAS integers), else None."""
     (lc, rc), (lb, rb) = dimension_numbers
     if lhs.ndim < 1 or rhs.ndim != 2 or lb or rb or out_sharding is not None:
-        return False
+        return None
     if tuple(lc) != (lhs.ndim - 1,) or tuple(rc) != (0,):
-        return False
-    if lhs.dtype != jnp.float32 or rhs.dtype != jnp.float32:
-        return False
-    if preferred_element_type not in (None, jnp.float32, np.float32):
-        return False
+        return None
+    if lhs.dtype != rhs.dtype or lhs.dtype not in _DTYPES:
+        return None
+    out = lhs.dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    if out not in (lhs.dtype, jnp.float32):
+        return None
     m = int(np.prod(lhs.shape[:-1], dtype=np.int64))
     k, n = rhs.shape
     if min(m, k, n) == 0 or max(m, k, n) > _INT32_MAX:
-        return False
+        return None
     # (where JAX runs on an accelerator, no native build for a product it will not run)
-    return jax.default_backend() == "cpu" and unavailable_reason() is None
+    if jax.default_backend() != "cpu" or unavailable_reason() is not None:
+        return None
+    return out
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
@@ -121,13 +132,15 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     """:func:`jax.lax.dot_general`, with a linear layer's float32 product on the CPU
     computed by the BLAS (module docstring). Same arguments and result."""
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    if not _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding):
+    out = _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding)
+    if out is None:
         kw = {} if out_sharding is None else {"out_sharding": out_sharding}
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type, **kw)
     lead = lhs.shape[:-1]
-    y = _matmul(lhs.reshape(-1, lhs.shape[-1]), rhs)
-    return y.reshape(*lead, rhs.shape[1])
+    a = lhs.reshape(-1, lhs.shape[-1]).astype(jnp.float32)
+    y = _matmul(a, rhs.astype(jnp.float32))
+    return y.reshape(*lead, rhs.shape[1]).astype(out)
 
 
 @jax.custom_jvp
