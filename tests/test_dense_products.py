@@ -94,6 +94,21 @@ def test_derivatives_equal_float64_in_both_modes_and_under_vmap():
     assert _rel(batched, np.einsum("btk,kn->btn", x64, w64)) < TOL
 
 
+def test_bad_input_raises_as_jax_does():
+    """Shapes that do not multiply raise jax.lax.dot_general's own error at trace time
+    (not the FFI call's at run time); an unknown JAX_DILATED_DENSE names the variable."""
+    x, w = _draw((5, 6), (7, 3))
+    with pytest.raises(TypeError) as ours:
+        jax.jit(lambda x, w: gemm.dot_general(x, w, LINEAR(2))).lower(x, w)
+    with pytest.raises(TypeError) as jax_own:
+        jax.lax.dot_general(x, w, LINEAR(2))
+    assert str(ours.value) == str(jax_own.value)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(gemm.ENV, "off")
+        with pytest.raises(ValueError, match="JAX_DILATED_DENSE must be 'xla'.*'off'"):
+            gemm._blas.__wrapped__()
+
+
 @pytest.mark.parametrize("case", ["float64", "mixed_dtypes", "batch_axes",
                                   "other_contraction", "empty_rows", "empty_sum"])
 def test_other_products_are_xla_dot_general_unchanged(case):
@@ -169,10 +184,11 @@ def test_the_environment_variable_turns_it_off():
 
 
 @pytest.mark.parametrize("api", ["nnx", "linen"])
-def test_attention_layers_project_on_the_blas_and_equal_float64(api):
+def test_attention_layers_project_on_the_blas_and_equal_float64(api, monkeypatch):
     """The multi-head layers' q/k/v and output projections (``[B, T, E] . [E, H D]``
-    and ``[B, T, H D] . [H D, E]``) run on the BLAS without a mesh; the layer equals
-    itself computed in float64 (where every product is XLA's) to float32 precision.
+    and ``[B, T, H D] . [H D, E]``) run on the BLAS without a mesh; the output and the
+    gradients of the input and every parameter equal the layer's own einsums in float64
+    to float32 precision.
     LongNetLM's feed-forward and head take it too."""
     (x,) = _draw((2, 24, 32), seed=5)
     options = dict(segment_lengths=(8, 24), dilation_rates=(1, 2), layer_norm=True)
@@ -186,9 +202,22 @@ def test_attention_layers_project_on_the_blas_and_equal_float64(api):
         run = layer.apply
     wide = lambda a: a.astype(np.float64) if a.dtype == np.float32 else a  # noqa: E731
     assert _calls_blas(run, state, x)
-    want = jax.jit(run)(jax.tree.map(wide, state), x.astype(np.float64))
-    assert not _calls_blas(run, jax.tree.map(wide, state), x.astype(np.float64))
-    assert _rel(jax.jit(run)(state, x), want) < TOL
+    (g,) = _draw((2, 24, 32), seed=8)
+    loss = lambda state, x: jnp.sum(run(state, x) * g)  # noqa: E731
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x)
+    # the reference: the layer's own einsums (no dot_general), in float64
+    monkeypatch.setattr(gemm, "for_mesh", lambda mesh: None)
+    state64, x64 = jax.tree.map(wide, state), x.astype(np.float64)
+    assert not _calls_blas(run, state64, x64)
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state64, x64)
+    leaves = list(zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    scale = max(np.abs(np.asarray(w)).max() for _, w in leaves)
+    for a, w in leaves:
+        if np.abs(np.asarray(w)).max() > 1e-6 * scale:
+            assert _rel(a, w) < TOL
+        else:  # a gradient that is zero (the key bias: softmax ignores a shift of k)
+            assert np.abs(np.asarray(a)).max() < TOL * scale
+    monkeypatch.undo()
 
     lm = jd.models.LongNetLM(jd.models.LongNetConfig(
         vocab_size=50, embed_dim=32, num_heads=4, num_layers=1, segment_lengths=(8,),
@@ -204,7 +233,7 @@ def test_a_product_traced_under_another_build_calls_that_build():
     want = x.astype(np.float64) @ w.astype(np.float64)
     fn = lambda x, w: gemm.dot_general(x, w, LINEAR(2))  # noqa: E731
     with build.using(isa=build.EMULATED):
-        if build.library() is None:
+        if build.library() is None:  # aarch64: the NEON build is the only one there
             pytest.skip(f"no {build.EMULATED} build here: {build.load()}")
         assert build.target(build.TARGET_GEMM) in jax.jit(fn).lower(x, w).as_text()
         assert _rel(jax.jit(fn)(x, w), want) < TOL

@@ -55,7 +55,11 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float1
 def _blas() -> tuple[str | None, int | None, str | None]:
     """``(description, address of its cblas_sgemm, None)`` where the native library can
     call OpenBLAS's GEMM, else ``(None, None, why not)`` (once per process)."""
-    if os.environ.get(ENV, "").lower() == "xla":
+    choice = os.environ.get(ENV, "")
+    if choice not in ("", "xla"):
+        raise ValueError(f"{ENV} must be 'xla' (XLA's dot for every product) or unset, got "
+                         f"{choice!r}.")
+    if choice == "xla":
         return None, None, f"{ENV}=xla"
     # OpenBLAS's idle threads spin for about 2**28 cycles after each product, competing
     # for the cores with the XLA ops and the attention kernel that run next; 2**4 lets
@@ -119,6 +123,8 @@ def _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding)
         return None
     m = int(np.prod(lhs.shape[:-1], dtype=np.int64))
     k, n = rhs.shape
+    if lhs.shape[-1] != k:  # (jax.lax.dot_general says so, naming both shapes)
+        return None
     if min(m, k, n) == 0 or max(m, k, n) > _INT32_MAX:
         return None
     # (where JAX runs on an accelerator, no native build for a product it will not run)
@@ -129,8 +135,9 @@ def _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding)
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                 out_sharding=None):
-    """:func:`jax.lax.dot_general`, with a linear layer's float32 product on the CPU
-    computed by the BLAS (module docstring). Same arguments and result."""
+    """:func:`jax.lax.dot_general`, with a linear layer's float32, bfloat16 or float16
+    product on the CPU computed by the BLAS (module docstring). Same arguments, result
+    and errors."""
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out = _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding)
     if out is None:
