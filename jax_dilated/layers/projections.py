@@ -188,7 +188,7 @@ def _dense(group, x, subscripts, dtype, precision, dot_general):
     else:
         b, t = x.shape[:2]
         n_in = x.shape[2] if subscripts == _IN else x.shape[2] * x.shape[3]
-        w = (kernel if subscripts == _IN else kernel.transpose(1, 0, 2)).reshape(n_in, -1)
+        w = kernel.reshape(n_in, -1)
         y = dot_general(x.reshape(b, t, n_in), w, (((2,), (0,)), ((), ())),
                         precision=precision)
         y = y.reshape(b, t, *kernel.shape[1:]) if subscripts == _IN else y
