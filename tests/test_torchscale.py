@@ -135,6 +135,34 @@ def test_unshifted_branches_add_their_zero_slots_in_place(reference, monkeypatch
         assert rel_err(got, exp) < TOL[dtype]
 
 
+@pytest.mark.skipif("native" not in _kernels(), reason="the native CPU kernel is not available")
+@pytest.mark.parametrize("case", [(1069, 8, *GIGAPATH, False),
+                                  (300, 4, (64, 128, 256), (1, 2, 4), False),  # nested
+                                  (300, 4, (64, 128, 256), (1, 2, 4), True)],
+                         ids=["gigapath-1069", "nested", "nested-causal"])
+def test_native_inference_runs_every_branch_in_one_call(reference, case):
+    """Not differentiated, the native kernel computes the unshifted branches' mix as one
+    call of all of them (their zero slots added once); differentiated, branch by branch
+    (the weights without gradient). Both equal the float64 reference in float32, and
+    the two programs hold one dilated call and one per branch."""
+    t, h, segs, rates, causal = case
+    q, k, v = (rounded(x, "float32") for x in _inputs(t, h, head_dim=16, batch=1, seed=8))
+    ct = rounded(np.random.default_rng(9).standard_normal(q.shape), "float32")
+    want, want_grads = _torch_out(reference, q, k, v, segs, rates, causal, ct)
+    fn = jax.jit(lambda q, k, v: _ours(q, k, v, segs, rates, "float32", is_causal=causal,
+                                       implementation="native"))
+    args = [to_jax(x, "float32") for x in (q, k, v)]
+    assert rel_err(fn(*args), want) < TOL["float32"]
+    out, vjp = jax.vjp(fn, *args)
+    assert rel_err(out, want) < TOL["float32"]
+    for got, exp in zip(vjp(to_jax(ct, "float32")), want_grads):
+        assert rel_err(got, exp) < TOL["float32"]
+    call = f"@{native.build.target(native.build.TARGET_DILATED)}("
+    assert fn.lower(*args).as_text().count(call) == 1
+    grads = jax.jit(jax.grad(lambda *a: (fn(*a) * a[2]).sum(), argnums=(0, 1, 2)))
+    assert grads.lower(*args).as_text().count(call) == len(segs)
+
+
 def test_grouped_kv_heads_read_their_query_heads_kv(reference):
     """GQA: 8 query heads on 2 kv heads equal the reference on repeated kv heads."""
     q, _, _ = _inputs(41, 8, seed=5)

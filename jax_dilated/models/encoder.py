@@ -272,11 +272,18 @@ class _FeedForward(nnx.Module):
     def __call__(self, x, *, deterministic: bool):
         h = self.fc1(x)
         # exact GELU in float32 at least (torchscale: activation_fn(x.float()).type_as(x))
-        h = jax.nn.gelu(h.astype(jnp.promote_types(h.dtype, jnp.float32)),
-                        approximate=False).astype(h.dtype)
+        h = _exact_gelu(h.astype(jnp.promote_types(h.dtype, jnp.float32))).astype(h.dtype)
         h = self.activation_dropout_module(h, deterministic=deterministic)
         h = self.fc2(self.ffn_layernorm(h))
         return self.dropout_module(h, deterministic=deterministic)
+
+
+def _exact_gelu(x: Array) -> Array:
+    """The exact GELU in torch's form, ``x (1 + erf(x / sqrt(2))) / 2``: on a CPU about
+    a fifth faster than ``jax.nn.gelu(approximate=False)``'s erfc form, and within one
+    rounding of the input's magnitude of it (the two differ where ``1 + erf`` cancels,
+    at outputs below that)."""
+    return 0.5 * x * (1.0 + jax.lax.erf(x * np.asarray(math.sqrt(0.5), x.dtype)))
 
 
 class _EncoderLayer(nnx.Module):

@@ -28,6 +28,19 @@ its gradients; causal attention needs nothing added, every zero slot of a column
 after its real ones. That skips the copies and the zero slots' work (a 1,068-tile slide's
 second 1024-segment would hold 979 zero keys).
 
+On a kernel that runs every branch in one call (the native CPU kernel), an unshifted
+call that is not differentiated (inference) goes further: torchscale's mix of the
+branches, ``sum_i softmax_i(lse_i) o_i``, is the softmax over every branch's pairs
+together, each pair counted once per branch that holds it, with the zero slots of all
+branches in its denominator. That is ``"longnet"`` attention of all the branches
+(``"blocked"`` offsets) in one call, with the branches' zero slots added to its
+softmax once (:func:`_inference_primal`); the five outputs and their mix are never
+formed. Its derivative is this module's branch-by-branch computation (the weights
+without gradient), run where the call is differentiated. What the one call cannot do is
+torchscale's rule for a branch whose lse is exactly 0: a floating-point coincidence
+on a real position (a branch seeing one key of logit exactly 0), which the
+branch-by-branch computation keeps.
+
 The branches are then mixed by a softmax of their log-sum-exps with no gradient through
 the weights, an lse of exactly 0 or an uncovered position counting as ``-1e8``
 (:func:`merge`).
@@ -146,12 +159,11 @@ def zero_slots(pb: PaddedBranch, heads, num_heads: int) -> np.ndarray:
     return np.where(column[:, None] == offsets[None, :], z, 0)
 
 
-def _add_zero_slots(o, lse, pb: PaddedBranch, heads, num_heads: int):
-    """torchscale's branch result from the exact one: ``z`` keys of logit 0 and value 0
-    added to each covered softmax, ``lse' = log(exp(lse) + z)`` and ``o' = o exp(lse -
-    lse')`` (differentiable: the result is a function of the exact softmax's own
-    statistics). Uncovered pairs (``lse = -inf``) stay as they are."""
-    z = zero_slots(pb, heads, num_heads)
+def _add_zero_slots(o, lse, z: np.ndarray):
+    """The result of a softmax with ``z`` [L, Hs] more keys of logit 0 and value 0 from
+    the exact one: ``lse' = log(exp(lse) + z)`` and ``o' = o exp(lse - lse')``
+    (differentiable: the result is a function of the exact softmax's own statistics).
+    Uncovered pairs (``lse = -inf``) stay as they are."""
     if not z.any():
         return o, lse
     covered = jnp.isfinite(lse)
@@ -174,13 +186,32 @@ def attend(call: DilatedCall, query, key, value, rng, *, heads=None,
     length = t if valid_length is None else valid_length
     if length < t:
         query, key, value = (x[:, :length] for x in (query, key, value))
-    h_local, hkv = query.shape[2], key.shape[2]
-    heads = np.arange(h_local) if heads is None else np.asarray(heads)
-    num_heads = h_local if num_heads is None else num_heads
-    outs, lses = [], []
+    heads = np.arange(query.shape[2]) if heads is None else np.asarray(heads)
+    num_heads = query.shape[2] if num_heads is None else num_heads
     branches = padded_branches(call.branches, length)
     in_place = rng is None and unshifted(branches) and (call.kernel.blockwise
                                                         or call.kernel.fused_dilated)
+    by_branch = functools.partial(_branch_by_branch, call, branches, rng, heads, num_heads,
+                                  in_place)
+    if in_place and call.kernel.fused_dilated:
+        all_at_once = functools.partial(_all_branches_at_once, call, branches, heads,
+                                        num_heads)
+        out, lse = _inference_primal(all_at_once, by_branch)(query, key, value)
+    else:
+        out, lse = by_branch(query, key, value)
+    if length < t:
+        out = jnp.pad(out, [(0, 0), (0, t - length), (0, 0), (0, 0)])
+        lse = jnp.pad(lse, [(0, 0), (0, t - length), (0, 0)], constant_values=-jnp.inf)
+    return out, lse
+
+
+def _branch_by_branch(call: DilatedCall, branches, rng, heads, num_heads: int,
+                      in_place: bool, query, key, value):
+    """torchscale's computation as it is defined: each branch's ``(o, lse)``, on the
+    sequence with its zero slots added afterwards (``in_place``) or on its padded copy,
+    then :func:`merge`."""
+    length, hkv = query.shape[1], key.shape[2]
+    outs, lses = [], []
     for i, pb in enumerate(branches):
         if in_place:  # the zero slots added to each softmax afterwards
             plans = head_parallel.head_plans(((pb.segment, pb.rate),), length, num_heads,
@@ -188,7 +219,7 @@ def attend(call: DilatedCall, query, key, value, rng, *, heads=None,
             o, lse = one_device(call.kernel, call.args, plans, "longnet", query, key, value,
                                 None, None, lse_grad=True)
             if not call.args.is_causal:  # (causal: every zero slot follows the real ones)
-                o, lse = _add_zero_slots(o, lse, pb, heads, num_heads)
+                o, lse = _add_zero_slots(o, lse, zero_slots(pb, heads, num_heads))
         else:
             plans = head_parallel.head_plans((pb.plan_branch,), pb.padded_len, num_heads,
                                              heads, hkv, "longnet", "blocked")
@@ -199,11 +230,40 @@ def attend(call: DilatedCall, query, key, value, rng, *, heads=None,
             o, lse = o[:, :length], lse[:, :length]
         outs.append(o)
         lses.append(lse)
-    out, lse = merge(outs, lses, query.dtype)
-    if length < t:
-        out = jnp.pad(out, [(0, 0), (0, t - length), (0, 0), (0, 0)])
-        lse = jnp.pad(lse, [(0, 0), (0, t - length), (0, 0)], constant_values=-jnp.inf)
-    return out, lse
+    return merge(outs, lses, query.dtype)
+
+
+def _all_branches_at_once(call: DilatedCall, branches, heads, num_heads: int,
+                          query, key, value):
+    """The unshifted branches' mix as one ``"longnet"`` call of all of them, their zero
+    slots added to its softmax once (module docstring)."""
+    plans = head_parallel.head_plans(tuple((pb.segment, pb.rate) for pb in branches),
+                                     query.shape[1], num_heads, heads, key.shape[2],
+                                     "longnet", "blocked")
+    o, lse = one_device(call.kernel, call.args, plans, "longnet", query, key, value, None,
+                        None, lse_grad=False)
+    if not call.args.is_causal:
+        o, lse = _add_zero_slots(o, lse, sum(zero_slots(pb, heads, num_heads)
+                                             for pb in branches))
+    return o.astype(query.dtype), jax.lax.stop_gradient(lse)
+
+
+def _inference_primal(primal, derivative):
+    """``f(q, k, v)`` that computes ``primal(q, k, v)`` and, where it is differentiated,
+    the value and reverse-mode derivative of ``derivative(q, k, v)`` (the same function
+    computed another way)."""
+    @jax.custom_vjp
+    def f(query, key, value):
+        return primal(query, key, value)
+
+    def f_fwd(query, key, value):
+        return jax.vjp(derivative, query, key, value)  # the value, and the vjp as residual
+
+    def f_bwd(vjp, cotangent):
+        return vjp(cotangent)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
 
 
 def device_program(call: DilatedCall, heads, *, num_heads: int,
