@@ -223,7 +223,8 @@ OPERATIONS = ("dilated_attention mode='longnet'", "dilated_attention mode='head_
               "block_sparse_attention", "dilated_attention_decode (KV cache)",
               "ring_attention / block_sparse_attention window=(left, right)",
               "dilated_attention jd.SlidingWindow branch",
-              "logit_soft_cap=c (every operation)", "sinks= (every operation)")
+              "logit_soft_cap=c (every operation)", "sinks= (every operation)",
+              "dilated_attention mode='torchscale'")
 
 
 @CPU_ONLY
@@ -241,12 +242,12 @@ def test_backend_report(capsys):
 
 @pytest.mark.parametrize("device, head_dim, expected", [
     (H100, 128, ["cudnn", "cudnn", "cudnn", "xla", "cudnn", "xla", "xla", "xla",
-                 "xla", "cudnn", "xla", "cudnn"]),
+                 "xla", "cudnn", "xla", "cudnn", "cudnn"]),
     (A100, 128, ["cudnn", "cudnn", "cudnn", "xla", "cudnn", "xla", "xla", "xla",
-                 "xla", "cudnn", "xla", "cudnn"]),
-    (V100, 128, ["xla"] * 12),
-    (TPU, 128, ["xla"] * 12),
-    (H100, 512, ["xla"] * 12),
+                 "xla", "cudnn", "xla", "cudnn", "cudnn"]),
+    (V100, 128, ["xla"] * 13),
+    (TPU, 128, ["xla"] * 13),
+    (H100, 512, ["xla"] * 13),
 ])
 def test_backend_report_described(device, head_dim, expected):
     rows = jd.backend_report(device, head_dim=head_dim, quiet=True, software_reason=None)
@@ -266,6 +267,7 @@ def test_backend_report_described(device, head_dim, expected):
         assert "by position arrays" in by_op[OPERATIONS[8]].reason
         assert "sliding_window_length = left + 1" in by_op[OPERATIONS[9]].reason
         assert "soft-cap" in by_op[OPERATIONS[10]].reason
+        assert "zero-padded copy" in by_op[OPERATIONS[12]].reason
 
 
 # ------------------------------------------- the kernel classes, the module graph

@@ -455,8 +455,11 @@ def test_build_uses_the_cache_directory(tmp_path):
 def test_backend_report_names_it(capsys):
     """jd.backend_report says which operations run the native forward, in which
     dtypes, and the build's instruction set."""
-    rows = {r.operation: r.kernel for r in jd.backend_report(dtype="float32", head_dim=64)}
+    report = jd.backend_report(dtype="float32", head_dim=64)
+    rows = {r.operation: r.kernel for r in report}
     out = capsys.readouterr().out
+    torchscale = {r.operation: r for r in report}["dilated_attention mode='torchscale'"]
+    assert torchscale.kernel == "native" and "every branch in one call" in torchscale.reason
     assert f"native CPU kernel: available ({native.instruction_set()} build; float32, " \
            f"bfloat16 and float16 inputs)" in out
     assert native.instruction_set() == native.build.ISA_NAMES[ISAS[0]]

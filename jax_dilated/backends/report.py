@@ -29,12 +29,12 @@ class KernelChoice(NamedTuple):
 def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice]:
     spec = selection.CallSpec
 
-    def row(operation, call, *, lse_cotangent=False, note="", ring=False):
+    def row(operation, call, *, lse_cotangent=False, note="", ring=False, native_note=""):
         kernel, why = registry.explain_call(info, call, software_reason=software_reason,
                                             lse_cotangent=lse_cotangent)
         if ring and kernel == "native":  # a ring runs the XLA kernel's fused steps
             kernel, why = "xla", "the XLA kernel's ring steps (the native kernel has none)"
-        note = note if kernel == "cudnn" else ""
+        note = {"cudnn": note, "native": native_note}.get(kernel, "")
         return KernelChoice(operation, kernel, why + (f"; {note}" if note else ""))
 
     dense = spec(dtype, head_dim)
@@ -71,6 +71,11 @@ def _rows(info, dtype: str, head_dim: int, software_reason) -> list[KernelChoice
             note="the sinks are folded into the kernel call's output and lse (a ring's "
                  "accumulators start from them); the operation's own rules above say "
                  "whether its backward also takes an lse cotangent"),
+        # issue 49 (docs/semantics.md, 'mode="torchscale"')
+        row("dilated_attention mode='torchscale'", dense,
+            note="each branch on its zero-padded copy (cuDNN serves whole segments only)",
+            native_note="not differentiated and no branch shifting its outputs, every "
+                        "branch in one call; differentiated, branch by branch"),
     ]
 
 
