@@ -27,7 +27,7 @@ fi
 stamp="$VENV/.jd-installed"
 want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_env.sh" | cksum)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "[jax-dilated] installing jax-dilated[bench,train] (and torch==2.13.0 CPU on Python 3.11)"
+  echo "[jax-dilated] installing jax-dilated[bench,train,mkl] (and torch==2.13.0 CPU on Python 3.11)"
   "$VENV/bin/python" -m pip install -q --upgrade pip 2>/dev/null || true
   if "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
@@ -40,8 +40,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # nbclient, nbformat, ipykernel: tests/test_notebooks.py runs notebooks/
   # pytest-xdist: scripts/test.sh runs the tests on several processes (the test extra
   # lists it too; the extra itself is not installed here: its unpinned torch could
-  # pull CUDA packages)
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench,train]" pytest "pytest-xdist>=3" "hypothesis>=6" matplotlib \
+  # pull CUDA packages); mkl: the bfloat16 dense products' MKL call is tested on any
+  # x86-64 CPU
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[bench,train,mkl]" pytest "pytest-xdist>=3" "hypothesis>=6" matplotlib \
     nbclient nbformat ipykernel
   echo "$want" > "$stamp"
 fi

@@ -1,7 +1,8 @@
 """The models' dense products through the BLAS (jax_dilated/backends/native/gemm.py):
 ``gemm.dot_general`` equals a float64 product to float32's precision, forward and in
 every derivative, actually calls the BLAS for a linear layer's float32 product on
-the CPU, leaves every other product to ``jax.lax.dot_general`` unchanged, and the
+the CPU (bfloat16 ones on MKL's bfloat16 GEMM where the CPU has bfloat16 units, or
+when asked), leaves every other product to ``jax.lax.dot_general`` unchanged, and the
 models use it on one device and XLA's dot over a mesh."""
 
 import os
@@ -22,6 +23,10 @@ pytestmark = pytest.mark.skipif(gemm.unavailable_reason() is not None,
 
 LINEAR = lambda nd: (((nd - 1,), (0,)), ((), ()))  # noqa: E731 (a Linear's contraction)
 TOL = 1e-5  # float32 against float64, relative to the largest entry
+BF16_EPS = float(jnp.finfo(jnp.bfloat16).eps)  # one rounding of a bfloat16 result
+# MKL's bfloat16 GEMM: None where the mkl wheel is installed (CI installs it)
+NO_MKL = gemm._mkl()[2]
+needs_mkl = pytest.mark.skipif(NO_MKL is not None, reason=f"no MKL: {NO_MKL}")
 
 
 def _draw(*shapes, seed=0, dtype=np.float32):
@@ -34,8 +39,14 @@ def _rel(got, want):
     return np.abs(got - want).max() / np.abs(want).max()
 
 
-def _calls_blas(fn, *args) -> bool:
-    return build.target(build.TARGET_GEMM) in jax.jit(fn).lower(*args).as_text()
+def _calls_blas(fn, *args, bf16: bool | None = None) -> bool:
+    """Whether ``fn``'s program calls a BLAS GEMM (``bf16``: MKL's bfloat16 one alone;
+    False: OpenBLAS's alone; None: either)."""
+    text = jax.jit(fn).lower(*args).as_text()
+    float32, bfloat16 = (build.target(t) in text
+                         for t in (build.TARGET_GEMM, build.TARGET_GEMM_BF16))
+    return {None: float32 or bfloat16, True: bfloat16 and not float32,
+            False: float32 and not bfloat16}[bf16]
 
 
 @pytest.mark.parametrize("x_shape, n", [((3, 37, 50), 29), ((1, 7), 1), ((2, 300, 96), 130)])
@@ -58,8 +69,9 @@ def test_half_precision_products_run_on_the_blas_in_float32(dtype, preferred):
     x, w = (jnp.asarray(a, dtype) for a in _draw((4, 33, 64), (64, 40), seed=7))
     fn = lambda x, w: gemm.dot_general(x, w, LINEAR(3),  # noqa: E731
                                        preferred_element_type=preferred)
-    assert _calls_blas(fn, x, w)
-    got = jax.jit(fn)(x, w)
+    with gemm.using_bf16("openblas"):  # (bfloat16's choice on CPUs without its units)
+        assert _calls_blas(fn, x, w, bf16=False)
+        got = jax.jit(fn)(x, w)
     xla = jax.lax.dot_general(x, w, LINEAR(3), preferred_element_type=preferred)
     assert got.dtype == xla.dtype == (dtype if preferred is None else jnp.float32)
     want = np.einsum("btk,kn->btn", np.asarray(x, np.float64), np.asarray(w, np.float64))
@@ -68,6 +80,60 @@ def test_half_precision_products_run_on_the_blas_in_float32(dtype, preferred):
     dx = jax.grad(lambda x: jnp.sum(fn(x, w).astype(jnp.float32)))(x)
     assert dx.dtype == dtype
     assert _rel(dx, np.broadcast_to(np.asarray(w, np.float64).sum(1), dx.shape)) < 1e-2
+
+
+@needs_mkl
+@pytest.mark.parametrize("preferred", [None, jnp.float32])
+@pytest.mark.parametrize("x_shape, n", [((1300, 96), 130), ((2, 37, 64), 40), ((1, 7), 1)])
+def test_bfloat16_products_on_mkl_equal_float64(x_shape, n, preferred):
+    """bfloat16 inputs on MKL's bfloat16 GEMM (its own call, no widening; 1300 rows are
+    three blocks of the threads' work): the float64 product of the inputs to float32's
+    precision, as the widened OpenBLAS product, before the result's rounding; the
+    gradient through XLA's products, in bfloat16."""
+    x, w = (jnp.asarray(a, jnp.bfloat16) for a in _draw(x_shape, (x_shape[-1], n), seed=8))
+    nd = len(x_shape)
+    fn = lambda x, w: gemm.dot_general(x, w, LINEAR(nd),  # noqa: E731
+                                       preferred_element_type=preferred)
+    want = np.einsum("...k,kn->...n", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    with gemm.using_bf16("mkl"):
+        assert _calls_blas(fn, x, w, bf16=True)
+        got = jax.jit(fn)(x, w)
+        dx = jax.jit(jax.grad(lambda x: jnp.sum(fn(x, w).astype(jnp.float32))))(x)
+    with gemm.using_bf16("openblas"):
+        widened = jax.jit(fn)(x, w)
+    assert got.dtype == widened.dtype == (jnp.bfloat16 if preferred is None else jnp.float32)
+    assert _rel(got, want) < (TOL if preferred is not None else BF16_EPS)
+    assert _rel(got, widened) < (TOL if preferred is not None else BF16_EPS)
+    assert dx.dtype == jnp.bfloat16
+    assert _rel(dx, np.broadcast_to(np.asarray(w, np.float64).sum(1), dx.shape)) < 1e-2
+
+
+def test_bfloat16_products_go_to_mkl_where_the_cpu_has_bfloat16_units(monkeypatch):
+    """The choice: MKL for bfloat16 where the CPU's flags name a bfloat16 unit and MKL
+    is installed; widened to float32 without a unit, without MKL, or where OpenBLAS is
+    asked for; asking for MKL where it is missing is an error that says so."""
+    for flags, units in ((set(), None), ({"avx512_bf16"}, "AVX512-BF16"),
+                         ({"amx_bf16", "avx512_bf16"}, "AMX-BF16, AVX512-BF16")):
+        monkeypatch.setattr(build, "cpu_flags", lambda flags=flags: flags)
+        chosen = gemm.bf16_library()
+        if units is None:
+            assert chosen is None and "no bfloat16 units" in gemm.library_name()
+        elif NO_MKL is None:
+            assert chosen.startswith("oneMKL") and chosen.endswith(f"({units})")
+            assert "bfloat16: oneMKL" in gemm.library_name()
+        else:
+            assert chosen is None and NO_MKL in gemm.library_name()
+        with gemm.using_bf16("openblas"):
+            assert gemm.bf16_library() is None
+    monkeypatch.setenv(gemm.ENV, "openblas")
+    assert gemm.bf16_library() is None and "OpenBLAS chosen" in gemm.library_name()
+    monkeypatch.setattr(gemm, "_mkl", lambda: (None, None, "MKL is not installed"))
+    monkeypatch.setenv(gemm.ENV, "mkl")
+    with pytest.raises(RuntimeError, match="MKL were asked for, but MKL is not installed"):
+        gemm.bf16_library()
+    with pytest.raises(ValueError, match="library must be 'mkl' or 'openblas'"):
+        with gemm.using_bf16("onednn"):
+            pass
 
 
 def test_derivatives_equal_float64_in_both_modes_and_under_vmap():

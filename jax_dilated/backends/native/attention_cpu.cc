@@ -73,6 +73,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel_units.h"
 
 namespace ffi = xla::ffi;
 
@@ -1467,45 +1468,16 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
   }
 }
 
-// units [0, count) of work shared by an atomic counter among the calling thread and
-// tasks on XLA's intra-op thread pool (so a call uses the threads XLA was given and
-// no more); each thread passes its own scratch (made by the first unit that needs
-// it) to every unit it runs. Held by shared_ptr: a task that starts only after the
-// caller has finished every unit (the pool was busy) finds none left and touches
-// nothing else.
+// Each thread of a call (parallel_units.h) keeps its own scratch, made by the first
+// unit that needs it, for every unit it runs.
 struct ThreadScratch {
   std::unique_ptr<Scratch> fwd;
   std::unique_ptr<BwdScratch> bwd;
 };
 using Unit = std::function<void(int64_t, ThreadScratch&)>;
 
-struct Shared {
-  Unit unit;
-  int64_t count;
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-void drain(Shared& w) {
-  ThreadScratch scratch;
-  for (;;) {
-    const int64_t u = w.next.fetch_add(1);
-    if (u >= w.count) return;
-    w.unit(u, scratch);
-    w.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 void parallel_for(ffi::ThreadPool& pool, int64_t count, Unit unit) {
-  if (count <= 0) return;
-  auto w = std::make_shared<Shared>();
-  w->unit = std::move(unit);
-  w->count = count;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = std::min<int64_t>(threads, count) - 1;
-  for (int64_t i = 0; i < helpers; i++) pool.Schedule([w]() { drain(*w); });
-  drain(*w);
-  // every unit claimed; wait for those still running on other threads
-  while (w->done.load(std::memory_order_acquire) < w->count) std::this_thread::yield();
+  jax_dilated::parallel_for<ThreadScratch>(pool, count, std::move(unit));
 }
 
 // Attention over `count` items (item(i) gives item i's Item: where its rows are, at

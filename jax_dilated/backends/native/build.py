@@ -1,7 +1,7 @@
 """Compile the native CPU kernel on first use, cache it, and register it with XLA.
 
-The kernel (``attention_cpu.cc``, with ``gemm_cpu.cc``: the dense products' call into a
-BLAS, :mod:`.gemm`) is C++ against XLA's FFI headers, which ship with
+The kernel (``attention_cpu.cc``, with ``gemm_cpu.cc``: the dense products' calls into a
+BLAS, :mod:`.gemm`; and the header ``parallel_units.h`` they share) is C++ against XLA's FFI headers, which ship with
 ``jaxlib`` (``jax.ffi.include_dir()``), so it is compiled on the user's machine, for
 its CPU and its jaxlib, by the system's C++ compiler (``$CXX``, else ``c++``). One
 source serves these instruction sets, chosen for the machine:
@@ -64,15 +64,18 @@ SOURCE = pathlib.Path(__file__).with_name("attention_cpu.cc")
 # compiled into every build beside the kernel's source: the dense products' call into a
 # BLAS GEMM (jax_dilated/backends/native/gemm.py)
 GEMM_SOURCE = pathlib.Path(__file__).with_name("gemm_cpu.cc")
+# the header both include (found by -I this directory, also for a `using` source)
+HEADER = pathlib.Path(__file__).with_name("parallel_units.h")
 # the FFI calls (the stem of their targets' names in XLA) and their handlers' symbols
 TARGET = "jax_dilated_attention_forward_cpu"
 TARGET_DILATED = "jax_dilated_dilated_attention_forward_cpu"
 TARGET_DILATED_BACKWARD = "jax_dilated_dilated_attention_backward_cpu"
 TARGET_GEMM = "jax_dilated_gemm_cpu"
+TARGET_GEMM_BF16 = "jax_dilated_gemm_bf16_cpu"
 _SYMBOLS = {TARGET: "JaxDilatedAttentionForwardCpu",
             TARGET_DILATED: "JaxDilatedAttentionDilatedForwardCpu",
             TARGET_DILATED_BACKWARD: "JaxDilatedAttentionDilatedBackwardCpu",
-            TARGET_GEMM: "JaxDilatedGemmCpu"}
+            TARGET_GEMM: "JaxDilatedGemmCpu", TARGET_GEMM_BF16: "JaxDilatedGemmBf16Cpu"}
 # the symbol naming the instruction set the library was compiled for
 _ISA_SYMBOL = "JaxDilatedNativeIsa"
 # the symbol of the library's self-test (0: its bfloat16 path computes attention and
@@ -317,7 +320,8 @@ def _build(compiler: str, isa_: str, source: pathlib.Path) -> pathlib.Path:
     include = jax.ffi.include_dir()
     flags = (*_FLAGS, *_ISA_FLAGS[isa_])
     key = hashlib.sha256()
-    for part in (source.read_bytes(), GEMM_SOURCE.read_bytes(), compiler.encode(),
+    for part in (source.read_bytes(), GEMM_SOURCE.read_bytes(), HEADER.read_bytes(),
+                 compiler.encode(),
                  " ".join(flags).encode(),
                  jaxlib.__version__.encode(), " ".join(sorted(cpu_flags())).encode(),
                  platform.processor().encode(), platform.machine().encode()):
@@ -353,7 +357,8 @@ def _compile(compiler: str, flags: tuple, sources: tuple[pathlib.Path, ...], inc
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        run = subprocess.run([compiler, *flags, f"-I{include}", *map(str, sources), "-o", tmp],
+        run = subprocess.run([compiler, *flags, f"-I{include}", f"-I{HEADER.parent}",
+                              *map(str, sources), "-o", tmp],
                              capture_output=True, text=True, timeout=300)
         if run.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-500:]}")

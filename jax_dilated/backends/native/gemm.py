@@ -11,10 +11,23 @@ product on another platform than the CPU, to ``jax.lax.dot_general`` unchanged:
 
     y [..., N] = x [..., K] . w [K, N]      (float32 products and sums)
 
-bfloat16 and float16 inputs are widened to float32 (exactly) and the result rounded to
-their dtype, or left in float32 for ``preferred_element_type=float32``: what XLA's own
-half-precision dot computes on a CPU, and faster than it on CPUs measured so far,
-which have no bfloat16 GEMM in XLA or in this OpenBLAS (docs/benchmarks.md).
+bfloat16 inputs go, where the CPU multiplies bfloat16 itself (``amx_bf16`` or
+``avx512_bf16`` among its flags) and oneMKL is installed (``pip install
+jax-dilated[mkl]``), to MKL's ``cblas_gemm_bf16bf16f32``: bfloat16 products summed in
+float32 on the CPU's bfloat16 units (AMX tiles, ``vdpbf16ps``), the rows cut into
+blocks among XLA's threads:
+
+    y [..., N] = x [..., K] . w [K, N]      (bfloat16 products, float32 sums)
+
+Elsewhere bfloat16 and float16 inputs are widened to float32 (exactly) for OpenBLAS.
+Both compute the products of the rounded inputs exactly (a bfloat16 product fits a
+float32) and sum them in float32, so they differ only in the order of the sums; the
+result is rounded to the inputs' dtype, or left in float32 for
+``preferred_element_type=float32``: what XLA's own half-precision dot computes on a
+CPU, and faster than it (docs/benchmarks.md, "CPU: the dense layers' products").
+``JAX_DILATED_DENSE=mkl`` sends bfloat16 products to MKL on any x86-64 CPU (MKL
+computes them without bfloat16 units too), ``=openblas`` keeps them on OpenBLAS;
+:func:`using_bf16` does so for the programs traced inside it.
 
 Its derivatives are those of the same product by XLA (a ``custom_jvp`` whose tangents
 are ``jax.lax.dot_general``, which JAX transposes for reverse mode), so forward- and
@@ -22,9 +35,10 @@ reverse-mode differentiation, ``vmap`` and ``jit`` work as for ``jax.lax.dot_gen
 only the primal product runs on the BLAS (inference, and the forward of training).
 
 The BLAS is OpenBLAS from the ``scipy-openblas32`` wheel (a dependency on Linux, the
-OpenBLAS NumPy and SciPy ship). Where it or the native library is missing, or
-``JAX_DILATED_DENSE=xla`` is set (read once, on the first product), every product is
-XLA's and :func:`unavailable_reason` says why. The product runs on one device's
+OpenBLAS NumPy and SciPy ship); MKL is the ``mkl`` wheel's ``libmkl_rt`` (an optional
+extra), run sequentially on each block. Where OpenBLAS or the native library is
+missing, or ``JAX_DILATED_DENSE=xla`` is set (read once, on the first product), every
+product is XLA's and :func:`unavailable_reason` says why. The product runs on one device's
 buffers, so a program sharded over a mesh by XLA (GSPMD) keeps XLA's dot: the layers
 and models take :func:`for_mesh`'s choice, the BLAS only when they run without a mesh
 (inside ``shard_map`` each device's product is local and may use it).
@@ -32,9 +46,13 @@ and models take :func:`for_mesh`'s choice, the BLAS only when they run without a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import ctypes.util
 import functools
 import os
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +60,17 @@ import numpy as np
 
 from jax_dilated.backends.native import build
 
-__all__ = ["dot_general", "for_mesh", "unavailable_reason", "library_name", "ENV"]
+__all__ = ["dot_general", "for_mesh", "unavailable_reason", "library_name", "bf16_library",
+           "using_bf16", "ENV"]
 
-# "xla" sends every product to XLA's dot
+# "xla" sends every product to XLA's dot; "mkl" / "openblas" choose bfloat16's GEMM
 ENV = "JAX_DILATED_DENSE"
+_CHOICES = ("", "xla", "mkl", "openblas")
+# the CPU flags of bfloat16 matrix units, whose presence makes MKL bfloat16's GEMM
+_BF16_UNITS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}
+# mkl_service.h's codes
+_MKL_THREADING_SEQUENTIAL = 1
+_MKL_INTERFACE_LP64 = 0
 _INT32_MAX = 2**31 - 1
 # the input dtypes the BLAS multiplies (half precision widened to float32: exact)
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -55,10 +80,7 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float1
 def _blas() -> tuple[str | None, int | None, str | None]:
     """``(description, address of its cblas_sgemm, None)`` where the native library can
     call OpenBLAS's GEMM, else ``(None, None, why not)`` (once per process)."""
-    choice = os.environ.get(ENV, "")
-    if choice not in ("", "xla"):
-        raise ValueError(f"{ENV} must be 'xla' (XLA's dot for every product) or unset, got "
-                         f"{choice!r}.")
+    choice = _choice()
     if choice == "xla":
         return None, None, f"{ENV}=xla"
     # OpenBLAS's idle threads spin for about 2**28 cycles after each product, competing
@@ -81,18 +103,102 @@ def _blas() -> tuple[str | None, int | None, str | None]:
     return f"OpenBLAS {scipy_openblas32.__version__} cblas_sgemm", address, None
 
 
-# the libraries (by path) whose GEMM is set
+def _choice() -> str:
+    choice = os.environ.get(ENV, "").strip().lower()
+    if choice not in _CHOICES:
+        raise ValueError(f"{ENV} must be 'xla' (XLA's dot for every product), 'mkl' or "
+                         f"'openblas' (bfloat16's products on that library) or unset, got "
+                         f"{choice!r}.")
+    return choice
+
+
+# the bfloat16 GEMMs `using_bf16` selects, innermost last
+_bf16_override: list[str] = []
+
+
+@contextlib.contextmanager
+def using_bf16(library: str):
+    """Programs traced inside send bfloat16 products to ``library``: ``"mkl"`` (MKL's
+    bfloat16 GEMM, on any x86-64 CPU; an error where MKL is not installed) or
+    ``"openblas"`` (widened to float32), as ``JAX_DILATED_DENSE`` does for a whole
+    process (benchmarks of one against the other, tests of MKL's call on CPUs without
+    bfloat16 units). JAX's caches are cleared on entry and exit, so that nothing traced
+    under one choice is reused under the other."""
+    if library not in ("mkl", "openblas"):
+        raise ValueError(f"library must be 'mkl' or 'openblas', got {library!r}")
+    _bf16_override.append(library)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _bf16_override.pop()
+        jax.clear_caches()
+
+
+def _bf16_route() -> tuple[str | None, str | None]:
+    """``(MKL's description, None)`` where bfloat16 products go to MKL's GEMM (module
+    docstring), else ``(None, why not)``."""
+    choice = _bf16_override[-1] if _bf16_override else _choice()
+    if _blas()[2] is not None:
+        return None, _blas()[2]
+    if choice == "openblas":
+        return None, "OpenBLAS chosen"
+    units = [name for flag, name in _BF16_UNITS.items() if flag in build.cpu_flags()]
+    if not units and choice != "mkl":
+        return None, "the CPU has no bfloat16 units (no amx_bf16 or avx512_bf16 flag)"
+    description, _, why = _mkl()
+    if why is not None:
+        if choice == "mkl":
+            raise RuntimeError(f"bfloat16 products on MKL were asked for, but {why}.")
+        return None, why
+    return f"{description} ({', '.join(units) or 'this CPU has no bfloat16 units'})", None
+
+
+@functools.lru_cache(maxsize=None)
+def _mkl() -> tuple[str | None, int | None, str | None]:
+    """``(description, address of MKL's cblas_gemm_bf16bf16f32, None)``, else
+    ``(None, None, why not)`` (loaded once per process)."""
+    path = _mkl_path()
+    if path is None:
+        return None, None, "oneMKL's libmkl_rt is not installed (pip install mkl)"
+    mkl = ctypes.CDLL(str(path))
+    # before any other MKL call: 32-bit integers, and no threads of MKL's own (the
+    # native call cuts the rows among XLA's); a layer another library set first stays
+    mkl.MKL_Set_Interface_Layer(_MKL_INTERFACE_LP64)
+    layer = mkl.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL)
+    version = ctypes.create_string_buffer(200)
+    mkl.mkl_get_version_string(version, len(version))
+    number = version.value.decode(errors="replace").split("Version ")[-1].split("-")[0]
+    threaded = "" if layer == _MKL_THREADING_SEQUENTIAL else ", MKL threaded"
+    address = ctypes.cast(mkl.cblas_gemm_bf16bf16f32, ctypes.c_void_p).value
+    return f"oneMKL {number.strip()} cblas_gemm_bf16bf16f32{threaded}", address, None
+
+
+def _mkl_path() -> pathlib.Path | None:
+    """The mkl wheel's libmkl_rt (it installs into the environment's lib directory),
+    else one the system's loader finds, else None."""
+    for name in ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so"):
+        path = pathlib.Path(sys.prefix) / "lib" / name
+        if path.exists():
+            return path
+    found = ctypes.util.find_library("mkl_rt")
+    return pathlib.Path(found) if found else None
+
+
+# (library path, bfloat16 or not) whose GEMM is set
 _pointed: set = set()
 
 
-def _target(library: build.Library) -> str:
-    """The GEMM call's target in ``library`` (the build in use, which
-    :func:`jax_dilated.backends.native.build.using` may switch), its GEMM set first."""
-    if library.path not in _pointed:
-        library.handle.JaxDilatedSetSgemm.argtypes = [ctypes.c_void_p]
-        library.handle.JaxDilatedSetSgemm(_blas()[1])
-        _pointed.add(library.path)
-    return library.targets[build.TARGET_GEMM]
+def _target(library: build.Library, bf16: bool) -> str:
+    """The target of the GEMM call (``bf16``: MKL's bfloat16 one) in ``library`` (the
+    build in use, which :func:`jax_dilated.backends.native.build.using` may switch),
+    its GEMM set first."""
+    if (library.path, bf16) not in _pointed:
+        setter = library.handle.JaxDilatedSetGemmBf16 if bf16 else library.handle.JaxDilatedSetSgemm
+        setter.argtypes = [ctypes.c_void_p]
+        setter(_mkl()[1] if bf16 else _blas()[1])
+        _pointed.add((library.path, bf16))
+    return library.targets[build.TARGET_GEMM_BF16 if bf16 else build.TARGET_GEMM]
 
 
 def unavailable_reason() -> str | None:
@@ -102,8 +208,17 @@ def unavailable_reason() -> str | None:
 
 
 def library_name() -> str | None:
-    """The GEMM the products call (for ``jd.backend_report()``), or None."""
-    return _blas()[0]
+    """The GEMMs the products call (for ``jd.backend_report()``), or None."""
+    if _blas()[0] is None:
+        return None
+    bf16, why = _bf16_route()
+    return f"{_blas()[0]}; bfloat16: {bf16 or f'widened to float32 ({why})'}"
+
+
+def bf16_library() -> str | None:
+    """MKL's bfloat16 GEMM where bfloat16 products go to it (the CPU's bfloat16 units
+    in brackets), else None."""
+    return _bf16_route()[0]
 
 
 def _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding):
@@ -145,23 +260,30 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type, **kw)
     lead = lhs.shape[:-1]
-    a = lhs.reshape(-1, lhs.shape[-1]).astype(jnp.float32)
-    y = _matmul(a, rhs.astype(jnp.float32))
+    # bfloat16 as stored for MKL; else float32, exactly, for OpenBLAS
+    wide = jnp.bfloat16 if lhs.dtype == jnp.bfloat16 and bf16_library() else jnp.float32
+    a = lhs.reshape(-1, lhs.shape[-1]).astype(wide)
+    y = _matmul(a, rhs.astype(wide))
     return y.reshape(*lead, rhs.shape[1]).astype(out)
 
 
 @jax.custom_jvp
 def _matmul(a, b):
-    """``a [M, K] . b [K, N]`` by the BLAS on the CPU, by XLA elsewhere."""
-    return jax.lax.platform_dependent(a, b, cpu=_blas_matmul, default=jnp.matmul)
+    """``a [M, K] . b [K, N]`` (float32, or bfloat16 for MKL) into float32, by the BLAS
+    on the CPU, by XLA elsewhere."""
+    return jax.lax.platform_dependent(a, b, cpu=_blas_matmul, default=_xla_matmul)
+
+
+def _xla_matmul(a, b):
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
 
 
 def _matmul_jvp(primals, tangents):
     a, b = primals
     # XLA's products, which JAX can transpose (the FFI call it could not); a zero
     # tangent (an input not differentiated) adds no product
-    terms = [jnp.matmul(t, b) for t in tangents[:1] if not _zero(t)]
-    terms += [jnp.matmul(a, t) for t in tangents[1:] if not _zero(t)]
+    terms = [_xla_matmul(t, b) for t in tangents[:1] if not _zero(t)]
+    terms += [_xla_matmul(a, t) for t in tangents[1:] if not _zero(t)]
     y = _matmul(a, b)
     return y, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(y)
 
@@ -181,7 +303,7 @@ def for_mesh(mesh: jax.sharding.Mesh | None):
 
 
 def _blas_matmul(a, b):
-    call = jax.ffi.ffi_call(_target(build.library()),
+    call = jax.ffi.ffi_call(_target(build.library(), bf16=a.dtype == jnp.bfloat16),
                             jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), jnp.float32),
                             vmap_method="sequential")
     return call(a, b)
