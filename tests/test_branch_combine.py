@@ -57,8 +57,11 @@ def test_split_groups_equal_the_xla_kernel(default_kernel, monkeypatch, h, hkv, 
     k, v = (jnp.asarray(rng.standard_normal((2, t, hkv, d))) for _ in range(2))
     results = []
     for impl in (None, "xla"):
-        out, vjp = jax.vjp(_call(segs, rates, causal, impl), q, k, v)
-        results.append((out, *vjp(g)))
+        def out_and_grads(q, k, v, g, impl=impl):
+            out, vjp = jax.vjp(_call(segs, rates, causal, impl), q, k, v)
+            return (out, *vjp(g))
+        # jitted: op by op, the two programs took most of this test's time
+        results.append(jax.jit(out_and_grads)(q, k, v, g))
     assert used, "the batched program did not run"
     for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
         assert_close(np.asarray(got), np.asarray(want), TOL["float64"], name)
