@@ -125,6 +125,8 @@ def test_bfloat16_products_go_to_mkl_where_the_cpu_has_bfloat16_units(monkeypatc
             assert chosen is None and NO_MKL in gemm.library_name()
         with gemm.using_bf16("openblas"):
             assert gemm.bf16_library() is None
+    # (the variable is read once per process: read here at each call instead)
+    monkeypatch.setattr(gemm, "_process_choice", lambda: os.environ.get(gemm.ENV, ""))
     monkeypatch.setenv(gemm.ENV, "openblas")
     assert gemm.bf16_library() is None and "OpenBLAS chosen" in gemm.library_name()
     monkeypatch.setattr(gemm, "_mkl", lambda: (None, None, "MKL is not installed"))

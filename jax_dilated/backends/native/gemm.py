@@ -66,7 +66,7 @@ __all__ = ["dot_general", "for_mesh", "unavailable_reason", "library_name", "bf1
 # "xla" sends every product to XLA's dot; "mkl" / "openblas" choose bfloat16's GEMM
 ENV = "JAX_DILATED_DENSE"
 _CHOICES = ("", "xla", "mkl", "openblas")
-# the CPU flags of bfloat16 matrix units, whose presence makes MKL bfloat16's GEMM
+# the CPU flags of bfloat16 units (where one is present, bfloat16 products go to MKL)
 _BF16_UNITS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}
 # mkl_service.h's codes
 _MKL_THREADING_SEQUENTIAL = 1
@@ -104,6 +104,7 @@ def _blas() -> tuple[str | None, int | None, str | None]:
 
 
 def _choice() -> str:
+    """``$JAX_DILATED_DENSE``, checked."""
     choice = os.environ.get(ENV, "").strip().lower()
     if choice not in _CHOICES:
         raise ValueError(f"{ENV} must be 'xla' (XLA's dot for every product), 'mkl' or "
@@ -138,7 +139,7 @@ def using_bf16(library: str):
 def _bf16_route() -> tuple[str | None, str | None]:
     """``(MKL's description, None)`` where bfloat16 products go to MKL's GEMM (module
     docstring), else ``(None, why not)``."""
-    choice = _bf16_override[-1] if _bf16_override else _choice()
+    choice = _bf16_override[-1] if _bf16_override else _process_choice()
     if _blas()[2] is not None:
         return None, _blas()[2]
     if choice == "openblas":
@@ -152,6 +153,12 @@ def _bf16_route() -> tuple[str | None, str | None]:
             raise RuntimeError(f"bfloat16 products on MKL were asked for, but {why}.")
         return None, why
     return f"{description} ({', '.join(units) or 'this CPU has no bfloat16 units'})", None
+
+
+@functools.lru_cache(maxsize=None)
+def _process_choice() -> str:
+    """``$JAX_DILATED_DENSE`` as first read in this process."""
+    return _choice()
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,7 +201,8 @@ def _target(library: build.Library, bf16: bool) -> str:
     build in use, which :func:`jax_dilated.backends.native.build.using` may switch),
     its GEMM set first."""
     if (library.path, bf16) not in _pointed:
-        setter = library.handle.JaxDilatedSetGemmBf16 if bf16 else library.handle.JaxDilatedSetSgemm
+        handle = library.handle
+        setter = handle.JaxDilatedSetGemmBf16 if bf16 else handle.JaxDilatedSetSgemm
         setter.argtypes = [ctypes.c_void_p]
         setter(_mkl()[1] if bf16 else _blas()[1])
         _pointed.add((library.path, bf16))
