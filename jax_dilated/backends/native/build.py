@@ -3,8 +3,9 @@
 The kernel (``attention_cpu.cc``, with ``gemm_cpu.cc``: the dense products' calls into a
 BLAS, :mod:`.gemm`; and the header ``parallel_units.h`` they share) is C++ against
 XLA's FFI headers, which ship with ``jaxlib`` (``jax.ffi.include_dir()``), so it is
-compiled on the user's machine, for its CPU and its jaxlib, by the system's C++ compiler (``$CXX``, else ``c++``). One
-source serves these instruction sets, chosen for the machine:
+compiled on the user's machine, for its CPU and its jaxlib, by the system's C++
+compiler (``$CXX``, else ``c++``). One source serves these instruction sets, chosen
+for the machine:
 
 - ``amx``: x86-64 CPUs with AMX-BF16 (Intel Sapphire Rapids and later): as
   ``avx512_bf16``, with the products of the forward and the fused backward on
