@@ -106,8 +106,19 @@ def test_low_precision_on_each_kernel(reference, implementation, dtype):
 GIGAPATH = ((1024, 5792, 32768, 185363, 1048576), (1, 2, 4, 8, 16))
 
 
+@pytest.fixture(scope="module")
+def gigapath_slide(reference):
+    """1,068 tiles (1069 tokens, 8 heads) with Prov-GigaPath's default segments: q, k, v,
+    a cotangent, and the reference's output and gradients (the same for every kernel's
+    case: computed once, 5 s)."""
+    t, (segs, rates) = 1069, GIGAPATH
+    q, k, v = _inputs(t, 8, batch=1, seed=3)
+    ct = np.random.default_rng(4).standard_normal(q.shape)
+    return (q, k, v, ct), _torch_out(reference, q, k, v, segs, rates, False, ct)
+
+
 @pytest.mark.parametrize("implementation", _kernels())
-def test_unshifted_branches_add_their_zero_slots_in_place(reference, monkeypatch,
+def test_unshifted_branches_add_their_zero_slots_in_place(gigapath_slide, monkeypatch,
                                                           implementation):
     """Where no branch shifts (Prov-GigaPath's slides below 185,363 tiles), each branch
     runs on the sequence itself and its zero slots are added to its softmax afterwards:
@@ -117,9 +128,8 @@ def test_unshifted_branches_add_their_zero_slots_in_place(reference, monkeypatch
     assert ts.unshifted(ts.padded_branches(zip(segs, rates), t))
     assert ts.zero_slots(ts.padded_branches(zip(segs, rates), t)[0], np.arange(8), 8)[
         1024:].max() == 979
-    q, k, v = _inputs(t, 8, batch=1, seed=3)
-    ct = np.random.default_rng(4).standard_normal(q.shape)
-    want, want_grads = _torch_out(reference, q, k, v, segs, rates, False, ct)
+    (q, k, v, ct), (want, want_grads) = gigapath_slide
+    assert q.shape[1] == t
     dtype = "float64" if implementation == "xla" else "float32"  # native: no float64
     results = []
     for in_place in (True, False):
