@@ -10,15 +10,13 @@ interleaved, in the ways a layer can ask for them, beside PyTorch's:
 - ``xla bfloat16, float32 sums``: bfloat16 inputs, ``preferred_element_type=float32``,
   the result rounded to bfloat16;
 - ``xla bfloat16 via float32``: the inputs converted to float32 inside the program;
-- ``jax-dilated float32 (BLAS)``: the layers' and models' product
+- ``jax-dilated float32 (OpenBLAS)``: the layers' and models' product
   (:func:`jax_dilated.backends.native.gemm.dot_general`: OpenBLAS's float32 GEMM by an
   FFI call), where it is available;
 - ``jax-dilated bfloat16 (OpenBLAS, widened)``: the same with bfloat16 inputs widened
-  to float32 and the result rounded back (the layers' choice on CPUs without bfloat16
-  units);
+  to float32 and the result rounded back (the layers' choice without MKL);
 - ``jax-dilated bfloat16 (MKL)``: bfloat16 inputs on oneMKL's bfloat16 GEMM (the
-  layers' choice on CPUs with bfloat16 units), where MKL is installed (``pip install
-  mkl``);
+  layers' choice wherever MKL is installed: ``pip install mkl``);
 - ``torch float32`` and ``torch bfloat16`` (oneDNN): PyTorch's ``matmul``.
 
 Where the CPU has no bfloat16 unit (no ``avx512_bf16`` or ``amx_bf16`` flag), torch's
@@ -82,7 +80,7 @@ def xla_variants(x32, w32):
             "xla bfloat16, float32 sums": lambda: f32_sums(x16, w16),
             "xla bfloat16 via float32": lambda: via_f32(x16, w16)}
     if gemm.unavailable_reason() is None:
-        calls["jax-dilated float32 (BLAS)"] = lambda: blas(x32, w32)
+        calls["jax-dilated float32 (OpenBLAS)"] = lambda: blas(x32, w32)
         for library, name in (("openblas", "OpenBLAS, widened"), ("mkl", "MKL")):
             try:
                 with gemm.using_bf16(library):  # compiled with that choice, run after

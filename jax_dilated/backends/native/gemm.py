@@ -11,23 +11,23 @@ product on another platform than the CPU, to ``jax.lax.dot_general`` unchanged:
 
     y [..., N] = x [..., K] . w [K, N]      (float32 products and sums)
 
-bfloat16 inputs go, where the CPU multiplies bfloat16 itself (``amx_bf16`` or
-``avx512_bf16`` among its flags) and oneMKL is installed (``pip install
-jax-dilated[mkl]``), to MKL's ``cblas_gemm_bf16bf16f32``: bfloat16 products summed in
-float32 on the CPU's bfloat16 units (AMX tiles, ``vdpbf16ps``), the rows cut into
-blocks among XLA's threads:
+bfloat16 inputs go, where oneMKL is installed (``pip install jax-dilated[mkl]``,
+x86-64 Linux), to MKL's ``cblas_gemm_bf16bf16f32``: bfloat16 products summed in
+float32, on the CPU's bfloat16 units where it has them (AMX tiles, ``vdpbf16ps``), the
+rows cut into blocks among XLA's threads:
 
     y [..., N] = x [..., K] . w [K, N]      (bfloat16 products, float32 sums)
 
-Elsewhere bfloat16 and float16 inputs are widened to float32 (exactly) for OpenBLAS.
-Both compute the products of the rounded inputs exactly (a bfloat16 product fits a
-float32) and sum them in float32, so they differ only in the order of the sums; the
-result is rounded to the inputs' dtype, or left in float32 for
+Without MKL, bfloat16 and float16 inputs are widened to float32 (exactly) for
+OpenBLAS. Both compute the products of the rounded inputs exactly (a bfloat16 product
+fits a float32) and sum them in float32, so they differ only in the order of the sums;
+the result is rounded to the inputs' dtype, or left in float32 for
 ``preferred_element_type=float32``: what XLA's own half-precision dot computes on a
-CPU, and faster than it (docs/benchmarks.md, "CPU: the dense layers' products").
-``JAX_DILATED_DENSE=mkl`` sends bfloat16 products to MKL on any x86-64 CPU (MKL
-computes them without bfloat16 units too), ``=openblas`` keeps them on OpenBLAS;
-:func:`using_bf16` does so for the programs traced inside it.
+CPU, and faster than it. MKL's is the faster of the two even without bfloat16 units
+(OpenBLAS needs a widened float32 copy of the inputs first, one more pass over
+them): on a Zen 3, 1.31x on a 768-wide projection and about equal on a 3072-wide one (docs/benchmarks.md, "CPU: the dense layers' products").
+``JAX_DILATED_DENSE=openblas`` keeps bfloat16 products on OpenBLAS (``=mkl`` makes a
+missing MKL an error); :func:`using_bf16` chooses for the programs traced inside it.
 
 Its derivatives are those of the same product by XLA (a ``custom_jvp`` whose tangents
 are ``jax.lax.dot_general``, which JAX transposes for reverse mode), so forward- and
@@ -66,7 +66,7 @@ __all__ = ["dot_general", "for_mesh", "unavailable_reason", "library_name", "bf1
 # "xla" sends every product to XLA's dot; "mkl" / "openblas" choose bfloat16's GEMM
 ENV = "JAX_DILATED_DENSE"
 _CHOICES = ("", "xla", "mkl", "openblas")
-# the CPU flags of bfloat16 units (where one is present, bfloat16 products go to MKL)
+# the CPU flags of bfloat16 units (which MKL's bfloat16 GEMM multiplies on)
 _BF16_UNITS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}
 # mkl_service.h's codes
 _MKL_THREADING_SEQUENTIAL = 1
@@ -120,10 +120,9 @@ _bf16_override: list[str] = []
 @contextlib.contextmanager
 def using_bf16(library: str):
     """Programs traced inside send bfloat16 products to ``library``: ``"mkl"`` (MKL's
-    bfloat16 GEMM, on any x86-64 CPU; an error where MKL is not installed) or
-    ``"openblas"`` (widened to float32), as ``JAX_DILATED_DENSE`` does for a whole
-    process (benchmarks of one against the other, tests of MKL's call on CPUs without
-    bfloat16 units). JAX's caches are cleared on entry and exit, so that nothing traced
+    bfloat16 GEMM; an error where MKL is not installed) or ``"openblas"`` (widened to
+    float32), as ``JAX_DILATED_DENSE`` does for a whole process (benchmarks of one
+    against the other, tests of both). JAX's caches are cleared on entry and exit, so that nothing traced
     under one choice is reused under the other."""
     if library not in ("mkl", "openblas"):
         raise ValueError(f"library must be 'mkl' or 'openblas', got {library!r}")
@@ -145,8 +144,6 @@ def _bf16_route() -> tuple[str | None, str | None]:
     if choice == "openblas":
         return None, "OpenBLAS chosen"
     units = [name for flag, name in _BF16_UNITS.items() if flag in build.cpu_flags()]
-    if not units and choice != "mkl":
-        return None, "the CPU has no bfloat16 units (no amx_bf16 or avx512_bf16 flag)"
     description, _, why = _mkl()
     if why is not None:
         if choice == "mkl":
