@@ -7,8 +7,8 @@
 // Two calls:
 // - Gemm: float32 a and b, by a cblas_sgemm (OpenBLAS), threaded by the BLAS;
 // - GemmBf16: bfloat16 a and b, products and sums in float32, by oneMKL's
-//   cblas_gemm_bf16bf16f32, which runs on the CPU's bfloat16 units (AMX-BF16 tiles,
-//   AVX512-BF16's vdpbf16ps). MKL runs sequentially here: the rows are cut into
+//   cblas_gemm_bf16bf16f32, which runs on the CPU's bfloat16 units where it has them
+//   (AMX-BF16 tiles, AVX512-BF16's vdpbf16ps). MKL runs sequentially here: the rows are cut into
 //   blocks shared among the threads of XLA's intra-op pool (parallel_units.h), as the
 //   attention kernel's work is, so a call uses the threads XLA was given and no more.
 //
