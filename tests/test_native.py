@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import sys
@@ -737,6 +738,32 @@ def test_each_build_is_chosen_forced_or_refused(monkeypatch, tmp_path):
     with build.using(source=broken):
         assert build.load().startswith("it did not build or load (RuntimeError")
     assert build.load() is None
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("objdump"),
+                    reason="needs an x86-64 machine and objdump (binutils)")
+def test_the_amx_build_compiles_on_any_x86_64_cpu(tmp_path):
+    """The ``amx`` build, whose code holds the ``avx512_bf16`` build's bfloat16 pair
+    path besides the tile path, compiles for a Sapphire Rapids on any x86-64 machine
+    (``-march=native`` replaced), with both bfloat16 instructions in its code: a change
+    that breaks the builds only CPUs with bfloat16 units run fails on every machine
+    that runs the tests. (Without optimisations, -O0: a third of the time, and the
+    question is whether it compiles, not how fast its code runs.)"""
+    build = native.build
+    replace = {"-march=native": "-march=sapphirerapids", "-O3": "-O0"}
+    flags = tuple(replace.get(f, f) for f in (*build._FLAGS, *build._ISA_FLAGS["amx"]))
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    library = tmp_path / "amx.so"
+    try:
+        build._compile(compiler, flags, (build.SOURCE, build.GEMM_SOURCE),
+                       jax.ffi.include_dir(), tmp_path, library)
+    except RuntimeError as err:
+        if "sapphirerapids" in str(err):
+            pytest.skip(f"this compiler does not know Sapphire Rapids ({err})")
+        raise
+    code = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "tdpbf16ps" in code and "vdpbf16ps" in code  # AMX tiles; AVX512-BF16 pairs
 
 
 @pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64")),
