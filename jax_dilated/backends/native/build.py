@@ -188,12 +188,24 @@ def using(isa: str | None = None, source: str | os.PathLike | None = None):
     build is reused under another; programs already compiled keep their build.
     """
     outer = _requested()
-    _override.append((isa or outer[0], str(source) if source is not None else outer[1]))
+    with traced_with(_override, (isa or outer[0],
+                                 str(source) if source is not None else outer[1])):
+        yield
+
+
+@contextlib.contextmanager
+def traced_with(stack: list, choice):
+    """``choice`` on top of ``stack`` (a module's choices, innermost last) while the
+    block runs, JAX's caches cleared on entry and exit: programs traced inside see it,
+    nothing traced under one choice is reused under another, and programs already
+    compiled keep theirs (:func:`using`, and the dense products'
+    :func:`~jax_dilated.backends.native.gemm.using_bf16`)."""
+    stack.append(choice)
     jax.clear_caches()
     try:
         yield
     finally:
-        _override.pop()
+        stack.pop()
         jax.clear_caches()
 
 
@@ -290,16 +302,18 @@ def _choose_isa(requested: str | None) -> str:
     return requested
 
 
-def cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
     """The CPU's flags from /proc/cpuinfo (x86-64 "flags", aarch64 "Features"); empty
-    where it cannot be read."""
+    where it cannot be read. Read once per process (the dense products ask at every
+    bfloat16 product they trace)."""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):  # x86-64; aarch64
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _cache_dir() -> pathlib.Path:

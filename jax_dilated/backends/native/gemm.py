@@ -23,9 +23,10 @@ OpenBLAS. Both compute the products of the rounded inputs exactly (a bfloat16 pr
 fits a float32) and sum them in float32, so they differ only in the order of the sums;
 the result is rounded to the inputs' dtype, or left in float32 for
 ``preferred_element_type=float32``: what XLA's own half-precision dot computes on a
-CPU, and faster than it. MKL's is the faster of the two even without bfloat16 units
-(OpenBLAS needs a widened float32 copy of the inputs first, one more pass over
-them): on a Zen 3, 1.31x on a 768-wide projection and about equal on a 3072-wide one (docs/benchmarks.md, "CPU: the dense layers' products").
+CPU, and faster than it. MKL's is at least as fast as the widened product even
+without bfloat16 units (OpenBLAS needs a widened float32 copy of the inputs first,
+one more pass over them): on a Zen 3, 1.31x on a 768-wide projection and about
+equal on a 3072-wide one (docs/benchmarks.md, "CPU: the dense layers' products").
 ``JAX_DILATED_DENSE=openblas`` keeps bfloat16 products on OpenBLAS (``=mkl`` makes a
 missing MKL an error); :func:`using_bf16` chooses for the programs traced inside it.
 
@@ -122,17 +123,12 @@ def using_bf16(library: str):
     """Programs traced inside send bfloat16 products to ``library``: ``"mkl"`` (MKL's
     bfloat16 GEMM; an error where MKL is not installed) or ``"openblas"`` (widened to
     float32), as ``JAX_DILATED_DENSE`` does for a whole process (benchmarks of one
-    against the other, tests of both). JAX's caches are cleared on entry and exit, so that nothing traced
-    under one choice is reused under the other."""
+    against the other, tests of both); JAX's caches are cleared on entry and exit
+    (:func:`jax_dilated.backends.native.build.traced_with`)."""
     if library not in ("mkl", "openblas"):
         raise ValueError(f"library must be 'mkl' or 'openblas', got {library!r}")
-    _bf16_override.append(library)
-    jax.clear_caches()
-    try:
+    with build.traced_with(_bf16_override, library):
         yield
-    finally:
-        _bf16_override.pop()
-        jax.clear_caches()
 
 
 def _bf16_route() -> tuple[str | None, str | None]:
