@@ -270,12 +270,33 @@ class _FeedForward(nnx.Module):
         self.dropout_module = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
 
     def __call__(self, x, *, deterministic: bool):
-        h = self.fc1(x)
-        # exact GELU in float32 at least (torchscale: activation_fn(x.float()).type_as(x))
-        h = _exact_gelu(h.astype(jnp.promote_types(h.dtype, jnp.float32))).astype(h.dtype)
-        h = self.activation_dropout_module(h, deterministic=deterministic)
-        h = self.fc2(self.ffn_layernorm(h))
-        return self.dropout_module(h, deterministic=deterministic)
+        fc1, norm = self.fc1, self.ffn_layernorm
+        dropped = not deterministic and self.activation_dropout_module.rate > 0.0
+        parts = (x, fc1.kernel[...], fc1.bias[...], norm.scale[...], norm.bias[...])
+        if (not dropped and fc1.dot_general is gemm.dot_general and fc1.dtype in (None, jnp.float32)
+                and gemm.gelu_norm_servable(*parts)):
+            # float32 on one CPU: fc1, the GELU and ffn_layernorm in one call (the
+            # epilogue while the product's rows are in the cache); same values
+            h = gemm.linear_gelu_norm(*parts, norm.epsilon, _fc1_gelu_norm)
+        else:
+            h = self.fc1(x)
+            # exact GELU in float32 at least (torchscale: activation_fn(x.float()).type_as(x))
+            h = _exact_gelu(h.astype(jnp.promote_types(h.dtype, jnp.float32))).astype(h.dtype)
+            h = self.activation_dropout_module(h, deterministic=deterministic)
+            h = norm(h)
+        return self.dropout_module(self.fc2(h), deterministic=deterministic)
+
+
+def _fc1_gelu_norm(x: Array, kernel: Array, bias: Array, scale: Array, shift: Array,
+                   eps: float) -> Array:
+    """``_FeedForward``'s fc1, GELU and ffn_layernorm (float32, no dropout) by JAX's
+    operations: the fused call's reference, whose derivatives it takes. The LayerNorm
+    is ``nnx.LayerNorm``'s with ``use_fast_variance=False`` (``_layer_norm``)."""
+    h = gemm.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ()))) + bias
+    g = _exact_gelu(h)
+    centred = g - jnp.mean(g, axis=-1, keepdims=True)
+    var = jnp.mean(centred * centred, axis=-1, keepdims=True)
+    return centred * jax.lax.rsqrt(var + eps) * scale + shift
 
 
 def _exact_gelu(x: Array) -> Array:

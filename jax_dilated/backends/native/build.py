@@ -73,10 +73,12 @@ TARGET_DILATED = "jax_dilated_dilated_attention_forward_cpu"
 TARGET_DILATED_BACKWARD = "jax_dilated_dilated_attention_backward_cpu"
 TARGET_GEMM = "jax_dilated_gemm_cpu"
 TARGET_GEMM_BF16 = "jax_dilated_gemm_bf16_cpu"
+TARGET_GEMM_GELU_NORM = "jax_dilated_gemm_gelu_norm_cpu"
 _SYMBOLS = {TARGET: "JaxDilatedAttentionForwardCpu",
             TARGET_DILATED: "JaxDilatedAttentionDilatedForwardCpu",
             TARGET_DILATED_BACKWARD: "JaxDilatedAttentionDilatedBackwardCpu",
-            TARGET_GEMM: "JaxDilatedGemmCpu", TARGET_GEMM_BF16: "JaxDilatedGemmBf16Cpu"}
+            TARGET_GEMM: "JaxDilatedGemmCpu", TARGET_GEMM_BF16: "JaxDilatedGemmBf16Cpu",
+            TARGET_GEMM_GELU_NORM: "JaxDilatedGemmGeluNormCpu"}
 # the symbol naming the instruction set the library was compiled for
 _ISA_SYMBOL = "JaxDilatedNativeIsa"
 # the symbol of the library's self-test (0: its bfloat16 path computes attention and

@@ -62,7 +62,7 @@ import numpy as np
 from jax_dilated.backends.native import build
 
 __all__ = ["dot_general", "for_mesh", "unavailable_reason", "library_name", "bf16_library",
-           "using_bf16", "ENV"]
+           "using_bf16", "ENV", "gelu_norm_servable", "linear_gelu_norm"]
 
 # "xla" sends every product to XLA's dot; "mkl" / "openblas" choose bfloat16's GEMM
 ENV = "JAX_DILATED_DENSE"
@@ -189,16 +189,19 @@ def _mkl_path() -> pathlib.Path | None:
 _pointed: set = set()
 
 
-def _target(library: build.Library, bf16: bool) -> str:
-    """The target of the GEMM call (``bf16``: MKL's bfloat16 one) in ``library`` (the
-    build in use, which :func:`jax_dilated.backends.native.build.using` may switch),
-    its GEMM set first."""
+def _target(library: build.Library, bf16: bool, fused: bool = False) -> str:
+    """The target of the GEMM call (``bf16``: MKL's bfloat16 one; ``fused``: the float32
+    product with the GELU and LayerNorm epilogue) in ``library`` (the build in use,
+    which :func:`jax_dilated.backends.native.build.using` may switch), its GEMM set
+    first."""
     if (library.path, bf16) not in _pointed:
         handle = library.handle
         setter = handle.JaxDilatedSetGemmBf16 if bf16 else handle.JaxDilatedSetSgemm
         setter.argtypes = [ctypes.c_void_p]
         setter(_mkl()[1] if bf16 else _blas()[1])
         _pointed.add((library.path, bf16))
+    if fused:
+        return library.targets[build.TARGET_GEMM_GELU_NORM]
     return library.targets[build.TARGET_GEMM_BF16 if bf16 else build.TARGET_GEMM]
 
 
@@ -308,3 +311,71 @@ def _blas_matmul(a, b):
                             jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), jnp.float32),
                             vmap_method="sequential")
     return call(a, b)
+
+
+# ------------------------------------------------ a product with its epilogue fused
+
+def gelu_norm_servable(x, kernel, bias, scale, shift) -> bool:
+    """Whether :func:`linear_gelu_norm` runs its fused call here: float32 ``x [..., K]``,
+    ``kernel [K, N]`` and ``bias``, ``scale``, ``shift [N]``, non-empty and within
+    32-bit BLAS sizes, on the CPU with the BLAS available (as :func:`dot_general`'s
+    float32 products)."""
+    arrays = (x, kernel, bias, scale, shift)
+    if any(jnp.dtype(a.dtype) != jnp.float32 for a in arrays):
+        return False
+    if x.ndim < 1 or kernel.ndim != 2 or x.shape[-1] != kernel.shape[0]:
+        return False
+    n = kernel.shape[1]
+    if any(v.shape != (n,) for v in (bias, scale, shift)):
+        return False
+    m = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if min(m, kernel.shape[0], n) == 0 or max(m, kernel.shape[0], n) > _INT32_MAX:
+        return False
+    return jax.default_backend() == "cpu" and unavailable_reason() is None
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
+def linear_gelu_norm(x, kernel, bias, scale, shift, eps: float, reference):
+    """``LayerNorm(gelu(x . kernel + bias)) * scale + shift`` over the last axis
+    (``x [..., K]``, ``kernel [K, N]``, the rest ``[N]``; the exact GELU, the biased
+    variance, ``eps`` inside the square root) in one call on the CPU: the product on
+    the BLAS's GEMM in blocks of rows, each block's epilogue while the block is in the
+    cache (``gemm_cpu.cc``, GemmGeluNorm). Call it only where
+    :func:`gelu_norm_servable` holds.
+
+    ``reference(x, kernel, bias, scale, shift, eps)`` is the same computation by JAX's
+    operations: it runs on other platforms, and its derivatives are this function's
+    (a ``custom_jvp``), so only the primal of inference takes the fused call."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    a = x.reshape(-1, k)
+
+    def fused(a, kernel, bias, scale, shift):
+        call = jax.ffi.ffi_call(_target(build.library(), bf16=False, fused=True),
+                                jax.ShapeDtypeStruct((a.shape[0], kernel.shape[1]),
+                                                     jnp.float32),
+                                vmap_method="sequential")
+        return call(a, kernel, bias, scale, shift, eps=np.float32(eps))
+
+    def other(a, kernel, bias, scale, shift):
+        return reference(a, kernel, bias, scale, shift, eps)
+
+    y = jax.lax.platform_dependent(a, kernel, bias, scale, shift, cpu=fused, default=other)
+    return y.reshape(*lead, kernel.shape[1])
+
+
+@functools.partial(linear_gelu_norm.defjvp, symbolic_zeros=True)
+def _linear_gelu_norm_jvp(eps, reference, primals, tangents):
+    # the reference's jvp, with the inputs whose tangent is a symbolic zero (not
+    # differentiated) held constant, so that no product of a zero tangent is made
+    moving = [i for i, t in enumerate(tangents) if not _zero(t)]
+
+    def f(*args):
+        full = list(primals)
+        for i, a in zip(moving, args):
+            full[i] = a
+        return reference(*full, eps)
+
+    if not moving:
+        y = f()
+        return y, jnp.zeros_like(y)
+    return jax.jvp(f, [primals[i] for i in moving], [tangents[i] for i in moving])
