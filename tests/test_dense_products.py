@@ -5,6 +5,7 @@ the CPU (bfloat16 ones on MKL's bfloat16 GEMM where the CPU has bfloat16 units, 
 when asked), leaves every other product to ``jax.lax.dot_general`` unchanged, and the
 models use it on one device and XLA's dot over a mesh."""
 
+import math
 import os
 import subprocess
 import sys
@@ -305,3 +306,105 @@ def test_a_product_traced_under_another_build_calls_that_build():
             pytest.skip(f"no {build.EMULATED} build here: {build.load()}")
         assert build.target(build.TARGET_GEMM) in jax.jit(fn).lower(x, w).as_text()
         assert _rel(jax.jit(fn)(x, w), want) < TOL
+
+
+# ------------------------------------------------ fc1, GELU and LayerNorm in one call
+
+def _gelu_norm_float64(x, w, bias, scale, shift, eps):
+    """LayerNorm(gelu(x w + bias)) * scale + shift in float64: the exact GELU by
+    math.erf, the biased variance."""
+    erf = np.vectorize(math.erf)
+    h = np.einsum("...k,kn->...n", x.astype(np.float64), w.astype(np.float64)) + bias
+    g = 0.5 * h * (1.0 + erf(h / math.sqrt(2.0)))
+    c = g - g.mean(-1, keepdims=True)
+    return c / np.sqrt((c * c).mean(-1, keepdims=True) + eps) * scale + shift
+
+
+def _ffn_parts(x_shape, n, seed):
+    """x [..., K], w [K, N] scaled so that fc1's outputs span the GELU's whole range
+    (|h| up to ~12: the erf's clamp at 4 / sqrt 2 and both tails), bias, scale, shift."""
+    x, w, bias, scale, shift = _draw(x_shape, (x_shape[-1], n), (n,), (n,), (n,), seed=seed)
+    w *= np.float32(3.0 / np.sqrt(x_shape[-1]))
+    return x, w, bias, np.float32(1.0) + np.float32(0.1) * scale, np.float32(0.1) * shift
+
+
+def _fused_calls(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count(build.target(build.TARGET_GEMM_GELU_NORM))
+
+
+@pytest.mark.parametrize("x_shape, n", [((1300, 40), 37), ((2, 650, 24), 64), ((1, 7), 9)])
+def test_gelu_norm_product_equals_float64(x_shape, n):
+    """gemm.linear_gelu_norm's one call against float64: 1300 rows (two of the call's
+    1024-row blocks, the second partial), leading axes, a width that is no multiple of
+    the vector lanes, a single row."""
+    from jax_dilated.models.encoder import _fc1_gelu_norm
+    parts = _ffn_parts(x_shape, n, seed=7)
+    assert gemm.gelu_norm_servable(*parts)
+    fn = lambda *p: gemm.linear_gelu_norm(*p, 1e-5, _fc1_gelu_norm)  # noqa: E731
+    assert _fused_calls(fn, *parts) == 1
+    got = jax.jit(fn)(*parts)
+    assert got.shape == (*x_shape[:-1], n) and got.dtype == jnp.float32
+    assert _rel(got, _gelu_norm_float64(*parts, 1e-5)) < TOL
+
+
+def test_gelu_norm_product_derivatives_equal_the_layers():
+    """Its derivatives (reverse mode with respect to all five arrays and to x alone,
+    forward mode) against those of nnx's own Linear, GELU and LayerNorm composed by XLA,
+    and the primal against them too: the XLA composition the call's derivatives take
+    and its wiring to the call's arguments."""
+    from jax_dilated.models.encoder import _exact_gelu, _fc1_gelu_norm
+    x, w, bias, scale, shift = _ffn_parts((3, 45, 24), 40, seed=8)
+    (g,) = _draw((3, 45, 40), seed=9)
+    fc1 = nnx.Linear(24, 40, dot_general=jax.lax.dot_general, rngs=nnx.Rngs(0))
+    norm = nnx.LayerNorm(40, epsilon=1e-5, use_fast_variance=False, rngs=nnx.Rngs(0))
+    fc1.kernel[...], fc1.bias[...], norm.scale[...], norm.bias[...] = w, bias, scale, shift
+    graph, state = nnx.split((fc1, norm))
+
+    def layers(x, state):
+        f, n = nnx.merge(graph, state)
+        return n(_exact_gelu(f(x)))
+
+    def fused(x, state):
+        f, n = nnx.merge(graph, state)
+        return gemm.linear_gelu_norm(x, f.kernel[...], f.bias[...], n.scale[...], n.bias[...],
+                                     1e-5, _fc1_gelu_norm)
+
+    assert _fused_calls(fused, x, state) == 1
+    assert _rel(jax.jit(fused)(x, state), jax.jit(layers)(x, state)) < TOL
+    for argnums in ((0, 1), 0):
+        want = jax.grad(lambda *a: jnp.sum(layers(*a) * g), argnums=argnums)(x, state)
+        got = jax.jit(jax.grad(lambda *a: jnp.sum(fused(*a) * g), argnums=argnums))(x, state)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert _rel(a, b) < 1e-4
+    (tx,) = _draw(x.shape, seed=10)
+    want = jax.jvp(lambda x: layers(x, state), (x,), (tx,))[1]
+    assert _rel(jax.jvp(lambda x: fused(x, state), (x,), (tx,))[1], want) < 1e-4
+
+
+def test_the_encoder_fuses_its_feed_forward_for_float32_inference_on_one_cpu():
+    """LongNetEncoder's fc1, GELU and ffn_layernorm run as the one call in float32
+    inference on one device (one call per layer), equal to the layers' own path; not
+    with the activation dropout acting, nor in bfloat16, nor over a mesh."""
+    base = dict(embed_dim=32, num_layers=2, num_heads=2, ffn_dim=48,
+                segment_lengths=(8, 16), dilation_rates=(1, 2))
+    (x,) = _draw((2, 21, 32), seed=11)
+
+    def calls(cfg, x, **kw):
+        enc = jd.models.LongNetEncoder(cfg, rngs=nnx.Rngs(0), **kw)
+        graph, state = nnx.split(enc)
+        run = lambda state, x: nnx.merge(graph, state)(x, deterministic=False)  # noqa: E731
+        return _fused_calls(run, state, x), enc
+
+    cfg = jd.models.LongNetEncoderConfig(**base)
+    n, enc = calls(cfg, x)
+    assert n == 2
+    got = enc(x)
+    for layer in enc.layers:  # the same layers through their unfused path
+        layer.ffn.fc1.dot_general = jax.lax.dot_general
+    assert _rel(got, enc(x)) < TOL
+    dropped = jd.models.LongNetEncoderConfig(**base, activation_dropout_rate=0.1)
+    assert calls(dropped, x)[0] == 0
+    assert calls(jd.models.LongNetEncoderConfig(**base, dtype=jnp.bfloat16),
+                 x.astype(jnp.bfloat16))[0] == 0
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("seq",))
+    assert calls(cfg, x, mesh=mesh, seq_axis="seq")[0] == 0

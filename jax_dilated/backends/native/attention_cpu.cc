@@ -697,6 +697,18 @@ inline VT vexp(VT x) {
   return V::mul(p, V::pow2(n));
 }
 
+// Packing reads each key's and value's row where it lies, r Hkv d elements after the
+// previous one: rows so far apart that the hardware's prefetchers do not follow them,
+// so each row is asked for kPackAhead rows before it is read.
+constexpr int64_t kPackAhead = 8;
+template <class In>
+inline void prefetch_row(const In* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  const int64_t bytes = d * (int64_t)sizeof(In);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+  __builtin_prefetch(p + bytes - 1);  // the last line, where the row starts mid-line
+}
+
 // A row of d inputs as float32: the row itself for float32 inputs, else converted
 // into tmp (d floats).
 inline const float* as_float(const float* src, int64_t, float*) { return src; }
@@ -940,6 +952,10 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
 #endif
     if constexpr (!pairs) {
       for (int64_t t = 0; t < nk; t++) {
+        if (t + kPackAhead < nk) {
+          prefetch_row(it.k + (b0 + t + kPackAhead) * it.kv_stride, d);
+          prefetch_row(it.v + (b0 + t + kPackAhead) * it.kv_stride, d);
+        }
         const float* src = as_float(it.k + (b0 + t) * it.kv_stride, d, w.row.data());
         float* panel = kt + (t / QK_COLS) * QK_COLS * d + t % QK_COLS;
         for (int64_t c = 0; c < d; c++) panel[c * QK_COLS] = src[c];
