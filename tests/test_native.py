@@ -770,6 +770,30 @@ def test_the_amx_build_compiles_on_any_x86_64_cpu(tmp_path):
     assert "tdpbf16ps" in code and "vdpbf16ps" in code  # AMX tiles; AVX512-BF16 pairs
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64")
+                    or not {"avx2", "fma"} <= native.build.cpu_flags()
+                    or not shutil.which(os.environ.get("CXX", "c++")),
+                    reason="needs an x86-64 CPU with AVX2 and FMA and a C++ compiler")
+def test_kernel_arithmetic_on_this_cpu(tmp_path):
+    """The AVX2 build's arithmetic in isolation (tests/native_kernel_check.cc, as the
+    NEON build's under qemu below): exp's error against what a softmax needs, the
+    half-precision conversions, a forward and a backward item against double precision.
+    (-O1: the kernel's vector code is its intrinsics, so the level changes the time to
+    compile, not the arithmetic.)"""
+    build = native.build
+    flags = tuple("-O1" if f == "-O3" else f for f in build._FLAGS if f not in ("-shared", "-fPIC"))
+    binary = tmp_path / "check"
+    compiled = subprocess.run(
+        [shutil.which(os.environ.get("CXX", "c++")), *flags, *build._ISA_FLAGS["avx2"],
+         "-isystem", jax.ffi.include_dir(), "-I", str(build.SOURCE.parent),
+         str(pathlib.Path(__file__).with_name("native_kernel_check.cc")), "-o", str(binary)],
+        capture_output=True, text=True, timeout=600)
+    assert compiled.returncode == 0, compiled.stderr[-2000:]
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.startswith("build: avx2"), run.stdout + run.stderr
+    assert run.stdout.rstrip().endswith("all passed"), run.stdout
+
+
 @pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64")),
                     reason="needs an aarch64 cross compiler and qemu-aarch64 (Debian: "
                            "g++-aarch64-linux-gnu, qemu-user)")
