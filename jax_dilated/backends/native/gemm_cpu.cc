@@ -4,8 +4,10 @@
 // the dense layers' products (10,000 x 768 x 3072) faster than XLA's own dot
 // (docs/benchmarks.md, "CPU: the dense layers' products"): the layers' and models'
 // projections and feed-forward call this instead (jax_dilated/backends/native/gemm.py).
-// Two calls:
+// Three calls:
 // - Gemm: float32 a and b, by a cblas_sgemm (OpenBLAS), threaded by the BLAS;
+// - GemmGeluNorm: the same product with the encoder's bias, exact GELU and LayerNorm
+//   applied to it in the same call (section "the feed-forward's first half");
 // - GemmBf16: bfloat16 a and b, products and sums in float32, by oneMKL's
 //   cblas_gemm_bf16bf16f32, which runs on the CPU's bfloat16 units where it has them
 //   (AMX-BF16 tiles, AVX512-BF16's vdpbf16ps). MKL runs sequentially here: the rows are cut into
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 #include "parallel_units.h"
@@ -123,8 +126,8 @@ ffi::Error GemmBf16(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::BF16> b,
 // ffn_layernorm in one call (jax_dilated/models/encoder.py). The product runs by the
 // BLAS's GEMM on blocks of kEpilogueRows rows; each block's bias, GELU and
 // normalisation follow while the block is still in the last-level cache, on the
-// threads of XLA's pool. XLA's fusion of the same three steps after the product reads
-// and writes the [M, N] result from memory more than once (123 MB at 10,000 tokens
+// threads of XLA's pool, where XLA's fusion of the three steps reads the whole [M, N]
+// result back from memory after the product has written it (123 MB at 10,000 tokens
 // of a 3072-wide layer).
 
 // rows of c per block: the block (12 MiB at N = 3072) stays in a 16-32 MiB L3 between
@@ -153,13 +156,26 @@ inline float lane_sum(F8 v) {
   return s;
 }
 
+// a float, or one broadcast to every lane, and x clamped to [lo, hi]: the functions
+// below serve a row's vectors and its last few floats alike (T: float or F8)
+template <class T>
+inline T bcast(float x) {
+  if constexpr (std::is_same_v<T, F8>) return splat(x);
+  else return x;
+}
+template <class T>
+inline T clamp(T x, float lo, float hi) {
+  const T l = bcast<T>(lo), h = bcast<T>(hi);
+  return x < l ? l : (x > h ? h : x);
+}
+
 // erf(x) for the GELU: z P(z^2) / Q(z^2) with z = x clamped to [-4, 4] (beyond 4,
 // erf is 1 in float32 to within 2e-8), P and Q of degree 5 a rational fit of erf on
 // [0, 4] for least relative error (2.8e-8 in exact arithmetic; about 3e-7 as float32
-// evaluates it, as for XLA's own erf). T: float or F8.
+// evaluates it, as for XLA's own erf).
 template <class T>
-inline T erf_approx(T x, T lo, T hi) {
-  const T z = x < lo ? lo : (x > hi ? hi : x), t = z * z;
+inline T erf_approx(T x) {
+  const T z = clamp(x, -4.0f, 4.0f), t = z * z;
   T p = 1.9809459e-06f * t + 2.8510057e-04f;
   p = p * t + 3.9108736e-03f;
   p = p * t + 5.3187918e-02f;
@@ -170,30 +186,28 @@ inline T erf_approx(T x, T lo, T hi) {
   q = q * t + 1.1561976e-01f;
   q = q * t + 5.0543640e-01f;
   q = q * t + 1.0f;
-  const T e = z * p / q;
-  return e > hi * 0.25f ? hi * 0.25f : (e < lo * 0.25f ? lo * 0.25f : e);
+  return clamp(z * p / q, -1.0f, 1.0f);
 }
 
 // the exact GELU, x (1 + erf(x / sqrt 2)) / 2, as torch writes it
 template <class T>
-inline T gelu(T x, T lo, T hi) {
-  return 0.5f * x * (1.0f + erf_approx(x * 0.70710678118654752f, lo, hi));
+inline T gelu(T x) {
+  return 0.5f * x * (1.0f + erf_approx(x * 0.70710678118654752f));
 }
 
 // One row of n values of the product, in place: bias, GELU, LayerNorm (two passes
 // for the variance, as torch's; partial sums in lanes).
 void gelu_norm_row(float* row, const float* bias, const float* scale, const float* shift,
                    int64_t n, float eps) {
-  const F8 lo = splat(-4.0f), hi = splat(4.0f);
   F8 acc = F8{};
   int64_t j = 0;
   for (; j + kF8 <= n; j += kF8) {
-    const F8 g = gelu(load8(row + j) + load8(bias + j), lo, hi);
+    const F8 g = gelu(load8(row + j) + load8(bias + j));
     store8(row + j, g);
     acc += g;
   }
   float sum = lane_sum(acc);
-  for (; j < n; j++) sum += row[j] = gelu(row[j] + bias[j], -4.0f, 4.0f);
+  for (; j < n; j++) sum += row[j] = gelu(row[j] + bias[j]);
   const float mean = sum / static_cast<float>(n);
   F8 sq = F8{};
   for (j = 0; j + kF8 <= n; j += kF8) {
