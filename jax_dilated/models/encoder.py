@@ -273,8 +273,8 @@ class _FeedForward(nnx.Module):
         fc1, norm = self.fc1, self.ffn_layernorm
         dropped = not deterministic and self.activation_dropout_module.rate > 0.0
         parts = (x, fc1.kernel[...], fc1.bias[...], norm.scale[...], norm.bias[...])
-        if (not dropped and fc1.dot_general is gemm.dot_general and fc1.dtype in (None, jnp.float32)
-                and gemm.gelu_norm_servable(*parts)):
+        if (not dropped and fc1.dot_general is gemm.dot_general
+                and fc1.dtype in (None, jnp.float32) and gemm.gelu_norm_servable(*parts)):
             # float32 on one CPU: fc1, the GELU and ffn_layernorm in one call (the
             # epilogue while the product's rows are in the cache); same values
             h = gemm.linear_gelu_norm(*parts, norm.epsilon, _fc1_gelu_norm)

@@ -676,14 +676,14 @@ struct AmxScope {
 // stays in natural units until here, so that s - max is formed exactly where logits
 // are large; the rounding of y costs 2^y's relative precision in proportion to |y|,
 // at most 3e-8 of 1 (a row's largest weight). As float32 evaluates it, the error is
-// 1.5e-7 relative on [-1, 0.5] and 2.2e-7 of max(e^x, 1/8) below (measured on the AVX2
-// build; tests/native_kernel_check.cc checks 2e-7 and 3e-7). 7 multiplications and multiply-adds where a
-// reduction by ln 2 in two parts and a degree-7 polynomial took 11: the exponentials
-// are the forward's largest cost beside its two products at head dimensions up to 64
-// (2 d multiply-adds per logit). y is clamped at -127, whose 2^n has exponent bits
-// 0: the result is exactly 0 there, so a masked key (-inf) weighs exactly 0 with no
-// lane mask. Only softmax arguments come here (at most 0 up to rounding: 2^n has no
-// upper clamp).
+// 1.5e-7 relative on [-1, 0.5] and 2.2e-7 of max(e^x, 1/8) below (measured on the
+// AVX2 build; tests/native_kernel_check.cc checks 2e-7 and 3e-7). 7 multiplications
+// and multiply-adds where a reduction by ln 2 in two parts and a degree-7 polynomial
+// took 11: the exponentials are the forward's largest cost beside its two products
+// at head dimensions up to 64 (2 d multiply-adds per logit). y is clamped at -127,
+// whose 2^n has exponent bits 0: the result is exactly 0 there, so a masked key
+// (-inf) weighs exactly 0 with no lane mask. Only softmax arguments come here (at
+// most 0 up to rounding: 2^n has no upper clamp).
 inline VT vexp(VT x) {
   const VT y = V::max(V::mul(x, V::set1(1.44269504088896341f)), V::set1(-127.0f));
   const VT n = V::round(y);
