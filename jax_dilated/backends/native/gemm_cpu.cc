@@ -78,13 +78,22 @@ ffi::Error product_shape(const A& a, const B& b, const char* call, int64_t& m, i
   return ffi::Error::Success();
 }
 
-ffi::Error Gemm(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
-                ffi::ResultBuffer<ffi::F32> c) {
-  Sgemm gemm = sgemm.load(std::memory_order_acquire);
+// The GEMM in `slot` (set from Python before the first call, JaxDilatedSet...), or an
+// error naming the one (`what`) that was not set
+template <class Fn>
+ffi::Error set_gemm(const std::atomic<Fn>& slot, const char* what, Fn& gemm) {
+  gemm = slot.load(std::memory_order_acquire);
   if (gemm == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jax_dilated: no BLAS GEMM was set for the dense products");
+                      std::string("jax_dilated: no ") + what + " was set for the dense products");
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error Gemm(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                ffi::ResultBuffer<ffi::F32> c) {
+  Sgemm gemm;
+  if (auto err = set_gemm(sgemm, "BLAS GEMM", gemm); err.failure()) return err;
   int64_t m, k, n;
   if (auto err = product_shape(a, b, "jax_dilated gemm", m, k, n); err.failure()) return err;
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
@@ -97,11 +106,8 @@ struct NoState {};
 
 ffi::Error GemmBf16(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::BF16> b,
                     ffi::ResultBuffer<ffi::F32> c, ffi::ThreadPool pool) {
-  GemmBf16Fn gemm = gemm_bf16.load(std::memory_order_acquire);
-  if (gemm == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jax_dilated: no bfloat16 GEMM was set for the dense products");
-  }
+  GemmBf16Fn gemm;
+  if (auto err = set_gemm(gemm_bf16, "bfloat16 GEMM", gemm); err.failure()) return err;
   int64_t m, k, n;
   if (auto err = product_shape(a, b, "jax_dilated bfloat16 gemm", m, k, n); err.failure()) {
     return err;
@@ -226,11 +232,8 @@ ffi::Error GemmGeluNorm(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
                         ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> scale,
                         ffi::Buffer<ffi::F32> shift, ffi::ResultBuffer<ffi::F32> c,
                         ffi::ThreadPool pool, float eps) {
-  Sgemm gemm = sgemm.load(std::memory_order_acquire);
-  if (gemm == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jax_dilated: no BLAS GEMM was set for the dense products");
-  }
+  Sgemm gemm;
+  if (auto err = set_gemm(sgemm, "BLAS GEMM", gemm); err.failure()) return err;
   int64_t m, k, n;
   if (auto err = product_shape(a, b, "jax_dilated gemm_gelu_norm", m, k, n); err.failure()) {
     return err;
