@@ -484,8 +484,9 @@ def environment(threads: int, load: LoadMonitor) -> dict:
     Date (UTC), CPU model, logical cores, pinned threads, Python, JAX/jaxlib and
     their backend and devices, torch (version from the package metadata, so torch
     is not imported when absent or unused), the installed peers, git commit and
-    whether the tree had uncommitted changes, platform, and the load before and
-    after. Call it after the timed work: it records the load at the end
+    whether the tree had uncommitted changes, platform, the variables that choose the
+    BLAS libraries' kernels (``OPENBLAS_CORETYPE`` holds OpenBLAS to one CPU's kernels,
+    some machines set it), and the load before and after. Call it after the timed work: it records the load at the end
     (:meth:`LoadMonitor.stop`).
     """
     import jax
@@ -509,6 +510,8 @@ def environment(threads: int, load: LoadMonitor) -> dict:
         "git_commit": commit,
         "git_dirty": None if status is None else bool(status),
         "load": load.to_json(),
+        "blas_variables": {k: v for k, v in sorted(os.environ.items())
+                           if k.startswith(("OPENBLAS_", "MKL_", "ONEDNN_", "XLA_FLAGS"))},
     }
     if "torch" in sys.modules:
         info["torch_threads"] = sys.modules["torch"].get_num_threads()

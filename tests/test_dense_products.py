@@ -1,8 +1,8 @@
 """The models' dense products through the BLAS (jax_dilated/backends/native/gemm.py):
 ``gemm.dot_general`` equals a float64 product to float32's precision, forward and in
 every derivative, actually calls the BLAS for a linear layer's float32 product on
-the CPU (bfloat16 ones on MKL's bfloat16 GEMM where the CPU has bfloat16 units, or
-when asked), leaves every other product to ``jax.lax.dot_general`` unchanged, and the
+the CPU (bfloat16 ones by the route the CPU or the user chooses: XLA's dot with
+float32 sums, MKL's bfloat16 GEMM or OpenBLAS widened), leaves every other product to ``jax.lax.dot_general`` unchanged, and the
 models use it on one device and XLA's dot over a mesh."""
 
 import math
@@ -109,32 +109,59 @@ def test_bfloat16_products_on_mkl_equal_float64(x_shape, n, preferred):
     assert _rel(dx, np.broadcast_to(np.asarray(w, np.float64).sum(1), dx.shape)) < 1e-2
 
 
-def test_bfloat16_products_go_to_mkl_where_it_is_installed(monkeypatch):
-    """The choice: MKL for bfloat16 where it is installed, whatever the CPU (the
-    report names its bfloat16 units, or their absence); widened to float32 without
-    MKL or where OpenBLAS is asked for; asking for MKL where it is missing is an error
-    that says so."""
-    for flags, units in ((set(), "this CPU has no bfloat16 units"),
-                         ({"avx512_bf16"}, "AVX512-BF16"),
-                         ({"amx_bf16", "avx512_bf16"}, "AMX-BF16, AVX512-BF16")):
-        monkeypatch.setattr(build, "cpu_flags", lambda flags=flags: flags)
-        chosen = gemm.bf16_library()
-        if NO_MKL is None:
-            assert chosen.startswith("oneMKL") and chosen.endswith(f"({units})")
+@pytest.mark.parametrize("preferred", [None, jnp.float32])
+def test_bfloat16_products_on_xla_with_float32_sums_equal_float64(preferred):
+    """The "xla" route (CPUs with bfloat16 units that MKL does not use): XLA's dot asked
+    for float32 sums, no BLAS call, the float64 product of the inputs to float32's
+    precision before the result's rounding, as the widened OpenBLAS product."""
+    x, w = (jnp.asarray(a, jnp.bfloat16) for a in _draw((3, 300, 96), (96, 130), seed=9))
+    fn = lambda x, w: gemm.dot_general(x, w, LINEAR(3),  # noqa: E731
+                                       preferred_element_type=preferred)
+    want = np.einsum("...k,kn->...n", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    with gemm.using_bf16("xla"):
+        assert not _calls_blas(fn, x, w)
+        got = jax.jit(fn)(x, w)
+    with gemm.using_bf16("openblas"):
+        widened = jax.jit(fn)(x, w)
+    assert got.dtype == widened.dtype == (jnp.bfloat16 if preferred is None else jnp.float32)
+    assert _rel(got, want) < (TOL if preferred is not None else BF16_EPS)
+    assert _rel(got, widened) < (TOL if preferred is not None else BF16_EPS)
+
+
+def test_bfloat16_route_follows_the_cpu_and_the_choice(monkeypatch):
+    """The choice: XLA's dot with float32 sums on a CPU with bfloat16 units that is not
+    Intel's (MKL does not multiply on them there), else MKL where it is installed,
+    whatever the CPU (the report names its bfloat16 units, or their absence), else
+    widened to float32; each forced by ``using_bf16`` or the variable; asking for MKL
+    where it is missing is an error that says so."""
+    for vendor, flags, route, units in (
+            ("AuthenticAMD", set(), "mkl", "this CPU has no bfloat16 units"),
+            ("AuthenticAMD", {"avx512_bf16"}, "xla", "AVX512-BF16"),
+            ("GenuineIntel", {"avx512_bf16"}, "mkl", "AVX512-BF16"),
+            ("GenuineIntel", {"amx_bf16", "avx512_bf16"}, "mkl", "AMX-BF16, AVX512-BF16")):
+        monkeypatch.setattr(build, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(build, "cpu_vendor", lambda vendor=vendor: vendor)
+        chosen, description = gemm.bf16_route()
+        if route == "xla":
+            assert (chosen, description) == ("xla", f"XLA's dot with float32 sums ({units})")
+        elif NO_MKL is None:
+            assert chosen == "mkl" and description.startswith("oneMKL")
+            assert description.endswith(f"({units})")
             assert "bfloat16: oneMKL" in gemm.library_name()
         else:
-            assert chosen is None and NO_MKL in gemm.library_name()
-        with gemm.using_bf16("openblas"):
-            assert gemm.bf16_library() is None
+            assert chosen == "openblas" and NO_MKL in gemm.library_name()
+        for forced in ("openblas", "xla") + (("mkl",) if NO_MKL is None else ()):
+            with gemm.using_bf16(forced):
+                assert gemm.bf16_route()[0] == forced
     # (the variable is read once per process: read here at each call instead)
     monkeypatch.setattr(gemm, "_process_choice", lambda: os.environ.get(gemm.ENV, ""))
     monkeypatch.setenv(gemm.ENV, "openblas")
-    assert gemm.bf16_library() is None and "OpenBLAS chosen" in gemm.library_name()
+    assert gemm.bf16_route()[0] == "openblas" and "(chosen)" in gemm.library_name()
     monkeypatch.setattr(gemm, "_mkl", lambda: (None, None, "MKL is not installed"))
     monkeypatch.setenv(gemm.ENV, "mkl")
     with pytest.raises(RuntimeError, match="MKL were asked for, but MKL is not installed"):
-        gemm.bf16_library()
-    with pytest.raises(ValueError, match="library must be 'mkl' or 'openblas'"):
+        gemm.bf16_route()
+    with pytest.raises(ValueError, match="library must be one of 'xla', 'mkl', 'openblas'"):
         with gemm.using_bf16("onednn"):
             pass
 

@@ -304,18 +304,34 @@ def _choose_isa(requested: str | None) -> str:
     return requested
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_flags() -> frozenset[str]:
     """The CPU's flags from /proc/cpuinfo (x86-64 "flags", aarch64 "Features"); empty
     where it cannot be read. Read once per process (the dense products ask at every
     bfloat16 product they trace)."""
+    info = _cpuinfo()
+    return frozenset(info.get("flags", info.get("Features", "")).split())  # x86-64; aarch64
+
+
+def cpu_vendor() -> str:
+    """The x86-64 CPU's vendor from /proc/cpuinfo (``"GenuineIntel"``,
+    ``"AuthenticAMD"``), else ``""``: the dense products' libraries pick their kernels
+    by it (:mod:`.gemm`)."""
+    return _cpuinfo().get("vendor_id", "")
+
+
+@functools.lru_cache(maxsize=None)
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where it cannot be read)."""
+    fields: dict[str, str] = {}
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):  # x86-64; aarch64
-                return frozenset(line.split(":", 1)[1].split())
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return frozenset()
+    return fields
 
 
 def _cache_dir() -> pathlib.Path:

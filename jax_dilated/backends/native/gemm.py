@@ -11,24 +11,30 @@ product on another platform than the CPU, to ``jax.lax.dot_general`` unchanged:
 
     y [..., N] = x [..., K] . w [K, N]      (float32 products and sums)
 
-bfloat16 inputs go, where oneMKL is installed (``pip install jax-dilated[mkl]``,
-x86-64 Linux), to MKL's ``cblas_gemm_bf16bf16f32``: bfloat16 products summed in
-float32, on the CPU's bfloat16 units where it has them (AMX tiles, ``vdpbf16ps``), the
-rows cut into blocks among XLA's threads:
+bfloat16 products are computed as bfloat16 products summed in float32, by whichever of
+three routes is fastest on the CPU (:func:`bf16_route`; docs/benchmarks.md, "CPU: the
+dense layers' products"):
 
     y [..., N] = x [..., K] . w [K, N]      (bfloat16 products, float32 sums)
 
-Without MKL, bfloat16 and float16 inputs are widened to float32 (exactly) for
-OpenBLAS. Both compute the products of the rounded inputs exactly (a bfloat16 product
-fits a float32) and sum them in float32, so they differ only in the order of the sums;
-the result is rounded to the inputs' dtype, or left in float32 for
+- ``"xla"``, on a CPU with bfloat16 units (AVX512-BF16's ``vdpbf16ps``, AMX tiles) that
+  is not Intel's: XLA's own dot asked for float32 sums (``preferred_element_type``),
+  which multiplies on the units (2.5-3.5x MKL on a Zen 5, where MKL's bfloat16 GEMM
+  runs without them; XLA's dot with bfloat16 results does not use them either);
+- ``"mkl"``, elsewhere where oneMKL is installed (``pip install jax-dilated[mkl]``,
+  x86-64 Linux): MKL's ``cblas_gemm_bf16bf16f32``, on the units where MKL uses them
+  (Intel's), the rows cut into blocks among XLA's threads; faster than the widened
+  product even without units (one pass less over the inputs: 1.31x on a Zen 3);
+- ``"openblas"``, else: the inputs widened to float32 (exactly) for OpenBLAS, as
+  float16 inputs always are.
+
+All compute the products of the rounded inputs exactly (a bfloat16 product fits a
+float32) and sum them in float32, so they differ only in the order of the sums; the
+result is rounded to the inputs' dtype, or left in float32 for
 ``preferred_element_type=float32``: what XLA's own half-precision dot computes on a
-CPU, and faster than it. MKL's is at least as fast as the widened product even
-without bfloat16 units (OpenBLAS needs a widened float32 copy of the inputs first,
-one more pass over them): on a Zen 3, 1.31x on a 768-wide projection and about
-equal on a 3072-wide one (docs/benchmarks.md, "CPU: the dense layers' products").
-``JAX_DILATED_DENSE=openblas`` keeps bfloat16 products on OpenBLAS (``=mkl`` makes a
-missing MKL an error); :func:`using_bf16` chooses for the programs traced inside it.
+CPU. ``JAX_DILATED_DENSE=openblas`` or ``=mkl`` forces that route for bfloat16 (a
+missing MKL is then an error); :func:`using_bf16` chooses for the programs traced
+inside it.
 
 Its derivatives are those of the same product by XLA (a ``custom_jvp`` whose tangents
 are ``jax.lax.dot_general``, which JAX transposes for reverse mode), so forward- and
@@ -61,14 +67,16 @@ import numpy as np
 
 from jax_dilated.backends.native import build
 
-__all__ = ["dot_general", "for_mesh", "unavailable_reason", "library_name", "bf16_library",
+__all__ = ["dot_general", "for_mesh", "unavailable_reason", "library_name", "bf16_route",
            "using_bf16", "ENV", "gelu_norm_servable", "linear_gelu_norm"]
 
 # "xla" sends every product to XLA's dot; "mkl" / "openblas" choose bfloat16's GEMM
 ENV = "JAX_DILATED_DENSE"
 _CHOICES = ("", "xla", "mkl", "openblas")
-# the CPU flags of bfloat16 units (which MKL's bfloat16 GEMM multiplies on)
+# the CPU flags of bfloat16 units
 _BF16_UNITS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}
+# the routes of bfloat16 products (module docstring)
+_BF16_ROUTES = ("xla", "mkl", "openblas")
 # mkl_service.h's codes
 _MKL_THREADING_SEQUENTIAL = 1
 _MKL_INTERFACE_LP64 = 0
@@ -101,7 +109,12 @@ def _blas() -> tuple[str | None, int | None, str | None]:
     if sgemm is None:
         return None, None, f"no cblas_sgemm in {lib_dir}"
     address = ctypes.cast(sgemm, ctypes.c_void_p).value
-    return f"OpenBLAS {scipy_openblas32.__version__} cblas_sgemm", address, None
+    core = getattr(blas, "scipy_openblas_get_corename", None)
+    kernels = ""
+    if core is not None:
+        core.restype = ctypes.c_char_p
+        kernels = f" ({core().decode(errors='replace')} kernels)"
+    return f"OpenBLAS {scipy_openblas32.__version__} cblas_sgemm{kernels}", address, None
 
 
 def _choice() -> str:
@@ -120,32 +133,38 @@ _bf16_override: list[str] = []
 
 @contextlib.contextmanager
 def using_bf16(library: str):
-    """Programs traced inside send bfloat16 products to ``library``: ``"mkl"`` (MKL's
-    bfloat16 GEMM; an error where MKL is not installed) or ``"openblas"`` (widened to
-    float32), as ``JAX_DILATED_DENSE`` does for a whole process (benchmarks of one
-    against the other, tests of both); JAX's caches are cleared on entry and exit
+    """Programs traced inside send bfloat16 products to ``library``: ``"xla"`` (XLA's
+    dot with float32 sums), ``"mkl"`` (MKL's bfloat16 GEMM; an error where MKL is not
+    installed) or ``"openblas"`` (widened to float32), as ``JAX_DILATED_DENSE`` does
+    for a whole process (benchmarks of one against another, tests of each); JAX's
+    caches are cleared on entry and exit
     (:func:`jax_dilated.backends.native.build.traced_with`)."""
-    if library not in ("mkl", "openblas"):
-        raise ValueError(f"library must be 'mkl' or 'openblas', got {library!r}")
+    if library not in _BF16_ROUTES:
+        raise ValueError(f"library must be one of {', '.join(map(repr, _BF16_ROUTES))}, "
+                         f"got {library!r}")
     with build.traced_with(_bf16_override, library):
         yield
 
 
-def _bf16_route() -> tuple[str | None, str | None]:
-    """``(MKL's description, None)`` where bfloat16 products go to MKL's GEMM (module
-    docstring), else ``(None, why not)``."""
+def bf16_route() -> tuple[str, str]:
+    """``(route, description)`` of the linear layers' bfloat16 products where the BLAS
+    serves them (:func:`unavailable_reason` is None): ``"xla"``, ``"mkl"`` or
+    ``"openblas"`` (module docstring), as chosen (:func:`using_bf16`,
+    ``JAX_DILATED_DENSE``) or by the CPU."""
     choice = _bf16_override[-1] if _bf16_override else _process_choice()
-    if _blas()[2] is not None:
-        return None, _blas()[2]
+    flags = build.cpu_flags()
+    units = ", ".join(name for flag, name in _BF16_UNITS.items() if flag in flags)
     if choice == "openblas":
-        return None, "OpenBLAS chosen"
-    units = [name for flag, name in _BF16_UNITS.items() if flag in build.cpu_flags()]
+        return "openblas", "widened to float32 for OpenBLAS (chosen)"
+    if choice == "xla" or (choice == "" and units and build.cpu_vendor() != "GenuineIntel"):
+        return "xla", (f"XLA's dot with float32 sums ({units or 'no bfloat16 units'}"
+                       f"{'; chosen' if choice else ''})")
     description, _, why = _mkl()
-    if why is not None:
-        if choice == "mkl":
-            raise RuntimeError(f"bfloat16 products on MKL were asked for, but {why}.")
-        return None, why
-    return f"{description} ({', '.join(units) or 'this CPU has no bfloat16 units'})", None
+    if why is None:
+        return "mkl", f"{description} ({units or 'this CPU has no bfloat16 units'})"
+    if choice == "mkl":
+        raise RuntimeError(f"bfloat16 products on MKL were asked for, but {why}.")
+    return "openblas", f"widened to float32 for OpenBLAS ({why})"
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,14 +234,7 @@ def library_name() -> str | None:
     """The GEMMs the products call (for ``jd.backend_report()``), or None."""
     if _blas()[0] is None:
         return None
-    bf16, why = _bf16_route()
-    return f"{_blas()[0]}; bfloat16: {bf16 or f'widened to float32 ({why})'}"
-
-
-def bf16_library() -> str | None:
-    """MKL's bfloat16 GEMM where bfloat16 products go to it (the CPU's bfloat16 units
-    in brackets), else None."""
-    return _bf16_route()[0]
+    return f"{_blas()[0]}; bfloat16: {bf16_route()[1]}"
 
 
 def _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding):
@@ -263,9 +275,13 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         kw = {} if out_sharding is None else {"out_sharding": out_sharding}
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type, **kw)
+    route = bf16_route()[0] if lhs.dtype == jnp.bfloat16 else "openblas"
+    if route == "xla":
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                   preferred_element_type=jnp.float32).astype(out)
     lead = lhs.shape[:-1]
     # bfloat16 as stored for MKL; else float32, exactly, for OpenBLAS
-    wide = jnp.bfloat16 if lhs.dtype == jnp.bfloat16 and bf16_library() else jnp.float32
+    wide = jnp.bfloat16 if route == "mkl" else jnp.float32
     a = lhs.reshape(-1, lhs.shape[-1]).astype(wide)
     y = _matmul(a, rhs.astype(wide))
     return y.reshape(*lead, rhs.shape[1]).astype(out)
