@@ -445,6 +445,38 @@ inline void interleave_rows(const bf16_t* a, const bf16_t* b, bf16_t* dst, int64
   }
 }
 
+// a row's values as pairs (d even, as every head width served): pair e / 2 (e even) at
+// dst + e stride, two values copied at once; 0 from d to dp, and for a null row
+inline void scatter_pairs(const bf16_t* row, int64_t d, int64_t dp, bf16_t* dst,
+                          int64_t stride) {
+  int64_t e = 0;
+  if (row != nullptr)
+    for (; e < d; e += 2) std::memcpy(dst + e * stride, row + e, 2 * sizeof(bf16_t));
+  for (; e < dp; e += 2) dst[e * stride] = dst[e * stride + 1] = bf16_t{0};
+}
+
+// dst[j][i] = src[i][j] for an 8 x 8 block of bfloat16 (rows ss and ds apart): three
+// rounds of unpacks, where element by element the transpose of the backward's ds took
+// a third of its own time
+inline void transpose_8x8(const bf16_t* src, int64_t ss, bf16_t* dst, int64_t ds) {
+  __m128i r[8], t[8];
+  for (int i = 0; i < 8; i++) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ss));
+  for (int i = 0; i < 8; i += 2) {  // t[i]: rows i, i + 1 interleaved by value (low, high half)
+    t[i] = _mm_unpacklo_epi16(r[i], r[i + 1]);
+    t[i + 1] = _mm_unpackhi_epi16(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4)  // r: four rows interleaved, by pairs
+    for (int h = 0; h < 2; h++) {
+      r[i + 2 * h] = _mm_unpacklo_epi32(t[i + h], t[i + 2 + h]);
+      r[i + 2 * h + 1] = _mm_unpackhi_epi32(t[i + h], t[i + 2 + h]);
+    }
+  for (int j = 0; j < 4; j++) {  // columns 2 j, 2 j + 1: the two halves of eight rows
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * j * ds), _mm_unpacklo_epi64(r[j], r[j + 4]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * j + 1) * ds),
+                     _mm_unpackhi_epi64(r[j], r[j + 4]));
+  }
+}
+
 // rows [n][D] (bfloat16, row i at src + i stride) as pairs of rows [n / 2][D][2]
 // (n even, or the last row's partner 0) at dst
 inline void pack_row_pairs(const bf16_t* src, int64_t stride, int64_t n, int64_t d_head,
@@ -960,16 +992,8 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
           prefetch_row(it.k + (b0 + t + kPackAhead) * it.kv_stride, d);
           prefetch_row(it.v + (b0 + t + kPackAhead) * it.kv_stride, d);
         }
-        // a key's pairs are 32-bit words, QK_COLS words apart in the panel (d is even)
-        uint32_t* panel = reinterpret_cast<uint32_t*>(ktp + (t / QK_COLS) * QK_COLS * dp) +
-                          t % QK_COLS;
-        const bf16_t* row = t < nk ? it.k + (b0 + t) * it.kv_stride : zeros;
-        for (int64_t e = 0; e < d; e += 2) {
-          uint32_t word;
-          std::memcpy(&word, row + e, sizeof(word));
-          panel[(e / 2) * QK_COLS] = word;
-        }
-        for (int64_t e = d; e < dp; e += 2) panel[(e / 2) * QK_COLS] = 0;
+        scatter_pairs(t < nk ? it.k + (b0 + t) * it.kv_stride : nullptr, d, dp,
+                      ktp + (t / QK_COLS) * QK_COLS * dp + 2 * (t % QK_COLS), QK_COLS);
         if (t % 2 == 0 && t < nk)
           pack_value_row_pairs(it.v + (b0 + t) * it.kv_stride,
                                t + 1 < nk ? it.v + (b0 + t + 1) * it.kv_stride : zeros,
@@ -1304,24 +1328,17 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
 #if JD_BF16_PAIRS
       if constexpr (pairs) {  // row i's pairs in its tile's panels, as stored
         w.cvec[i] = ci;
-        if (!amx) {
-          const int64_t at =
-              (i / BR) * BR * d + ((i % BR) / QK_COLS) * QK_COLS * d + 2 * (i % QK_COLS);
-          for (int64_t e = 0; e < d; e += 2)
-            for (int h = 0; h < 2; h++) {
-              w.qpp[at + e * QK_COLS + h] = real ? hd.q[i * it.q_stride + e + h] : bf16_t{0};
-              w.dopp[at + e * QK_COLS + h] =
-                  real ? hd.dout[i * it.q_stride + e + h] : bf16_t{0};
-            }
-        } else {  // AMX: pairs along the head dimension, [kd / 2][BR][2] per tile
-          const int64_t at = (i / BR) * BR * kd + 2 * (i % BR);
-          for (int64_t e = 0; e < kd; e++) {
-            const bool in = real && e < d;
-            w.qpp[at + (e / 2) * 2 * BR + e % 2] = in ? hd.q[i * it.q_stride + e] : bf16_t{0};
-            w.dopp[at + (e / 2) * 2 * BR + e % 2] =
-                in ? hd.dout[i * it.q_stride + e] : bf16_t{0};
-          }
+        // (AMX: pairs along the head dimension, [kd / 2][BR][2] per tile)
+        const int64_t at = amx ? (i / BR) * BR * kd + 2 * (i % BR)
+                               : (i / BR) * BR * d + ((i % BR) / QK_COLS) * QK_COLS * d +
+                                     2 * (i % QK_COLS);
+        if (i + kPackAhead < lq) {
+          prefetch_row(hd.q + (i + kPackAhead) * it.q_stride, d);
+          prefetch_row(hd.dout + (i + kPackAhead) * it.q_stride, d);
         }
+        for (auto [row, packed] : {std::pair{hd.q, w.qpp.data()}, std::pair{hd.dout, w.dopp.data()}})
+          scatter_pairs(real ? row + i * it.q_stride : nullptr, d, amx ? kd : d, packed + at,
+                        amx ? BR : QK_COLS);
       }
 #endif
       if constexpr (!pairs) {
@@ -1463,8 +1480,10 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
                                                          V::load(w.cvec.data() + q0 + c)));
               V::store(w.dsb.data() + t * BR + c, V::mul(V::load(w.dpt.data() + t * BR + c), sc));
             }
-          for (int t = 0; t < BC; t++)
-            for (int i = 0; i < BR; i++) w.dst[i * kpad + t] = w.dsb[t * BR + i];
+          static_assert(BC % 8 == 0 && BR % 8 == 0, "ds^T in 8 x 8 blocks");
+          for (int t = 0; t < BC; t += 8)
+            for (int i = 0; i < BR; i += 8)
+              transpose_8x8(w.dsb.data() + t * BR + i, BR, w.dst.data() + i * kpad + t, kpad);
 #if JD_AMX
           if (amx) {
             amx_gemm(w.pb.data(), BR, w.drp.data() + q0 * d, 2 * d, w.dv.data() + k0 * d, d,
