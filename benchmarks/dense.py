@@ -3,20 +3,22 @@
 A model built on our layers (the LongNet encoders, LongNetLM) spends about half its
 time outside attention, in projections and feed-forward layers: ``[tokens, width] @
 [width, out]`` products that XLA compiles. This op times those products on this CPU,
-interleaved, in the ways a layer can ask for them, beside PyTorch's:
+interleaved, in the ways a layer can ask for them, beside PyTorch's (the record carries
+``OPENBLAS_CORETYPE``, which holds OpenBLAS to one CPU's kernels):
 
 - ``xla float32``: float32 inputs and result;
 - ``xla bfloat16``: bfloat16 inputs and result (what ``dtype=jnp.bfloat16`` layers do);
 - ``xla bfloat16, float32 sums``: bfloat16 inputs, ``preferred_element_type=float32``,
-  the result rounded to bfloat16;
+  the result rounded to bfloat16 (the layers' route on CPUs with bfloat16 units that
+  are not Intel's: ``gemm.bf16_route()``);
 - ``xla bfloat16 via float32``: the inputs converted to float32 inside the program;
 - ``jax-dilated float32 (OpenBLAS)``: the layers' and models' product
   (:func:`jax_dilated.backends.native.gemm.dot_general`: OpenBLAS's float32 GEMM by an
   FFI call), where it is available;
 - ``jax-dilated bfloat16 (OpenBLAS, widened)``: the same with bfloat16 inputs widened
-  to float32 and the result rounded back (the layers' choice without MKL);
+  to float32 and the result rounded back (the layers' route elsewhere without MKL);
 - ``jax-dilated bfloat16 (MKL)``: bfloat16 inputs on oneMKL's bfloat16 GEMM (the
-  layers' choice wherever MKL is installed: ``pip install mkl``);
+  layers' route elsewhere where MKL is installed: ``pip install mkl``);
 - ``torch float32`` and ``torch bfloat16`` (oneDNN): PyTorch's ``matmul``.
 
 Where the CPU has no bfloat16 unit (no ``avx512_bf16`` or ``amx_bf16`` flag), torch's
