@@ -486,8 +486,8 @@ def environment(threads: int, load: LoadMonitor) -> dict:
     is not imported when absent or unused), the installed peers, git commit and
     whether the tree had uncommitted changes, platform, the variables that choose the
     BLAS libraries' kernels (``OPENBLAS_CORETYPE`` holds OpenBLAS to one CPU's kernels,
-    some machines set it), and the load before and after. Call it after the timed work: it records the load at the end
-    (:meth:`LoadMonitor.stop`).
+    and some machines set it), and the load before and after. Call it after the timed
+    work: it records the load at the end (:meth:`LoadMonitor.stop`).
     """
     import jax
     load.stop()

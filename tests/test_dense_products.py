@@ -2,8 +2,9 @@
 ``gemm.dot_general`` equals a float64 product to float32's precision, forward and in
 every derivative, actually calls the BLAS for a linear layer's float32 product on
 the CPU (bfloat16 ones by the route the CPU or the user chooses: XLA's dot with
-float32 sums, MKL's bfloat16 GEMM or OpenBLAS widened), leaves every other product to ``jax.lax.dot_general`` unchanged, and the
-models use it on one device and XLA's dot over a mesh."""
+float32 sums, MKL's bfloat16 GEMM or OpenBLAS widened), leaves every other product to
+``jax.lax.dot_general`` unchanged, and the models use it on one device and XLA's dot
+over a mesh."""
 
 import math
 import os

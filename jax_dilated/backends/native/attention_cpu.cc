@@ -460,7 +460,8 @@ inline void scatter_pairs(const bf16_t* row, int64_t d, int64_t dp, bf16_t* dst,
 // a third of its own time
 inline void transpose_8x8(const bf16_t* src, int64_t ss, bf16_t* dst, int64_t ds) {
   __m128i r[8], t[8];
-  for (int i = 0; i < 8; i++) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ss));
+  for (int i = 0; i < 8; i++)
+    r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ss));
   for (int i = 0; i < 8; i += 2) {  // t[i]: rows i, i + 1 interleaved by value (low, high half)
     t[i] = _mm_unpacklo_epi16(r[i], r[i + 1]);
     t[i + 1] = _mm_unpackhi_epi16(r[i], r[i + 1]);
@@ -471,7 +472,8 @@ inline void transpose_8x8(const bf16_t* src, int64_t ss, bf16_t* dst, int64_t ds
       r[i + 2 * h + 1] = _mm_unpackhi_epi32(t[i + h], t[i + 2 + h]);
     }
   for (int j = 0; j < 4; j++) {  // columns 2 j, 2 j + 1: the two halves of eight rows
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * j * ds), _mm_unpacklo_epi64(r[j], r[j + 4]));
+    __m128i* column = reinterpret_cast<__m128i*>(dst + 2 * j * ds);
+    _mm_storeu_si128(column, _mm_unpacklo_epi64(r[j], r[j + 4]));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * j + 1) * ds),
                      _mm_unpackhi_epi64(r[j], r[j + 4]));
   }
@@ -1336,7 +1338,8 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
           prefetch_row(hd.q + (i + kPackAhead) * it.q_stride, d);
           prefetch_row(hd.dout + (i + kPackAhead) * it.q_stride, d);
         }
-        for (auto [row, packed] : {std::pair{hd.q, w.qpp.data()}, std::pair{hd.dout, w.dopp.data()}})
+        for (auto [row, packed] :
+             {std::pair{hd.q, w.qpp.data()}, std::pair{hd.dout, w.dopp.data()}})
           scatter_pairs(real ? row + i * it.q_stride : nullptr, d, amx ? kd : d, packed + at,
                         amx ? BR : QK_COLS);
       }
@@ -1370,7 +1373,8 @@ void backward_item(const Config& cf, const BwdItem<In>& it, BwdScratch& w) {
             prefetch_row(krow + kPackAhead * it.kv_stride, d);
             prefetch_row(vrow + kPackAhead * it.kv_stride, d);
           }
-          for (auto [row, raw] : {std::pair{krow, w.kraw.data()}, std::pair{vrow, w.vraw.data()}}) {
+          for (auto [row, raw] :
+               {std::pair{krow, w.kraw.data()}, std::pair{vrow, w.vraw.data()}}) {
             if (real) std::copy(row, row + d, raw + t * kd);
             std::fill(raw + t * kd + (real ? d : 0), raw + (t + 1) * kd, bf16_t{0});
           }
