@@ -20,7 +20,7 @@ dense layers' products"):
 - ``"xla"``, on a CPU with bfloat16 units (AVX512-BF16's ``vdpbf16ps``, AMX tiles) that
   is not Intel's: XLA's own dot asked for float32 sums (``preferred_element_type``),
   which multiplies on the units (2.7-3.7x MKL on a Zen 5, where MKL's bfloat16 GEMM
-  runs without them; XLA's dot with bfloat16 results does not use them either);
+  runs without them; jax 0.10's dot with bfloat16 results does not use them either);
 - ``"mkl"``, elsewhere where oneMKL is installed (``pip install jax-dilated[mkl]``,
   x86-64 Linux): MKL's ``cblas_gemm_bf16bf16f32``, on the units where MKL uses them
   (Intel's), the rows cut into blocks among XLA's threads; faster than the widened
