@@ -511,7 +511,7 @@ def environment(threads: int, load: LoadMonitor) -> dict:
         "git_dirty": None if status is None else bool(status),
         "load": load.to_json(),
         "blas_variables": {k: v for k, v in sorted(os.environ.items())
-                           if k.startswith(("OPENBLAS_", "MKL_", "ONEDNN_", "XLA_FLAGS"))},
+                           if k.startswith(("OPENBLAS_", "MKL_", "ONEDNN_"))},
     }
     if "torch" in sys.modules:
         info["torch_threads"] = sys.modules["torch"].get_num_threads()

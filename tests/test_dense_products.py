@@ -114,7 +114,8 @@ def test_bfloat16_products_on_mkl_equal_float64(x_shape, n, preferred):
 def test_bfloat16_products_on_xla_with_float32_sums_equal_float64(preferred):
     """The "xla" route (CPUs with bfloat16 units that MKL does not use): XLA's dot asked
     for float32 sums, no BLAS call, the float64 product of the inputs to float32's
-    precision before the result's rounding, as the widened OpenBLAS product."""
+    precision before the result's rounding, as the widened OpenBLAS product; the
+    gradient in bfloat16, equal to float64's to 1e-2."""
     x, w = (jnp.asarray(a, jnp.bfloat16) for a in _draw((3, 300, 96), (96, 130), seed=9))
     fn = lambda x, w: gemm.dot_general(x, w, LINEAR(3),  # noqa: E731
                                        preferred_element_type=preferred)
@@ -122,11 +123,14 @@ def test_bfloat16_products_on_xla_with_float32_sums_equal_float64(preferred):
     with gemm.using_bf16("xla"):
         assert not _calls_blas(fn, x, w)
         got = jax.jit(fn)(x, w)
+        dx = jax.jit(jax.grad(lambda x: jnp.sum(fn(x, w).astype(jnp.float32))))(x)
     with gemm.using_bf16("openblas"):
         widened = jax.jit(fn)(x, w)
     assert got.dtype == widened.dtype == (jnp.bfloat16 if preferred is None else jnp.float32)
     assert _rel(got, want) < (TOL if preferred is not None else BF16_EPS)
     assert _rel(got, widened) < (TOL if preferred is not None else BF16_EPS)
+    assert dx.dtype == jnp.bfloat16
+    assert _rel(dx, np.broadcast_to(np.asarray(w, np.float64).sum(1), dx.shape)) < 1e-2
 
 
 def test_bfloat16_route_follows_the_cpu_and_the_choice(monkeypatch):

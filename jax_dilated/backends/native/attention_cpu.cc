@@ -429,6 +429,9 @@ void pv_columns_pairs(const bf16_t* p, const bf16_t* v, float* o, int64_t ostrid
                                  (d_head - c) / N);
 }
 
+// a row of zeros (the partner of an odd count's last row, padding rows)
+constexpr bf16_t kZeroRow[MAX_D] = {};
+
 // dst[2 j] = a[j], dst[2 j + 1] = b[j] for j < n: two rows as pairs (eight pairs per
 // two unpacks, where element by element the packing cost a tenth of the forward)
 inline void interleave_rows(const bf16_t* a, const bf16_t* b, bf16_t* dst, int64_t n) {
@@ -472,8 +475,8 @@ inline void transpose_8x8(const bf16_t* src, int64_t ss, bf16_t* dst, int64_t ds
       r[i + 2 * h + 1] = _mm_unpackhi_epi32(t[i + h], t[i + 2 + h]);
     }
   for (int j = 0; j < 4; j++) {  // columns 2 j, 2 j + 1: the two halves of eight rows
-    __m128i* column = reinterpret_cast<__m128i*>(dst + 2 * j * ds);
-    _mm_storeu_si128(column, _mm_unpacklo_epi64(r[j], r[j + 4]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * j * ds),
+                     _mm_unpacklo_epi64(r[j], r[j + 4]));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * j + 1) * ds),
                      _mm_unpackhi_epi64(r[j], r[j + 4]));
   }
@@ -483,9 +486,8 @@ inline void transpose_8x8(const bf16_t* src, int64_t ss, bf16_t* dst, int64_t ds
 // (n even, or the last row's partner 0) at dst
 inline void pack_row_pairs(const bf16_t* src, int64_t stride, int64_t n, int64_t d_head,
                            bf16_t* dst) {
-  static const bf16_t zeros[MAX_D] = {};
   for (int64_t i = 0; i < n; i += 2)
-    interleave_rows(src + i * stride, i + 1 < n ? src + (i + 1) * stride : zeros,
+    interleave_rows(src + i * stride, i + 1 < n ? src + (i + 1) * stride : kZeroRow,
                     dst + i * d_head, d_head);
 }
 
@@ -973,9 +975,8 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
     if ((int64_t)w.qp.size() < BQ * dp) w.qp.resize(BQ * dp);
     if ((int64_t)w.sp.size() < BQ * BK) w.sp.resize(BQ * BK);
     if (amx && (int64_t)w.sfull.size() < BQ * BK) w.sfull.resize(BQ * BK);
-    static const bf16_t zeros[MAX_D] = {};
     for (int64_t t = (kend_all + 1) / 2 * 2; t < rows2; t += 2)  // value rows past the last: 0
-      pack_value_row_pairs(zeros, zeros, w.vpp.data(), rows2, t, d);
+      pack_value_row_pairs(kZeroRow, kZeroRow, w.vpp.data(), rows2, t, d);
   }
 #endif
   // k^T of the keys this run can see, in blocks of BK keys, each in panels
@@ -986,7 +987,6 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
     const int64_t nk = std::min<int64_t>(BK, kend_all - b0);
 #if JD_BF16_PAIRS
     if constexpr (pairs) {  // panels [D / 2][QK_COLS][2]: key t's pair e at 2 (e QK_COLS + t)
-      static const bf16_t zeros[MAX_D] = {};
       bf16_t* ktp = w.ktp.data() + (b0 / BK) * dp * BK;
       const int64_t ncols = (nk + QK_COLS - 1) / QK_COLS * QK_COLS;
       for (int64_t t = 0; t < ncols; t++) {
@@ -998,7 +998,7 @@ void run_rows(const Config& cf, const Item<In, Out>& it, Scratch& w, int64_t r0,
                       ktp + (t / QK_COLS) * QK_COLS * dp + 2 * (t % QK_COLS), QK_COLS);
         if (t % 2 == 0 && t < nk)
           pack_value_row_pairs(it.v + (b0 + t) * it.kv_stride,
-                               t + 1 < nk ? it.v + (b0 + t + 1) * it.kv_stride : zeros,
+                               t + 1 < nk ? it.v + (b0 + t + 1) * it.kv_stride : kZeroRow,
                                w.vpp.data(), rows2, b0 + t, d);
       }
     }
