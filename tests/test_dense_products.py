@@ -133,6 +133,21 @@ def test_bfloat16_products_on_xla_with_float32_sums_equal_float64(preferred):
     assert _rel(dx, np.broadcast_to(np.asarray(w, np.float64).sum(1), dx.shape)) < 1e-2
 
 
+def test_the_xla_route_needs_no_blas(monkeypatch):
+    """Where the BLAS cannot be called (no OpenBLAS, no native library), bfloat16
+    products on the "xla" route still ask XLA's dot for float32 sums (the rate of the
+    CPU's units), and other products are XLA's dot unchanged."""
+    monkeypatch.setattr(gemm, "unavailable_reason", lambda: "no BLAS here")
+    x, w = (jnp.asarray(a, jnp.bfloat16) for a in _draw((5, 64), (64, 24), seed=10))
+    fn = lambda x, w: gemm.dot_general(x, w, LINEAR(2))  # noqa: E731
+    with gemm.using_bf16("xla"):
+        text = jax.jit(fn).lower(x, w).as_text()
+    assert "bf16>, tensor<64x24xbf16>) -> tensor<5x24xf32>" in text  # float32 sums
+    with gemm.using_bf16("mkl" if NO_MKL is None else "openblas"):
+        text = jax.jit(fn).lower(x, w).as_text()
+    assert "-> tensor<5x24xbf16>" in text and not _calls_blas(fn, x, w)
+
+
 def test_bfloat16_route_follows_the_cpu_and_the_choice(monkeypatch):
     """The choice: XLA's dot with float32 sums on a CPU with bfloat16 units that is not
     Intel's (MKL does not multiply on them there), else MKL where it is installed,

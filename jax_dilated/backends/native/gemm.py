@@ -45,7 +45,8 @@ The BLAS is OpenBLAS from the ``scipy-openblas32`` wheel (a dependency on Linux,
 OpenBLAS NumPy and SciPy ship); MKL is the ``mkl`` wheel's ``libmkl_rt`` (an optional
 extra), run sequentially on each block. Where OpenBLAS or the native library is
 missing, or ``JAX_DILATED_DENSE=xla`` is set (read once, on the first product), every
-product is XLA's and :func:`unavailable_reason` says why. The product runs on one device's
+product is XLA's (bfloat16's with float32 sums where its route is ``"xla"``) and
+:func:`unavailable_reason` says why. The product runs on one device's
 buffers, so a program sharded over a mesh by XLA (GSPMD) keeps XLA's dot: the layers
 and models take :func:`for_mesh`'s choice, the BLAS only when they run without a mesh
 (inside ``shard_map`` each device's product is local and may use it).
@@ -259,8 +260,10 @@ def _servable(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding)
     if min(m, k, n) == 0 or max(m, k, n) > _INT32_MAX:
         return None
     # (where JAX runs on an accelerator, no native build for a product it will not run)
-    if jax.default_backend() != "cpu" or unavailable_reason() is not None:
+    if jax.default_backend() != "cpu":
         return None
+    if unavailable_reason() is not None:  # bfloat16's "xla" route needs no BLAS
+        return out if lhs.dtype == jnp.bfloat16 and bf16_route()[0] == "xla" else None
     return out
 
 
