@@ -5,8 +5,9 @@ CPU inside the library's operations.
 
 Every build this machine can run is tested (``ISAS``, through ``build.using``): the
 AVX2 one on every x86-64 CPU with AVX2, the AVX-512 ones where the CPU has them, NEON on
-aarch64 (``JD_TEST_NATIVE_BUILDS=machine``: the machine's own build alone). The reference is the dense softmax of the mathematics (docs/semantics.md,
-sections 1 and 2) in float64, independent of both kernels, on the inputs as the
+aarch64 (``JD_TEST_NATIVE_BUILDS=machine``: the machine's own build alone). The
+reference is the dense softmax of the mathematics (docs/semantics.md, sections 1 and 2)
+in float64, independent of both kernels, on the inputs as the
 kernel sees them (rounded to bfloat16 / float16 for those); tolerances relative to
 the largest reference magnitude: float32 1e-5, bfloat16 2e-2, float16 1e-3.
 """
