@@ -79,6 +79,9 @@ def _mesh(p):
 
 
 DILATED = dict(segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4))
+WINDOW_OPTIONS = dict(segment_lengths=(jd.SlidingWindow(5), 64), dilation_rates=(1, 4),
+                      is_causal=True, logit_soft_cap=1.5,
+                      sinks=np.array([0.3, -1.0, 2.0, 0.0]))
 
 CASES = [
     # (op, options, strategy, P, layout, heads, kv heads)
@@ -94,9 +97,10 @@ CASES = [
      "contiguous", 4, 2),
     ("dilated", dict(segment_lengths=(8, 64), dilation_rates=(2, 8), is_causal=False),
      "allgather", 8, "contiguous", 8, 4),
-    # per-branch strategies (T=64 on P=4: 16 local, 32 spans 2 devices, 64 spans 4)
+    # per-branch strategies (T=64 on P=4: 16 local, 32 spans 2 devices, 64 spans 4); 8
+    # heads, as the "heads" P=8 case above, whose one-device reference it shares
     ("dilated", dict(DILATED, is_causal=True), ("ring", "allgather", "heads"), 4,
-     "contiguous", 4, 2),
+     "contiguous", 8, 2),
     # head_groups: 2 heads per branch; the branch of 64 spans both devices
     ("dilated", dict(DILATED, mode="head_groups", is_causal=False),
      ("heads", "heads", "heads"), 2, "contiguous", 6, 3),
@@ -104,25 +108,25 @@ CASES = [
     ("dilated", dict(segment_lengths=(8, 32, 64), dilation_rates=(2, 4, 8), is_causal=True),
      ("ring", "heads", "heads"), 8, "contiguous", 8, 4),
     # soft-cap, sinks and a sliding-window branch go through every strategy of dilated
-    # attention (it runs them itself)
-    ("dilated", dict(segment_lengths=(jd.SlidingWindow(5), 32, 64), dilation_rates=(1, 2, 4),
-                     is_causal=True, logit_soft_cap=1.5,
-                     sinks=np.array([0.3, -1.0, 2.0, 0.0])), "allgather", 2, "contiguous",
-     4, 2),
-    ("dilated", dict(segment_lengths=(jd.SlidingWindow(5), 32, 64), dilation_rates=(1, 2, 4),
-                     is_causal=True, logit_soft_cap=1.5,
-                     sinks=np.array([0.3, -1.0, 2.0, 0.0])), "heads", 2, "contiguous", 4, 2),
+    # attention (it runs them itself); beside the window one branch that spans both
+    # devices is enough (each branch is another loop to trace and compile)
+    ("dilated", dict(WINDOW_OPTIONS), "allgather", 2, "contiguous", 4, 2),
+    ("dilated", dict(WINDOW_OPTIONS), "heads", 2, "contiguous", 4, 2),
     ("dilated", dict(segment_lengths=(jd.SlidingWindow(5), 32, 64), dilation_rates=(1, 2, 4),
                      mode="head_groups", logit_soft_cap=1.5), ("ring", "heads", "allgather"),
      2, "contiguous", 6, 2),
+    # per-head patterns: one device traces each head's own blocks, so 4 heads (one per
+    # device, each with its own pattern) rather than 8
     ("block_sparse", dict(block_size=8, pattern=bp.RandomBlocks(density=0.4, seed=1,
                                                                 per_head=True)),
-     "heads", 4, "contiguous", 8, 4),
+     "heads", 4, "contiguous", 4, 2),
     ("block_sparse", dict(block_size=8, pattern=bp.LocalWindow(1) | bp.GlobalBlocks([0]),
                           is_causal=True), "allgather", 2, "zigzag", 4, 2),
+    # (2 heads and 1 kv head: each head's own pattern is traced, and the gather needs
+    # no particular number of heads)
     ("block_sparse", dict(block_size=8, pattern=bp.RandomBlocks(density=0.5, seed=2,
                                                                 per_head=True),
-                          is_causal=True), "allgather", 4, "contiguous", 4, 2),
+                          is_causal=True), "allgather", 4, "contiguous", 2, 1),
 ]
 
 _FNS = {"exact": jd.ring_attention, "dilated": jd.dilated_attention,
@@ -248,17 +252,20 @@ def test_heads_by_branch_dropout_gradient_matches_finite_differences():
     def loss(q, k, v):
         return jnp.sum(g * attn(q, k, v))
 
-    loss_j = jax.jit(loss)
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    # one program for the gradient and the differences' losses (a loss-only program
+    # would be a second compilation of the same forward); the rest in NumPy
+    loss_and_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    value = lambda *args: float(loss_and_grads(*args)[0])  # noqa: E731
+    grads = [np.asarray(x) for x in loss_and_grads(q, k, v)[1]]
     rng = np.random.default_rng(8)
     eps = 1e-6
     for i, x in enumerate((q, k, v)):
         direction = rng.standard_normal(x.shape)
         args_p, args_m = [q, k, v], [q, k, v]
         args_p[i], args_m[i] = x + eps * direction, x - eps * direction
-        fd = (loss_j(*args_p) - loss_j(*args_m)) / (2 * eps)
-        an = jnp.sum(grads[i] * direction)
-        assert abs(float(fd) - float(an)) < 1e-6 * max(1.0, abs(float(an))), (i, fd, an)
+        fd = (value(*args_p) - value(*args_m)) / (2 * eps)
+        an = float(np.sum(grads[i] * direction))
+        assert abs(fd - an) < 1e-6 * max(1.0, abs(an)), (i, fd, an)
 
 
 @XLA_CPU_MEMORY
@@ -643,7 +650,8 @@ def test_layers_take_the_strategy():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     ring = jd.linen.RingAttention(mesh=mesh, seq_axis="seq", strategy="heads")
     got = ring.apply({}, q, k, v, is_causal=True, kv_mask=mask)
-    _check([np.asarray(got)], [np.asarray(_dense(q, k, v, mask, True))])
+    want = jax.jit(lambda q, k, v: _dense(q, k, v, mask, True))(q, k, v)  # one compilation
+    _check([np.asarray(got)], [np.asarray(want)])
     with pytest.raises(ValueError, match="strategy must be one of"):
         jd.nnx.MultiheadRingAttention(embed_dim=16, num_heads=2, mesh=mesh, seq_axis="seq",
                                       strategy="ulysses", rngs=nnx.Rngs(0))
