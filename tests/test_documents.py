@@ -28,9 +28,15 @@ from jax_dilated.core import documents, layouts
 from _helpers import TOL, assert_close, output_and_grads
 
 B, T, D = 2, 48, 4
-# row 0: the issue's row, id 0 reused after id 1; row 1: ids 3 and 5 both reused
-ROWS = ([0] * 10 + [1] * 4 + [0] * 20 + [2] * 14,
-        [3] * 7 + [5] * 9 + [3] * 5 + [5] * 19 + [4] * 8)
+# row 0: as in the issue, id 0 reused after id 1; row 1: ids 3 and 5 both reused. The
+# second run of id 0 crosses the shard boundaries at 24 (2 and 4 devices) and 36, the
+# second of id 3 (2 tokens) the one at 24, those of id 5 the ones at 12 and 36. Each row
+# holds five documents of two lengths, so that the documents alone run as two batches,
+# one per length (see _alone), not one call per document: 2 (shorter than a block, the
+# window of 5 and every segment; in DILATED's rate 4 a head of offset 2 or 3 selects
+# nothing) and 21 (longer than the sliding window, last segments of 5 and 9 tokens).
+ROWS = ([0] * 21 + [1] * 2 + [0] * 21 + [2] * 2 + [7] * 2,
+        [3] * 2 + [5] * 21 + [3] * 2 + [5] * 21 + [4] * 2)
 IDS = np.array(ROWS, np.int32)
 
 
@@ -53,14 +59,19 @@ def _inputs(h, hkv, seed):
     return q, k, v, g, mask
 
 
-def _alone(fn, q, k, v, mask):
-    """Every document of every row through ``fn`` on its own, concatenated back."""
-    rows = []
-    for b, row in enumerate(ROWS):
-        rows.append(jnp.concatenate(
-            [fn(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e], kv_mask=mask[b:b + 1, s:e])
-             for s, e in _runs(row)], axis=1))
-    return jnp.concatenate(rows, axis=0)
+def _alone(fn, *rows):
+    """``fn(*documents)`` on every document of every row on its own (``rows``: arrays
+    [B, T, ...] cut into documents), put back in place. The documents of one length
+    run as one batch (rows of a batch never see each other): ``fn`` is traced once per
+    length, not once per document."""
+    docs = [(b, s, e) for b, row in enumerate(ROWS) for s, e in _runs(row)]
+    done = {}
+    for n in sorted({e - s for _, s, e in docs}):
+        same = [(b, s, e) for b, s, e in docs if e - s == n]
+        out = fn(*(jnp.concatenate([x[b:b + 1, s:e] for b, s, e in same]) for x in rows))
+        done.update({doc: out[i:i + 1] for i, doc in enumerate(same)})
+    return jnp.concatenate([jnp.concatenate([done[b, s, e] for s, e in _runs(row)], axis=1)
+                            for b, row in enumerate(ROWS)])
 
 
 # The documents alone, by operation and options: cases that share them (every case
@@ -80,7 +91,9 @@ def _check(fn, packed, key):
     computed once per ``key`` (:func:`_key`)."""
     q, k, v, g, mask = _inputs(4, 2, seed=0)
     if key not in _ALONE:
-        _ALONE[key] = output_and_grads(lambda q, k, v: _alone(fn, q, k, v, mask), q, k, v, g)
+        _ALONE[key] = output_and_grads(
+            lambda q, k, v: _alone(lambda q, k, v, m: fn(q, k, v, kv_mask=m), q, k, v, mask),
+            q, k, v, g)
     want = _ALONE[key]
     got = output_and_grads(lambda q, k, v: packed(q, k, v, kv_mask=mask, segment_ids=IDS),
                            q, k, v, g)
@@ -109,8 +122,14 @@ def test_document_ids_inside_shard_map_see_the_whole_row(layout):
     np.testing.assert_array_equal(got, documents.document_ids(IDS))
 
 
-WINDOWED = dict(segment_lengths=(jd.SlidingWindow(16), 8, 16), dilation_rates=(1, 1, 2))
-DILATED = dict(segment_lengths=(8, 16), dilation_rates=(2, 4))
+# Segments of 8 and 12: 8 does not divide 12, so the packed calls take the streams
+# (ops/dilated_packed.py) directly. With segments that divide (8 and 16) they also
+# traced the padded layout, under a lax.cond on the documents per row that these rows
+# (5 documents, more than its 48 / 16 = 3 slots) never take; that doubled the cost of
+# every packed program here (a switch over four of them on 4 devices: 8 s).
+# test_dilated_packed.py runs the padded layout against the documents alone.
+WINDOWED = dict(segment_lengths=(jd.SlidingWindow(16), 8, 12), dilation_rates=(1, 1, 2))
+DILATED = dict(segment_lengths=(8, 12), dilation_rates=(2, 4))
 DENSE = dict(block_size=4, pattern=jd.block_patterns.AllBlocks())
 ONE_DEVICE = [
     ("windowed-longnet", jd.dilated_attention, dict(WINDOWED, is_causal=False)),
@@ -208,12 +227,10 @@ def test_layer_packed_rows_equal_documents_alone():
     from flax import nnx
 
     layer = jd.nnx.MultiheadDilatedAttention(
-        8, 4, segment_lengths=(8, 16), dilation_rates=(1, 2), qk_transform=jd.models.Rotary(),
+        8, 4, segment_lengths=(8, 12), dilation_rates=(1, 2), qk_transform=jd.models.Rotary(),
         param_dtype=jnp.float64, rngs=nnx.Rngs(0))
     x = np.random.default_rng(9).standard_normal((B, T, 8))
-    got = nnx.jit(lambda m, x: m(x, segment_ids=IDS, is_causal=True))(layer, x)
-    # (jitted: op by op, the documents alone took 30 s)
-    want = nnx.jit(lambda m, x: jnp.concatenate([jnp.concatenate(
-        [m(x[b:b + 1, s:e], is_causal=True) for s, e in _runs(row)], axis=1)
-        for b, row in enumerate(ROWS)]))(layer, x)
+    # one program for both (jitted: op by op, the documents alone took 30 s)
+    got, want = nnx.jit(lambda m, x: (m(x, segment_ids=IDS, is_causal=True),
+                                      _alone(lambda x: m(x, is_causal=True), x)))(layer, x)
     assert_close(got, want, TOL["float64"], "layer")

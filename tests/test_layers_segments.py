@@ -73,17 +73,20 @@ def test_layers_equal_the_op_with_segment_ids(kind):
                                    nnx.state(layer, nnx.Param)))
     params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
     x = jnp.asarray(rng.standard_normal((2, T, E)))
-    ids = _ids()
-    want, plain = jax.jit(lambda x, s: (_by_hand(params, x, lambda q, k, v: op(q, k, v, s)),
-                                        _by_hand(params, x, lambda q, k, v: op(q, k, v, None)))
-                          )(x, ids)
-    assert np.abs(np.asarray(plain) - np.asarray(want)).max() > 1e-3  # packing matters
-    got = nnx.jit(lambda m, x, s: m(x, is_causal=True, segment_ids=s))(layer, x, ids)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-10)
     linen = linen_cls(embed_dim=E, num_heads=H, layer_norm=False, param_dtype=jnp.float64,
                       **kw)
-    got_linen = jax.jit(lambda p, x, s: linen.apply({"params": p}, x, is_causal=True,
-                                                    segment_ids=s))(params, x, ids)
+    graphdef, state = nnx.split(layer)
+
+    @jax.jit  # one program for the four (one compilation, not three)
+    def run(state, p, x, s):
+        return (_by_hand(p, x, lambda q, k, v: op(q, k, v, s)),
+                _by_hand(p, x, lambda q, k, v: op(q, k, v, None)),
+                nnx.merge(graphdef, state)(x, is_causal=True, segment_ids=s),
+                linen.apply({"params": p}, x, is_causal=True, segment_ids=s))
+
+    want, plain, got, got_linen = run(state, params, x, _ids())
+    assert np.abs(np.asarray(plain) - np.asarray(want)).max() > 1e-3  # packing matters
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(np.asarray(got_linen), np.asarray(want), rtol=1e-10,
                                atol=1e-10)
 
@@ -91,13 +94,12 @@ def test_layers_equal_the_op_with_segment_ids(kind):
 def test_parameterless_layers_pass_segment_ids():
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.standard_normal((2, T, H, 4))) for _ in range(3))
-    ids = _ids()
-    want = jax.jit(lambda q, k, v, s: jd.dilated_attention(q, k, v, **SEGS,
-                                                           segment_ids=s))(q, k, v, ids)
     layer, linen = jd.nnx.DilatedAttention(**SEGS), jd.linen.DilatedAttention(**SEGS)
-    got = jax.jit(lambda q, k, v, s: layer(q, k, v, segment_ids=s))(q, k, v, ids)
-    got_linen = jax.jit(lambda q, k, v, s: linen.apply({}, q, k, v, segment_ids=s))(
-        q, k, v, ids)
+    # one program for the three (one compilation, not three)
+    want, got, got_linen = jax.jit(lambda q, k, v, s: (
+        jd.dilated_attention(q, k, v, **SEGS, segment_ids=s),
+        layer(q, k, v, segment_ids=s),
+        linen.apply({}, q, k, v, segment_ids=s)))(q, k, v, _ids())
     for out in (got, got_linen):
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-12, atol=1e-12)
 
@@ -114,18 +116,23 @@ def _model(positions):
     return model
 
 
+# LongNetLM's packed row: two documents of DOC tokens (short last segments of 3 in both
+# branches), so that the documents alone run as one batch of two rows
+DOC = 11
+
+
 @pytest.mark.parametrize("positions", ["rotary", "xpos"])
 def test_longnet_packed_row_equals_documents_alone(positions):
     """Logits and parameter gradients (for a random cotangent) of a packed row equal
-    those of its documents run alone: attention and positions restart at each
-    document."""
+    those of its documents run alone (as a batch: its parameter gradients are the sum
+    over the documents): attention and positions restart at each document."""
     model = _model(positions)
     rng = np.random.default_rng(3)
-    tokens = jnp.asarray(rng.integers(0, 32, (1, T)), jnp.int32)
-    cot = jnp.asarray(rng.standard_normal((1, T, 32)))
+    tokens = jnp.asarray(rng.integers(0, 32, (1, 2 * DOC)), jnp.int32)
+    cot = jnp.asarray(rng.standard_normal((1, 2 * DOC, 32)))
+    ids = jnp.asarray(np.repeat([0, 1], DOC)[None], jnp.int32)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    @jax.jit
     def fwd_bwd(p, tokens, cot, ids):
         def f(p):
             return nnx.merge(graphdef, p, rest)(tokens, segment_ids=ids,
@@ -133,14 +140,11 @@ def test_longnet_packed_row_equals_documents_alone(positions):
         out, vjp = jax.vjp(f, p)
         return out, vjp(cot)[0]
 
-    packed, g_packed = fwd_bwd(params, tokens, cot, jnp.asarray(IDS, jnp.int32))
-    starts = np.cumsum((0,) + DOCS)
-    alone, g_alone = [], None
-    for a, b in zip(starts[:-1], starts[1:]):
-        out, g = fwd_bwd(params, tokens[:, a:b], cot[:, a:b], None)
-        alone.append(out)
-        g_alone = g if g_alone is None else jax.tree.map(jnp.add, g_alone, g)
-    np.testing.assert_allclose(np.asarray(packed), np.asarray(jnp.concatenate(alone, 1)),
+    # one program for both (one compilation, not one per shape)
+    (packed, g_packed), (alone, g_alone) = jax.jit(lambda p, tokens, cot: (
+        fwd_bwd(p, tokens, cot, ids),
+        fwd_bwd(p, tokens.reshape(2, DOC), cot.reshape(2, DOC, 32), None)))(params, tokens, cot)
+    np.testing.assert_allclose(np.asarray(packed), np.asarray(alone).reshape(packed.shape),
                                rtol=1e-10, atol=1e-10)
     for x, y in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_alone)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-9, atol=1e-10)
@@ -196,6 +200,7 @@ def test_qk_transform_positions_restart_at_each_document():
     rng = np.random.default_rng(5)
     q, k = (jnp.asarray(rng.standard_normal((2, 8, 2, 4))) for _ in range(2))
     for fn in (jd.models.Rotary(), jd.models.XPos(scale_base=8.0, center=4)):
+        fn = jax.jit(fn)  # two programs (two shapes), not each operation on its own
         rows = fn(q, k, jnp.asarray(want))
         for b in range(2):
             one = fn(q[b:b + 1], k[b:b + 1], jnp.asarray(want[b]))
@@ -209,6 +214,11 @@ def test_attention_fn_reads_documents_from_the_mask_only_when_packed():
     mask (here with padding and causality on top), eagerly and under ``jit``; a mask
     it cannot represent (documents that are not runs, or a document mask without
     ``packed=True``) is a ValueError eagerly and NaN under ``jit``."""
+    # Segments of 4 and 6 (4 does not divide 6): the traced calls take the streams
+    # (ops/dilated_packed.py) directly. With 4 and 8 they also traced the padded layout
+    # under a lax.cond that these rows (4 documents, more than its 24 / 8 = 3 slots)
+    # never take.
+    segs = dict(segment_lengths=(4, 6), dilation_rates=(1, 2))
     rng = np.random.default_rng(6)
     q, k, v = (jnp.asarray(rng.standard_normal((2, T, 2, 4))) for _ in range(3))
     ids = np.stack([np.repeat([1, 2, 3, 0], (5, 8, 7, 4)),   # 0: padding at the end
@@ -220,20 +230,22 @@ def test_attention_fn_reads_documents_from_the_mask_only_when_packed():
                                  nnx.make_attention_mask(ids > 0, ids > 0),
                                  nnx.make_causal_mask(ids))
 
-    want = jax.jit(lambda q, k, v, s: jd.dilated_attention(
-        q, k, v, **SEGS, is_causal=True, kv_mask=s > 0, segment_ids=s))(q, k, v, ids_j)
+    fn = jd.attention_fn(**segs, packed=True)
+    # one program (one compilation, not two): fn on Flax's mask, and what it should give,
+    # the op with the ids
+    traced = jax.jit(lambda q, k, v, m, s: (fn(q, k, v, mask=m), jd.dilated_attention(
+        q, k, v, **segs, is_causal=True, kv_mask=s > 0, segment_ids=s)))
+    got_traced, want = traced(q, k, v, flax_mask(ids), ids_j)
     assert np.all(np.asarray(want)[0, 20:] == 0)  # padded rows: zeros
-    fn = jd.attention_fn(**SEGS, packed=True)
-    traced = jax.jit(lambda q, k, v, m: fn(q, k, v, mask=m))
-    for got in (fn(q, k, v, mask=np.asarray(flax_mask(ids))), traced(q, k, v, flax_mask(ids))):
+    for got in (fn(q, k, v, mask=np.asarray(flax_mask(ids))), got_traced):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-10)
 
     runs = np.repeat([1, 2, 1], (8, 8, 8))[None].repeat(2, 0)  # document 1 is not a run
     with pytest.raises(ValueError, match="document mask"):
         fn(q, k, v, mask=np.asarray(flax_mask(runs)))
-    assert np.isnan(np.asarray(traced(q, k, v, flax_mask(runs)))).all()
+    assert np.isnan(np.asarray(traced(q, k, v, flax_mask(runs), ids_j)[0])).all()
     with pytest.raises(ValueError, match="packed=True"):
-        jd.attention_fn(**SEGS)(q, k, v, mask=np.asarray(flax_mask(ids)))
+        jd.attention_fn(**segs)(q, k, v, mask=np.asarray(flax_mask(ids)))
 
 
 def test_mesh_layer_passes_segment_ids_through_sharded():
