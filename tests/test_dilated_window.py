@@ -11,8 +11,9 @@ Parity cases compare the output and the gradients of q, k, v and sinks through a
 random cotangent with the float64 PyTorch reference
 (``torch_reference.dilated.dilated_attention_full``, dense masks written from the
 math) at the tolerances of ``_helpers.TOL``. Packed rows are compared with the
-documents alone, the sharded sequence (2 devices) and decoding with the one-device
-forward. Shapes are tiny (T <= 32) so the whole module stays cheap.
+documents alone and the sharded sequence (2 devices) with one device's numbers (both
+through the reference, which the one-device parity cases match), decoding with the
+one-device forward. Shapes are tiny (T <= 32) so the whole module stays cheap.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ torch = pytest.importorskip("torch")  # the reference; without it the module ski
 from _helpers import (  # noqa: E402
     TOL, XLA_CPU_MEMORY, as_np, assert_close, rounded, to_jax, to_torch)
 from torch_reference.dilated import dilated_attention_full  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _reference_on_one_thread():
+    """The PyTorch reference on one intra-op thread while this module runs (restored
+    after). With two, on a 2-core machine running a test worker per core (CI), its
+    threads spin against the other worker (test_torchscale.py: 1.7-10 s of CPU for a
+    reference that takes 0.6 s on one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 B, H, D = 2, 4, 8
 SCALE = 0.5
@@ -125,10 +139,12 @@ def test_windows_only_and_no_sinks():
     assert_close(out, want, TOL["float64"], "out")
     for name, a, e in zip(("dq", "dk", "dv"), grads, want_grads):
         assert_close(a, e, TOL["float64"], name)
-    alone = jd.dilated_attention(q, k, v, segment_lengths=(jd.SlidingWindow(3, 1),),
-                                 dilation_rates=(1,), scale=SCALE)
-    want = jd.block_sparse_attention(q, k, v, block_size=20, pattern=np.ones((1, 1), bool),
-                                     window=(3, 1), scale=SCALE)
+    # both calls in one jitted program (op by op, each of their operations compiles alone)
+    alone, want = jax.jit(lambda q, k, v: (
+        jd.dilated_attention(q, k, v, segment_lengths=(jd.SlidingWindow(3, 1),),
+                             dilation_rates=(1,), scale=SCALE),
+        jd.block_sparse_attention(q, k, v, block_size=20, pattern=np.ones((1, 1), bool),
+                                  window=(3, 1), scale=SCALE)))(q, k, v)
     assert_close(alone, want, TOL["float64"], "window only")
 
 
@@ -228,18 +244,21 @@ def test_packed_rows_equal_documents_alone():
     """segment_ids: the window stays inside its document, so a packed row (documents
     of 7 and 17 tokens) gives what each document gives alone (and with GQA, causal,
     soft-cap and sinks); with ``max_documents`` and segments (4, 8) the segment-grid
-    branches take the padded layout (ops/dilated_packed.py) beside the window."""
-    q, k, v, _, sinks = make_inputs(6, 24, 2)
+    branches take the padded layout (ops/dilated_packed.py) beside the window. Each
+    document alone is the float64 PyTorch reference's (a JAX call per document length
+    would compile a program of its own; the reference compiles none)."""
+    q, k, v, g, sinks = make_inputs(6, 24, 2)
     ids = np.array([[0] * 7 + [1] * 17] * B)
     layouts = ((SEGMENTS, None), ((jd.SlidingWindow(3), 4, 8), 2))
     for mode, (segments, bound) in itertools.product(("longnet", "head_groups"), layouts):
-        kw = dict(segment_lengths=segments, dilation_rates=RATES, mode=mode,
-                  is_causal=True, scale=SCALE, logit_soft_cap=3.0)
-        attn = jax.jit(lambda q, k, v, s, ids=None, kw=kw, bound=bound: jd.dilated_attention(
-            q, k, v, sinks=s, segment_ids=ids, max_documents=None if ids is None else bound,
-            **kw))
-        packed = attn(q, k, v, sinks, ids)
-        alone = [attn(q[:, s], k[:, s], v[:, s], sinks) for s in (slice(0, 7), slice(7, 24))]
+        kw = dict(mode=mode, is_causal=True, logit_soft_cap=3.0)
+        packed = jax.jit(lambda q, k, v, s, kw=kw, segments=segments, bound=bound:
+                         jd.dilated_attention(q, k, v, sinks=s, segment_ids=ids,
+                                              max_documents=bound, scale=SCALE,
+                                              segment_lengths=segments,
+                                              dilation_rates=RATES, **kw))(q, k, v, sinks)
+        alone = [reference(*(x[:, s] for x in (q, k, v, g)), sinks, segments=segments, **kw)[0]
+                 for s in (slice(0, 7), slice(7, 24))]
         assert_close(packed, np.concatenate(alone, axis=1), TOL["float64"], (mode, bound))
 
 
@@ -247,24 +266,26 @@ def test_gpu_programs_float64(default_kernel):
     """With the default kernel as a GPU chooses it (``default_kernel``: cuDNN's
     wrapper, float64 calls on the XLA kernel one by one), float64 at 1e-10: a window
     beside non-dividing segments (T = 24) with kv_mask, GQA and sinks against the
-    PyTorch reference (the batched program there), longnet with every segment
-    dividing (the non-blockwise streamed program, its primal the batched one) against
-    the XLA kernel, and packed rows of two rows (the streams gather per row; an H200
-    gave wrong numbers there) with the window beside, documents alone, output and
-    gradients."""
+    PyTorch reference (the batched program there; with this machine's default kernel
+    that call is test_parity_float64[longnet-False-2-True-None]'s, so it runs in the
+    GPU's case only), longnet with every segment dividing (the non-blockwise streamed
+    program, its primal the batched one) against the XLA kernel, and packed rows of two
+    rows (the streams gather per row; an H200 gave wrong numbers there) with the window
+    beside, documents alone, output and gradients."""
     from jax_dilated.backends import registry
     from jax_dilated.ops import dilated_programs
 
     gpu = default_kernel == "cudnn-reference"
     assert (registry.get_kernel(None).name == "auto") == gpu
     q, k, v, g, sinks = make_inputs(3, 24, 2)
-    mask = np.random.default_rng(2).random((B, 24)) > 0.3
-    kw = dict(mode="longnet", kv_mask=mask)
-    out, grads = ours(q, k, v, g, sinks, **kw)
-    want, want_grads = reference(q, k, v, g, sinks, **kw)
-    assert_close(out, want, TOL["float64"], "out")
-    for name, a, e in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
-        assert_close(a, e, TOL["float64"], name)
+    if gpu:
+        mask = np.random.default_rng(2).random((B, 24)) > 0.3
+        kw = dict(mode="longnet", kv_mask=mask)
+        out, grads = ours(q, k, v, g, sinks, **kw)
+        want, want_grads = reference(q, k, v, g, sinks, **kw)
+        assert_close(out, want, TOL["float64"], "out")
+        for name, a, e in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+            assert_close(a, e, TOL["float64"], name)
 
     def program(segments, rates, t):  # the one-device program of such a call
         call = dilated_programs.DilatedCall.of(segments, rates, mode="longnet",
@@ -330,35 +351,37 @@ def _sharded(p, **kw):
 def test_seq_axis_equals_one_device(mode):
     """2 devices: the window branch runs as the windowed ring (a window wider than a
     step of the causal ring reaches the previous shard), mixed with a local and a
-    spanning branch; output and gradients equal one device."""
+    spanning branch; output and gradients equal one device's, that is the float64
+    reference (which one device matches at 1e-10, test_parity_float64; the reference
+    compiles nothing)."""
     q, k, v, g, sinks = make_inputs(7, 32, 2)
-    kw = dict(segment_lengths=(jd.SlidingWindow(5), 8, 32), dilation_rates=(1, 2, 4),
-              mode=mode, is_causal=True, scale=SCALE, logit_soft_cap=2.0)
-    fn = _sharded(2, **kw)
+    segments, rates = (jd.SlidingWindow(5), 8, 32), (1, 2, 4)
+    kw = dict(mode=mode, is_causal=True, logit_soft_cap=2.0)
+    fn = _sharded(2, segment_lengths=segments, dilation_rates=rates, scale=SCALE, **kw)
 
-    def one(q, k, v, s):
-        return jd.dilated_attention(q, k, v, sinks=s, **kw)
+    def loss(*a):  # one program: the output and the gradients
+        out = fn(*a)
+        return jnp.sum(out * g), out
 
-    args = (q, k, v, jnp.asarray(sinks))
-    for f_a, f_b, what in ((fn, one, "out"),):
-        assert_close(jax.jit(f_a)(*args), jax.jit(f_b)(*args), TOL["float64"], what)
-    loss = lambda f: lambda *a: jnp.sum(f(*a) * g)  # noqa: E731
-    ga = jax.jit(jax.grad(loss(fn), (0, 1, 2, 3)))(*args)
-    gb = jax.jit(jax.grad(loss(one), (0, 1, 2, 3)))(*args)
-    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), ga, gb):
-        assert_close(a, b, TOL["float64"], name)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(
+        q, k, v, jnp.asarray(sinks))
+    want, want_grads = reference(q, k, v, g, sinks, segments=segments, rates=rates, **kw)
+    assert_close(out, want, TOL["float64"], "out")
+    for name, a, e in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+        assert_close(a, e, TOL["float64"], name)
 
 
 def test_packed_seq_axis_equals_one_device():
-    """Packed rows with seq_axis (head_parallel.over_heads) and a window branch."""
-    q, k, v, _, sinks = make_inputs(8, 32, 2)
+    """Packed rows with seq_axis (head_parallel.over_heads) and a window branch: each
+    document as it is alone on one device, that is the float64 reference's."""
+    q, k, v, g, sinks = make_inputs(8, 32, 2)
     ids = np.array([[0] * 11 + [1] * 21] * B)
-    kw = dict(segment_lengths=(jd.SlidingWindow(4), 8), dilation_rates=(1, 2),
-              is_causal=True, scale=SCALE)
-    got = jax.jit(_sharded(2, segment_ids=ids, **kw))(q, k, v, jnp.asarray(sinks))
-    want = jax.jit(lambda q, k, v: jd.dilated_attention(q, k, v, segment_ids=ids,
-                                                        sinks=sinks, **kw))(q, k, v)
-    assert_close(got, want, TOL["float64"], "packed seq_axis")
+    segments, rates = (jd.SlidingWindow(4), 8), (1, 2)
+    got = jax.jit(_sharded(2, segment_ids=ids, segment_lengths=segments, dilation_rates=rates,
+                           is_causal=True, scale=SCALE))(q, k, v, jnp.asarray(sinks))
+    want = [reference(*(x[:, s] for x in (q, k, v, g)), sinks, segments=segments,
+                      rates=rates, is_causal=True)[0] for s in (slice(0, 11), slice(11, 32))]
+    assert_close(got, np.concatenate(want, axis=1), TOL["float64"], "packed seq_axis")
 
 
 def test_decode_window_branch():
@@ -367,8 +390,9 @@ def test_decode_window_branch():
     q, k, v, _, sinks = make_inputs(9, 20, 2)
     cfg = dict(segment_lengths=SEGMENTS, dilation_rates=RATES, scale=SCALE,
                logit_soft_cap=2.0, sinks=sinks)
+    fulls = {}
     for mode in ("longnet", "head_groups"):
-        full = jax.jit(lambda q, k, v, mode=mode: jd.dilated_attention(
+        full = fulls[mode] = jax.jit(lambda q, k, v, mode=mode: jd.dilated_attention(
             q, k, v, is_causal=True, mode=mode, **cfg))(q, k, v)
         step = jax.jit(lambda qq, kk, vv, p, mode=mode: jd.dilated_attention_decode(
             qq, kk, vv, p, mode=mode, **cfg))
@@ -381,9 +405,9 @@ def test_decode_window_branch():
     for pos in range(5):
         out, cache = step(cache, q[:, pos:pos + 1], k[:, pos:pos + 1], v[:, pos:pos + 1])
         outs.append(out)
-    full = jax.jit(lambda q, k, v: jd.dilated_attention(q, k, v, is_causal=True, **cfg))(
-        q[:, :5], k[:, :5], v[:, :5])
-    assert_close(jnp.concatenate(outs, axis=1), full, TOL["float64"], "decode_step")
+    # causal, so the first 5 rows of the 20-token forward are those of the 5-token one
+    assert_close(jnp.concatenate(outs, axis=1), fulls["longnet"][:, :5], TOL["float64"],
+                 "decode_step")
 
 
 def test_bad_input():

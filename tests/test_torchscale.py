@@ -1,8 +1,8 @@
 """``mode="torchscale"`` of ``jd.dilated_attention`` (docs/semantics.md, section 2):
 forward and gradients against the PyTorch reference written from that section
 (``tests/torch_reference/torchscale.py``), on the XLA and native kernels; over a mesh
-(heads, all-gather, ``"auto"``, a pair of axes, ``valid_length``) against one device;
-and the options the mode refuses."""
+(heads, all-gather, ``"auto"``, a pair of axes, ``valid_length``) against one device's
+numbers (the reference's, which one device matches); and the options the mode refuses."""
 
 from __future__ import annotations
 
@@ -17,6 +17,24 @@ import jax_dilated as jd
 from _helpers import TOL, as_np, rel_err, rounded, to_jax
 from _mesh import build_mesh, make_mesh
 from jax_dilated.backends import native
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _reference_on_one_thread():
+    """The PyTorch reference on one intra-op thread while this module runs (restored
+    after). With two, on a 2-core machine running a test worker per core (CI), its
+    threads spin against the other worker: the float64 torchscale reference at 1069
+    tokens took 1.7-10 s of CPU on two threads, 0.6 s on one."""
+    try:
+        import torch
+    except ImportError:  # (the tests that need it skip)
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 # Prov-GigaPath's segment rule at max_wsi_size=11776: 1217 and 1722 are not multiples
 # of their rates, so their outputs shift past one segment
@@ -50,6 +68,21 @@ def reference():
     return torchscale
 
 
+def _out_and_grads_fn(fn):
+    """``(*args, cotangent) -> (fn(*args), the gradients of sum(cotangent * fn(*args)))``
+    as one jitted program (``jax.vjp`` of a jitted function compiles its forward and its
+    backward apart)."""
+    def both(*args):
+        out, vjp = jax.vjp(fn, *args[:-1])
+        return out, vjp(args[-1])
+
+    return jax.jit(both)
+
+
+def _out_and_grads(fn, args, cotangent):
+    return _out_and_grads_fn(fn)(*args, cotangent)
+
+
 def _torch_out(reference, q, k, v, segs, rates, causal, cotangent=None):
     import torch
     tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
@@ -67,11 +100,11 @@ def test_float64_forward_and_gradients(reference, case, causal):
     q, k, v = _inputs(t, h, batch=1 if t > 100 else 2)
     ct = np.random.default_rng(1).standard_normal(q.shape)
     want, want_grads = _torch_out(reference, q, k, v, segs, rates, causal, ct)
-    fn = jax.jit(lambda q, k, v: _ours(q, k, v, segs, rates, "float64", is_causal=causal,
-                                       implementation="xla"))
-    out, vjp = jax.vjp(fn, *(jnp.asarray(x) for x in (q, k, v)))
+    fn = lambda q, k, v: _ours(q, k, v, segs, rates, "float64", is_causal=causal,  # noqa: E731
+                               implementation="xla")
+    out, grads = _out_and_grads(fn, [jnp.asarray(x) for x in (q, k, v)], jnp.asarray(ct))
     assert rel_err(out, want) < TOL["float64"]
-    for got, exp in zip(vjp(jnp.asarray(ct)), want_grads):
+    for got, exp in zip(grads, want_grads):
         assert rel_err(got, exp) < TOL["float64"]
 
 
@@ -94,10 +127,10 @@ def test_low_precision_on_each_kernel(reference, implementation, dtype):
     want, want_grads = _torch_out(reference, q, k, v, segs, rates, False, ct)
     fn = functools.partial(jd.dilated_attention, segment_lengths=segs, dilation_rates=rates,
                            mode="torchscale", implementation=implementation)
-    out, vjp = jax.vjp(jax.jit(fn), *(to_jax(x, dtype) for x in (q, k, v)))
+    out, grads = _out_and_grads(fn, [to_jax(x, dtype) for x in (q, k, v)], to_jax(ct, dtype))
     assert out.dtype == jnp.dtype(to_jax(q, dtype).dtype)
     assert rel_err(out, want) < TOL[dtype]
-    for got, exp in zip(vjp(to_jax(ct, dtype)), want_grads):
+    for got, exp in zip(grads, want_grads):
         assert rel_err(got, exp) < TOL[dtype]
 
 
@@ -108,12 +141,14 @@ GIGAPATH = ((1024, 5792, 32768, 185363, 1048576), (1, 2, 4, 8, 16))
 
 @pytest.fixture(scope="module")
 def gigapath_slide(reference):
-    """1,068 tiles (1069 tokens, 8 heads) with Prov-GigaPath's default segments: q, k, v,
-    a cotangent, and the reference's output and gradients (the same for every kernel's
-    case: computed once, 5 s)."""
+    """1,068 tiles (1069 tokens, 8 heads of 16: the native kernel serves head_dim a
+    multiple of 16 only) with Prov-GigaPath's default segments: q, k, v, a cotangent
+    (float32 values, so that the float32 cases see exactly the reference's inputs), and
+    the reference's output and gradients (the same for every kernel's case and for
+    test_native_inference_runs_every_branch_in_one_call: computed once, 5 s)."""
     t, (segs, rates) = 1069, GIGAPATH
-    q, k, v = _inputs(t, 8, batch=1, seed=3)
-    ct = np.random.default_rng(4).standard_normal(q.shape)
+    q, k, v = (rounded(x, "float32") for x in _inputs(t, 8, head_dim=16, batch=1, seed=3))
+    ct = rounded(np.random.default_rng(4).standard_normal(q.shape), "float32")
     return (q, k, v, ct), _torch_out(reference, q, k, v, segs, rates, False, ct)
 
 
@@ -135,10 +170,11 @@ def test_unshifted_branches_add_their_zero_slots_in_place(gigapath_slide, monkey
     for in_place in (True, False):
         if not in_place:
             monkeypatch.setattr(ts, "unshifted", lambda branches: False)
-        fn = jax.jit(lambda q, k, v: _ours(q, k, v, segs, rates, dtype,
-                                           implementation=implementation))
-        out, vjp = jax.vjp(fn, *(to_jax(x, dtype) for x in (q, k, v)))
-        results.append((out, *vjp(to_jax(ct, dtype))))
+        fn = lambda q, k, v: _ours(q, k, v, segs, rates, dtype,  # noqa: E731
+                                   implementation=implementation)
+        out, grads = _out_and_grads(fn, [to_jax(x, dtype) for x in (q, k, v)],
+                                    to_jax(ct, dtype))
+        results.append((out, *grads))
     for got, exp in zip(results[0], (want, *want_grads)):
         assert rel_err(got, exp) < TOL[dtype]
     for got, exp in zip(*results):
@@ -146,31 +182,36 @@ def test_unshifted_branches_add_their_zero_slots_in_place(gigapath_slide, monkey
 
 
 @pytest.mark.skipif("native" not in _kernels(), reason="the native CPU kernel is not available")
-@pytest.mark.parametrize("case", [(1069, 8, *GIGAPATH, False),
+@pytest.mark.parametrize("case", ["gigapath-1069",  # gigapath_slide's inputs and reference
                                   (300, 4, (64, 128, 256), (1, 2, 4), False),  # nested
                                   (300, 4, (64, 128, 256), (1, 2, 4), True)],
                          ids=["gigapath-1069", "nested", "nested-causal"])
-def test_native_inference_runs_every_branch_in_one_call(reference, case):
+def test_native_inference_runs_every_branch_in_one_call(reference, request, case):
     """Not differentiated, the native kernel computes the unshifted branches' mix as one
     call of all of them (their zero slots added once); differentiated, branch by branch
     (the weights without gradient). Both equal the float64 reference in float32, and
     the two programs hold one dilated call and one per branch."""
-    t, h, segs, rates, causal = case
-    q, k, v = (rounded(x, "float32") for x in _inputs(t, h, head_dim=16, batch=1, seed=8))
-    ct = rounded(np.random.default_rng(9).standard_normal(q.shape), "float32")
-    want, want_grads = _torch_out(reference, q, k, v, segs, rates, causal, ct)
-    fn = jax.jit(lambda q, k, v: _ours(q, k, v, segs, rates, "float32", is_causal=causal,
-                                       implementation="native"))
+    if case == "gigapath-1069":  # 1069 tokens, 8 heads: the reference computed once
+        (segs, rates), causal = GIGAPATH, False
+        (q, k, v, ct), (want, want_grads) = request.getfixturevalue("gigapath_slide")
+    else:
+        t, h, segs, rates, causal = case
+        q, k, v = (rounded(x, "float32") for x in _inputs(t, h, head_dim=16, batch=1, seed=8))
+        ct = rounded(np.random.default_rng(9).standard_normal(q.shape), "float32")
+        want, want_grads = _torch_out(reference, q, k, v, segs, rates, causal, ct)
+    fn = lambda q, k, v: _ours(q, k, v, segs, rates, "float32", is_causal=causal,  # noqa: E731
+                               implementation="native")
     args = [to_jax(x, "float32") for x in (q, k, v)]
-    assert rel_err(fn(*args), want) < TOL["float32"]
-    out, vjp = jax.vjp(fn, *args)
-    assert rel_err(out, want) < TOL["float32"]
-    for got, exp in zip(vjp(to_jax(ct, "float32")), want_grads):
-        assert rel_err(got, exp) < TOL["float32"]
     call = f"@{native.build.target(native.build.TARGET_DILATED)}("
-    assert fn.lower(*args).as_text().count(call) == 1
-    grads = jax.jit(jax.grad(lambda *a: (fn(*a) * a[2]).sum(), argnums=(0, 1, 2)))
-    assert grads.lower(*args).as_text().count(call) == len(segs)
+    inference = jax.jit(fn).lower(*args)  # each program lowered once, read, then compiled
+    assert inference.as_text().count(call) == 1
+    assert rel_err(inference.compile()(*args), want) < TOL["float32"]
+    differentiated = _out_and_grads_fn(fn).lower(*args, to_jax(ct, "float32"))
+    assert differentiated.as_text().count(call) == len(segs)
+    out, grads = differentiated.compile()(*args, to_jax(ct, "float32"))
+    assert rel_err(out, want) < TOL["float32"]
+    for got, exp in zip(grads, want_grads):
+        assert rel_err(got, exp) < TOL["float32"]
 
 
 def test_grouped_kv_heads_read_their_query_heads_kv(reference):
@@ -189,12 +230,13 @@ def test_weights_have_no_gradient_unlike_longnet():
     constants): the difference is the weights' own gradient."""
     q, k, v = (jnp.asarray(x) for x in _inputs(16, 4, seed=7))
     kw = dict(segment_lengths=(16, 16), dilation_rates=(1, 2), implementation="xla")
-    ts = jax.jit(lambda q: jd.dilated_attention(q, k, v, mode="torchscale", **kw))
-    ln = jax.jit(lambda q: jd.dilated_attention(q, k, v, mode="longnet",
-                                                head_offsets="blocked", **kw))
-    np.testing.assert_allclose(ts(q), ln(q), atol=1e-13)
-    g_ts = jax.jit(jax.grad(lambda q: ts(q).sum()))(q)
-    g_ln = jax.jit(jax.grad(lambda q: ln(q).sum()))(q)
+    ts = lambda q: jd.dilated_attention(q, k, v, mode="torchscale", **kw)  # noqa: E731
+    ln = lambda q: jd.dilated_attention(q, k, v, mode="longnet",  # noqa: E731
+                                        head_offsets="blocked", **kw)
+    # the output and the gradient of its sum, one program per mode
+    (out_ts, (g_ts,)), (out_ln, (g_ln,)) = (_out_and_grads(f, [q], jnp.ones_like(q))
+                                            for f in (ts, ln))
+    np.testing.assert_allclose(out_ts, out_ln, atol=1e-13)
     assert np.abs(g_ts - g_ln).max() > 1e-3
 
 
@@ -225,35 +267,43 @@ def test_valid_length_computes_the_shorter_sequence():
 
 
 @pytest.mark.parametrize("strategy,devices,heads", [("heads", 8, 8), ("auto", 4, 6)])
-def test_over_a_mesh_equals_one_device(strategy, devices, heads):
+def test_over_a_mesh_equals_one_device(reference, strategy, devices, heads):
     """Forward (and gradients through the head exchange); ``"auto"`` with 6 heads on 4
-    devices all-gathers."""
+    devices all-gathers. One device's numbers are the float64 reference's (which one
+    device matches at 1e-10, test_float64_forward_and_gradients; the reference compiles
+    nothing)."""
     mesh = build_mesh((devices,), ("s",), "auto")
-    q, k, v = (jnp.asarray(x) for x in _inputs(48, heads, seed=10))
-    fn = functools.partial(jd.dilated_attention, segment_lengths=(5, 7, 13),
-                           dilation_rates=(1, 2, 4), mode="torchscale", is_causal=False)
-    ct = jnp.asarray(np.random.default_rng(11).standard_normal(q.shape))
-    one, one_vjp = jax.vjp(jax.jit(fn), q, k, v)
+    q, k, v = _inputs(48, heads, seed=10)
+    segs, rates = (5, 7, 13), (1, 2, 4)
+    fn = functools.partial(jd.dilated_attention, segment_lengths=segs, dilation_rates=rates,
+                           mode="torchscale", is_causal=False)
+    ct = np.random.default_rng(11).standard_normal(q.shape)
+    one, one_grads = _torch_out(reference, q, k, v, segs, rates, False, ct)
     run = jd.sharded(fn, mesh, seq_axis="s", strategy=strategy)
-    assert rel_err(run(q, k, v), one) < TOL["float64"]
-    if strategy == "heads":  # (the all-gather's backward is its all-gather's transpose)
-        grads = jax.jit(lambda q, k, v, ct: jax.vjp(run, q, k, v)[1](ct))(q, k, v, ct)
-        for got, exp in zip(grads, one_vjp(ct)):
-            assert rel_err(got, exp) < TOL["float64"]
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    if strategy != "heads":  # (the all-gather's backward is its all-gather's transpose)
+        assert rel_err(run(q, k, v), one) < TOL["float64"]
+        return
+    out, grads = _out_and_grads(run, [q, k, v], jnp.asarray(ct))  # one program
+    assert rel_err(out, one) < TOL["float64"]
+    for got, exp in zip(grads, one_grads):
+        assert rel_err(got, exp) < TOL["float64"]
 
 
-def test_a_pair_of_axes_runs_heads_over_both_with_valid_length():
+def test_a_pair_of_axes_runs_heads_over_both_with_valid_length(reference):
     """``seq_axis=(a, b)`` with ``strategy="heads"``: the pair as one axis; a sequence
-    padded to divide the devices (``valid_length``) equals the unpadded one."""
+    padded to divide the devices (``valid_length``) equals the unpadded one (on one
+    device: the float64 reference's numbers)."""
     mesh = make_mesh((2, 4), ("a", "b"))
-    q, k, v = (jnp.asarray(x) for x in _inputs(43, 8, seed=12))
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, 5), (0, 0), (0, 0)])
-    kw = dict(segment_lengths=(6, 9), dilation_rates=(1, 4), mode="torchscale",
-              is_causal=True)
-    run = jd.sharded(functools.partial(jd.dilated_attention, valid_length=43, **kw), mesh,
+    q, k, v = _inputs(43, 8, seed=12)
+    pad = lambda x: jnp.pad(jnp.asarray(x), [(0, 0), (0, 5), (0, 0), (0, 0)])  # noqa: E731
+    segs, rates = (6, 9), (1, 4)
+    run = jd.sharded(functools.partial(jd.dilated_attention, valid_length=43,
+                                       segment_lengths=segs, dilation_rates=rates,
+                                       mode="torchscale", is_causal=True), mesh,
                      seq_axis=("a", "b"), strategy="heads")
     got = np.asarray(run(pad(q), pad(k), pad(v)))
-    want = jax.jit(functools.partial(jd.dilated_attention, **kw))(q, k, v)
+    want = _torch_out(reference, q, k, v, segs, rates, True)
     assert rel_err(got[:, :43], want) < TOL["float64"]
     assert not np.any(got[:, 43:])
 
@@ -315,8 +365,8 @@ def test_layers_take_the_mode():
                                                 rngs=nnx.Rngs(0), **kw)
 
     ts, ln = layer("torchscale"), layer("longnet", head_offsets="blocked")
-    run = nnx.jit(lambda layer, x: layer(x, deterministic=True))
+    run = nnx.jit(lambda ts, ln, x: (ts(x, deterministic=True), ln(x, deterministic=True)))
     x = jnp.asarray(np.random.default_rng(13).standard_normal((1, 24, 16)))
-    np.testing.assert_allclose(run(ts, x), run(ln, x), atol=1e-12)
+    np.testing.assert_allclose(*run(ts, ln, x), atol=1e-12)
     x = x[:, :19]  # the last segments short: zero slots in torchscale's softmax
-    assert np.abs(np.asarray(run(ts, x)) - np.asarray(run(ln, x))).max() > 1e-3
+    assert np.abs(np.subtract(*map(np.asarray, run(ts, ln, x)))).max() > 1e-3
