@@ -43,45 +43,13 @@ def _dense(q, k, v, mask, causal):
     return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(jnp.isnan(p), 0.0, p), v)
 
 
-# One device's [out, dq, dk, dv], by what it depends on (the operation, its options and
-# the inputs, which _inputs draws from the heads and the seed): tests whose references
-# coincide compute it once (tracing and compiling it is most of a reference's cost).
-_ONE_DEVICE = {}
-
-
-def _one_device(key, f, q, k, v, g):
-    if key not in _ONE_DEVICE:
-        _ONE_DEVICE[key] = output_and_grads(f, q, k, v, g)
-    return _ONE_DEVICE[key]
-
-
-def _dense_one_device(causal, seed, h=8, hkv=2):
-    """The dense float64 softmax's [out, dq, dk, dv] on ``_inputs(h, hkv, seed)``."""
-    q, k, v, g, mask, _ = _inputs(h, hkv, seed)
-    return _one_device(("dense", causal, seed, h, hkv),
-                       lambda q, k, v: _dense(q, k, v, mask, causal), q, k, v, g)
-
-
-def _dilated_one_device(options, seed, h, hkv, sinks=None):
-    """One-device dilated attention with ``options``, the padding mask and ``sinks`` on
-    ``_inputs(h, hkv, seed)`` (the options' defaults filled in: equal calls share it)."""
-    q, k, v, g, mask, _ = _inputs(h, hkv, seed)
-    options = dict(dict(mode="longnet", head_offsets="modulo", is_causal=False), **options)
+def _dilated_references(options, q, k, v, g, mask):
+    """What hybrid dilated attention with ``options`` must equal, each ``[out, dq, dk,
+    dv]`` of ``sum(g * out)`` in float64: one device (the issue's parity), and where
+    PyTorch is installed its reference of the mathematics (dense masks,
+    tests/torch_reference/dilated.py), independent of the library."""
     one = functools.partial(jd.dilated_attention, **options)
-    key = ("dilated", repr(sorted(options.items())), seed, h, hkv,
-           None if sinks is None else tuple(sinks))
-    return _one_device(key, lambda q, k, v: one(q, k, v, kv_mask=mask, sinks=sinks),
-                       q, k, v, g)
-
-
-def _dilated_references(options, seed, h, hkv):
-    """What hybrid dilated attention with ``options`` on ``_inputs(h, hkv, seed)`` (with
-    its padding mask) must equal, each ``[out, dq, dk, dv]`` of ``sum(g * out)`` in
-    float64: one device (the issue's parity), and where PyTorch is installed its
-    reference of the mathematics (dense masks, tests/torch_reference/dilated.py),
-    independent of the library."""
-    q, k, v, g, mask, _ = _inputs(h, hkv, seed)
-    refs = [_dilated_one_device(options, seed, h, hkv)]
+    refs = [output_and_grads(lambda q, k, v: one(q, k, v, kv_mask=mask), q, k, v, g)]
     try:
         import torch
     except ImportError:  # the Python 3.12 leg of CI: one device only
@@ -118,24 +86,23 @@ def _mesh(shape):
 def test_hybrid_equals_dense(shape, causal, layout):
     """8 query heads, 2 kv heads (on a = 4, each kv head repeated twice), a padding
     mask: output and gradients equal a dense float64 softmax."""
-    q, k, v, g, mask, _ = _inputs(8, 2, seed=3)
-    want = _dense_one_device(causal, seed=3)  # shared by the causal cases and tests below
+    q, k, v, g, mask, _ = _inputs(8, 2)
+    want = output_and_grads(lambda q, k, v: _dense(q, k, v, mask, causal), q, k, v, g)
     attn = jd.sharded(functools.partial(jd.ring_attention, is_causal=causal), _mesh(shape),
                       seq_axis=("a", "b"), layout=layout, strategy="hybrid")
     got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
     _check(got, want)
 
 
-# The hybrid hands these options to the ring over b as they are, so one case of each
-# causality carries both (a causal window and a two-sided one), one on each shape.
 OPTIONS = [
-    dict(is_causal=True, window=(9, 0), logit_soft_cap=1.5),
+    dict(is_causal=True, window=(9, 0)),
+    dict(is_causal=True, logit_soft_cap=1.5),
     dict(is_causal=False, window=(5, 3), logit_soft_cap=2.0),
 ]
 
 
-@pytest.mark.parametrize("options,shape", list(zip(OPTIONS, [(4, 2), (2, 4)])),
-                         ids=["causal-window-softcap-4x2", "window-softcap-2x4"])
+@pytest.mark.parametrize("options,shape", list(zip(OPTIONS, [(2, 4), (4, 2), (2, 4)])),
+                         ids=["window-2x4", "softcap-4x2", "window-softcap-2x4"])
 def test_hybrid_options_equal_one_device(options, shape):
     """Windows, soft-cap, sinks and packed rows (ids reused across documents) give
     what one device gives, forward and gradients."""
@@ -153,13 +120,9 @@ def test_hybrid_options_equal_one_device(options, shape):
 
 
 DILATED = dict(segment_lengths=(16, 64, 128), dilation_rates=(1, 2, 4))
-# DILATED's two branches that span devices of b on 2 x 4 (2 of them, all 4): the local
-# branches run in the window case (and 16 under the tests below), and each branch is
-# another loop to trace and compile
-SPANNING = dict(segment_lengths=(64, 128), dilation_rates=(2, 4))
 DILATED_CASES = [
-    dict(SPANNING, is_causal=True),
-    dict(SPANNING, is_causal=False),
+    dict(DILATED, is_causal=True),
+    dict(DILATED, is_causal=False),
     dict(segment_lengths=(jd.SlidingWindow(7), 32, 128), dilation_rates=(1, 2, 4),
          is_causal=True, logit_soft_cap=2.0),
 ]
@@ -174,7 +137,8 @@ def test_hybrid_dilated_equals_one_device(options):
     q, k, v, g, mask, _ = _inputs(8, 2, seed=3)
     sinks = np.linspace(-1.0, 1.0, 8)
     fn = functools.partial(jd.dilated_attention, **options)
-    want = _dilated_one_device(options, 3, 8, 2, sinks)  # causal: also inside_shard_map's
+    want = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask, sinks=sinks),
+                            q, k, v, g)
     attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), strategy="hybrid")
     got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask, sinks=sinks),
                            q, k, v, g)
@@ -198,18 +162,11 @@ def test_hybrid_dilated_head_groups_reorders_heads(kv_heads):
 def test_hybrid_dilated_repeats_kv_heads_further_where_slices_need_it():
     """Blocked offsets, 8 query heads and 2 kv heads on 2 x 4: rate 2 gives heads 0-3
     offset 0 and 4-7 offset 1, and each kv head's 4 heads share one offset, so no order
-    of the 2 kv units evens the slices; rate 4 gives heads 0-1 offset 0, 2-3 offset 1
-    and so on, so neither does any order of kv heads repeated in pairs; with every kv
-    head repeated per query head (8 units) each slice gets two of each: equal to one
-    device. (The spanning branches of DILATED: its local rate-1 branch changes none of
-    this.)"""
-    from jax_dilated.ops.dilated_hybrid import slice_order
-    from jax_dilated.ops.strategies.operation import describe, dilated_call
+    of the 2 kv units evens the slices; with every kv head repeated per query head (8
+    units) each slice gets two of each: equal to one device."""
     q, k, v, g, mask, _ = _inputs(8, 2, seed=8)
     fn = functools.partial(jd.dilated_attention, head_offsets="blocked", is_causal=True,
-                           **SPANNING)
-    assert slice_order(dilated_call(describe(fn)), seq_len=T, num_heads=8, num_kv_heads=2,
-                       size_a=2).units == 8
+                           **DILATED)
     want = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask), q, k, v, g)
     attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), strategy="hybrid")
     got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
@@ -225,27 +182,13 @@ def test_hybrid_dilated_slices_with_their_own_offsets(kv_heads, rule, causal):
     branch gathers at traced offsets around one ring, the local rate-2 branch is a
     switch): equal to one device and to the PyTorch reference, forward and gradients,
     with a padding mask."""
-    # (seed 3: the 2-modulo-True case's one-device reference is the one of
-    # test_one_axis_strategies_over_a_pair_equal_one_device[dilated-*], computed once)
-    q, k, v, g, mask, _ = _inputs(8, kv_heads, seed=3)
+    q, k, v, g, mask, _ = _inputs(8, kv_heads, seed=11)
     options = dict(DILATED, head_offsets=rule, is_causal=causal)
     attn = jd.sharded(functools.partial(jd.dilated_attention, **options), _mesh((4, 2)),
                       seq_axis=("a", "b"), strategy="hybrid")
     got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
-    for want in _dilated_references(options, 3, 8, kv_heads):
+    for want in _dilated_references(options, q, k, v, g, mask):
         _check(got, want)
-
-
-@functools.lru_cache(maxsize=None)  # the modulo program, both cases' control: lowered once
-def _lowered_4x2(**options):
-    """``{computation: its text}`` of causal hybrid dilated attention (DILATED, 8 heads,
-    float32) with ``options``, lowered on 4 x 2."""
-    x = jax.ShapeDtypeStruct((B, T, 8, D), jnp.float32)
-    attn = jd.sharded(functools.partial(jd.dilated_attention, is_causal=True, **options,
-                                        **DILATED),
-                      _mesh((4, 2)), seq_axis=("a", "b"), strategy="hybrid")
-    comps, _ = hlo_computations(jax.jit(attn).lower(x, x, x).as_text(dialect="hlo"))
-    return {name: "\n".join(lines) for name, lines in comps.items()}
 
 
 @pytest.mark.parametrize("mode", ["longnet", "head_groups"])
@@ -256,6 +199,16 @@ def test_hybrid_dilated_slices_keep_collectives_out_of_switches(mode):
     holds more conditionals than with modulo offsets in longnet mode, where the local
     branches agree; no conditional holds a collective (the ring over b or the
     exchange over a): a collective that some devices never reach would hang them."""
+    mesh = _mesh((4, 2))
+    x = jax.ShapeDtypeStruct((B, T, 8, D), jnp.float32)
+
+    def computations(**options):
+        attn = jd.sharded(functools.partial(jd.dilated_attention, is_causal=True,
+                                            **options, **DILATED),
+                          mesh, seq_axis=("a", "b"), strategy="hybrid")
+        comps, _ = hlo_computations(jax.jit(attn).lower(x, x, x).as_text(dialect="hlo"))
+        return {name: "\n".join(lines) for name, lines in comps.items()}
+
     def switched(bodies):  # every computation a conditional calls, transitively
         todo = [c for body in bodies.values()
                 for group in re.findall(r"branch_computations=\{([^}]*)\}", body)
@@ -268,10 +221,10 @@ def test_hybrid_dilated_slices_keep_collectives_out_of_switches(mode):
                 todo.extend(set(re.findall(r"[\w.\-]+", bodies[c])) & bodies.keys())
         return inside
 
-    bodies = (_lowered_4x2(head_offsets="blocked") if mode == "longnet" else
-              _lowered_4x2(mode="head_groups"))
+    bodies = (computations(head_offsets="blocked") if mode == "longnet" else
+              computations(mode="head_groups"))
     count = lambda b: sum(body.count(" conditional(") for body in b.values())  # noqa: E731
-    assert count(bodies) > count(_lowered_4x2(head_offsets="modulo"))
+    assert count(bodies) > count(computations(head_offsets="modulo"))
     inside = switched(bodies)
     outside = "".join(body for c, body in bodies.items() if c not in inside)
     assert "collective-permute" in outside and "all-to-all" in outside
@@ -297,7 +250,7 @@ def test_hybrid_dilated_head_groups_slices_with_different_groups(options, shape,
     attn = jd.sharded(functools.partial(jd.dilated_attention, **options), _mesh(shape),
                       seq_axis=("a", "b"), strategy="hybrid")
     got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
-    for want in _dilated_references(options, 12, 8, kv_heads):
+    for want in _dilated_references(options, q, k, v, g, mask):
         _check(got, want)
 
 
@@ -333,12 +286,9 @@ def test_cost_model_prices_the_padded_head_slots():
 def test_hybrid_dilated_packed_rows_equal_one_device(shape=(2, 4)):
     """Packed rows (ids reused after another document) under "hybrid": whole sequences
     of some heads over the two axes as one, as under every strategy (so one shape of
-    the pair: 4 x 2 runs the same program on the same 8 devices). One head per device:
-    rates 1 and 2 give the heads two offset variants, which the devices switch
-    between (rates 1, 2, 4 would give four, each a copy of the packed program)."""
+    the pair: 4 x 2 runs the same program on the same 8 devices)."""
     q, k, v, g, mask, ids = _inputs(8, 4, seed=4)
-    fn = functools.partial(jd.dilated_attention, is_causal=True, segment_lengths=(16, 128),
-                           dilation_rates=(1, 2))
+    fn = functools.partial(jd.dilated_attention, is_causal=True, **DILATED)
     want = output_and_grads(lambda q, k, v: fn(q, k, v, kv_mask=mask, segment_ids=ids),
                             q, k, v, g)
     attn = jd.sharded(fn, _mesh(shape), seq_axis=("a", "b"), strategy="hybrid")
@@ -349,22 +299,16 @@ def test_hybrid_dilated_packed_rows_equal_one_device(shape=(2, 4)):
 
 def test_hybrid_dilated_inside_shard_map():
     """dilated_attention(seq_axis=(a, b), strategy="hybrid") on the user's own shards
-    (b major) of q, k, v and the padding mask, with sinks: equal to one device (the
-    reference of test_hybrid_dilated_equals_one_device[causal], the same call)."""
+    (b major), equal to one device."""
     from jax.sharding import PartitionSpec as PS
-    q, k, v, g, mask, _ = _inputs(8, 2, seed=3)
-    sinks = np.linspace(-1.0, 1.0, 8)
-    options = dict(SPANNING, is_causal=True)
-    want = _dilated_one_device(options, 3, 8, 2, sinks)
-
-    def fn(q, k, v, mask):
-        return jd.dilated_attention(q, k, v, kv_mask=mask, sinks=sinks, seq_axis=("a", "b"),
-                                    strategy="hybrid", **options)
-
+    q, k, v, g, mask, _ = _inputs(8, 2, seed=5)
+    fn = functools.partial(jd.dilated_attention, is_causal=True, **DILATED)
+    want = output_and_grads(lambda q, k, v: fn(q, k, v), q, k, v, g)
     spec = PS(None, ("b", "a"))
-    local = jax.shard_map(fn, mesh=build_mesh((2, 4), ("a", "b"), "auto"),
-                          in_specs=(spec,) * 4, out_specs=spec)
-    got = output_and_grads(lambda q, k, v: local(q, k, v, mask), q, k, v, g)
+    local = jax.shard_map(lambda q, k, v: fn(q, k, v, seq_axis=("a", "b"), strategy="hybrid"),
+                          mesh=build_mesh((2, 4), ("a", "b"), "auto"), in_specs=(spec,) * 3,
+                          out_specs=spec)
+    got = output_and_grads(local, q, k, v, g)
     _check(got, want)
 
 
@@ -387,10 +331,9 @@ def test_hybrid_block_sparse_equals_one_device(shape=(2, 4)):
 
 def test_hybrid_block_sparse_per_head_patterns_that_differ(shape=(4, 2)):
     """A per-head pattern that differs between the head slices of a: each device's
-    slice as a traced mask (every block a lax.cond), equal to one device (4 query
-    heads and 2 kv heads: 4 slices of one head; the shared pattern above runs on 2 x 4).
-    Each head's own blocks are traced on one device: 8 heads would double the cost."""
-    q, k, v, g, mask, _ = _inputs(4, 2, seed=7)
+    slice as a traced mask (every block a lax.cond), equal to one device (4 slices
+    of 2 heads; the shared pattern above runs on 2 x 4)."""
+    q, k, v, g, mask, _ = _inputs(8, 2, seed=7)
     fn = functools.partial(jd.block_sparse_attention, block_size=8, is_causal=True,
                            pattern=bp.RandomBlocks(density=0.4, seed=1, per_head=True))
     one = jd.sharded(fn, make_mesh((1,), ("s",)), seq_axis="s")
@@ -401,10 +344,28 @@ def test_hybrid_block_sparse_per_head_patterns_that_differ(shape=(4, 2)):
     _check(got, want)
 
 
-# The NNX layers built over a pair with strategy "hybrid" are tests/test_hybrid_layers.py's
-# (test_factory_auto_with_a_pair_builds_hybrid_equal_to_one_device[nnx-*], the multi-head
-# dilated layer, and test_factory_ring_strategy_auto_with_a_pair_is_hybrid, the ring
-# layer: forward and gradients on both shapes).
+def test_hybrid_layers_equal_one_device():
+    """The NNX layers built with a two-axis mesh and strategy="hybrid" (dilated and
+    ring attention, float32) give what the single-device layer gives."""
+    from flax import nnx
+    kw = dict(segment_lengths=(16, 64, 128), dilation_rates=(1, 2, 4))
+    x = jax.random.normal(jax.random.key(1), (2, T, 64))
+    mesh = build_mesh((2, 4), ("a", "b"), "auto")
+    one = jd.nnx.MultiheadDilatedAttention(64, 8, num_kv_heads=2, rngs=nnx.Rngs(0), **kw)
+    hybrid = jd.nnx.MultiheadDilatedAttention(64, 8, num_kv_heads=2, rngs=nnx.Rngs(0),
+                                              mesh=mesh, seq_axis=("a", "b"),
+                                              strategy="hybrid", **kw)
+    run = nnx.jit(lambda m, x: m(x, is_causal=True, deterministic=True))
+    want, got = (np.asarray(run(m, x)) for m in (one, hybrid))
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+    ring = jd.nnx.MultiheadRingAttention(64, 8, num_kv_heads=2, mesh=mesh,
+                                         seq_axis=("a", "b"), strategy="hybrid",
+                                         layout="zigzag", rngs=nnx.Rngs(0))
+    ring_one = jd.nnx.MultiheadRingAttention(64, 8, num_kv_heads=2,
+                                             mesh=build_mesh((1,), ("s",), "auto"),
+                                             seq_axis="s", rngs=nnx.Rngs(0))
+    want, got = (np.asarray(run(m, x)) for m in (ring_one, ring))
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
 
 
 def test_hybrid_returns_the_lse_and_auto_picks_it():
@@ -544,13 +505,15 @@ PAIR_OPS = {
 }
 
 
-def _reference(op):
+_PAIR_REFERENCES = {}
+
+
+def _reference(op, mask):
     """Exact: the dense float64 softmax; dilated: the one-device call (itself checked
-    against the PyTorch reference, tests/test_parity.py); on ``_inputs(8, 2, seed=3)``,
-    computed once (the same for every strategy, and shared with the tests above)."""
+    against the PyTorch reference, tests/test_parity.py)."""
     if op == "exact":
-        return _dense_one_device(True, seed=3)
-    return _dilated_one_device(dict(PAIR_OPS[op][0].keywords), 3, 8, 2)
+        return lambda q, k, v: _dense(q, k, v, mask, True)
+    return lambda q, k, v: PAIR_OPS[op][0](q, k, v, kv_mask=mask)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "heads", "auto"])
@@ -562,7 +525,9 @@ def test_one_axis_strategies_over_a_pair_equal_one_device(op, strategy):
     heads, a padding mask."""
     fn, layout = PAIR_OPS[op]
     q, k, v, g, mask, _ = _inputs(8, 2, seed=3)
-    want = _reference(op)
+    if op not in _PAIR_REFERENCES:  # the same for every strategy: computed once
+        _PAIR_REFERENCES[op] = output_and_grads(_reference(op, mask), q, k, v, g)
+    want = _PAIR_REFERENCES[op]
     attn = jd.sharded(fn, _mesh((2, 4)), seq_axis=("a", "b"), layout=layout,
                       strategy=strategy)
     got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
@@ -591,22 +556,15 @@ def test_auto_prices_both_hybrid_splits_and_runs_the_one_it_picks(monkeypatch, c
         return ("hybrid", 4, 2), *real(*args, **kw)[1:]
 
     monkeypatch.setattr(strategies, "choose", swapped)
-    q, k, v, g, mask, _ = _inputs(8, 2, seed=3)
+    q, k, v, g, mask, _ = _inputs(8, 2, seed=4)
+    want = output_and_grads(_reference("exact", mask), q, k, v, g)
     mesh = _mesh((2, 4))
     attn = jd.sharded(fn, mesh, seq_axis=("a", "b"), layout=layout, strategy="auto")
-
-    def loss(q, k, v):  # output_and_grads', compiled here once, to run and to read
-        out = attn(q, k, v, kv_mask=mask)
-        return jnp.sum(out * g), out
-
-    program = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True)).lower(
-        q, k, v).compile()
-    (dq, dk, dv), out = program(q, k, v)
+    got = output_and_grads(lambda q, k, v: attn(q, k, v, kv_mask=mask), q, k, v, g)
     assert picked and picked[0] == (2, 4)
-    _check([np.asarray(x) for x in (out, dq, dk, dv)], _reference("exact"))
-    # the swapped split exchanges heads over b: its all-to-alls (forward and backward)
-    # among one a index's 4
-    hlo = program.as_text()
+    _check(got, want)
+    # the swapped split exchanges heads over b: its all-to-alls among one a index's 4
+    hlo = jax.jit(attn).lower(*(jnp.asarray(x) for x in (q, k, v))).compile().as_text()
     exchanges = [w for op, groups in _collectives(hlo, mesh) if op == "all-to-all"
                  for w in groups]
     assert exchanges and all(len(w) == 4 and len({i for i, _ in w}) == 1
