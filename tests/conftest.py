@@ -223,3 +223,22 @@ def default_kernel(request, monkeypatch):
             "cudnn" if impl is None else chosen(impl, **kw)))
         monkeypatch.setattr(registry, "_auto_for", lambda device: auto)
     return request.param
+
+
+@pytest.fixture(scope="module")
+def torch_on_one_thread():
+    """PyTorch on one intra-op thread while a module that asks for it runs (restored
+    after): those modules' references are float64 PyTorch at a thousand tokens or more,
+    and with two threads on a 2-core machine running a test worker per core (CI) the
+    threads spin against the other worker (the torchscale reference at 1069 tokens:
+    1.7-10 s of CPU on two threads, 0.6 s on one). Without PyTorch it does nothing
+    (the tests that need it skip)."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -38,16 +38,8 @@ from _helpers import (  # noqa: E402
 from torch_reference.dilated import dilated_attention_full  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _reference_on_one_thread():
-    """The PyTorch reference on one intra-op thread while this module runs (restored
-    after). With two, on a 2-core machine running a test worker per core (CI), its
-    threads spin against the other worker (test_torchscale.py: 1.7-10 s of CPU for a
-    reference that takes 0.6 s on one thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# the PyTorch reference on one thread while this module runs (conftest.py says why)
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
 
 
 B, H, D = 2, 4, 8

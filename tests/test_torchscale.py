@@ -19,21 +19,8 @@ from _mesh import build_mesh, make_mesh
 from jax_dilated.backends import native
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _reference_on_one_thread():
-    """The PyTorch reference on one intra-op thread while this module runs (restored
-    after). With two, on a 2-core machine running a test worker per core (CI), its
-    threads spin against the other worker: the float64 torchscale reference at 1069
-    tokens took 1.7-10 s of CPU on two threads, 0.6 s on one."""
-    try:
-        import torch
-    except ImportError:  # (the tests that need it skip)
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# the PyTorch reference on one thread while this module runs (conftest.py says why)
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
 
 
 # Prov-GigaPath's segment rule at max_wsi_size=11776: 1217 and 1722 are not multiples
